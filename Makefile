@@ -1,0 +1,45 @@
+# Two commands for a fresh clone: `make serve` and `make test`. Each installs what is missing.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SHARED ?= ../shared
+MODEL ?= $(SHARED)/models/yolov8n.pt
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint typecheck unit bench clean system-deps
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# Reinstall only when the project's dependencies change.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/streamdet serve --model $(MODEL) $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# System packages for the RTSP camera tests and the browser tests (Debian).
+system-deps:
+	bash scripts/system-deps.sh
+
+test: system-deps install lint typecheck unit
+
+bench: install
+	$(VENV)/bin/streamdet bench --model $(MODEL) $(ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Models and runtimes: pre/post-processing, backends, the worker pool."""

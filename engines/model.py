@@ -1,0 +1,189 @@
+"""Model files: an Ultralytics ``.pt`` is exported once to ONNX (cached by content hash),
+an ``.onnx`` is used as is; either way the metadata (names, imgsz, stride) comes from the ONNX."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from engines.types import ModelError, ModelInfo
+
+log = logging.getLogger(__name__)
+
+EXPORT_VERSION = "1"  # bump when the export recipe changes, to invalidate the cache
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _quiet_ultralytics() -> None:
+    # Never pip-install at run time (Ultralytics tries for onnxslim & co.), never phone home.
+    os.environ.setdefault("YOLO_AUTOINSTALL", "false")
+    os.environ.setdefault("YOLO_OFFLINE", "true")
+    os.environ.setdefault("YOLO_VERBOSE", "false")
+
+
+def export_onnx(pt_path: Path, out_path: Path, imgsz: int, dynamic: bool = True) -> Path:
+    """Export an Ultralytics checkpoint to ONNX with a dynamic batch axis.
+
+    Raises:
+        ModelError: the checkpoint cannot be loaded or is not a detection model.
+    """
+    _quiet_ultralytics()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".export-") as tmp:
+        # Ultralytics writes next to the checkpoint; the source may be read-only.
+        local_pt = Path(tmp) / pt_path.name
+        shutil.copyfile(pt_path, local_pt)
+        # Third-party deprecation chatter (torch's legacy ONNX exporter) must not turn an
+        # export into a failure where warnings are errors.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exported = _export(pt_path, local_pt, imgsz, dynamic)
+        os.replace(exported, out_path)
+    return out_path
+
+
+def _export(pt_path: Path, local_pt: Path, imgsz: int, dynamic: bool) -> str:
+    from ultralytics import YOLO
+
+    try:
+        model = YOLO(str(local_pt))
+    except Exception as exc:
+        raise ModelError(f"model {pt_path}: cannot load as an Ultralytics checkpoint: {exc}") from exc
+    if model.task != "detect":
+        raise ModelError(
+            f"model {pt_path}: is a {model.task!r} model; streamdet serves detection models"
+            " (task 'detect')"
+        )
+    try:
+        exported: str = model.export(
+            format="onnx", dynamic=dynamic, simplify=True, imgsz=imgsz, verbose=False
+        )
+    except Exception as exc:
+        raise ModelError(f"model {pt_path}: ONNX export failed: {exc}") from exc
+    return exported
+
+
+def resolve_onnx(model: str, cache_dir: Path, imgsz: int) -> Path:
+    """Return an ONNX file for ``model`` (a ``.pt`` or ``.onnx`` path), exporting if needed.
+
+    Raises:
+        ModelError: missing, unreadable or unsupported file; the message names it.
+    """
+    path = Path(model).expanduser()
+    suffix = path.suffix.lower()
+    if suffix not in {".pt", ".onnx"}:
+        raise ModelError(
+            f"model {model}: expected an Ultralytics .pt checkpoint or an .onnx file"
+            " (setting STREAMDET_MODEL / --model)"
+        )
+    if not path.exists():
+        if suffix == ".pt" and path.parent == Path("."):
+            return _fetch_and_export(path.name, cache_dir, imgsz)
+        raise ModelError(f"model {model}: file not found (setting STREAMDET_MODEL / --model)")
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ModelError(f"model {model}: not a readable file")
+    if suffix == ".onnx":
+        return path
+    digest = file_sha256(path)[:16]
+    cached = cache_dir / f"{path.stem}-{digest}-{imgsz}-v{EXPORT_VERSION}.onnx"
+    if cached.exists():
+        log.info("model %s: using cached export %s", model, cached)
+        return cached
+    log.info("model %s: exporting to ONNX (imgsz %d) into %s", model, imgsz, cached)
+    return export_onnx(path, cached, imgsz)
+
+
+def _fetch_and_export(name: str, cache_dir: Path, imgsz: int) -> Path:
+    """A bare name such as ``yolov8n.pt``: let Ultralytics download it (needs network)."""
+    _quiet_ultralytics()
+    from ultralytics.utils.downloads import attempt_download_asset
+
+    target = cache_dir / "weights" / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        try:
+            fetched = Path(attempt_download_asset(str(target)))
+        except Exception as exc:
+            raise ModelError(
+                f"model {name}: not a local file and the download failed ({exc});"
+                " pass a path to a local .pt or .onnx file with --model"
+            ) from exc
+        if not fetched.exists():
+            raise ModelError(f"model {name}: file not found and could not be downloaded")
+    return resolve_onnx(str(target), cache_dir, imgsz)
+
+
+def read_model_info(onnx_path: Path) -> ModelInfo:
+    """Read names, input size and stride from an ONNX file and check it is a YOLO detector.
+
+    Raises:
+        ModelError: unreadable ONNX or not a ``(B, 4 + nc, anchors)`` detection head.
+    """
+    import onnx
+
+    try:
+        proto = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as exc:
+        raise ModelError(f"model {onnx_path}: not a readable ONNX file ({exc})") from exc
+    meta = {p.key: p.value for p in proto.metadata_props}
+    task = meta.get("task", "detect")
+    if task != "detect":
+        raise ModelError(f"model {onnx_path}: is a {task!r} model; streamdet serves 'detect' models")
+    graph = proto.graph
+    if len(graph.input) != 1 or not graph.output:
+        raise ModelError(f"model {onnx_path}: expected one image input and a detection output")
+    in_dims = graph.input[0].type.tensor_type.shape.dim
+    out_dims = graph.output[0].type.tensor_type.shape.dim
+    if len(in_dims) != 4 or len(out_dims) != 3:
+        raise ModelError(
+            f"model {onnx_path}: expected input (B, 3, H, W) and output (B, 4+nc, anchors),"
+            f" got ranks {len(in_dims)} and {len(out_dims)}"
+        )
+    channels = out_dims[1].dim_value
+    names_raw = meta.get("names")
+    if names_raw:
+        try:
+            parsed = ast.literal_eval(names_raw)
+            names = {int(k): str(v) for k, v in parsed.items()}
+        except (ValueError, SyntaxError, AttributeError) as exc:
+            raise ModelError(f"model {onnx_path}: unreadable 'names' metadata") from exc
+    elif channels > 4:
+        names = {i: f"class{i}" for i in range(channels - 4)}
+    else:
+        raise ModelError(f"model {onnx_path}: no class names and no fixed class dimension")
+    if channels and channels != 4 + len(names):
+        raise ModelError(
+            f"model {onnx_path}: output has {channels} channels, expected 4 + {len(names)}"
+            " classes: not a YOLOv8-style detection head (end-to-end/NMS exports unsupported)"
+        )
+    imgsz_raw = meta.get("imgsz")
+    if imgsz_raw:
+        imgsz_list = ast.literal_eval(imgsz_raw)
+        imgsz = (int(imgsz_list[0]), int(imgsz_list[1]))
+    else:
+        h, w = in_dims[2].dim_value, in_dims[3].dim_value
+        imgsz = (h or 640, w or 640)
+    dynamic_hw = not (in_dims[2].dim_value and in_dims[3].dim_value)
+    extra = {k: v for k, v in meta.items() if k.startswith("streamdet_")}
+    return ModelInfo(
+        path=str(onnx_path),
+        names=names,
+        imgsz=imgsz,
+        stride=int(meta.get("stride", 32)),
+        dynamic_hw=dynamic_hw,
+        precision=meta.get("streamdet_precision", "fp32"),
+        extra=extra,
+    )

@@ -1,0 +1,251 @@
+"""EnginePool: N worker threads, each owning one engine, fed by one two-lane queue.
+
+Each free worker collects its own batch (``collect_batch``) and runs it. That is the
+scheduler: a batch is formed only when a worker can run it at once, so it never waits
+behind another batch while newer items could have joined it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engines.batching import (
+    DeadlineExceeded,
+    PoolClosed,
+    WorkItem,
+    WorkQueue,
+    WorkResult,
+    collect_batch,
+)
+from engines.types import DetectParams, Engine, EngineError, Image
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolStats:
+    """Counters read by health, admission control and metrics."""
+
+    batches: int = 0
+    items: int = 0
+    expired: int = 0
+    failed: int = 0
+    ewma_batch_s: float = 0.0
+    ewma_item_s: float = 0.0
+
+
+BatchObserver = Callable[[int, float], None]
+
+
+class EnginePool:
+    """Runs engines on worker threads and answers every accepted item exactly once.
+
+    Args:
+        factory: builds one engine; called inside each worker thread (CUDA contexts and
+            ONNX Runtime sessions belong to the thread that uses them).
+        workers: number of worker threads.
+        max_batch: largest batch a worker runs.
+        max_wait_ms: how long a batch waits to fill after its first item.
+        max_queue: interactive items allowed to wait.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], Engine],
+        workers: int,
+        max_batch: int,
+        max_wait_ms: float,
+        max_queue: int,
+    ) -> None:
+        self._factory = factory
+        self._workers = workers
+        self._max_batch = max_batch
+        self._max_wait_ms = max_wait_ms
+        self.queue = WorkQueue(max_queue)
+        self.stats = PoolStats()
+        self._stats_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._engines: list[Engine] = []
+        self._ready = threading.Event()
+        self._busy = 0
+        self.batch_observers: list[BatchObserver] = []
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Start the workers; returns once every engine is loaded and warmed.
+
+        Raises:
+            EngineError: an engine failed to load; the pool is stopped.
+        """
+        errors: list[BaseException] = []
+        started = threading.Barrier(self._workers + 1)
+        for idx in range(self._workers):
+            thread = threading.Thread(
+                target=self._run, args=(idx, started, errors), name=f"engine-worker-{idx}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        try:
+            started.wait(timeout_s)
+        except threading.BrokenBarrierError:
+            errors.append(EngineError(f"engines did not load within {timeout_s:.0f} s"))
+        if errors:
+            self.stop(timeout_s=0)
+            err = errors[0]
+            raise err if isinstance(err, EngineError) else EngineError(str(err))
+        self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self.queue.closed
+
+    @property
+    def engine(self) -> Engine:
+        """The first worker's engine (for names and model metadata)."""
+        return self._engines[0]
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop intake, let workers drain for ``timeout_s``, then fail what is left."""
+        self.queue.close()
+        end = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        for item in self.queue.drain():
+            _deliver(item, WorkResult(None, PoolClosed("server shutting down"), 0.0, 0.0, 0))
+        if any(t.is_alive() for t in self._threads):
+            log.warning("engine workers still busy after %.1f s drain", timeout_s)
+        self._ready.clear()
+
+    # ---- intake -----------------------------------------------------------------------
+    def submit(self, item: WorkItem) -> None:
+        """Queue an interactive item (raises QueueFull / PoolClosed)."""
+        self.queue.put(item)
+
+    def submit_latest(self, stream_id: str, item: WorkItem) -> WorkItem | None:
+        """Offer a stream frame; returns the replaced frame (count it as a drop)."""
+        return self.queue.put_latest(stream_id, item)
+
+    async def detect(
+        self, image: Image, params: DetectParams, deadline: float, request_id: str = ""
+    ) -> WorkResult:
+        """Run one interactive image from the event loop; raises QueueFull / PoolClosed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[WorkResult] = loop.create_future()
+
+        def done(result: WorkResult) -> None:
+            loop.call_soon_threadsafe(_set_result, future, result)
+
+        self.submit(WorkItem(image, params, deadline, done, request_id=request_id))
+        return await future
+
+    def estimated_wait_s(self) -> float:
+        """Expected queueing delay of a new interactive item, from recent batch times."""
+        interactive, _ = self.queue.depth()
+        per_round = max(1, self._max_batch * self._workers)
+        rounds = interactive // per_round + (1 if self._busy >= self._workers else 0)
+        return rounds * self.stats.ewma_batch_s
+
+    # ---- workers ------------------------------------------------------------------------
+    def _run(self, idx: int, started: threading.Barrier, errors: list[BaseException]) -> None:
+        try:
+            engine = self._factory()
+            engine.load()
+            engine.warmup()
+            self._engines.append(engine)
+        except BaseException as exc:
+            log.error("engine worker %d failed to load: %s", idx, exc)
+            errors.append(exc)
+            started.abort()
+            return
+        try:
+            started.wait()
+        except threading.BrokenBarrierError:
+            engine.close()
+            return
+        try:
+            while True:
+                batch = collect_batch(self.queue, self._max_batch, self._max_wait_ms)
+                if not batch:
+                    break
+                self._run_batch(engine, batch)
+        finally:
+            engine.close()
+
+    def _run_batch(self, engine: Engine, batch: list[WorkItem]) -> None:
+        now = time.monotonic()
+        live: list[WorkItem] = []
+        for item in batch:
+            if item.deadline < now:
+                self._count(expired=1)
+                waited = (now - item.enqueued_at) * 1000
+                _deliver(item, WorkResult(None, DeadlineExceeded(
+                    f"waited {waited:.0f} ms in queue, past its deadline"), waited, 0.0, 0))
+            else:
+                live.append(item)
+        if not live:
+            return
+        with self._stats_lock:
+            self._busy += 1
+        try:
+            self._infer_isolating(engine, live, now)
+        finally:
+            with self._stats_lock:
+                self._busy -= 1
+
+    def _infer_isolating(self, engine: Engine, items: list[WorkItem], started: float) -> None:
+        try:
+            results = engine.infer([i.image for i in items], [i.params for i in items])
+        except Exception as exc:
+            if len(items) > 1:
+                # Retry one by one so a single bad input fails only its own request.
+                log.warning("batch of %d failed (%s); retrying items singly", len(items), exc)
+                for item in items:
+                    self._infer_isolating(engine, [item], time.monotonic())
+                return
+            item = items[0]
+            log.error("request %s: inference failed: %s", item.request_id, exc)
+            self._count(failed=1)
+            _deliver(item, WorkResult(None, EngineError(f"inference failed: {exc}"),
+                                      (started - item.enqueued_at) * 1000, 0.0, 1))
+            return
+        elapsed = time.monotonic() - started
+        self._observe(len(items), elapsed)
+        for item, det in zip(items, results, strict=True):
+            _deliver(item, WorkResult(det, None, (started - item.enqueued_at) * 1000,
+                                      elapsed * 1000, len(items)))
+
+    def _observe(self, size: int, elapsed: float) -> None:
+        with self._stats_lock:
+            s = self.stats
+            s.batches += 1
+            s.items += size
+            alpha = 0.2 if s.batches > 1 else 1.0
+            s.ewma_batch_s += alpha * (elapsed - s.ewma_batch_s)
+            s.ewma_item_s += alpha * (elapsed / size - s.ewma_item_s)
+        for observer in self.batch_observers:
+            try:
+                observer(size, elapsed)
+            except Exception:
+                log.exception("batch observer failed")
+
+    def _count(self, expired: int = 0, failed: int = 0) -> None:
+        with self._stats_lock:
+            self.stats.expired += expired
+            self.stats.failed += failed
+
+
+def _deliver(item: WorkItem, result: WorkResult) -> None:
+    try:
+        item.on_done(result)
+    except Exception:
+        log.exception("request %s: result delivery failed", item.request_id)
+
+
+def _set_result(future: asyncio.Future[WorkResult], result: WorkResult) -> None:
+    if not future.done():  # the client may have gone away
+        future.set_result(result)

@@ -1,0 +1,71 @@
+"""Backends chosen by name and imported only when chosen, so a CPU install never imports
+TensorRT or CUDA code."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engines.model import read_model_info, resolve_onnx
+from engines.types import Engine, EngineError, ModelInfo
+
+BACKENDS: dict[str, str] = {
+    "onnxruntime": "engines.onnxruntime:OrtEngine",
+    "torch": "engines.torch_cuda:TorchEngine",
+    "tensorrt": "engines.tensorrt:TrtEngine",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What a backend needs to build one engine instance (one per worker)."""
+
+    model: ModelInfo
+    imgsz: int
+    max_batch: int
+    threads: int
+    device: str = "cpu"
+    cache_dir: Path = Path(".cache")
+
+
+class EngineFactory(Protocol):
+    def __call__(self, config: EngineConfig) -> Engine: ...
+
+
+def load_backend(name: str) -> EngineFactory:
+    """Import the backend called ``name``.
+
+    Raises:
+        EngineError: unknown name or the backend's runtime is not installed.
+    """
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise EngineError(
+            f"unknown backend {name!r}; choose one of {sorted(BACKENDS)} (setting STREAMDET_BACKEND)"
+        ) from None
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EngineError(
+            f"backend {name!r} cannot be imported ({exc}); install its runtime or pick"
+            " --backend onnxruntime"
+        ) from exc
+    factory: EngineFactory = getattr(module, attr)
+    return factory
+
+
+def prepare_model(model: str, cache_dir: Path, imgsz: int) -> ModelInfo:
+    """Resolve ``model`` to an ONNX file (exporting a .pt once) and read its metadata."""
+    return read_model_info(resolve_onnx(model, cache_dir, imgsz))
+
+
+def default_threads(workers: int, threads_per_worker: int) -> int:
+    if threads_per_worker > 0:
+        return threads_per_worker
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // workers)

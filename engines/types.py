@@ -1,0 +1,135 @@
+"""Types that flow through every stage: detection parameters, results, the engine interface."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+Image = npt.NDArray[np.uint8]
+"""An RGB image, ``(H, W, 3)`` uint8, C-contiguous."""
+
+
+class EngineError(RuntimeError):
+    """A model or runtime could not be loaded or run; the message says what to change."""
+
+
+class ModelError(EngineError):
+    """The model file is missing, unreadable or not a detection model."""
+
+
+@dataclass(frozen=True, slots=True)
+class DetectParams:
+    """Per-request post-processing parameters.
+
+    Attributes:
+        conf: minimum confidence kept.
+        iou: IoU threshold of non-maximum suppression.
+        classes: class ids to keep, or ``None`` for all.
+        max_det: most detections returned per image.
+    """
+
+    conf: float = 0.25
+    iou: float = 0.7
+    classes: frozenset[int] | None = None
+    max_det: int = 300
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.conf <= 1.0:
+            raise ValueError(f"conf must be within [0, 1], got {self.conf}")
+        if not 0.0 <= self.iou <= 1.0:
+            raise ValueError(f"iou must be within [0, 1], got {self.iou}")
+        if not 1 <= self.max_det <= 10_000:
+            raise ValueError(f"max_det must be within [1, 10000], got {self.max_det}")
+
+
+@dataclass(frozen=True, slots=True)
+class Detections:
+    """Detections of one image, boxes in source-image pixels.
+
+    Attributes:
+        boxes: ``(N, 4)`` float32 ``x1, y1, x2, y2``.
+        scores: ``(N,)`` float32 confidences, descending.
+        class_ids: ``(N,)`` int32.
+        names: class id to name, shared by all results of a model.
+        width: source image width in pixels.
+        height: source image height in pixels.
+    """
+
+    boxes: npt.NDArray[np.float32]
+    scores: npt.NDArray[np.float32]
+    class_ids: npt.NDArray[np.int32]
+    names: Mapping[int, str]
+    width: int
+    height: int
+
+    def __len__(self) -> int:
+        return int(self.scores.shape[0])
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The API form: one dict per detection (DESIGN §4)."""
+        return [
+            {
+                "box": [round(float(v), 2) for v in box],
+                "confidence": round(float(score), 4),
+                "class_id": int(cid),
+                "class_name": self.names.get(int(cid), str(int(cid))),
+            }
+            for box, score, cid in zip(self.boxes, self.scores, self.class_ids, strict=True)
+        ]
+
+    @classmethod
+    def empty(cls, names: Mapping[int, str], width: int, height: int) -> Detections:
+        return cls(
+            boxes=np.zeros((0, 4), np.float32),
+            scores=np.zeros((0,), np.float32),
+            class_ids=np.zeros((0,), np.int32),
+            names=names,
+            width=width,
+            height=height,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the ONNX metadata says about a model."""
+
+    path: str
+    names: Mapping[int, str]
+    imgsz: tuple[int, int]
+    stride: int
+    dynamic_hw: bool
+    precision: str = "fp32"
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded detector. One instance serves one worker thread.
+
+    ``infer`` takes whole RGB images and returns one :class:`Detections` per image; pre- and
+    post-processing belong to the engine so a GPU engine can do both on the device.
+    """
+
+    @property
+    def names(self) -> Mapping[int, str]: ...
+
+    @property
+    def input_size(self) -> int: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    def load(self) -> None: ...
+
+    def warmup(self) -> None: ...
+
+    def infer(self, images: Sequence[Image], params: Sequence[DetectParams]) -> list[Detections]: ...
+
+    def close(self) -> None: ...

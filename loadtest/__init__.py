@@ -1,0 +1,1 @@
+"""Locust scenarios and P99 targets per hardware profile."""

@@ -1,0 +1,1 @@
+"""FastAPI app, routes, settings and the ``streamdet`` command line."""

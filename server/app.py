@@ -1,0 +1,46 @@
+"""The FastAPI application: lifespan (engine pool up, then down in order) and routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engines.pool import EnginePool
+from server.routes import detect, health
+from server.runtime import build_pool
+from server.settings import Settings
+from server.state import AppState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, pool: EnginePool | None = None) -> FastAPI:
+    """Build the app. ``pool`` may be given already started (the CLI loads the model before
+    binding the port, so a bad model fails fast with a clean message); otherwise the lifespan
+    builds it from ``settings``. A pool passed in is stopped by the lifespan too."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine_pool = pool if pool is not None else await asyncio.to_thread(build_pool, settings)
+        executor = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
+        state = AppState(settings=settings, pool=engine_pool, decode_executor=executor)
+        app.state.streamdet = state
+        try:
+            yield
+        finally:
+            # Stop intake, drain within the timeout, then fail what is left.
+            state.shutting_down = True
+            await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
+            executor.shutdown(wait=False, cancel_futures=True)
+            log.info("shutdown complete")
+
+    app = FastAPI(title="streamdet", version="0.1.0", lifespan=lifespan)
+    app.include_router(health.router)
+    app.include_router(detect.router)
+    return app

@@ -1,0 +1,211 @@
+"""``streamdet bench``: /detect goodput against the engine-only ceiling and the seed design.
+
+All three run on this machine in one run:
+
+1. engine ceiling: ONNX Runtime alone, batch 1, a 640x640 input, no HTTP;
+2. streamdet: a real ``streamdet serve`` process, N concurrent clients posting real JPEG
+   frames for a fixed time;
+3. seed: a FastAPI handler calling Ultralytics' predictor directly, same clients, same frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from engines.registry import load_backend, prepare_model
+from engines.yolo import preprocess
+from server.runtime import engine_config
+from server.settings import Settings
+from streams.files import encode_jpeg, sample_video_frames
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--videos", nargs="+", default=None, help="clips to take frames from")
+    parser.add_argument("--frames", type=int, default=40, help="frames sampled per clip")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    parser.add_argument("--seconds", type=float, default=20.0, help="load time per server")
+    parser.add_argument("--warmup-seconds", type=float, default=3.0)
+    parser.add_argument("--skip-seed", action="store_true", help="skip the seed design")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+
+
+@dataclass
+class LoadResult:
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    latencies_ms: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def goodput(self) -> float:
+        return self.ok / self.seconds if self.seconds else 0.0
+
+    def pct(self, q: float) -> float:
+        if not self.latencies_ms:
+            return float("nan")
+        return float(np.percentile(self.latencies_ms, q))
+
+
+async def closed_loop(
+    url: str, jpegs: list[bytes], clients: int, seconds: float, warmup: float
+) -> LoadResult:
+    """``clients`` tasks each post a frame, wait for the answer, and post the next."""
+    result = LoadResult()
+    start = time.monotonic()
+    measure_from = start + warmup
+    stop_at = measure_from + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+
+        async def worker(k: int) -> None:
+            i = k
+            while time.monotonic() < stop_at:
+                data = jpegs[i % len(jpegs)]
+                i += clients
+                t0 = time.monotonic()
+                try:
+                    resp = await client.post(url, files={"image": ("frame.jpg", data, "image/jpeg")})
+                    status = str(resp.status_code)
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                t1 = time.monotonic()
+                if t0 < measure_from or t1 > stop_at:
+                    continue
+                if status == "200":
+                    result.ok += 1
+                    result.latencies_ms.append((t1 - t0) * 1000)
+                else:
+                    result.errors[status] = result.errors.get(status, 0) + 1
+
+        await asyncio.gather(*(worker(k) for k in range(clients)))
+    result.seconds = seconds
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready within {timeout_s:.0f} s")
+
+
+def run_server_load(
+    cmd: list[str], env: dict[str, str], port: int, jpegs: list[bytes], args: argparse.Namespace
+) -> LoadResult:
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    try:
+        wait_ready(base, proc)
+        return asyncio.run(
+            closed_loop(f"{base}/detect", jpegs, args.clients, args.seconds, args.warmup_seconds)
+        )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def engine_ceiling(settings: Settings, frame: np.ndarray, seconds: float) -> float:
+    """Images/s of ONNX Runtime alone at batch 1 on a 640x640 input."""
+    model = prepare_model(settings.model, settings.cache_dir, settings.imgsz)
+    config = engine_config(settings, model)
+    engine = load_backend("onnxruntime")(config)
+    engine.load()
+    engine.warmup()
+    blob, _ = preprocess([frame], settings.imgsz, (settings.imgsz, settings.imgsz))
+    run = engine.run_raw  # type: ignore[attr-defined]
+    for _ in range(3):
+        run(blob)
+    count, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        run(blob)
+        count += 1
+    rate = count / (time.monotonic() - start)
+    engine.close()
+    return rate
+
+
+def default_videos() -> list[str]:
+    shared = Path(os.environ.get("STREAMDET_SHARED_DIR", "../shared"))
+    return [str(p) for p in sorted((shared / "videos").glob("*.mp4"))]
+
+
+def run_bench(settings: Settings, args: argparse.Namespace) -> int:
+    videos = args.videos or default_videos()
+    if not videos:
+        print("bench: no videos found; pass --videos CLIP.mp4 ...", file=sys.stderr)
+        return 2
+    frames = [f for v in videos for f in sample_video_frames(v, args.frames)]
+    jpegs = [encode_jpeg(f) for f in frames]
+    print(f"bench: {len(jpegs)} JPEG frames from {len(videos)} clip(s), {args.clients} clients")
+
+    ceiling = engine_ceiling(settings, frames[0], max(5.0, args.seconds / 2))
+    print(f"engine ceiling (onnxruntime, batch 1, 640x640): {ceiling:.2f} img/s")
+
+    port = free_port()
+    serve_cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+                 "--log-level", "warning"]
+    env = {f"STREAMDET_{k.upper()}": str(v) for k, v in settings.model_dump().items()
+           if k not in {"host", "port", "log_level"}}
+    ours = run_server_load(serve_cmd, env, port, jpegs, args)
+    print(f"streamdet: {ours.goodput:.2f} img/s, p50 {ours.pct(50):.0f} ms,"
+          f" p99 {ours.pct(99):.0f} ms, errors {ours.errors}")
+
+    figures: dict[str, Any] = {
+        "machine_cores": os.cpu_count(),
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "engine_ceiling_img_s": round(ceiling, 3),
+        "streamdet": {**asdict(ours), "goodput_img_s": round(ours.goodput, 3),
+                      "p50_ms": ours.pct(50), "p99_ms": ours.pct(99)},
+        "streamdet_over_ceiling": round(ours.goodput / ceiling, 3),
+    }
+    figures["streamdet"].pop("latencies_ms")
+    if not args.skip_seed:
+        seed_port = free_port()
+        seed_env = {"SEED_MODEL": settings.model, "SEED_IMGSZ": str(settings.imgsz),
+                    "SEED_PORT": str(seed_port)}
+        seed = run_server_load([sys.executable, "-m", "server.bench_seed"], seed_env, seed_port,
+                               jpegs, args)
+        print(f"seed (FastAPI + Ultralytics predictor): {seed.goodput:.2f} img/s,"
+              f" p50 {seed.pct(50):.0f} ms, p99 {seed.pct(99):.0f} ms, errors {seed.errors}")
+        figures["seed"] = {"goodput_img_s": round(seed.goodput, 3), "p50_ms": seed.pct(50),
+                           "p99_ms": seed.pct(99), "errors": seed.errors}
+        figures["streamdet_over_seed"] = round(ours.goodput / max(seed.goodput, 1e-9), 3)
+    print(json.dumps({k: v for k, v in figures.items() if k.endswith(("ceiling", "seed"))}))
+    print(f"ratio streamdet / engine ceiling: {figures['streamdet_over_ceiling']:.2f} (target >= 0.9)")
+    if "streamdet_over_seed" in figures:
+        print(f"ratio streamdet / seed design:    {figures['streamdet_over_seed']:.2f} (target >= 1.3)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(figures, indent=2, default=float))
+    return 0

@@ -1,0 +1,92 @@
+"""``streamdet`` command line: ``serve`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from engines.types import EngineError
+from server.settings import Settings
+
+log = logging.getLogger("streamdet")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, named like the setting (``max_batch`` -> ``--max-batch``)."""
+    for name, field in Settings.model_fields.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=None,
+            help=f"{field.description or name} (env STREAMDET_{name.upper()}; default {field.default})"
+            if field.default_factory is None
+            else f"{field.description or name} (env STREAMDET_{name.upper()})",
+        )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    given: dict[str, Any] = {
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    return Settings(**given)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from server.app import create_app
+    from server.runtime import build_pool
+
+    try:
+        pool = build_pool(settings)
+    except EngineError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    app = create_app(settings, pool=pool)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamdet", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="run the HTTP server")
+    _add_settings_flags(serve_p)
+    bench_p = sub.add_parser("bench", help="measure /detect goodput against the engine ceiling")
+    _add_settings_flags(bench_p)
+    from server.bench import add_bench_args
+
+    add_bench_args(bench_p)
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            print(f"streamdet: --{loc.replace('_', '-')}: {err['msg']}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    if args.command == "serve":
+        return serve(settings)
+    from server.bench import run_bench
+
+    return run_bench(settings, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""``POST /detect``: one image in, its detections out (DESIGN §4)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from starlette.datastructures import UploadFile
+
+from engines.batching import DeadlineExceeded, PoolClosed, QueueFull
+from engines.types import DetectParams
+from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_image
+from server.state import AppState, get_state
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def parse_classes(raw: str | None, names: Mapping[int, str]) -> frozenset[int] | None:
+    """``"0,car,5"`` to class ids; raises HTTP 422 naming the unknown entry."""
+    if raw is None or not raw.strip():
+        return None
+    by_name = {name.lower(): cid for cid, name in names.items()}
+    ids: set[int] = set()
+    for token in (t.strip() for t in raw.split(",")):
+        if not token:
+            continue
+        if token.lstrip("-").isdigit():
+            cid = int(token)
+            if cid not in names:
+                raise HTTPException(
+                    422, f"classes: unknown class id {cid}; this model has ids 0..{len(names) - 1}"
+                )
+            ids.add(cid)
+        elif token.lower() in by_name:
+            ids.add(by_name[token.lower()])
+        else:
+            raise HTTPException(422, f"classes: unknown class name {token!r}; see GET /model")
+    return frozenset(ids)
+
+
+def retry_after(state: AppState) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(state.pool.estimated_wait_s())))}
+
+
+async def read_body_capped(request: Request, limit: int) -> bytes:
+    """Read the request body, refusing (413) once it passes ``limit`` bytes."""
+    too_large = HTTPException(
+        413, f"upload larger than {limit / 1e6:.1f} MB (setting STREAMDET_MAX_UPLOAD_MB)"
+    )
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    request._body = body  # lets request.form() parse what we already read
+    return body
+
+
+async def read_image_bytes(request: Request, limit: int) -> bytes:
+    """The image bytes of a multipart field ``image`` or a raw image body."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    body = await read_body_capped(request, limit)
+    if ctype == "multipart/form-data":
+        form = await request.form()
+        try:
+            field = form.get("image")
+            if field is None:
+                got = ", ".join(sorted(form.keys())) or "none"
+                raise HTTPException(422, f"multipart form needs a file field 'image' (got: {got})")
+            if not isinstance(field, UploadFile):
+                raise HTTPException(422, "multipart field 'image' must be a file, not a text value")
+            return await field.read()
+        finally:
+            await form.close()
+    if ctype and ctype not in IMAGE_CONTENT_TYPES and not ctype.startswith("image/"):
+        raise HTTPException(
+            415,
+            f"Content-Type {ctype!r} is not an image; send image/jpeg, image/png or image/webp,"
+            " or multipart/form-data with a file field 'image'",
+        )
+    return body
+
+
+@router.post("/detect")
+async def detect(
+    request: Request,
+    conf: Annotated[float, Query(ge=0.0, le=1.0, description="minimum confidence")] = 0.25,
+    iou: Annotated[float, Query(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7,
+    classes: Annotated[str | None, Query(description="comma list of class ids or names")] = None,
+    max_det: Annotated[int, Query(ge=1, le=1000, description="most detections")] = 300,
+) -> dict[str, Any]:
+    arrived = time.monotonic()
+    state = get_state(request)
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
+    if not state.ready:
+        raise HTTPException(503, "model not loaded yet", headers={"Retry-After": "1"})
+    settings = state.settings
+    engine = state.pool.engine
+    params = DetectParams(
+        conf=conf, iou=iou, classes=parse_classes(classes, engine.names), max_det=max_det
+    )
+    data = await read_image_bytes(request, settings.max_upload_bytes)
+    loop = asyncio.get_running_loop()
+    try:
+        image = await loop.run_in_executor(
+            state.decode_executor, decode_image, data, settings.max_image_pixels
+        )
+    except ImageError as exc:
+        log.info("request %s: rejected image: %s", request_id, exc.message)
+        raise HTTPException(exc.status_code, exc.message) from None
+    deadline = arrived + settings.request_timeout_ms / 1000.0
+    try:
+        result = await state.pool.detect(image, params, deadline, request_id)
+    except QueueFull as exc:
+        raise HTTPException(429, f"server busy: {exc}", headers=retry_after(state)) from None
+    except PoolClosed:
+        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
+    if isinstance(result.error, DeadlineExceeded):
+        raise HTTPException(
+            503,
+            f"request not served within {settings.request_timeout_ms:.0f} ms"
+            f" ({result.error}; setting STREAMDET_REQUEST_TIMEOUT_MS)",
+            headers=retry_after(state),
+        )
+    if result.error is not None or result.detections is None:
+        raise HTTPException(500, f"inference failed for request {request_id}: {result.error}")
+    det = result.detections
+    return {
+        "detections": det.to_json(),
+        "image": {"width": det.width, "height": det.height},
+        "model": engine.model_name,
+        "timing_ms": {
+            "queue": round(result.queue_ms, 2),
+            "inference": round(result.inference_ms, 2),
+            "total": round((time.monotonic() - arrived) * 1000, 2),
+        },
+    }

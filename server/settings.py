@@ -1,0 +1,73 @@
+"""The one settings object: environment variables (``STREAMDET_*``) and ``streamdet serve`` flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "streamdet"
+
+
+class Settings(BaseSettings):
+    """Server settings. Every field is ``STREAMDET_<NAME>`` in the environment and
+    ``--<name>`` (dashes for underscores) on ``streamdet serve``."""
+
+    model_config = SettingsConfigDict(env_prefix="STREAMDET_", extra="ignore", frozen=True)
+
+    # Model and engine
+    model: str = Field("yolov8n.pt", description="Ultralytics .pt checkpoint or .onnx file")
+    backend: str = Field("onnxruntime", description="onnxruntime | torch | tensorrt")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N (GPU backends)")
+    imgsz: int = Field(640, ge=32, le=4096, description="engine input size in pixels")
+    max_batch: int = Field(8, ge=1, le=256, description="largest batch a worker runs")
+    max_wait_ms: float = Field(
+        4.0, ge=0.0, le=1000.0, description="how long a batch waits to fill after its first item"
+    )
+    workers: int = Field(1, ge=1, le=64, description="engine workers (sessions / CUDA streams)")
+    threads_per_worker: int = Field(
+        0, ge=0, le=256, description="intra-op threads per CPU worker; 0 = cores / workers"
+    )
+    cache_dir: Path = Field(default_factory=_default_cache_dir, description="exported models")
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_upload_mb: float = Field(20.0, gt=0, description="largest accepted upload")
+    max_image_pixels: int = Field(
+        50_000_000, ge=1, description="largest decoded image (width x height)"
+    )
+    max_queue: int = Field(64, ge=1, description="interactive requests waiting for an engine")
+    request_timeout_ms: float = Field(
+        10_000.0, gt=0, description="deadline of a /detect call, from arrival"
+    )
+    decode_threads: int = Field(2, ge=1, le=64, description="threads decoding uploads")
+    shutdown_timeout_s: float = Field(10.0, ge=0, description="drain time on shutdown")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        from engines.registry import BACKENDS
+
+        if value not in BACKENDS:
+            known = ", ".join(sorted(BACKENDS))
+            raise ValueError(f"unknown backend {value!r}; choose one of: {known}")
+        return value
+
+    @field_validator("imgsz")
+    @classmethod
+    def _stride_multiple(cls, value: int) -> int:
+        if value % 32:
+            raise ValueError(f"imgsz must be a multiple of 32 (the model stride), got {value}")
+        return value
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1024 * 1024)

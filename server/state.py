@@ -1,0 +1,28 @@
+"""What the app holds while it runs, reachable from every route."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from starlette.requests import HTTPConnection
+
+from engines.pool import EnginePool
+from server.settings import Settings
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    pool: EnginePool
+    decode_executor: ThreadPoolExecutor
+    shutting_down: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.pool.ready and not self.shutting_down
+
+
+def get_state(conn: HTTPConnection) -> AppState:
+    state: AppState = conn.app.state.streamdet
+    return state

@@ -1,0 +1,87 @@
+"""Shared test helpers: where the shared model and clips are, and how to compare results."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+
+from engines.types import Detections
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).resolve()
+MODEL_PT = SHARED / "models" / "yolov8n.pt"
+VIDEOS = sorted((SHARED / "videos").glob("*.mp4"))
+CACHE_DIR = REPO / ".cache" / "streamdet"
+
+
+def ultralytics_assets() -> Path:
+    os.environ.setdefault("YOLO_OFFLINE", "true")
+    os.environ.setdefault("YOLO_AUTOINSTALL", "false")
+    os.environ.setdefault("YOLO_VERBOSE", "false")
+    from ultralytics.utils import ASSETS
+
+    return Path(ASSETS)
+
+
+def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pairwise IoU of ``(N, 4)`` and ``(M, 4)`` xyxy boxes."""
+    lt = np.maximum(a[:, None, :2], b[None, :, :2])
+    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod((rb - lt).clip(0), axis=2)
+    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
+    area_b = np.prod(b[:, 2:] - b[:, :2], axis=1)
+    return np.asarray(inter / (area_a[:, None] + area_b[None, :] - inter + 1e-9))
+
+
+def match_reference(
+    ours: Detections,
+    ref_boxes: np.ndarray,
+    ref_scores: np.ndarray,
+    ref_classes: np.ndarray,
+    min_iou: float = 0.9,
+    conf_tol: float = 0.02,
+    edge_conf: float = 0.3,
+) -> list[str]:
+    """Problems found matching ``ours`` against reference detections (empty list: match).
+
+    Each reference box must have a box of the same class with IoU >= ``min_iou`` and a
+    confidence within ``conf_tol``, and vice versa. Detections whose confidence lies within
+    ``conf_tol`` of the threshold may appear on one side only (they sit on the cut-off); the
+    caller passes ``edge_conf`` = threshold + tolerance.
+    """
+    problems: list[str] = []
+
+    def one_way(
+        a_boxes: np.ndarray, a_scores: np.ndarray, a_cls: np.ndarray,
+        b_boxes: np.ndarray, b_scores: np.ndarray, b_cls: np.ndarray, label: str,
+    ) -> None:
+        ious = box_iou(a_boxes, b_boxes) if len(b_boxes) else np.zeros((len(a_boxes), 0))
+        for i in range(len(a_boxes)):
+            same = np.flatnonzero(b_cls == a_cls[i])
+            if same.size == 0 or ious[i, same].max() < min_iou:
+                if a_scores[i] >= edge_conf:
+                    best = ious[i, same].max() if same.size else 0.0
+                    problems.append(
+                        f"{label} class {a_cls[i]} conf {a_scores[i]:.3f} box {a_boxes[i].round(1)}"
+                        f" unmatched (best IoU {best:.3f})"
+                    )
+                continue
+            j = same[np.argmax(ious[i, same])]
+            if abs(float(a_scores[i]) - float(b_scores[j])) > conf_tol:
+                problems.append(
+                    f"{label} class {a_cls[i]} conf {a_scores[i]:.3f} vs {b_scores[j]:.3f}"
+                )
+
+    one_way(ref_boxes, ref_scores, ref_classes, ours.boxes, ours.scores, ours.class_ids, "reference")
+    one_way(ours.boxes, ours.scores, ours.class_ids, ref_boxes, ref_scores, ref_classes, "ours")
+    return problems
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

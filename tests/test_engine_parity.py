@@ -1,0 +1,88 @@
+"""Every backend that loads here against Ultralytics' own predictor on the same images."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engines.types import DetectParams, Engine
+from streams.files import load_image, sample_video_frames
+from tests.helpers import MODEL_PT, VIDEOS, match_reference, ultralytics_assets
+
+CONF = 0.25
+
+
+@cache
+def reference_model() -> Any:
+    from ultralytics import YOLO
+
+    return YOLO(str(MODEL_PT))
+
+
+def reference(image_rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    result = reference_model().predict(
+        np.ascontiguousarray(image_rgb[..., ::-1]), conf=CONF, verbose=False
+    )[0]
+    boxes = result.boxes
+    return (
+        boxes.xyxy.cpu().numpy(),
+        boxes.conf.cpu().numpy(),
+        boxes.cls.cpu().numpy().astype(np.int32),
+    )
+
+
+def test_bus_matches_published_reference(engine: Engine) -> None:
+    image = load_image(ultralytics_assets() / "bus.jpg")
+    (det,) = engine.infer([image], [DetectParams(conf=CONF)])
+    names = [det.names[int(c)] for c in det.class_ids]
+    # The shared model's README: person x4 and bus, in this confidence order.
+    assert sorted(names) == ["bus", "person", "person", "person", "person"]
+    assert det.scores[0] == pytest.approx(0.895, abs=0.02)
+    assert (det.width, det.height) == (810, 1080)
+
+
+@pytest.mark.parametrize("name", ["bus.jpg", "zidane.jpg"])
+def test_assets_match_ultralytics(engine: Engine, name: str) -> None:
+    image = load_image(ultralytics_assets() / name)
+    (det,) = engine.infer([image], [DetectParams(conf=CONF)])
+    assert len(det) > 0
+    problems = match_reference(det, *reference(image), edge_conf=CONF + 0.02)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("video", VIDEOS, ids=[v.name for v in VIDEOS])
+def test_video_frames_match_ultralytics(engine: Engine, video: Any) -> None:
+    frames = sample_video_frames(video, 6)
+    results = engine.infer(frames, [DetectParams(conf=CONF)] * len(frames))
+    total = 0
+    for frame, det in zip(frames, results, strict=True):
+        assert (det.height, det.width) == frame.shape[:2]
+        problems = match_reference(det, *reference(frame), edge_conf=CONF + 0.02)
+        assert not problems, problems
+        total += len(det)
+    assert total > 0, "the clips show cars and bottles; some must be found"
+
+
+def test_batch_equals_single(engine: Engine) -> None:
+    assets = ultralytics_assets()
+    images = [load_image(assets / "bus.jpg"), load_image(assets / "zidane.jpg")]
+    batched = engine.infer(images, [DetectParams()] * 2)
+    for image, det in zip(images, batched, strict=True):
+        (single,) = engine.infer([image], [DetectParams()])
+        problems = match_reference(det, single.boxes, single.scores, single.class_ids,
+                                   min_iou=0.95, conf_tol=0.01, edge_conf=0.27)
+        assert not problems, problems
+
+
+def test_params_filter_results(engine: Engine) -> None:
+    image = load_image(ultralytics_assets() / "bus.jpg")
+    (only_bus,) = engine.infer([image], [DetectParams(classes=frozenset({5}))])
+    assert list(only_bus.class_ids) == [5]
+    (top2,) = engine.infer([image], [DetectParams(max_det=2)])
+    assert len(top2) == 2
+    (strict,) = engine.infer([image], [DetectParams(conf=0.88)])
+    assert all(s > 0.88 for s in strict.scores)
+    assert 1 <= len(strict) < 5
