@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engines.types import DetectParams, Detections, Image
+from engines.types import Detections, DetectParams, Image
 
 
 class QueueFull(RuntimeError):
@@ -85,7 +85,8 @@ class WorkQueue:
                 raise PoolClosed("the engine pool is shutting down")
             if len(self._interactive) >= self._max_interactive:
                 raise QueueFull(
-                    f"{len(self._interactive)} requests already waiting (setting STREAMDET_MAX_QUEUE)"
+                    f"{len(self._interactive)} requests already waiting"
+                    " (setting STREAMDET_MAX_QUEUE)"
                 )
             self._interactive.append(item)
             self._cond.notify()

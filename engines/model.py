@@ -61,7 +61,9 @@ def _export(pt_path: Path, local_pt: Path, imgsz: int, dynamic: bool) -> str:
     try:
         model = YOLO(str(local_pt))
     except Exception as exc:
-        raise ModelError(f"model {pt_path}: cannot load as an Ultralytics checkpoint: {exc}") from exc
+        raise ModelError(
+            f"model {pt_path}: cannot load as an Ultralytics checkpoint: {exc}"
+        ) from exc
     if model.task != "detect":
         raise ModelError(
             f"model {pt_path}: is a {model.task!r} model; streamdet serves detection models"
@@ -141,7 +143,9 @@ def read_model_info(onnx_path: Path) -> ModelInfo:
     meta = {p.key: p.value for p in proto.metadata_props}
     task = meta.get("task", "detect")
     if task != "detect":
-        raise ModelError(f"model {onnx_path}: is a {task!r} model; streamdet serves 'detect' models")
+        raise ModelError(
+            f"model {onnx_path}: is a {task!r} model; streamdet serves 'detect' models"
+        )
     graph = proto.graph
     if len(graph.input) != 1 or not graph.output:
         raise ModelError(f"model {onnx_path}: expected one image input and a detection output")

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.registry import EngineConfig
-from engines.types import DetectParams, Detections, EngineError, Image
+from engines.types import Detections, DetectParams, EngineError, Image
 from engines.yolo import group_by_shape, postprocess, preprocess
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,9 @@ class OrtEngine:
                 self._config.model.path, sess_options=opts, providers=["CPUExecutionProvider"]
             )
         except Exception as exc:
-            raise EngineError(f"model {self._config.model.path}: ONNX Runtime cannot load it: {exc}") from exc
+            raise EngineError(
+                f"model {self._config.model.path}: ONNX Runtime cannot load it: {exc}"
+            ) from exc
         inputs, outputs = session.get_inputs(), session.get_outputs()
         self._input_name, self._output_name = inputs[0].name, outputs[0].name
         self._session = session
@@ -78,7 +80,9 @@ class OrtEngine:
             raise EngineError("engine used before load()")
         info = self._config.model
         results: list[Detections | None] = [None] * len(images)
-        for shape, idxs in group_by_shape(images, self._imgsz, info.stride, info.dynamic_hw).items():
+        for shape, idxs in group_by_shape(
+            images, self._imgsz, info.stride, info.dynamic_hw
+        ).items():
             blob, metas = preprocess([images[i] for i in idxs], self._imgsz, shape)
             output = self.run_raw(blob)
             dets = postprocess(output, metas, [params[i] for i in idxs], info.names)

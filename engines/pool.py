@@ -86,7 +86,10 @@ class EnginePool:
         started = threading.Barrier(self._workers + 1)
         for idx in range(self._workers):
             thread = threading.Thread(
-                target=self._run, args=(idx, started, errors), name=f"engine-worker-{idx}", daemon=True
+                target=self._run,
+                args=(idx, started, errors),
+                name=f"engine-worker-{idx}",
+                daemon=True,
             )
             thread.start()
             self._threads.append(thread)
@@ -183,8 +186,16 @@ class EnginePool:
             if item.deadline < now:
                 self._count(expired=1)
                 waited = (now - item.enqueued_at) * 1000
-                _deliver(item, WorkResult(None, DeadlineExceeded(
-                    f"waited {waited:.0f} ms in queue, past its deadline"), waited, 0.0, 0))
+                _deliver(
+                    item,
+                    WorkResult(
+                        None,
+                        DeadlineExceeded(f"waited {waited:.0f} ms in queue, past its deadline"),
+                        waited,
+                        0.0,
+                        0,
+                    ),
+                )
             else:
                 live.append(item)
         if not live:
@@ -210,14 +221,26 @@ class EnginePool:
             item = items[0]
             log.error("request %s: inference failed: %s", item.request_id, exc)
             self._count(failed=1)
-            _deliver(item, WorkResult(None, EngineError(f"inference failed: {exc}"),
-                                      (started - item.enqueued_at) * 1000, 0.0, 1))
+            _deliver(
+                item,
+                WorkResult(
+                    None,
+                    EngineError(f"inference failed: {exc}"),
+                    (started - item.enqueued_at) * 1000,
+                    0.0,
+                    1,
+                ),
+            )
             return
         elapsed = time.monotonic() - started
         self._observe(len(items), elapsed)
         for item, det in zip(items, results, strict=True):
-            _deliver(item, WorkResult(det, None, (started - item.enqueued_at) * 1000,
-                                      elapsed * 1000, len(items)))
+            _deliver(
+                item,
+                WorkResult(
+                    det, None, (started - item.enqueued_at) * 1000, elapsed * 1000, len(items)
+                ),
+            )
 
     def _observe(self, size: int, elapsed: float) -> None:
         with self._stats_lock:

@@ -45,7 +45,8 @@ def load_backend(name: str) -> EngineFactory:
         target = BACKENDS[name]
     except KeyError:
         raise EngineError(
-            f"unknown backend {name!r}; choose one of {sorted(BACKENDS)} (setting STREAMDET_BACKEND)"
+            f"unknown backend {name!r}; choose one of {sorted(BACKENDS)}"
+            " (setting STREAMDET_BACKEND)"
         ) from None
     module_name, _, attr = target.partition(":")
     try:

@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 import numpy.typing as npt
 
-from engines.types import DetectParams, Detections, Image
+from engines.types import Detections, DetectParams, Image
 
 PAD_VALUE = 114
 MAX_WH = 7680  # class offset for batched class-aware NMS, as in Ultralytics
@@ -57,7 +57,9 @@ def group_by_shape(
     for i, im in enumerate(images):
         if im.ndim != 3 or im.shape[2] != 3 or im.shape[0] < 1 or im.shape[1] < 1:
             raise ValueError(f"image {i}: expected (H, W, 3) uint8 with pixels, got {im.shape}")
-        shape = rect_shape(im.shape[0], im.shape[1], imgsz, stride) if dynamic_hw else (imgsz, imgsz)
+        shape = (
+            rect_shape(im.shape[0], im.shape[1], imgsz, stride) if dynamic_hw else (imgsz, imgsz)
+        )
         groups.setdefault(shape, []).append(i)
     return groups
 
@@ -82,7 +84,9 @@ def letterbox(
     dw, dh = (shape[1] - new_w) / 2, (shape[0] - new_h) / 2
     resized = image
     if (new_w, new_h) != (w, h):
-        resized = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+        resized = np.asarray(
+            cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR), np.uint8
+        )
     top, left = round(dh - 0.1), round(dw - 0.1)
     if out is None:
         out = np.empty((shape[0], shape[1], 3), np.uint8)
@@ -174,6 +178,4 @@ def postprocess(
         raise ValueError(
             f"expected a (B={len(metas)}, 4+nc, anchors) head output, got shape {output.shape}"
         )
-    return [
-        postprocess_one(output[i], metas[i], params[i], names) for i in range(len(metas))
-    ]
+    return [postprocess_one(output[i], metas[i], params[i], names) for i in range(len(metas))]

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engines.pool import EnginePool
-from server.routes import detect, health
+from server.routes import detect, health, viewer
 from server.runtime import build_pool
 from server.settings import Settings
 from server.state import AppState
@@ -43,4 +43,6 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app = FastAPI(title="streamdet", version="0.1.0", lifespan=lifespan)
     app.include_router(health.router)
     app.include_router(detect.router)
+    app.include_router(viewer.router)
+    app.mount(viewer.STATIC_PATH, viewer.static_files(), name="static")
     return app

@@ -77,7 +77,9 @@ async def closed_loop(
                 i += clients
                 t0 = time.monotonic()
                 try:
-                    resp = await client.post(url, files={"image": ("frame.jpg", data, "image/jpeg")})
+                    resp = await client.post(
+                        url, files={"image": ("frame.jpg", data, "image/jpeg")}
+                    )
                     status = str(resp.status_code)
                 except httpx.HTTPError as exc:
                     status = type(exc).__name__
@@ -172,39 +174,71 @@ def run_bench(settings: Settings, args: argparse.Namespace) -> int:
     print(f"engine ceiling (onnxruntime, batch 1, 640x640): {ceiling:.2f} img/s")
 
     port = free_port()
-    serve_cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
-                 "--log-level", "warning"]
-    env = {f"STREAMDET_{k.upper()}": str(v) for k, v in settings.model_dump().items()
-           if k not in {"host", "port", "log_level"}}
+    serve_cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    env = {
+        f"STREAMDET_{k.upper()}": str(v)
+        for k, v in settings.model_dump().items()
+        if k not in {"host", "port", "log_level"}
+    }
     ours = run_server_load(serve_cmd, env, port, jpegs, args)
-    print(f"streamdet: {ours.goodput:.2f} img/s, p50 {ours.pct(50):.0f} ms,"
-          f" p99 {ours.pct(99):.0f} ms, errors {ours.errors}")
+    print(
+        f"streamdet: {ours.goodput:.2f} img/s, p50 {ours.pct(50):.0f} ms,"
+        f" p99 {ours.pct(99):.0f} ms, errors {ours.errors}"
+    )
 
     figures: dict[str, Any] = {
         "machine_cores": os.cpu_count(),
         "clients": args.clients,
         "seconds": args.seconds,
         "engine_ceiling_img_s": round(ceiling, 3),
-        "streamdet": {**asdict(ours), "goodput_img_s": round(ours.goodput, 3),
-                      "p50_ms": ours.pct(50), "p99_ms": ours.pct(99)},
+        "streamdet": {
+            **asdict(ours),
+            "goodput_img_s": round(ours.goodput, 3),
+            "p50_ms": ours.pct(50),
+            "p99_ms": ours.pct(99),
+        },
         "streamdet_over_ceiling": round(ours.goodput / ceiling, 3),
     }
     figures["streamdet"].pop("latencies_ms")
     if not args.skip_seed:
         seed_port = free_port()
-        seed_env = {"SEED_MODEL": settings.model, "SEED_IMGSZ": str(settings.imgsz),
-                    "SEED_PORT": str(seed_port)}
-        seed = run_server_load([sys.executable, "-m", "server.bench_seed"], seed_env, seed_port,
-                               jpegs, args)
-        print(f"seed (FastAPI + Ultralytics predictor): {seed.goodput:.2f} img/s,"
-              f" p50 {seed.pct(50):.0f} ms, p99 {seed.pct(99):.0f} ms, errors {seed.errors}")
-        figures["seed"] = {"goodput_img_s": round(seed.goodput, 3), "p50_ms": seed.pct(50),
-                           "p99_ms": seed.pct(99), "errors": seed.errors}
+        seed_env = {
+            "SEED_MODEL": settings.model,
+            "SEED_IMGSZ": str(settings.imgsz),
+            "SEED_PORT": str(seed_port),
+        }
+        seed = run_server_load(
+            [sys.executable, "-m", "server.bench_seed"], seed_env, seed_port, jpegs, args
+        )
+        print(
+            f"seed (FastAPI + Ultralytics predictor): {seed.goodput:.2f} img/s,"
+            f" p50 {seed.pct(50):.0f} ms, p99 {seed.pct(99):.0f} ms, errors {seed.errors}"
+        )
+        figures["seed"] = {
+            "goodput_img_s": round(seed.goodput, 3),
+            "p50_ms": seed.pct(50),
+            "p99_ms": seed.pct(99),
+            "errors": seed.errors,
+        }
         figures["streamdet_over_seed"] = round(ours.goodput / max(seed.goodput, 1e-9), 3)
     print(json.dumps({k: v for k, v in figures.items() if k.endswith(("ceiling", "seed"))}))
-    print(f"ratio streamdet / engine ceiling: {figures['streamdet_over_ceiling']:.2f} (target >= 0.9)")
+    print(
+        f"ratio streamdet / engine ceiling: {figures['streamdet_over_ceiling']:.2f} (target >= 0.9)"
+    )
     if "streamdet_over_seed" in figures:
-        print(f"ratio streamdet / seed design:    {figures['streamdet_over_seed']:.2f} (target >= 1.3)")
+        print(
+            f"ratio streamdet / seed design:    {figures['streamdet_over_seed']:.2f}"
+            " (target >= 1.3)"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=2, default=float))

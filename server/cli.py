@@ -21,13 +21,12 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, named like the setting (``max_batch`` -> ``--max-batch``)."""
     for name, field in Settings.model_fields.items():
+        default = "" if field.default_factory else f"; default {field.default}"
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=None,
-            help=f"{field.description or name} (env STREAMDET_{name.upper()}; default {field.default})"
-            if field.default_factory is None
-            else f"{field.description or name} (env STREAMDET_{name.upper()})",
+            help=f"{field.description or name} (env STREAMDET_{name.upper()}{default})",
         )
 
 

@@ -7,7 +7,7 @@ import io
 
 import numpy as np
 from PIL import Image as PILImage
-from PIL import ImageOps, UnidentifiedImageError
+from PIL import ImageFile, ImageOps, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
 from engines.types import Image
 
@@ -16,6 +16,32 @@ PILImage.MAX_IMAGE_PIXELS = None
 
 ALLOWED_FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
 IMAGE_CONTENT_TYPES = set(ALLOWED_FORMATS.values()) | {"image/jpg", "application/octet-stream"}
+
+# Formats are told by their magic bytes and opened by their own plugin, not PIL.Image.open:
+# nothing but these three decoders ever sees untrusted bytes, and Ultralytics' global
+# monkey-patch of Image.open (it retries unknown bytes through a HEIF plugin) stays out.
+_DECODERS: list[tuple[bytes, int, str, type[ImageFile.ImageFile]]] = [
+    (b"\xff\xd8\xff", 0, "JPEG", JpegImagePlugin.JpegImageFile),
+    (b"\x89PNG\r\n\x1a\n", 0, "PNG", PngImagePlugin.PngImageFile),
+    (b"WEBP", 8, "WEBP", WebPImagePlugin.WebPImageFile),
+]
+_OTHER_FORMATS = {b"GIF8": "GIF", b"BM": "BMP", b"II*\x00": "TIFF", b"MM\x00*": "TIFF"}
+
+
+def _sniff(data: bytes) -> tuple[str, type[ImageFile.ImageFile]]:
+    for magic, offset, name, cls in _DECODERS:
+        if data[offset : offset + len(magic)] == magic and (name != "WEBP" or data[:4] == b"RIFF"):
+            return name, cls
+    for magic, name in _OTHER_FORMATS.items():
+        if data.startswith(magic):
+            raise ImageError(
+                415, f"unsupported image format {name}; send a JPEG, PNG or WebP image"
+            )
+    if data[4:12] in (b"ftypheic", b"ftypheix", b"ftypavif", b"ftypmif1"):
+        raise ImageError(415, "unsupported image format HEIF/AVIF; send a JPEG, PNG or WebP image")
+    raise ImageError(
+        400, f"not a decodable image ({len(data)} bytes); send a JPEG, PNG or WebP image"
+    )
 
 
 class ImageError(ValueError):
@@ -35,17 +61,11 @@ def decode_image(data: bytes, max_pixels: int) -> Image:
     """
     if not data:
         raise ImageError(400, "empty image: the upload has no bytes")
+    fmt, decoder = _sniff(data)
     try:
-        img = PILImage.open(io.BytesIO(data))
-    except UnidentifiedImageError:
-        raise ImageError(
-            400, f"not a decodable image ({len(data)} bytes); send a JPEG, PNG or WebP image"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise ImageError(400, f"unreadable image header: {exc}") from None
-    fmt = img.format or "unknown"
-    if fmt not in ALLOWED_FORMATS:
-        raise ImageError(415, f"unsupported image format {fmt}; send a JPEG, PNG or WebP image")
+        img: PILImage.Image = decoder(io.BytesIO(data))
+    except (OSError, ValueError, SyntaxError, IndexError) as exc:
+        raise ImageError(400, f"unreadable {fmt} header: {exc}") from None
     width, height = img.size
     if width < 1 or height < 1:
         raise ImageError(400, f"image has no pixels ({width}x{height})")

@@ -35,7 +35,11 @@ def build_pool(settings: Settings) -> EnginePool:
     config = engine_config(settings, model)
     log.info(
         "loading %s on %s: %d worker(s) x %d thread(s), max batch %d",
-        model.path, settings.backend, settings.workers, config.threads, settings.max_batch,
+        model.path,
+        settings.backend,
+        settings.workers,
+        config.threads,
+        settings.max_batch,
     )
     make: functools.partial[Engine] = functools.partial(factory, config)
     pool = EnginePool(

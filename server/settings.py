@@ -1,4 +1,4 @@
-"""The one settings object: environment variables (``STREAMDET_*``) and ``streamdet serve`` flags."""
+"""The one settings object: environment variables (``STREAMDET_*``) and ``serve`` flags."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def iter_video_frames(path: Path | str, step: int = 1, limit: int | None = None)
         for index, frame in enumerate(container.decode(stream)):
             if index % step:
                 continue
-            yield frame.to_ndarray(format="rgb24")
+            yield np.asarray(frame.to_ndarray(format="rgb24"), np.uint8)
             produced += 1
             if limit is not None and produced >= limit:
                 return

@@ -27,8 +27,14 @@ def model_info() -> ModelInfo:
 
 def make_engine(name: str, model: ModelInfo, max_batch: int = 8) -> Engine:
     factory = load_backend(name)
-    config = EngineConfig(model=model, imgsz=640, max_batch=max_batch, threads=2,
-                          device="cpu" if name == "onnxruntime" else "cuda", cache_dir=CACHE_DIR)
+    config = EngineConfig(
+        model=model,
+        imgsz=640,
+        max_batch=max_batch,
+        threads=2,
+        device="cpu" if name == "onnxruntime" else "cuda",
+        cache_dir=CACHE_DIR,
+    )
     engine = factory(config)
     engine.load()
     return engine

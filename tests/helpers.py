@@ -55,8 +55,13 @@ def match_reference(
     problems: list[str] = []
 
     def one_way(
-        a_boxes: np.ndarray, a_scores: np.ndarray, a_cls: np.ndarray,
-        b_boxes: np.ndarray, b_scores: np.ndarray, b_cls: np.ndarray, label: str,
+        a_boxes: np.ndarray,
+        a_scores: np.ndarray,
+        a_cls: np.ndarray,
+        b_boxes: np.ndarray,
+        b_scores: np.ndarray,
+        b_cls: np.ndarray,
+        label: str,
     ) -> None:
         ious = box_iou(a_boxes, b_boxes) if len(b_boxes) else np.zeros((len(a_boxes), 0))
         for i in range(len(a_boxes)):
@@ -75,7 +80,9 @@ def match_reference(
                     f"{label} class {a_cls[i]} conf {a_scores[i]:.3f} vs {b_scores[j]:.3f}"
                 )
 
-    one_way(ref_boxes, ref_scores, ref_classes, ours.boxes, ours.scores, ours.class_ids, "reference")
+    one_way(
+        ref_boxes, ref_scores, ref_classes, ours.boxes, ours.scores, ours.class_ids, "reference"
+    )
     one_way(ours.boxes, ours.scores, ours.class_ids, ref_boxes, ref_scores, ref_classes, "ours")
     return problems
 

@@ -18,8 +18,9 @@ def item(name: str, stream: str | None = None) -> WorkItem:
     def done(_: WorkResult) -> None:
         return None
 
-    return WorkItem(IMG, DetectParams(), time.monotonic() + 60, done, request_id=name,
-                    stream_id=stream)
+    return WorkItem(
+        IMG, DetectParams(), time.monotonic() + 60, done, request_id=name, stream_id=stream
+    )
 
 
 def test_takes_what_is_waiting_up_to_max_batch() -> None:

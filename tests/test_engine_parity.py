@@ -72,8 +72,15 @@ def test_batch_equals_single(engine: Engine) -> None:
     batched = engine.infer(images, [DetectParams()] * 2)
     for image, det in zip(images, batched, strict=True):
         (single,) = engine.infer([image], [DetectParams()])
-        problems = match_reference(det, single.boxes, single.scores, single.class_ids,
-                                   min_iou=0.95, conf_tol=0.01, edge_conf=0.27)
+        problems = match_reference(
+            det,
+            single.boxes,
+            single.scores,
+            single.class_ids,
+            min_iou=0.95,
+            conf_tol=0.01,
+            edge_conf=0.27,
+        )
         assert not problems, problems
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -17,11 +18,15 @@ from streams.files import load_image
 from tests.helpers import CACHE_DIR, ultralytics_assets
 
 
-def ort_factory(model: ModelInfo) -> functools.partial[Engine]:
+def ort_factory(model: ModelInfo) -> Callable[[], Engine]:
     from engines.onnxruntime import OrtEngine
 
     config = EngineConfig(model=model, imgsz=640, max_batch=4, threads=2, cache_dir=CACHE_DIR)
-    return functools.partial(OrtEngine, config)
+
+    def make() -> Engine:
+        return OrtEngine(config)
+
+    return make
 
 
 class Collector:
@@ -44,10 +49,10 @@ class Collector:
 
 
 @pytest.fixture(scope="module")
-def pool(model_info: ModelInfo) -> EnginePool:
+def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
     p = EnginePool(ort_factory(model_info), workers=1, max_batch=4, max_wait_ms=20, max_queue=32)
     p.start()
-    yield p  # type: ignore[misc]
+    yield p
     p.stop(5)
 
 
@@ -75,8 +80,9 @@ def test_expired_items_are_answered_not_run(pool: EnginePool) -> None:
     bus = load_image(ultralytics_assets() / "bus.jpg")
     col = Collector()
     before = pool.stats.expired
-    pool.submit(WorkItem(bus, DetectParams(), time.monotonic() - 1, col.callback("late"),
-                         request_id="late"))
+    pool.submit(
+        WorkItem(bus, DetectParams(), time.monotonic() - 1, col.callback("late"), request_id="late")
+    )
     col.wait(1)
     assert isinstance(col.results["late"].error, DeadlineExceeded)
     assert pool.stats.expired == before + 1
@@ -116,5 +122,5 @@ def test_failed_load_names_the_problem(model_info: ModelInfo) -> None:
 
     bad = replace(model_info, path="/nonexistent/model.onnx")
     p = EnginePool(ort_factory(bad), workers=2, max_batch=1, max_wait_ms=0, max_queue=4)
-    with pytest.raises(EngineError, match="/nonexistent/model.onnx"):
+    with pytest.raises(EngineError, match=r"/nonexistent/model\.onnx"):
         p.start()

@@ -24,7 +24,7 @@ def test_letterbox_matches_ultralytics(h: int, w: int) -> None:
 
     rng = np.random.default_rng(h * w)
     image = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
-    theirs = LetterBox((640, 640), auto=True, stride=32)(image=image)
+    theirs = np.asarray(LetterBox((640, 640), auto=True, stride=32)(image=image))
     shape = rect_shape(h, w, 640, 32)
     ours, meta = letterbox(image, shape, 640)
     assert ours.shape == theirs.shape
@@ -36,7 +36,7 @@ def test_square_letterbox_matches_ultralytics() -> None:
     from ultralytics.data.augment import LetterBox
 
     image = np.random.default_rng(0).integers(0, 255, (432, 768, 3), dtype=np.uint8)
-    theirs = LetterBox((640, 640), auto=False, stride=32)(image=image)
+    theirs = np.asarray(LetterBox((640, 640), auto=False, stride=32)(image=image))
     ours, _ = letterbox(image, (640, 640), 640)
     np.testing.assert_array_equal(ours, theirs)
 
@@ -88,8 +88,9 @@ def test_postprocess_maps_boxes_back_and_is_class_aware() -> None:
     meta = LetterboxMeta(gain=0.5, pad_x=10, pad_y=20, width=1000, height=1000)
     det = postprocess_one(pred, meta, DetectParams(conf=0.25, iou=0.5), {0: "a", 1: "b", 2: "c"})
     assert list(det.class_ids) == [0, 1]
-    np.testing.assert_allclose(det.boxes[0], [(75 - 10) / 0.5, (75 - 20) / 0.5,
-                                               (125 - 10) / 0.5, (125 - 20) / 0.5])
+    np.testing.assert_allclose(
+        det.boxes[0], [(75 - 10) / 0.5, (75 - 20) / 0.5, (125 - 10) / 0.5, (125 - 20) / 0.5]
+    )
     assert det.to_json()[0]["class_name"] == "a"
 
 

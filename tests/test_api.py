@@ -1,0 +1,179 @@
+"""POST /detect, health and readiness, in-process with the real model."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image as PILImage
+
+from server.app import create_app
+from server.settings import Settings
+from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    settings = Settings(
+        model=str(MODEL_PT), cache_dir=CACHE_DIR, max_upload_mb=2.0, max_image_pixels=30_000_000
+    )
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def bus_bytes() -> bytes:
+    return (ultralytics_assets() / "bus.jpg").read_bytes()
+
+
+def encode(image: PILImage.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_health_and_ready(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    assert client.get("/model").json()["names"]["0"] == "person"
+
+
+def test_detect_multipart_matches_contract(client: TestClient) -> None:
+    resp = client.post("/detect", files={"image": ("bus.jpg", bus_bytes(), "image/jpeg")})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert set(body) == {"detections", "image", "model", "timing_ms"}
+    assert body["image"] == {"width": 810, "height": 1080}
+    assert set(body["timing_ms"]) == {"queue", "inference", "total"}
+    names = sorted(d["class_name"] for d in body["detections"])
+    assert names == ["bus", "person", "person", "person", "person"]
+    first = body["detections"][0]
+    assert set(first) == {"box", "confidence", "class_id", "class_name"}
+    assert first["class_name"] == "person" and first["confidence"] == pytest.approx(0.895, abs=0.02)
+    x1, y1, x2, y2 = first["box"]
+    assert 0 <= x1 < x2 <= 810 and 0 <= y1 < y2 <= 1080
+
+
+def test_detect_raw_body_png_and_webp(client: TestClient) -> None:
+    image = PILImage.open(io.BytesIO(bus_bytes()))
+    for fmt, ctype in [("PNG", "image/png"), ("WEBP", "image/webp")]:
+        resp = client.post("/detect", content=encode(image, fmt), headers={"content-type": ctype})
+        assert resp.status_code == 200, resp.text
+        assert any(d["class_name"] == "bus" for d in resp.json()["detections"])
+
+
+def test_query_parameters_filter(client: TestClient) -> None:
+    files = {"image": ("bus.jpg", bus_bytes(), "image/jpeg")}
+    only_bus = client.post("/detect?classes=bus", files=files).json()["detections"]
+    assert [d["class_name"] for d in only_bus] == ["bus"]
+    by_id = client.post("/detect?classes=5,0", files=files).json()["detections"]
+    assert {d["class_id"] for d in by_id} == {0, 5}
+    top1 = client.post("/detect?max_det=1", files=files).json()["detections"]
+    assert len(top1) == 1
+    high = client.post("/detect?conf=0.88&iou=0.5", files=files).json()["detections"]
+    assert high and all(d["confidence"] > 0.88 for d in high)
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("conf=1.5", "conf"),
+        ("conf=abc", "conf"),
+        ("iou=-0.1", "iou"),
+        ("max_det=0", "max_det"),
+        ("max_det=many", "max_det"),
+        ("classes=unicorn", "unicorn"),
+        ("classes=999", "999"),
+    ],
+)
+def test_bad_parameters_are_422_naming_the_field(
+    client: TestClient, query: str, needle: str
+) -> None:
+    resp = client.post(f"/detect?{query}", files={"image": ("b.jpg", bus_bytes(), "image/jpeg")})
+    assert resp.status_code == 422
+    assert needle in resp.text
+
+
+def test_bad_images(client: TestClient) -> None:
+    data = bus_bytes()
+    cases = [
+        (b"", "image/jpeg", 400, "empty"),
+        (data[: len(data) // 3], "image/jpeg", 400, "truncated"),
+        (np.random.default_rng(1).bytes(5000), "image/jpeg", 400, "not a decodable image"),
+        (encode(PILImage.new("RGB", (8, 8)), "GIF"), "image/gif", 415, "GIF"),
+        (b"hello", "text/plain", 415, "text/plain"),
+    ]
+    for body, ctype, status, needle in cases:
+        resp = client.post("/detect", content=body, headers={"content-type": ctype})
+        assert resp.status_code == status, (needle, resp.text)
+        assert needle in resp.json()["detail"]
+
+
+def test_wrong_multipart_field_is_422(client: TestClient) -> None:
+    resp = client.post("/detect", files={"file": ("bus.jpg", bus_bytes(), "image/jpeg")})
+    assert resp.status_code == 422
+    assert "'image'" in resp.json()["detail"] and "file" in resp.json()["detail"]
+    resp = client.post("/detect", files={"image": (None, "not a file")})
+    assert resp.status_code == 422
+    assert "must be a file" in resp.json()["detail"]
+    resp = client.post("/detect", data={"image": "not a file"})  # url-encoded form
+    assert resp.status_code == 415
+    assert "multipart/form-data" in resp.json()["detail"]
+
+
+def test_upload_over_limit_is_413(client: TestClient) -> None:
+    big = b"\xff" * (3 * 1024 * 1024)
+    resp = client.post("/detect", content=big, headers={"content-type": "image/jpeg"})
+    assert resp.status_code == 413
+    assert "STREAMDET_MAX_UPLOAD_MB" in resp.json()["detail"]
+
+
+def test_decompression_bomb_is_refused_from_its_header(client: TestClient) -> None:
+    # A tiny PNG whose header claims 60000 x 60000 pixels (3.6 GP).
+    bomb = encode(PILImage.new("1", (60_000, 60_000)), "PNG")
+    assert len(bomb) < 1_000_000
+    resp = client.post("/detect", content=bomb, headers={"content-type": "image/png"})
+    assert resp.status_code == 413
+    assert "STREAMDET_MAX_IMAGE_PIXELS" in resp.json()["detail"]
+
+
+def test_grey_and_rgba_images_work(client: TestClient) -> None:
+    image = PILImage.open(io.BytesIO(bus_bytes()))
+    for mode in ("L", "RGBA"):
+        resp = client.post(
+            "/detect",
+            content=encode(image.convert(mode), "PNG"),
+            headers={"content-type": "image/png"},
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["detections"]
+
+
+def test_server_still_serves_after_bad_input(client: TestClient) -> None:
+    client.post("/detect", content=b"garbage", headers={"content-type": "image/jpeg"})
+    resp = client.post("/detect", files={"image": ("bus.jpg", bus_bytes(), "image/jpeg")})
+    assert resp.status_code == 200
+
+
+def test_full_queue_answers_429_with_retry_after() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = Settings(
+        model=str(MODEL_PT), cache_dir=CACHE_DIR, max_queue=1, max_batch=1, max_wait_ms=0
+    )
+    with TestClient(create_app(settings)) as c:
+        data = bus_bytes()
+
+        def post(_: int) -> tuple[int, str | None]:
+            r = c.post("/detect", files={"image": ("b.jpg", data, "image/jpeg")})
+            return r.status_code, r.headers.get("retry-after")
+
+        with ThreadPoolExecutor(12) as ex:
+            results = list(ex.map(post, range(24)))
+    statuses = {s for s, _ in results}
+    assert statuses <= {200, 429}
+    assert 200 in statuses and 429 in statuses
+    assert all(ra is not None and int(ra) >= 1 for s, ra in results if s == 429)

@@ -1,0 +1,119 @@
+"""Model resolution: .pt export with a content-hash cache, .onnx metadata, clear failures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from engines.model import read_model_info, resolve_onnx
+from engines.types import ModelError, ModelInfo
+from tests.helpers import CACHE_DIR, MODEL_PT, REPO
+
+
+def test_pt_export_is_cached_by_content_hash(model_info: ModelInfo) -> None:
+    again = resolve_onnx(str(MODEL_PT), CACHE_DIR, 640)
+    assert str(again) == model_info.path  # second call reuses the export
+    assert again.parent == CACHE_DIR
+    assert model_info.names[0] == "person" and len(model_info.names) == 80
+    assert model_info.stride == 32 and model_info.dynamic_hw
+    assert model_info.imgsz == (640, 640)
+
+
+def test_onnx_file_is_used_directly(model_info: ModelInfo) -> None:
+    path = Path(model_info.path)
+    assert resolve_onnx(str(path), CACHE_DIR, 640) == path
+
+
+def test_missing_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match=r"nothere\.onnx: file not found"):
+        resolve_onnx(str(tmp_path / "nothere.onnx"), tmp_path, 640)
+
+
+def test_wrong_suffix(tmp_path: Path) -> None:
+    bad = tmp_path / "weights.bin"
+    bad.write_bytes(b"\0" * 10)
+    with pytest.raises(ModelError, match=r"weights\.bin: expected an Ultralytics \.pt"):
+        resolve_onnx(str(bad), tmp_path, 640)
+
+
+def test_corrupt_pt_fails_with_its_name(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.pt"
+    bad.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(ModelError, match=r"broken\.pt: cannot load"):
+        resolve_onnx(str(bad), tmp_path / "cache", 640)
+
+
+def test_corrupt_onnx_fails_with_its_name(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.onnx"
+    bad.write_bytes(b"garbage" * 100)
+    with pytest.raises(ModelError, match=r"broken\.onnx: not a readable ONNX"):
+        read_model_info(bad)
+
+
+def test_non_detection_onnx_is_refused(tmp_path: Path) -> None:
+    # A classifier-shaped graph: (B, 3, 224, 224) -> (B, 1000).
+    x = helper.make_tensor_value_info("images", TensorProto.FLOAT, ["b", 3, 224, 224])
+    y = helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["b", 1000])
+    pool = helper.make_node("GlobalAveragePool", ["images"], ["p"])
+    flat = helper.make_node("Flatten", ["p"], ["output0"])
+    graph = helper.make_graph([pool, flat], "cls", [x], [y])
+    model = helper.make_model(graph)
+    path = tmp_path / "classifier.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=r"classifier\.onnx: expected input \(B, 3, H, W\)"):
+        read_model_info(path)
+    meta = model.metadata_props.add()
+    meta.key, meta.value = "task", "classify"
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match="'classify' model"):
+        read_model_info(path)
+
+
+def test_serve_with_missing_model_exits_with_message(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--model",
+            str(tmp_path / "gone.pt"),
+            "--cache-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "gone.pt: file not found" in proc.stderr
+
+
+def test_serve_rejects_bad_flags() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--imgsz", "641"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--imgsz" in proc.stderr and "multiple of 32" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--backend", "magic"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "unknown backend 'magic'" in proc.stderr
