@@ -1,0 +1,617 @@
+// streamdet viewer: the stream list, live tiles (each frame's JPEG paired with its detections on
+// one WebSocket per stream) and the /detect playground. A plain ES module: no build step and no
+// request to anything but this server.
+
+const KEY_STORAGE = "streamdet.apiKey";
+const WATCH_STORAGE = "streamdet.watched";
+const REFRESH_MS = 2000;
+const RECONNECT_MIN_MS = 500;
+const RECONNECT_MAX_MS = 10000;
+// The server scales frames down to this width before JPEG-encoding them for the browser.
+const TILE_MAX_WIDTH = 640;
+// States in which a stream's last error is shown as a current problem.
+const HEALTHY_STATES = new Set(["running", "live", "streaming", "ok"]);
+
+// Ultralytics' palette, so colours look familiar to YOLO users.
+const PALETTE = [
+  "#FF3838", "#FF9D97", "#FF701F", "#FFB21D", "#CFD231", "#48F90A", "#92CC17", "#3DDB86",
+  "#1A9334", "#00D4BB", "#2C99A8", "#00C2FF", "#344593", "#6473FF", "#0018EC", "#8438FF",
+  "#520085", "#CB38FF", "#FF95C8", "#FF37C7",
+];
+
+const $ = (selector, root = document) => root.querySelector(selector);
+
+// What the page drew last, per canvas: tests and curious users can read it from the console.
+const debug = { drawn: {}, palette: PALETTE, tiles: new Map() };
+window.streamdet = debug;
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+// ---------------------------------------------------------------- errors and server status
+
+function showError(key, text) {
+  let box = document.querySelector(`#errors [data-key="${CSS.escape(key)}"]`);
+  if (!box) {
+    box = document.createElement("div");
+    box.className = "error";
+    box.dataset.key = key;
+    const message = document.createElement("span");
+    const dismiss = document.createElement("button");
+    dismiss.type = "button";
+    dismiss.textContent = "Dismiss";
+    dismiss.addEventListener("click", () => box.remove());
+    box.append(message, dismiss);
+    $("#errors").append(box);
+  }
+  box.firstChild.textContent = text;
+}
+
+function clearError(key) {
+  document.querySelector(`#errors [data-key="${CSS.escape(key)}"]`)?.remove();
+}
+
+function setServerUp(up, why = "") {
+  const badge = $("#server-status");
+  badge.dataset.up = String(up);
+  badge.textContent = up ? "connected" : "server unreachable";
+  if (up) {
+    clearError("server");
+  } else {
+    showError("server", `Server unreachable (${why}); retrying every ${REFRESH_MS / 1000} s.`);
+  }
+}
+
+// ---------------------------------------------------------------- API key and fetch
+
+let keyPrompt = null;
+
+function askForKey(reason) {
+  if (keyPrompt) return keyPrompt;
+  const dialog = $("#key-dialog");
+  const input = $("#key-input");
+  $("#key-reason").textContent = reason;
+  input.value = "";
+  keyPrompt = new Promise((resolve) => {
+    const finish = (ok) => {
+      $("#key-form").onsubmit = null;
+      $("#key-cancel").onclick = null;
+      dialog.oncancel = null;
+      if (dialog.open) dialog.close();
+      keyPrompt = null;
+      resolve(ok);
+    };
+    $("#key-form").onsubmit = (event) => {
+      event.preventDefault();
+      const key = input.value.trim();
+      if (!key) return;
+      sessionStorage.setItem(KEY_STORAGE, key);
+      finish(true);
+    };
+    $("#key-cancel").onclick = () => finish(false);
+    dialog.oncancel = () => finish(false);
+  });
+  dialog.showModal();
+  input.focus();
+  return keyPrompt;
+}
+
+async function errorText(resp) {
+  const text = await resp.text();
+  try {
+    const body = JSON.parse(text);
+    const detail = body.detail ?? body.error ?? body;
+    if (Array.isArray(detail)) {
+      return detail.map((e) => `${(e.loc ?? []).slice(1).join(".")}: ${e.msg}`).join("; ");
+    }
+    return typeof detail === "string" ? detail : JSON.stringify(detail);
+  } catch {
+    return text.trim() || `${resp.status} ${resp.statusText}`;
+  }
+}
+
+// fetch() with the session's API key; a 401 asks for a key and retries.
+async function api(path, init = {}) {
+  for (;;) {
+    const headers = new Headers(init.headers ?? {});
+    const key = sessionStorage.getItem(KEY_STORAGE);
+    if (key) headers.set("Authorization", `Bearer ${key}`);
+    let resp;
+    try {
+      resp = await fetch(path, { ...init, headers });
+    } catch (err) {
+      setServerUp(false, err.message);
+      throw new ApiError(0, `server unreachable (${err.message})`);
+    }
+    setServerUp(true);
+    if (resp.status === 401) {
+      const detail = await errorText(resp);
+      if (key) sessionStorage.removeItem(KEY_STORAGE);
+      const reason = key
+        ? `The API key was refused (${detail}). Enter another one:`
+        : `This server needs an API key (${detail}).`;
+      if (await askForKey(reason)) continue;
+      showError("auth", "401 Unauthorized: this server needs an API key; use the “API key” button.");
+      throw new ApiError(401, detail);
+    }
+    clearError("auth");
+    if (!resp.ok) throw new ApiError(resp.status, `${resp.status}: ${await errorText(resp)}`);
+    return resp;
+  }
+}
+
+// ---------------------------------------------------------------- drawing
+
+function classColor(classId) {
+  const n = PALETTE.length;
+  return PALETTE[((classId % n) + n) % n];
+}
+
+function textColorOn(hex) {
+  const [r, g, b] = [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
+  return 0.299 * r + 0.587 * g + 0.114 * b > 140 ? "#000000" : "#FFFFFF";
+}
+
+// Draws boxes, class names and confidences; detections are in source pixels, scaled by sx/sy.
+// Returns the shapes drawn, in canvas pixels.
+function drawDetections(ctx, detections, sx, sy) {
+  const { width, height } = ctx.canvas;
+  const lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
+  const fontSize = Math.max(11, lineWidth * 6);
+  ctx.lineWidth = lineWidth;
+  ctx.font = `${fontSize}px sans-serif`;
+  ctx.textBaseline = "top";
+  const shapes = [];
+  for (const det of detections) {
+    const color = classColor(det.class_id);
+    const [x1, y1, x2, y2] = [det.box[0] * sx, det.box[1] * sy, det.box[2] * sx, det.box[3] * sy];
+    ctx.strokeStyle = color;
+    ctx.strokeRect(x1, y1, x2 - x1, y2 - y1);
+    const label = `${det.class_name} ${det.confidence.toFixed(2)}`;
+    const labelHeight = fontSize + 4;
+    const labelWidth = ctx.measureText(label).width + 6;
+    const labelTop = y1 - labelHeight >= 0 ? y1 - labelHeight : y1;
+    ctx.fillStyle = color;
+    ctx.fillRect(x1 - lineWidth / 2, labelTop, labelWidth, labelHeight);
+    ctx.fillStyle = textColorOn(color);
+    ctx.fillText(label, x1 - lineWidth / 2 + 3, labelTop + 2);
+    shapes.push({ x1, y1, x2, y2, color, label, lineWidth });
+  }
+  return shapes;
+}
+
+// ---------------------------------------------------------------- live tiles
+
+function viewFps() {
+  return Number($("#view-fps").value) || 5;
+}
+
+class Tile {
+  constructor(stream) {
+    this.id = stream.id;
+    this.element = $("#tile-template").content.firstElementChild.cloneNode(true);
+    this.element.dataset.streamId = stream.id;
+    this.canvas = $(".tile-canvas", this.element);
+    this.canvas.id = `tile-${stream.id}`;
+    this.ws = null;
+    this.meta = null; // JSON of the frame whose JPEG comes next
+    this.drawing = false;
+    this.queued = null; // newest pair that arrived while drawing; older ones are skipped
+    this.shownAt = [];
+    this.backoffMs = RECONNECT_MIN_MS;
+    this.retryTimer = null;
+    this.closed = false;
+    this.update(stream);
+    $("#grid").append(this.element);
+    this.connect();
+  }
+
+  update(stream) {
+    $(".tile-name", this.element).textContent = stream.name || stream.id;
+    const badge = $(".tile-state", this.element);
+    badge.textContent = stream.state ?? "?";
+    badge.dataset.state = stream.state ?? "";
+    this.streamError = streamProblem(stream);
+    this.renderError();
+  }
+
+  url() {
+    const params = new URLSearchParams({
+      frames: "jpeg",
+      max_fps: String(viewFps()),
+      max_width: String(TILE_MAX_WIDTH),
+    });
+    const key = sessionStorage.getItem(KEY_STORAGE);
+    if (key) params.set("api_key", key);
+    const proto = location.protocol === "https:" ? "wss:" : "ws:";
+    return `${proto}//${location.host}/ws/streams/${encodeURIComponent(this.id)}?${params}`;
+  }
+
+  connect() {
+    this.retryTimer = null;
+    const ws = new WebSocket(this.url());
+    ws.binaryType = "blob";
+    this.ws = ws;
+    this.meta = null;
+    ws.onopen = () => {
+      this.backoffMs = RECONNECT_MIN_MS;
+      this.connError = null;
+      this.renderError();
+    };
+    ws.onmessage = (event) => this.onMessage(event);
+    ws.onclose = (event) => {
+      if (ws === this.ws && !this.closed) this.onClose(event);
+    };
+  }
+
+  onMessage(event) {
+    if (typeof event.data === "string") {
+      let msg;
+      try {
+        msg = JSON.parse(event.data);
+      } catch {
+        return;
+      }
+      if (msg.error) {
+        this.connError = `server: ${msg.error}`;
+        this.renderError();
+        return;
+      }
+      // A JSON message announcing a JPEG is drawn only together with that JPEG, so boxes
+      // never land on another frame's picture.
+      this.meta = msg.jpeg ? msg : null;
+      return;
+    }
+    if (!this.meta) return;
+    const pair = { meta: this.meta, blob: event.data };
+    this.meta = null;
+    if (this.drawing) {
+      this.queued = pair;
+      return;
+    }
+    this.show(pair);
+  }
+
+  async show(pair) {
+    this.drawing = true;
+    try {
+      const bitmap = await createImageBitmap(pair.blob);
+      if (this.closed) return;
+      const { meta } = pair;
+      this.canvas.width = bitmap.width;
+      this.canvas.height = bitmap.height;
+      const ctx = this.canvas.getContext("2d");
+      ctx.drawImage(bitmap, 0, 0);
+      bitmap.close();
+      const shapes = drawDetections(
+        ctx, meta.detections ?? [], this.canvas.width / meta.width, this.canvas.height / meta.height,
+      );
+      debug.drawn[this.canvas.id] = { frame: meta.frame, shapes };
+      this.countFrame(meta);
+    } catch (err) {
+      this.connError = `cannot show frame: ${err.message}`;
+      this.renderError();
+    } finally {
+      this.drawing = false;
+    }
+    const next = this.queued;
+    this.queued = null;
+    if (next && !this.closed) this.show(next);
+  }
+
+  countFrame(meta) {
+    const now = performance.now();
+    this.shownAt.push(now);
+    while (this.shownAt.length && now - this.shownAt[0] > 3000) this.shownAt.shift();
+    const span = (now - this.shownAt[0]) / 1000;
+    const fps = span > 0 ? (this.shownAt.length - 1) / span : 0;
+    const latency = meta.latency_ms != null ? ` · ${Math.round(meta.latency_ms)} ms` : "";
+    $(".tile-fps", this.element).textContent = `${fps.toFixed(1)} fps shown${latency}`;
+  }
+
+  async onClose(event) {
+    const why = event.reason ? `: ${event.reason}` : "";
+    if (event.code === 4401 || event.code === 4403) {
+      const ok = await askForKey(`The live view needs an API key (${event.code}${why}).`);
+      if (!ok) {
+        this.connError = "401 Unauthorized: enter an API key with the “API key” button";
+        this.renderError();
+        return;
+      }
+      this.backoffMs = RECONNECT_MIN_MS;
+    } else if (event.code === 4404) {
+      this.connError = `stream no longer exists${why}`;
+      this.renderError();
+      return;
+    } else {
+      this.connError = `connection lost (code ${event.code}${why}); reconnecting…`;
+      this.renderError();
+    }
+    this.reconnectSoon();
+  }
+
+  reconnectSoon() {
+    if (this.retryTimer || this.closed) return;
+    this.retryTimer = setTimeout(() => this.connect(), this.backoffMs);
+    this.backoffMs = Math.min(this.backoffMs * 2, RECONNECT_MAX_MS);
+  }
+
+  reconnectNow() {
+    clearTimeout(this.retryTimer);
+    this.retryTimer = null;
+    const old = this.ws;
+    this.ws = null;
+    old?.close(1000, "viewer settings changed");
+    this.connect();
+  }
+
+  renderError() {
+    const text = [this.streamError, this.connError].filter(Boolean).join(" — ");
+    const line = $(".tile-error", this.element);
+    line.textContent = text;
+    line.hidden = !text;
+  }
+
+  close() {
+    this.closed = true;
+    clearTimeout(this.retryTimer);
+    this.ws?.close(1000, "viewer closed the tile");
+    this.element.remove();
+    delete debug.drawn[this.canvas.id];
+  }
+}
+
+// ---------------------------------------------------------------- stream list
+
+const streams = new Map();
+const tiles = debug.tiles;
+const watched = new Set(JSON.parse(sessionStorage.getItem(WATCH_STORAGE) ?? "[]"));
+
+function saveWatched() {
+  sessionStorage.setItem(WATCH_STORAGE, JSON.stringify([...watched]));
+}
+
+function streamFps(stream) {
+  const fps = stream.fps_out ?? stream.fps?.out ?? stream.fps;
+  return typeof fps === "number" ? fps.toFixed(1) : "–";
+}
+
+function streamProblem(stream) {
+  const error = stream.last_error ?? stream.error;
+  if (!error || HEALTHY_STATES.has(stream.state)) return null;
+  return `${stream.state ?? "error"}: ${error}`;
+}
+
+function renderStreams(list) {
+  const rows = $("#stream-rows");
+  const seen = new Set();
+  for (const stream of list) {
+    seen.add(stream.id);
+    streams.set(stream.id, stream);
+    let row = rows.querySelector(`tr[data-id="${CSS.escape(stream.id)}"]`);
+    if (!row) {
+      row = document.createElement("tr");
+      row.dataset.id = stream.id;
+      row.innerHTML = `<td><input type="checkbox" class="watch"></td><td class="name"></td>
+        <td class="state"></td><td class="fps"></td>
+        <td><button type="button" class="remove">Remove</button></td>`;
+      $(".watch", row).addEventListener("change", (e) => setWatched(stream.id, e.target.checked));
+      $(".remove", row).addEventListener("click", () => removeStream(stream.id));
+      rows.append(row);
+    }
+    const name = stream.name || stream.id;
+    $(".name", row).textContent = name;
+    $(".name", row).title = stream.url ?? "";
+    $(".watch", row).checked = watched.has(stream.id);
+    $(".watch", row).setAttribute("aria-label", `watch ${name}`);
+    $(".remove", row).setAttribute("aria-label", `remove ${name}`);
+    $(".state", row).textContent = stream.state ?? "?";
+    $(".fps", row).textContent = streamFps(stream);
+    const problem = streamProblem(stream);
+    if (problem) {
+      row.dataset.error = problem;
+      $(".state", row).title = problem;
+      showError(`stream:${stream.id}`, `Stream ${name}: ${problem}`);
+    } else {
+      delete row.dataset.error;
+      $(".state", row).title = "";
+      clearError(`stream:${stream.id}`);
+    }
+    tiles.get(stream.id)?.update(stream);
+  }
+  for (const row of [...rows.children]) {
+    if (!seen.has(row.dataset.id)) {
+      forgetStream(row.dataset.id);
+    }
+  }
+  $("#no-streams").hidden = list.length > 0;
+  syncTiles();
+}
+
+function forgetStream(id) {
+  streams.delete(id);
+  $(`#stream-rows tr[data-id="${CSS.escape(id)}"]`)?.remove();
+  clearError(`stream:${id}`);
+  watched.delete(id);
+  saveWatched();
+  syncTiles();
+}
+
+function setWatched(id, on) {
+  if (on) watched.add(id);
+  else watched.delete(id);
+  saveWatched();
+  syncTiles();
+}
+
+function syncTiles() {
+  for (const [id, tile] of tiles) {
+    if (!watched.has(id) || !streams.has(id)) {
+      tile.close();
+      tiles.delete(id);
+    }
+  }
+  for (const id of watched) {
+    const stream = streams.get(id);
+    if (stream && !tiles.has(id)) tiles.set(id, new Tile(stream));
+  }
+  $("#no-tiles").hidden = tiles.size > 0;
+}
+
+async function refreshStreams() {
+  try {
+    const body = await (await api("/streams")).json();
+    renderStreams(Array.isArray(body) ? body : body.streams ?? []);
+    clearError("streams");
+  } catch (err) {
+    if (err.status > 0 && err.status !== 401) {
+      showError("streams", `Listing streams failed: ${err.message}`);
+    }
+  }
+}
+
+async function refreshLoop() {
+  await refreshStreams();
+  setTimeout(refreshLoop, REFRESH_MS);
+}
+
+async function addStream(event) {
+  event.preventDefault();
+  const form = event.target;
+  const data = new FormData(form);
+  const body = { url: String(data.get("url")).trim() };
+  const name = String(data.get("name") ?? "").trim();
+  if (name) body.name = name;
+  const maxFps = String(data.get("max_fps") ?? "").trim();
+  if (maxFps) body.max_fps = Number(maxFps);
+  try {
+    const resp = await api("/streams", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    const created = await resp.json();
+    clearError("add");
+    form.reset();
+    watched.add(created.id);
+    saveWatched();
+    await refreshStreams();
+  } catch (err) {
+    showError("add", `Adding the stream failed: ${err.message}`);
+  }
+}
+
+async function removeStream(id) {
+  try {
+    await api(`/streams/${encodeURIComponent(id)}`, { method: "DELETE" });
+    clearError(`remove:${id}`);
+    forgetStream(id);
+  } catch (err) {
+    if (err.status === 404) forgetStream(id);
+    else showError(`remove:${id}`, `Removing stream ${id} failed: ${err.message}`);
+  }
+}
+
+// ---------------------------------------------------------------- /detect playground
+
+let playgroundFile = null;
+
+async function runPlayground(file) {
+  playgroundFile = file;
+  const summary = $("#pg-summary");
+  const list = $("#pg-list");
+  summary.textContent = `Detecting ${file.name}…`;
+  list.replaceChildren();
+  let bitmap;
+  try {
+    bitmap = await createImageBitmap(file);
+  } catch {
+    showError("playground", `${file.name} is not an image this browser can show; pick a JPEG, PNG or WebP.`);
+    summary.textContent = "";
+    return;
+  }
+  try {
+    const form = new FormData();
+    form.append("image", file, file.name);
+    const conf = encodeURIComponent($("#pg-conf").value || "0.25");
+    const result = await (await api(`/detect?conf=${conf}`, { method: "POST", body: form })).json();
+    clearError("playground");
+    const canvas = $("#pg-canvas");
+    canvas.width = bitmap.width;
+    canvas.height = bitmap.height;
+    const ctx = canvas.getContext("2d");
+    ctx.drawImage(bitmap, 0, 0);
+    const shapes = drawDetections(
+      ctx, result.detections, bitmap.width / result.image.width, bitmap.height / result.image.height,
+    );
+    debug.drawn[canvas.id] = { file: file.name, shapes, detections: result.detections };
+    const timing = result.timing_ms ?? {};
+    summary.textContent = `${file.name}: ${result.detections.length} detection(s), ` +
+      `${result.image.width}×${result.image.height}, ${timing.total ?? "?"} ms (${result.model})`;
+    for (const det of result.detections) {
+      const item = document.createElement("li");
+      item.textContent = `${det.class_name} ${det.confidence.toFixed(2)} ` +
+        `[${det.box.map((v) => Math.round(v)).join(", ")}]`;
+      item.style.borderLeft = `6px solid ${classColor(det.class_id)}`;
+      item.style.paddingLeft = "4px";
+      list.append(item);
+    }
+  } catch (err) {
+    summary.textContent = "";
+    showError("playground", `Detection failed for ${file.name}: ${err.message}`);
+  } finally {
+    bitmap.close();
+  }
+}
+
+function setUpPlayground() {
+  const zone = $("#drop-zone");
+  $("#pick").addEventListener("change", (event) => {
+    const [file] = event.target.files;
+    if (file) runPlayground(file);
+  });
+  zone.addEventListener("dragover", (event) => {
+    event.preventDefault();
+    zone.classList.add("over");
+  });
+  zone.addEventListener("dragleave", () => zone.classList.remove("over"));
+  zone.addEventListener("drop", (event) => {
+    event.preventDefault();
+    zone.classList.remove("over");
+    const file = event.dataTransfer?.files?.[0];
+    if (file) runPlayground(file);
+  });
+  $("#pg-conf").addEventListener("change", () => {
+    if (playgroundFile) runPlayground(playgroundFile);
+  });
+}
+
+// ---------------------------------------------------------------- start
+
+async function showModel() {
+  try {
+    const model = await (await api("/model")).json();
+    $("#model-name").textContent = `${model.model} · ${model.backend}`;
+  } catch {
+    // The status badge and the error list already say why.
+  }
+}
+
+$("#add-stream").addEventListener("submit", addStream);
+$("#view-fps").addEventListener("change", () => {
+  for (const tile of tiles.values()) tile.reconnectNow();
+});
+$("#key-button").addEventListener("click", async () => {
+  if (await askForKey("API key for this server:")) {
+    clearError("auth");
+    for (const tile of tiles.values()) tile.reconnectNow();
+    showModel();
+    refreshStreams();
+  }
+});
+setUpPlayground();
+showModel().then(refreshLoop);

@@ -1,0 +1,280 @@
+"""The viewer page at ``GET /``, driven in Debian's headless Chromium by Playwright against a
+real ``streamdet serve`` process (uvicorn). Screenshots go to ``tests/artifacts/``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, FilePayload, Page, Playwright, expect, sync_playwright
+
+from tests.helpers import CACHE_DIR, MODEL_PT, REPO, free_port, ultralytics_assets
+
+pytestmark = pytest.mark.browser
+
+ARTIFACTS = REPO / "tests" / "artifacts"
+CHROMIUM = Path(os.environ.get("STREAMDET_CHROMIUM", "/usr/bin/chromium"))
+# Playwright's own browser download cannot work offline; these flags keep Debian's Chromium
+# from reaching the network or a GPU.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+START_TIMEOUT_S = 180.0
+UI_TIMEOUT_MS = 60_000
+
+# Counts, per drawn shape, the sampled points along its four edges whose canvas pixel is
+# the shape's colour (``own``) or that of any drawn shape (``any``: where boxes overlap the
+# later one wins), within 4 levels per channel (two antialiased fills of one colour can round
+# differently). Runs in one task, so the canvas cannot change while it reads.
+EDGE_PIXELS_JS = """
+(canvasId) => {
+  const canvas = document.getElementById(canvasId);
+  const record = window.streamdet.drawn[canvasId];
+  const ctx = canvas.getContext("2d");
+  const { data, width, height } = ctx.getImageData(0, 0, canvas.width, canvas.height);
+  const rgb = (hex) => [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
+  const near = (a, b) => a.every((v, i) => Math.abs(v - b[i]) <= 4);
+  const drawnColors = record.shapes.map((s) => rgb(s.color));
+  return record.shapes.map((s) => {
+    const want = rgb(s.color);
+    const points = [];
+    for (let k = 1; k < 10; k++) {
+      const t = k / 10;
+      const x = s.x1 + (s.x2 - s.x1) * t;
+      const y = s.y1 + (s.y2 - s.y1) * t;
+      points.push([x, s.y1], [x, s.y2], [s.x1, y], [s.x2, y]);
+    }
+    let own = 0, any = 0, total = 0;
+    for (const [x, y] of points) {
+      const px = Math.min(width - 1, Math.max(0, Math.floor(x)));
+      const py = Math.min(height - 1, Math.max(0, Math.floor(y)));
+      const i = (py * width + px) * 4;
+      const got = [data[i], data[i + 1], data[i + 2]];
+      total += 1;
+      if (near(got, want)) own += 1;
+      if (drawnColors.some((c) => near(got, c))) any += 1;
+    }
+    return { label: s.label, own, any, total };
+  });
+}
+"""
+
+
+class ServerProcess:
+    """A real ``streamdet serve`` process on a fixed port, restartable on that same port."""
+
+    def __init__(self, port: int, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.env = {
+            **os.environ,
+            "STREAMDET_CACHE_DIR": str(CACHE_DIR),
+            "STREAMDET_MAX_BATCH": "4",
+            "STREAMDET_WORKERS": "1",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the server and return once uvicorn listens (its own log line says so)."""
+        listening = threading.Event()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--model",
+                str(MODEL_PT),
+                "--port",
+                str(self.port),
+            ],
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.proc = proc
+
+        def pump() -> None:
+            # Reads the log to its end, so the pipe never fills; wakes start() on readiness
+            # or on exit (EOF).
+            assert proc.stdout is not None
+            with self.log_path.open("a") as log:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if "Uvicorn running on" in line:
+                        listening.set()
+            proc.stdout.close()
+            listening.set()
+
+        self._reader = threading.Thread(target=pump, name=f"server-log-{self.port}", daemon=True)
+        self._reader.start()
+        if not listening.wait(START_TIMEOUT_S) or proc.poll() is not None:
+            self.stop()
+            pytest.fail(
+                f"streamdet serve did not start within {START_TIMEOUT_S:.0f} s;"
+                f" log: {self.log_path}\n{self.log_path.read_text()[-3000:]}"
+            )
+
+    def stop(self) -> None:
+        """SIGTERM, then wait for the process and its log reader."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if self._reader is not None:
+            self._reader.join(10)
+
+
+@pytest.fixture(scope="module")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="module")
+def server(artifacts: Path) -> Iterator[ServerProcess]:
+    if not MODEL_PT.exists():
+        pytest.fail(f"shared model missing: {MODEL_PT} (set STREAMDET_SHARED_DIR)")
+    log_path = artifacts / "viewer-server.log"
+    log_path.write_text("")
+    srv = ServerProcess(free_port(), log_path)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as pw:
+        yield pw
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"Chromium not found at {CHROMIUM}: run scripts/system-deps.sh (Debian package"
+            " chromium), point STREAMDET_CHROMIUM at another binary, or deselect with"
+            " -m 'not browser'"
+        )
+    browser = playwright.chromium.launch(
+        executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+    )
+    yield browser
+    browser.close()
+
+
+class PageErrors:
+    """Uncaught exceptions in the page's script; a test ends with none."""
+
+    def __init__(self, page: Page) -> None:
+        self.errors: list[str] = []
+        page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[tuple[Page, PageErrors]]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    page = context.new_page()
+    errors = PageErrors(page)
+    yield page, errors
+    context.close()
+
+
+def assert_boxes_on_canvas(page: Page, canvas_id: str) -> None:
+    """The boxes are really painted: along each drawn box's edges the pixels carry its class
+    colour, except where a later box's edge or label overlaps it."""
+    hits: list[dict[str, Any]] = page.evaluate(EDGE_PIXELS_JS, canvas_id)
+    assert hits, f"nothing drawn on #{canvas_id}"
+    for hit in hits:
+        assert hit["own"] >= 0.5 * hit["total"], hit
+        assert hit["any"] >= 0.9 * hit["total"], hit
+
+
+def test_page_and_assets_are_served_locally(server: ServerProcess) -> None:
+    with httpx.Client(base_url=server.base, timeout=30) as client:
+        index = client.get("/")
+        assert index.status_code == 200
+        assert index.headers["content-type"].startswith("text/html")
+        for asset, ctype in (("/static/viewer.js", "javascript"), ("/static/viewer.css", "css")):
+            resp = client.get(asset)
+            assert resp.status_code == 200, asset
+            assert ctype in resp.headers["content-type"], asset
+            # No CDN: the page works without internet.
+            assert "https://" not in resp.text, asset
+        assert "https://" not in index.text
+
+
+def test_playground_draws_boxes_for_bus(
+    server: ServerProcess, page: tuple[Page, PageErrors], artifacts: Path
+) -> None:
+    pg, errors = page
+    bus = ultralytics_assets() / "bus.jpg"
+    with httpx.Client(base_url=server.base, timeout=60) as client:
+        expected = client.post(
+            "/detect", files={"image": ("bus.jpg", bus.read_bytes(), "image/jpeg")}
+        ).json()["detections"]
+    pg.goto(server.base + "/")
+    expect(pg.locator("#server-status")).to_have_text("connected")
+    pg.set_input_files("#pick", bus)
+    pg.wait_for_function("() => window.streamdet.drawn['pg-canvas'] !== undefined")
+    expect(pg.locator("#pg-list li")).to_have_count(len(expected))
+    drawn = pg.evaluate("() => window.streamdet.drawn['pg-canvas'].shapes")
+    assert sorted(s["label"].split()[0] for s in drawn) == sorted(d["class_name"] for d in expected)
+    assert {"bus", "person"} <= {d["class_name"] for d in expected}
+    size = pg.evaluate(
+        "() => [document.getElementById('pg-canvas').width,"
+        " document.getElementById('pg-canvas').height]"
+    )
+    assert size == [810, 1080]
+    expect(pg.locator("#pg-summary")).to_contain_text(f"{len(expected)} detection(s)")
+    pg.screenshot(path=artifacts / "viewer-playground.png", full_page=True)
+    pg.locator("#pg-canvas").screenshot(path=artifacts / "viewer-playground-canvas.png")
+    assert_boxes_on_canvas(pg, "pg-canvas")
+    assert errors.errors == []
+
+
+def test_playground_shows_server_errors(
+    server: ServerProcess, page: tuple[Page, PageErrors], artifacts: Path
+) -> None:
+    pg, errors = page
+    pg.goto(server.base + "/")
+    pg.fill("#pg-conf", "2")  # the server accepts 0..1
+    pg.set_input_files("#pick", ultralytics_assets() / "zidane.jpg")
+    alert = pg.locator('#errors [data-key="playground"]')
+    expect(alert).to_contain_text("Detection failed for zidane.jpg: 422")
+    expect(alert).to_contain_text("conf")
+    not_an_image: FilePayload = {
+        "name": "notes.txt",
+        "mimeType": "text/plain",
+        "buffer": b"not an image",
+    }
+    pg.set_input_files("#pick", files=not_an_image)
+    expect(alert).to_contain_text("notes.txt is not an image")
+    pg.screenshot(path=artifacts / "viewer-playground-error.png", full_page=True)
+    assert errors.errors == []
