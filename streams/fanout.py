@@ -1,0 +1,123 @@
+"""Processed frames and their fan-out to subscribers (WebSocket viewers).
+
+Everything here runs on the event loop. Each subscriber owns a small bounded queue; when it
+is full the oldest message is dropped, so a slow viewer loses old frames and never slows
+the stream or the other viewers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.types import Detections, Image
+
+WS_NORMAL = 1000
+WS_GOING_AWAY = 1001
+
+
+@dataclass(slots=True)
+class ProcessedFrame:
+    """One frame of a stream with its detections, as published.
+
+    The decoded ``image`` stays reachable here so a viewer can render or encode the very
+    frame the detections belong to (e.g. a JPEG beside the JSON).
+
+    Attributes:
+        stream_id: the stream.
+        frame: decoded-frame index since the stream was added.
+        pts: presentation time in seconds from the source, if it has one.
+        captured_at: wall-clock time (epoch seconds) when the frame was decoded.
+        decoded_mono: ``time.monotonic()`` at decode, for latency.
+        image: the RGB frame that was run.
+        detections: its detections.
+        batch_size: size of the engine batch it ran in.
+        latency_ms: decode to publication, set when published.
+    """
+
+    stream_id: str
+    frame: int
+    pts: float | None
+    captured_at: float
+    decoded_mono: float
+    image: Image
+    detections: Detections
+    batch_size: int
+    latency_ms: float = 0.0
+    _json: str | None = field(default=None, repr=False)
+
+    def to_message(self) -> dict[str, Any]:
+        """The WebSocket message (DESIGN §4)."""
+        return {
+            "stream_id": self.stream_id,
+            "frame": self.frame,
+            "pts": None if self.pts is None else round(self.pts, 4),
+            "captured_at": round(self.captured_at, 6),
+            "width": self.detections.width,
+            "height": self.detections.height,
+            "detections": self.detections.to_json(),
+            "latency_ms": round(self.latency_ms, 2),
+        }
+
+    def json_text(self) -> str:
+        """The message as JSON text, built once and shared by every subscriber."""
+        if self._json is None:
+            self._json = json.dumps(self.to_message(), separators=(",", ":"))
+        return self._json
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """End of a subscription: the WebSocket close code and reason to send."""
+
+    code: int
+    reason: str
+
+
+class Subscriber:
+    """One viewer of one stream: a bounded queue that drops its oldest message when full.
+
+    Args:
+        stream_id: the stream watched.
+        maxsize: messages kept for a viewer that reads slower than the stream.
+        options: the viewer's query options (a seam for viewers that want more than JSON).
+    """
+
+    def __init__(self, stream_id: str, maxsize: int, options: dict[str, str] | None = None) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be >= 1 (setting STREAMDET_WS_QUEUE_SIZE)")
+        self.stream_id = stream_id
+        self.options = options or {}
+        self.dropped = 0
+        self.closed: Closed | None = None
+        self._queue: asyncio.Queue[ProcessedFrame | Closed] = asyncio.Queue(maxsize)
+
+    def offer(self, frame: ProcessedFrame) -> None:
+        """Queue ``frame``, dropping the oldest waiting one if the queue is full."""
+        if self.closed is not None:
+            return
+        self._put(frame)
+
+    def close(self, code: int, reason: str) -> None:
+        """End the subscription; the reader gets :class:`Closed` after nothing else."""
+        if self.closed is not None:
+            return
+        self.closed = Closed(code, reason)
+        while not self._queue.empty():  # a closing viewer needs no backlog
+            self._queue.get_nowait()
+        self._queue.put_nowait(self.closed)
+
+    def _put(self, item: ProcessedFrame | Closed) -> None:
+        if self._queue.full():
+            self._queue.get_nowait()
+            self.dropped += 1
+        self._queue.put_nowait(item)
+
+    async def get(self) -> ProcessedFrame | Closed:
+        """The next frame, or :class:`Closed` once the subscription ended."""
+        return await self._queue.get()
+
+    def qsize(self) -> int:
+        return self._queue.qsize()

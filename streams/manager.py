@@ -1,0 +1,252 @@
+"""StreamManager: the set of live streams, their persistence, and the fan-out of their
+detections to subscribers.
+
+Threads: each stream decodes on its own thread (``StreamReader``); detections arrive on
+engine worker threads and are handed to the event loop with ``call_soon_threadsafe``;
+everything else here (subscribers, the stream table) lives on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.pool import EnginePool
+from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
+from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
+from streams.store import StreamRecord, StreamStore, new_record
+
+log = logging.getLogger(__name__)
+
+
+class StreamLimitError(RuntimeError):
+    """No more streams may be added (setting ``STREAMDET_MAX_STREAMS``)."""
+
+
+class ManagerClosed(RuntimeError):
+    """The server is shutting down."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerOptions:
+    """Settings the manager needs.
+
+    Attributes:
+        reader: per-stream timeouts, backoff and limits.
+        allowed_file_dir: the only directory ``file://`` sources may come from.
+        ws_queue_size: messages kept per subscriber.
+        max_streams: most streams at once.
+        stop_timeout_s: how long to wait for a decode thread to exit.
+    """
+
+    reader: ReaderOptions
+    allowed_file_dir: Path | None
+    ws_queue_size: int = 4
+    max_streams: int = 64
+    stop_timeout_s: float = 10.0
+
+
+class StreamManager:
+    """Adds, removes, persists and reports streams; publishes their processed frames.
+
+    Args:
+        pool: the started engine pool frames go to.
+        store: where the stream list is kept.
+        options: see :class:`ManagerOptions`.
+    """
+
+    def __init__(self, pool: EnginePool, store: StreamStore, options: ManagerOptions) -> None:
+        self._pool = pool
+        self._store = store
+        self._opt = options
+        self._records: dict[str, StreamRecord] = {}
+        self._readers: dict[str, StreamReader] = {}
+        self._subs: dict[str, set[Subscriber]] = {}
+        self._latest: dict[str, ProcessedFrame] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Re-open every persisted stream."""
+        self._loop = asyncio.get_running_loop()
+        for record in await asyncio.to_thread(self._store.load):
+            try:
+                spec = self._spec(record)
+            except SourceError as exc:
+                # Settings changed since it was added (e.g. the allowed directory): show it.
+                log.error("stream %s: cannot re-open %s: %s", record.id, redact(record.url), exc)
+                self._launch(record, None, error=str(exc))
+                continue
+            self._launch(record, spec)
+        log.info("streams: re-opened %d persisted stream(s)", len(self._records))
+
+    def going_away(self) -> None:
+        """Close every subscriber with 1001 (going away); safe from any thread or a signal
+        handler. Called as soon as shutdown begins, before the HTTP server drops sockets."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has already stopped
+            loop.call_soon_threadsafe(self._close_all, WS_GOING_AWAY, "server shutting down")
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop intake, close subscribers (1001), stop every decode thread."""
+        self._closing = True
+        self._close_all(WS_GOING_AWAY, "server shutting down")
+        readers = list(self._readers.values())
+        for reader in readers:
+            reader.stop()
+        end = time.monotonic() + timeout_s
+        for reader in readers:
+            if not await asyncio.to_thread(reader.join, max(0.0, end - time.monotonic())):
+                log.warning(
+                    "stream %s: decode thread still running after %.1f s",
+                    reader.config.id,
+                    timeout_s,
+                )
+        self._readers.clear()
+        self._latest.clear()
+
+    # ---- control API -------------------------------------------------------------------
+    async def add(
+        self,
+        url: str,
+        name: str = "",
+        max_fps: float | None = None,
+        transport: Transport = "tcp",
+        loop: bool = True,
+    ) -> dict[str, Any]:
+        """Validate, persist and open a stream; returns its description.
+
+        Raises:
+            SourceError: malformed or disallowed URL.
+            StreamLimitError: already ``max_streams`` streams.
+            ManagerClosed: shutting down.
+        """
+        if self._closing:
+            raise ManagerClosed("server shutting down")
+        if len(self._records) >= self._opt.max_streams:
+            raise StreamLimitError(
+                f"already {len(self._records)} streams, the limit (setting STREAMDET_MAX_STREAMS)"
+            )
+        spec = parse_source(url, self._opt.allowed_file_dir, transport, loop)
+        sid = uuid.uuid4().hex[:12]
+        record = new_record(
+            sid, url, name=name, max_fps=max_fps, transport=transport, loop=spec.loop
+        )
+        await asyncio.to_thread(self._store.add, record)
+        self._launch(record, spec)
+        log.info("stream %s: added %s", sid, redact(url))
+        return self._describe(record)
+
+    async def remove(self, stream_id: str) -> bool:
+        """Stop a stream, free its decoder, forget it. False if unknown."""
+        record = self._records.pop(stream_id, None)
+        if record is None:
+            return False
+        reader = self._readers.pop(stream_id)
+        reader.stop()
+        self._pool.queue.discard(stream_id)
+        for sub in self._subs.pop(stream_id, set()):
+            sub.close(WS_NORMAL, "stream removed")
+        self._latest.pop(stream_id, None)
+        await asyncio.to_thread(self._store.remove, stream_id)
+        if not await asyncio.to_thread(reader.join, self._opt.stop_timeout_s):
+            log.warning(
+                "stream %s: decode thread did not exit within %.1f s",
+                stream_id,
+                self._opt.stop_timeout_s,
+            )
+        log.info("stream %s: removed", stream_id)
+        return True
+
+    def describe(self, stream_id: str) -> dict[str, Any] | None:
+        """``GET /streams/{id}``: the stream, its state and counters."""
+        record = self._records.get(stream_id)
+        return None if record is None else self._describe(record)
+
+    def _describe(self, record: StreamRecord) -> dict[str, Any]:
+        return {
+            "id": record.id,
+            "name": record.name,
+            "url": redact(record.url),
+            "max_fps": record.max_fps,
+            "transport": record.transport,
+            "created_at": record.created_at,
+            **self._readers[record.id].snapshot(),
+            "subscribers": len(self._subs.get(record.id, ())),
+        }
+
+    def list(self) -> list[dict[str, Any]]:
+        return [d for sid in self._records if (d := self.describe(sid)) is not None]
+
+    def threads_alive(self) -> int:
+        """Decode threads still running (leak checks)."""
+        return sum(1 for r in self._readers.values() if r.alive)
+
+    # ---- subscribers -------------------------------------------------------------------
+    def subscribe(self, stream_id: str, options: dict[str, str] | None = None) -> Subscriber | None:
+        """A new subscriber of ``stream_id``; ``None`` if the stream is unknown."""
+        if stream_id not in self._records or self._closing:
+            return None
+        sub = Subscriber(stream_id, self._opt.ws_queue_size, options)
+        self._subs.setdefault(stream_id, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self._subs.get(sub.stream_id, set()).discard(sub)
+
+    def latest(self, stream_id: str) -> ProcessedFrame | None:
+        """The last published frame of a stream (with its image)."""
+        return self._latest.get(stream_id)
+
+    def _close_all(self, code: int, reason: str) -> None:
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.close(code, reason)
+
+    # ---- publication -------------------------------------------------------------------
+    def _publish_threadsafe(self, frame: ProcessedFrame) -> None:
+        """Engine worker thread: hand the frame to the event loop."""
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
+            loop.call_soon_threadsafe(self._publish, frame)
+
+    def _publish(self, frame: ProcessedFrame) -> None:
+        reader = self._readers.get(frame.stream_id)
+        if reader is None:
+            return  # removed while the frame was in flight
+        frame.latency_ms = (time.monotonic() - frame.decoded_mono) * 1000.0
+        reader.record_latency(frame.latency_ms)
+        self._latest[frame.stream_id] = frame
+        for sub in self._subs.get(frame.stream_id, ()):
+            sub.offer(frame)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _spec(self, record: StreamRecord) -> SourceSpec:
+        transport: Transport = "udp" if record.transport == "udp" else "tcp"
+        return parse_source(record.url, self._opt.allowed_file_dir, transport, record.loop)
+
+    def _launch(self, record: StreamRecord, spec: SourceSpec | None, error: str = "") -> None:
+        placeholder = SourceSpec(record.url, "invalid")
+        config = StreamConfig(record.id, spec or placeholder, record.name, record.max_fps)
+        reader = StreamReader(
+            config, self._opt.reader, self._pool.submit_latest, self._publish_threadsafe
+        )
+        self._records[record.id] = record
+        self._readers[record.id] = reader
+        if spec is None:
+            reader.state = StreamState.FAILED
+            reader.last_error = error
+            return
+        reader.start()

@@ -1,0 +1,363 @@
+"""One stream: a decode thread that opens the source, decodes, paces and hands frames to the
+engine pool, and reconnects with backoff when the source fails.
+
+A stream never holds more than one frame waiting for inference: frames go to the pool's
+per-stream latest-frame lane (``submit_latest``), where a newer frame replaces a waiting
+one and the replaced frame is counted as a drop. So a stream that is faster than the
+engines loses frames, never gains latency, and never blocks another stream.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
+from engines.types import DetectParams, Image
+from streams.fanout import ProcessedFrame
+from streams.sources import SourceSpec, backoff_delay, open_options, redact
+
+log = logging.getLogger(__name__)
+
+FrameSink = Callable[[str, WorkItem], "WorkItem | None"]
+"""``EnginePool.submit_latest``: offer a frame, get back the one it replaced."""
+PublishFn = Callable[[ProcessedFrame], None]
+"""Called from an engine worker thread with each processed frame; must not block."""
+
+
+class StreamState(enum.StrEnum):
+    CONNECTING = "connecting"
+    LIVE = "live"
+    RECONNECTING = "reconnecting"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class FatalSourceError(RuntimeError):
+    """The source opened but can never work (no video, frames too large): no retry."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    """What the user asked for (persisted).
+
+    Attributes:
+        id: stream id.
+        spec: the validated source.
+        name: display name.
+        max_fps: sample at most this many frames per second (``None``: every frame).
+    """
+
+    id: str
+    spec: SourceSpec
+    name: str = ""
+    max_fps: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderOptions:
+    """Timeouts, backoff and limits shared by every stream (from settings)."""
+
+    open_timeout_s: float = 10.0
+    read_timeout_s: float = 10.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_attempts: int = 0
+    frame_deadline_ms: float = 1000.0
+    max_pixels: int = 50_000_000
+    params: DetectParams = field(default_factory=DetectParams)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A frame on its way through the pool."""
+
+    frame_no: int
+    pts: float | None
+    captured_at: float
+    decoded_mono: float
+    image: Image
+
+
+class RateMeter:
+    """Events per second over the last ``window`` events (bounded, no timers)."""
+
+    def __init__(self, window: int = 50, horizon_s: float = 3.0) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+        self._horizon_s = horizon_s
+
+    def tick(self, now: float) -> None:
+        self._times.append(now)
+
+    def rate(self, now: float) -> float:
+        recent = [t for t in self._times if now - t <= self._horizon_s]
+        if len(recent) < 2:
+            return 0.0
+        return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
+
+
+class StreamReader:
+    """The decode thread of one stream, and its state and counters.
+
+    Args:
+        config: the stream.
+        options: timeouts, backoff and limits.
+        submit: where frames go (``EnginePool.submit_latest``).
+        publish: receives each processed frame on an engine worker thread.
+        rng: jitter source (seeded in tests).
+    """
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        options: ReaderOptions,
+        submit: FrameSink,
+        publish: PublishFn,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self._opt = options
+        self._submit = submit
+        self._publish = publish
+        self._rng = rng or random.Random()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"stream-{config.id}", daemon=True)
+        self.state = StreamState.CONNECTING
+        self.last_error: str | None = None
+        self.frames_in = 0
+        self.processed = 0
+        self.drops = 0
+        self.skipped = 0
+        self.reconnects = 0
+        self.width = 0
+        self.height = 0
+        self.last_latency_ms: float | None = None
+        self._last_frame_mono: float | None = None
+        self._fps_in = RateMeter()
+        self._fps_out = RateMeter()
+        self._frame_no = 0
+
+    # ---- control -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to stop; it closes its decoder within one read timeout."""
+        self._stop.set()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread; True once it has exited."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def record_latency(self, latency_ms: float) -> None:
+        with self._lock:
+            self.last_latency_ms = latency_ms
+
+    def snapshot(self) -> dict[str, Any]:
+        """State and counters, as ``GET /streams/{id}`` shows them."""
+        now = time.monotonic()
+        with self._lock:
+            age = None if self._last_frame_mono is None else now - self._last_frame_mono
+            return {
+                "state": self.state.value,
+                "last_error": self.last_error,
+                "fps_in": round(self._fps_in.rate(now), 2),
+                "fps_processed": round(self._fps_out.rate(now), 2),
+                "frames_in": self.frames_in,
+                "frames_processed": self.processed,
+                "drops": self.drops,
+                "skipped": self.skipped,
+                "reconnects": self.reconnects,
+                "last_frame_age_s": None if age is None else round(age, 3),
+                "last_latency_ms": None
+                if self.last_latency_ms is None
+                else round(self.last_latency_ms, 2),
+                "width": self.width,
+                "height": self.height,
+            }
+
+    # ---- thread ------------------------------------------------------------------------
+    def _set_state(self, state: StreamState, error: str | None = None) -> None:
+        with self._lock:
+            if state != self.state:
+                log.info(
+                    "stream %s: %s -> %s%s",
+                    self.config.id,
+                    self.state.value,
+                    state.value,
+                    f" ({error})" if error else "",
+                )
+            self.state = state
+            if error is not None:
+                self.last_error = error
+
+    def _run(self) -> None:
+        sid = self.config.id
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                got_frames = self._open_and_read()
+            except FatalSourceError as exc:
+                log.error("stream %s: %s; not retrying", sid, exc)
+                self._set_state(StreamState.FAILED, str(exc))
+                return
+            except PoolClosed:
+                break
+            except Exception as exc:  # any source failure: a camera may come back
+                got_frames = False
+                self._set_state(StreamState.RECONNECTING, f"{type(exc).__name__}: {exc}")
+                log.warning("stream %s: %s: %s", sid, redact(self.config.spec.url), exc)
+            else:
+                if self._stop.is_set():
+                    break
+                if self.config.spec.is_file and self.config.spec.loop and got_frames:
+                    continue  # clip ended: start it again at once
+                self._set_state(StreamState.RECONNECTING, "source ended")
+            attempt = 1 if got_frames else attempt + 1
+            if self._opt.max_attempts and attempt > self._opt.max_attempts:
+                self._set_state(
+                    StreamState.FAILED,
+                    f"gave up after {attempt - 1} reconnect"
+                    f" attempts ({self.last_error}; setting"
+                    " STREAMDET_RECONNECT_MAX_ATTEMPTS)",
+                )
+                return
+            delay = backoff_delay(
+                attempt, self._opt.backoff_initial_s, self._opt.backoff_max_s, self._rng
+            )
+            log.info("stream %s: reconnect attempt %d in %.2f s", sid, attempt, delay)
+            if self._stop.wait(delay):
+                break
+            with self._lock:
+                self.reconnects += 1
+        self._set_state(StreamState.STOPPED)
+
+    def _open_and_read(self) -> bool:
+        """Open the source and read it until it ends or the stream stops; True if any
+        frame was decoded."""
+        import av
+
+        spec = self.config.spec
+        container = av.open(
+            spec.target,
+            options=open_options(spec),
+            timeout=(self._opt.open_timeout_s, self._opt.read_timeout_s),
+        )
+        try:
+            if not container.streams.video:
+                raise FatalSourceError(f"{redact(spec.url)} has no video stream")
+            stream = container.streams.video[0]
+            return self._read(container, stream)
+        finally:
+            container.close()  # frees the decoder and the socket at once
+
+    def _read(self, container: Any, stream: Any) -> bool:
+        import av
+
+        got = False
+        pace_base: tuple[float, float] | None = None  # (monotonic, pts) of the first frame
+        min_gap = 1.0 / self.config.max_fps if self.config.max_fps else 0.0
+        last_sent = -1e9
+        for packet in container.demux(stream):
+            if self._stop.is_set():
+                return got
+            try:
+                frames = packet.decode()
+            except av.error.InvalidDataError as exc:
+                log.debug("stream %s: undecodable packet: %s", self.config.id, exc)
+                continue
+            for frame in frames:
+                now = time.monotonic()
+                if not got:
+                    got = True
+                    self._set_state(StreamState.LIVE)
+                pts = frame.time
+                if self.config.spec.is_file and pts is not None:
+                    # A file decodes faster than real time; pace it like the camera it stands for.
+                    if pace_base is None:
+                        pace_base = (now, pts)
+                    wait = pace_base[0] + (pts - pace_base[1]) - now
+                    if wait > 0 and self._stop.wait(wait):
+                        return got
+                    now = time.monotonic()
+                self._count_in(now, frame.width, frame.height)
+                if frame.width * frame.height > self._opt.max_pixels:
+                    raise FatalSourceError(
+                        f"frames of {frame.width}x{frame.height} exceed"
+                        f" {self._opt.max_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
+                    )
+                if min_gap and now - last_sent < min_gap * 0.95:
+                    with self._lock:
+                        self.skipped += 1
+                    continue
+                last_sent = now
+                self._offer(frame.to_ndarray(format="rgb24"), pts, now)
+        return got
+
+    def _count_in(self, now: float, width: int, height: int) -> None:
+        with self._lock:
+            self.frames_in += 1
+            self._fps_in.tick(now)
+            self._last_frame_mono = now
+            self.width, self.height = width, height
+
+    def _offer(self, image: Image, pts: float | None, decoded_mono: float) -> None:
+        self._frame_no += 1
+        sid = self.config.id
+        pending = _Pending(self._frame_no, pts, time.time(), decoded_mono, image)
+        done = functools.partial(self._on_done, pending)
+        item = WorkItem(
+            image,
+            self._opt.params,
+            deadline=decoded_mono + self._opt.frame_deadline_ms / 1000.0,
+            on_done=done,
+            request_id=f"{sid}:{self._frame_no}",
+            stream_id=sid,
+        )
+        replaced = self._submit(sid, item)
+        if replaced is not None:
+            with self._lock:
+                self.drops += 1
+
+    def _on_done(self, pending: _Pending, result: WorkResult) -> None:
+        """Engine worker thread: count, then publish."""
+        if result.detections is None:
+            if isinstance(result.error, DeadlineExceeded):
+                with self._lock:
+                    self.drops += 1
+            elif not isinstance(result.error, PoolClosed):
+                log.warning(
+                    "stream %s: frame %d failed: %s", self.config.id, pending.frame_no, result.error
+                )
+            return
+        with self._lock:
+            self.processed += 1
+            self._fps_out.tick(time.monotonic())
+        if self._stop.is_set():
+            return
+        self._publish(
+            ProcessedFrame(
+                stream_id=self.config.id,
+                frame=pending.frame_no,
+                pts=pending.pts,
+                captured_at=pending.captured_at,
+                decoded_mono=pending.decoded_mono,
+                image=pending.image,
+                detections=result.detections,
+                batch_size=result.batch_size,
+            )
+        )

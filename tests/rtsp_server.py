@@ -1,0 +1,165 @@
+"""A real RTSP camera for tests and benchmarks: GStreamer's RTSP server serving MP4 clips.
+
+Runs under the SYSTEM python (``/usr/bin/python3``) with python3-gi and
+gir1.2-gst-rtsp-server-1.0 (see scripts/system-deps.sh), not the project venv::
+
+    /usr/bin/python3 tests/rtsp_server.py --port 8554 --mount cam0=../shared/videos/car.mp4
+
+Each mount serves its clip's H.264 as it is (no re-encoding, so a camera costs almost no
+CPU) and loops it forever: the clip's access units are demuxed once into memory and pushed
+through an ``appsrc`` with timestamps that keep growing across loops, so clients see one
+endless live-like stream paced at the clip's own frame rate. Every client gets its own
+pipeline starting at the clip's first (key) frame.
+
+Once listening it prints ``READY <port>`` on stdout, so a parent waits on that line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import gi
+
+gi.require_version("Gst", "1.0")
+gi.require_version("GstRtspServer", "1.0")
+from gi.repository import GLib, Gst, GstRtspServer  # noqa: E402
+
+
+@dataclass
+class AccessUnit:
+    data: bytes
+    pts: int
+    dts: int
+    duration: int
+    delta: bool
+
+
+@dataclass
+class Clip:
+    caps: Any
+    units: list[AccessUnit]
+    period_ns: int  # one loop of the clip
+
+
+def load_clip(path: str) -> Clip:
+    """Demux a clip's H.264 into byte-stream access units held in memory."""
+    pipeline = Gst.parse_launch(
+        f'filesrc location="{path}" ! qtdemux ! h264parse config-interval=-1 ! '
+        "video/x-h264,stream-format=byte-stream,alignment=au ! appsink name=sink sync=false"
+    )
+    sink = pipeline.get_by_name("sink")
+    pipeline.set_state(Gst.State.PLAYING)
+    units: list[AccessUnit] = []
+    caps = None
+    while True:
+        sample = sink.emit("pull-sample")
+        if sample is None:
+            break
+        caps = caps or sample.get_caps()
+        buf = sample.get_buffer()
+        ok, info = buf.map(Gst.MapFlags.READ)
+        if not ok:
+            raise RuntimeError(f"cannot map a buffer of {path}")
+        data = bytes(info.data)
+        buf.unmap(info)
+        units.append(
+            AccessUnit(
+                data,
+                buf.pts,
+                buf.dts,
+                buf.duration,
+                bool(buf.get_flags() & Gst.BufferFlags.DELTA_UNIT),
+            )
+        )
+    pipeline.set_state(Gst.State.NULL)
+    if not units or caps is None:
+        raise RuntimeError(f"{path}: no H.264 video found")
+    first = min(u.dts if u.dts != Gst.CLOCK_TIME_NONE else u.pts for u in units)
+    for u in units:
+        u.pts -= first
+        u.dts = u.dts - first if u.dts != Gst.CLOCK_TIME_NONE else u.pts
+    frame_ns = units[1].dts - units[0].dts if len(units) > 1 else 40_000_000
+    period = max(u.pts for u in units) + (units[-1].duration or frame_ns)
+    return Clip(caps=caps, units=units, period_ns=period)
+
+
+class LoopingFactory(GstRtspServer.RTSPMediaFactory):  # type: ignore[misc]
+    def __init__(self, clip: Clip, loop: bool) -> None:
+        super().__init__()
+        self.clip = clip
+        self.loop = loop
+        self.set_launch(
+            "( appsrc name=src format=time is-live=false max-bytes=2000000 ! "
+            "h264parse ! rtph264pay name=pay0 pt=96 config-interval=1 )"
+        )
+        self.set_shared(False)
+        self.connect("media-configure", self._configure)
+
+    def _configure(self, _factory: Any, media: Any) -> None:
+        src = media.get_element().get_child_by_name("src")
+        src.set_property("caps", self.clip.caps)
+        state = {"index": 0}
+        src.connect("need-data", self._need_data, state)
+
+    def _need_data(self, src: Any, _length: int, state: dict[str, int]) -> None:
+        units = self.clip.units
+        index = state["index"]
+        lap, pos = divmod(index, len(units))
+        if lap and not self.loop:
+            src.emit("end-of-stream")
+            return
+        unit = units[pos]
+        buf = Gst.Buffer.new_wrapped(unit.data)
+        offset = lap * self.clip.period_ns
+        buf.pts = unit.pts + offset
+        buf.dts = unit.dts + offset
+        buf.duration = unit.duration
+        if unit.delta:
+            buf.set_flags(Gst.BufferFlags.DELTA_UNIT)
+        state["index"] = index + 1
+        src.emit("push-buffer", buf)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--mount",
+        action="append",
+        required=True,
+        metavar="NAME=CLIP.mp4",
+        help="serve CLIP at rtsp://HOST:PORT/NAME (repeatable)",
+    )
+    parser.add_argument("--no-loop", action="store_true", help="end each stream after one pass")
+    args = parser.parse_args()
+    Gst.init(None)
+    clips: dict[str, Clip] = {}
+    server = GstRtspServer.RTSPServer()
+    server.set_address(args.host)
+    server.set_service(str(args.port))
+    mounts = server.get_mount_points()
+    for spec in args.mount:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--mount wants NAME=CLIP.mp4, got {spec!r}")
+        if path not in clips:
+            clips[path] = load_clip(path)
+        mounts.add_factory("/" + name.strip("/"), LoopingFactory(clips[path], not args.no_loop))
+    if server.attach(None) == 0:
+        print(f"cannot listen on {args.host}:{args.port}", file=sys.stderr)
+        return 1
+    loop = GLib.MainLoop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        GLib.unix_signal_add(GLib.PRIORITY_DEFAULT, sig, loop.quit)
+    print(f"READY {args.port}", flush=True)
+    loop.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
