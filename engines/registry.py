@@ -29,6 +29,8 @@ class EngineConfig:
     threads: int
     device: str = "cpu"
     cache_dir: Path = Path(".cache")
+    # The model file as the user gave it (.pt), for backends that run it directly (torch).
+    source: Path | None = None
 
 
 class EngineFactory(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
 from engines.pool import EnginePool
 from engines.registry import EngineConfig, default_threads, load_backend, prepare_model
@@ -21,6 +22,7 @@ def engine_config(settings: Settings, model: ModelInfo) -> EngineConfig:
         threads=default_threads(settings.workers, settings.threads_per_worker),
         device=settings.device,
         cache_dir=settings.cache_dir,
+        source=Path(settings.model),
     )
 
 

@@ -25,6 +25,20 @@ def model_info() -> ModelInfo:
     return prepare_model(str(MODEL_PT), CACHE_DIR, 640)
 
 
+def backend_device(backend: str) -> str:
+    """onnxruntime runs on the CPU, tensorrt on CUDA; torch on CUDA where a GPU is visible,
+    else on the CPU (FP32, same device-side letterbox and NMS code), so the suite checks it here.
+    STREAMDET_TEST_DEVICE overrides it (e.g. ``cuda:1``)."""
+    if backend == "onnxruntime":
+        return "cpu"
+    if backend == "torch":
+        import torch
+
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        return os.environ.get("STREAMDET_TEST_DEVICE", default)
+    return os.environ.get("STREAMDET_TEST_DEVICE", "cuda")
+
+
 def make_engine(name: str, model: ModelInfo, max_batch: int = 8) -> Engine:
     factory = load_backend(name)
     config = EngineConfig(
@@ -32,8 +46,9 @@ def make_engine(name: str, model: ModelInfo, max_batch: int = 8) -> Engine:
         imgsz=640,
         max_batch=max_batch,
         threads=2,
-        device="cpu" if name == "onnxruntime" else "cuda",
+        device=backend_device(name),
         cache_dir=CACHE_DIR,
+        source=MODEL_PT,
     )
     engine = factory(config)
     engine.load()

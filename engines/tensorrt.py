@@ -1,0 +1,260 @@
+"""TensorRT backend: a serialized engine built from the ONNX, bound to the device layer's tensors.
+
+Works on TensorRT 10.x and 11.x. TensorRT 11 removed the precision builder flags and the INT8
+calibrators: a network is always strongly typed and runs in the precision its ONNX carries
+(FP16 from ModelOpt AutoCast, INT8 from explicit Q/DQ). So the build sets no precision flag on
+either version; 10.x gets ``NetworkDefinitionCreationFlag.STRONGLY_TYPED`` for the same result.
+The batch axis (and, for a dynamic-shape ONNX, height and width) is dynamic, with one
+optimization profile. Built engines are cached on disk under a key of everything that makes a
+plan invalid: ONNX hash, TensorRT version, GPU, precision, batch range and input sizes.
+
+Each worker owns one execution context. Inputs and outputs are torch tensors whose addresses
+are bound with ``set_tensor_address``; ``execute_async_v3`` runs on the worker's CUDA stream
+(it releases the GIL), and the device layer captures it in a CUDA graph per batch bucket.
+NMS stays outside the engine so its outputs have fixed shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from engines.gpu import Forward, GpuDetector, resolve_device
+from engines.model import file_sha256
+from engines.registry import EngineConfig
+from engines.types import EngineError
+from engines.yolo import rect_shape
+
+log = logging.getLogger(__name__)
+
+Shape = tuple[int, int, int, int]
+WORKSPACE_BYTES = 4 << 30  # builder scratch; tactics needing more are skipped, not failed
+
+
+def import_tensorrt() -> ModuleType:
+    """The ``tensorrt`` module.
+
+    Raises:
+        EngineError: TensorRT is not installed, saying how to install it or what to pick instead.
+    """
+    try:
+        return importlib.import_module("tensorrt")
+    except ImportError as exc:
+        raise EngineError(
+            f"TensorRT not installed ({exc}): install the gpu extra (pip install 'streamdet[gpu]',"
+            " TensorRT 10 or 11 from NVIDIA's index) or pick --backend torch / onnxruntime"
+        ) from exc
+
+
+def trt_major(version: str) -> int:
+    """Major version of a TensorRT version string (``"10.13.0.35"`` -> 10)."""
+    try:
+        return int(version.split(".", 1)[0])
+    except ValueError:
+        raise EngineError(f"unrecognised TensorRT version {version!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileShapes:
+    """The optimization profile of the image input: ``(B, 3, H, W)`` min, opt and max."""
+
+    min: Shape
+    opt: Shape
+    max: Shape
+
+    def contains(self, shape: Shape) -> bool:
+        return all(lo <= v <= hi for lo, v, hi in zip(self.min, shape, self.max, strict=True))
+
+
+def profile_shapes(
+    max_batch: int, imgsz: int, stride: int, dynamic_hw: bool, opt_batch: int | None = None
+) -> ProfileShapes:
+    """Profile for batches of 1..``max_batch`` letterboxed to at most ``imgsz``.
+
+    A dynamic-shape ONNX gets a height/width range from ``imgsz / 4`` (an image wider than
+    4:1 is padded up to it) to ``imgsz``, tuned for 16:9 camera frames (640x384 at 640), the
+    common case of a multi-camera server. A fixed-shape ONNX gets only the batch range.
+    """
+    if max_batch < 1 or imgsz < stride or imgsz % stride:
+        raise ValueError(
+            f"need max_batch >= 1 and imgsz a multiple of {stride}, got {max_batch}, {imgsz}"
+        )
+    opt_b = min(max(opt_batch or max_batch, 1), max_batch)
+    if not dynamic_hw:
+        return ProfileShapes(
+            (1, 3, imgsz, imgsz), (opt_b, 3, imgsz, imgsz), (max_batch, 3, imgsz, imgsz)
+        )
+    low = max(stride, (imgsz // 4) // stride * stride)
+    opt_h, opt_w = rect_shape(1080, 1920, imgsz, stride)
+    return ProfileShapes((1, 3, low, low), (opt_b, 3, opt_h, opt_w), (max_batch, 3, imgsz, imgsz))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKey:
+    """Everything a serialized engine depends on; any change means a rebuild."""
+
+    onnx_sha256: str
+    trt_version: str
+    gpu: str
+    precision: str
+    profile: ProfileShapes
+
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:20]
+
+    def path(self, cache_dir: Path, stem: str) -> Path:
+        """Where this engine is cached."""
+        return cache_dir / "engines" / f"{stem}-{self.digest()}.engine"
+
+
+def gpu_identity(device: torch.device) -> str:
+    """GPU name and compute capability: a plan is only valid on the same model of GPU."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+
+
+def build_engine(trt: Any, onnx_path: Path, shapes: ProfileShapes, out: Path) -> Path:
+    """Build a strongly typed engine with one dynamic-batch profile and write it to ``out``.
+
+    Raises:
+        EngineError: the ONNX does not parse or the build fails; TensorRT's errors are included.
+    """
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    if trt_major(trt.__version__) >= 11:
+        network = builder.create_network()  # always strongly typed in 11.x
+    else:
+        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EngineError(f"TensorRT cannot parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
+    profile = builder.create_optimization_profile()
+    profile.set_shape(network.get_input(0).name, shapes.min, shapes.opt, shapes.max)
+    config.add_optimization_profile(profile)
+    log.info(
+        "building TensorRT %s engine from %s, profile %s (minutes)",
+        trt.__version__,
+        onnx_path,
+        shapes,
+    )
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise EngineError(
+            f"TensorRT failed to build an engine from {onnx_path} (see its log above)"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".build-", delete=False) as tmp:
+        tmp.write(memoryview(plan))
+    os.replace(tmp.name, out)  # concurrent builders: the last complete plan wins, none is torn
+    return out
+
+
+def ensure_engine(config: EngineConfig, device: torch.device, trt: Any) -> Path:
+    """The cached engine for ``config`` on ``device``, building it first if needed."""
+    info = config.model
+    imgsz = config.imgsz if info.dynamic_hw else info.imgsz[0]
+    shapes = profile_shapes(config.max_batch, imgsz, info.stride, info.dynamic_hw)
+    onnx_path = Path(info.path)
+    key = EngineKey(
+        file_sha256(onnx_path), trt.__version__, gpu_identity(device), info.precision, shapes
+    )
+    path = key.path(config.cache_dir, onnx_path.stem)
+    if path.exists():
+        log.info("using cached TensorRT engine %s", path)
+        return path
+    build_engine(trt, onnx_path, shapes, path)
+    path.with_suffix(".json").write_text(json.dumps(asdict(key), indent=2))
+    return path
+
+
+class TrtEngine(GpuDetector):
+    """A TensorRT engine on the worker's stream, one execution context per worker.
+
+    Args:
+        config: model metadata (the ONNX it is built from), sizes, device and cache folder.
+        use_graphs: capture ``execute_async_v3`` in CUDA graphs per batch bucket.
+    """
+
+    _shapes: ProfileShapes | None = None
+
+    def load(self) -> None:
+        """Check TensorRT and the GPU (naming every missing one), then build or load the engine.
+
+        Raises:
+            EngineError: TensorRT not installed, no CUDA device, or the build failed.
+        """
+        problems: list[str] = []
+        for check in (import_tensorrt, lambda: resolve_device(self._config.device)):
+            try:
+                check()
+            except EngineError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise EngineError("backend tensorrt cannot load: " + "; ".join(problems))
+        super().load()
+
+    def _open(self, device: torch.device) -> tuple[Forward, torch.dtype]:
+        trt = import_tensorrt()
+        if device.type != "cuda":
+            raise EngineError("backend tensorrt runs on a CUDA device (setting STREAMDET_DEVICE)")
+        info = self._config.model
+        self._shapes = profile_shapes(self.max_batch, self.input_size, info.stride, info.dynamic_hw)
+        plan = ensure_engine(self._config, device, trt)
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        engine = runtime.deserialize_cuda_engine(plan.read_bytes())
+        if engine is None:
+            raise EngineError(f"TensorRT cannot load {plan}; delete it to rebuild")
+        context = engine.create_execution_context()
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        outputs = [n for n in names if n not in inputs]
+        if len(inputs) != 1 or not outputs:
+            raise EngineError(f"engine {plan}: expected one image input, got {inputs} -> {outputs}")
+        in_name, out_name = inputs[0], outputs[0]
+        dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16}
+        in_dtype = dtypes[engine.get_tensor_dtype(in_name)]
+        out_dtype = dtypes[engine.get_tensor_dtype(out_name)]
+        buffers: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            shape = tuple(x.shape)
+            context.set_input_shape(in_name, shape)
+            bound = buffers.get(shape)
+            if bound is None:  # allocated in the eager warm-up, before any graph capture
+                bound = {
+                    n: torch.empty(
+                        tuple(context.get_tensor_shape(n)),
+                        device=device,
+                        dtype=out_dtype if n == out_name else torch.float32,
+                    )
+                    for n in outputs
+                }
+                buffers[shape] = bound
+            context.set_tensor_address(in_name, x.data_ptr())
+            for n, t in bound.items():
+                context.set_tensor_address(n, t.data_ptr())
+            if not context.execute_async_v3(torch.cuda.current_stream(device).cuda_stream):
+                raise EngineError(f"TensorRT execution failed for input {shape}")
+            return bound[out_name]
+
+        log.info("tensorrt engine: %s on %s (%s in, %s out)", plan, device, in_dtype, out_dtype)
+        return forward, in_dtype
+
+    def _clamp_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        if self._shapes is None:
+            return shape
+        return max(shape[0], self._shapes.min[2]), max(shape[1], self._shapes.min[3])

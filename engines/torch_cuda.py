@@ -1,0 +1,110 @@
+"""PyTorch backend: the Ultralytics ``.pt`` model run by PyTorch, FP16 on CUDA.
+
+Why the ``.pt`` and not the ONNX or the TorchScript trace: PyTorch cannot run an ONNX graph,
+and Ultralytics' TorchScript export traces the anchor grid of one input size (640x640), so a
+16:9 camera frame would have to run square. Loaded through Ultralytics' own modules the model
+takes any stride-multiple input, so this engine letterboxes to the same rectangular shapes as
+the CPU engine and its boxes match it. The ONNX export of the same file still provides the
+names and stride (``EngineConfig.model``), like for every backend.
+
+``device="cpu"`` also works (FP32, no stream, no graphs): it is how the parity suite checks this
+engine's device-side letterbox and NMS on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from engines.gpu import Forward, GpuDetector
+from engines.registry import EngineConfig
+from engines.types import EngineError, ModelError
+
+log = logging.getLogger(__name__)
+
+
+def find_checkpoint(config: EngineConfig) -> Path:
+    """The ``.pt`` file this engine runs: the model as given, or its downloaded copy.
+
+    Raises:
+        ModelError: the model was given as ONNX or the checkpoint cannot be found.
+    """
+    source = config.source
+    if source is None or source.suffix.lower() != ".pt":
+        raise ModelError(
+            f"backend torch runs an Ultralytics .pt checkpoint, got {source or config.model.path};"
+            " pass --model file.pt, or pick --backend tensorrt / onnxruntime for an .onnx model"
+        )
+    for candidate in (source.expanduser(), config.cache_dir / "weights" / source.name):
+        if candidate.is_file():
+            return candidate
+    raise ModelError(f"model {source}: file not found (setting STREAMDET_MODEL / --model)")
+
+
+def load_detection_model(path: Path, device: torch.device) -> torch.nn.Module:
+    """Load a fused Ultralytics detection model in eval mode on ``device``.
+
+    Raises:
+        ModelError: not a loadable Ultralytics detection checkpoint.
+    """
+    os.environ.setdefault("YOLO_OFFLINE", "true")
+    os.environ.setdefault("YOLO_AUTOINSTALL", "false")
+    os.environ.setdefault("YOLO_VERBOSE", "false")
+    try:
+        from ultralytics.nn.tasks import DetectionModel, load_checkpoint
+    except ImportError as exc:
+        raise EngineError(
+            f"backend torch needs the ultralytics package to load {path}: {exc}"
+        ) from exc
+    try:
+        with warnings.catch_warnings():  # torch.load chatter must not fail a load
+            warnings.simplefilter("ignore")
+            model, _ = load_checkpoint(str(path), device="cpu", fuse=True)
+    except Exception as exc:
+        raise ModelError(f"model {path}: cannot load as an Ultralytics checkpoint: {exc}") from exc
+    if not isinstance(model, DetectionModel) or type(model).__name__ != "DetectionModel":
+        raise ModelError(
+            f"model {path}: is a {type(model).__name__}; streamdet serves detection models"
+        )
+    head = model.model[-1]
+    # Rebuild the anchor grid inside every forward: a cached grid is a tensor that a shape
+    # change replaces, and a captured graph would keep reading the freed one.
+    head.dynamic = True
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    module: torch.nn.Module = model
+    return module
+
+
+class TorchEngine(GpuDetector):
+    """The Ultralytics model on PyTorch: FP16 with CUDA graphs on a GPU, FP32 eager on CPU.
+
+    Args:
+        config: model metadata, sizes, device (``cuda``, ``cuda:N`` or ``cpu``) and source file.
+        use_graphs: capture CUDA graphs per batch bucket (CUDA only).
+    """
+
+    def _open(self, device: torch.device) -> tuple[Forward, torch.dtype]:
+        path = find_checkpoint(self._config)
+        model = load_detection_model(path, device)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        model = model.to(dtype)
+        log.info(
+            "torch engine: %s on %s (%s, graphs %s)",
+            path,
+            device,
+            dtype,
+            self._use_graphs and device.type == "cuda",
+        )
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            out = model(x)
+            pred: torch.Tensor = out[0] if isinstance(out, tuple | list) else out
+            return pred
+
+        return forward, dtype
