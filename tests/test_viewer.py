@@ -4,6 +4,7 @@ real ``streamdet serve`` process (uvicorn). Screenshots go to ``tests/artifacts/
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, FilePayload, Page, Playwright, expect, sync_playwright
 
-from tests.helpers import CACHE_DIR, MODEL_PT, REPO, free_port, ultralytics_assets
+from tests.helpers import CACHE_DIR, MODEL_PT, REPO, VIDEOS, free_port, ultralytics_assets
+from tests.test_streams_rtsp import CAR, RtspCamera
 
 pytestmark = pytest.mark.browser
 
@@ -278,3 +280,193 @@ def test_playground_shows_server_errors(
     expect(alert).to_contain_text("notes.txt is not an image")
     pg.screenshot(path=artifacts / "viewer-playground-error.png", full_page=True)
     assert errors.errors == []
+
+
+# ---- live streams: a real RTSP camera, the stream list, tiles, errors, reconnects ----------
+
+
+@pytest.fixture(scope="module")
+def camera() -> Iterator[RtspCamera]:
+    if CAR is None:
+        pytest.fail(f"shared clip car-detection.mp4 missing: {VIDEOS} (set STREAMDET_SHARED_DIR)")
+    cam = RtspCamera({"car": CAR}).start()
+    yield cam
+    cam.stop()
+
+
+@pytest.fixture(scope="module")
+def live_server(
+    artifacts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    log_path = artifacts / "viewer-live-server.log"
+    log_path.write_text("")
+    env = {
+        "STREAMDET_DATA_DIR": str(tmp_path_factory.mktemp("viewer-data")),
+        # Quick to notice a dead camera and to come back, so the test stays short.
+        "STREAMDET_STREAM_OPEN_TIMEOUT_S": "3",
+        "STREAMDET_STREAM_READ_TIMEOUT_S": "2",
+        "STREAMDET_RECONNECT_MAX_S": "1",
+        "STREAMDET_SHUTDOWN_TIMEOUT_S": "5",
+    }
+    srv = ServerProcess(free_port(), log_path, env)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def add_stream_in_page(pg: Page, url: str, name: str) -> str:
+    """Adds a stream with the page's form; returns its id from the row that appears."""
+    pg.fill('#add-stream input[name="url"]', url)
+    pg.fill('#add-stream input[name="name"]', name)
+    pg.click('#add-stream button[type="submit"]')
+    row = pg.locator("#stream-rows tr", has=pg.locator("td.name", has_text=name))
+    expect(row).to_have_count(1)
+    stream_id = row.get_attribute("data-id")
+    assert stream_id
+    return stream_id
+
+
+def wait_for_boxes(pg: Page, canvas_id: str, after_frame: int = -1) -> int:
+    """Waits until the tile drew a frame newer than ``after_frame`` with at least one box;
+    returns that frame's number."""
+    pg.wait_for_function(
+        "([id, after]) => { const d = window.streamdet.drawn[id];"
+        " return d !== undefined && d.frame > after && d.shapes.length > 0; }",
+        arg=[canvas_id, after_frame],
+    )
+    frame: int = pg.evaluate("(id) => window.streamdet.drawn[id].frame", canvas_id)
+    return frame
+
+
+def test_live_stream_boxes_errors_grid_and_reconnect(
+    live_server: ServerProcess,
+    camera: RtspCamera,
+    page: tuple[Page, PageErrors],
+    artifacts: Path,
+) -> None:
+    pg, errors = page
+    pg.goto(live_server.base + "/")
+    expect(pg.locator("#server-status")).to_have_text("connected")
+
+    # A real camera: listed, live, and its frames drawn with their boxes.
+    car = add_stream_in_page(pg, camera.url("car"), "car")
+    car_row = pg.locator(f'#stream-rows tr[data-id="{car}"]')
+    expect(car_row.locator("td.state")).to_have_text("live")
+    tile = f"tile-{car}"
+    first = wait_for_boxes(pg, tile)
+    later = wait_for_boxes(pg, tile, first)
+    assert later > first
+    # 768x432 scaled to the page's max width of 640, boxes scaled with it.
+    assert pg.evaluate(
+        f"() => [document.getElementById('{tile}').width, document.getElementById('{tile}').height]"
+    ) == [640, 360]
+    assert_boxes_on_canvas(pg, tile)
+    labels = pg.evaluate(f"() => window.streamdet.drawn['{tile}'].shapes.map(s => s.label)")
+    # Class name and confidence on each box (yolov8n names this top-down car many things).
+    assert all(re.fullmatch(r"[a-z ]+ [01]\.\d\d", label) for label in labels), labels
+    expect(car_row.locator("td.fps")).not_to_have_text("–")
+    pg.locator(f'figure[data-stream-id="{car}"]').screenshot(
+        path=artifacts / "viewer-live-tile.png"
+    )
+
+    # A broken camera: accepted, shown with its error in the list and the page.
+    dead_url = f"rtsp://127.0.0.1:{free_port()}/nothing"
+    broken = add_stream_in_page(pg, dead_url, "broken")
+    broken_error = pg.locator(f'#errors [data-key="stream:{broken}"]')
+    expect(broken_error).to_contain_text("Stream broken: reconnecting")
+    expect(pg.locator(f'#stream-rows tr[data-id="{broken}"]')).to_have_attribute(
+        "data-error", re.compile("reconnecting: .+")
+    )
+    # Grid: both watched, side by side.
+    expect(pg.locator("#grid figure")).to_have_count(2)
+    expect(pg.locator(f'figure[data-stream-id="{broken}"] .tile-error')).to_be_visible()
+    pg.screenshot(path=artifacts / "viewer-live-grid.png", full_page=True)
+
+    # Remove: gone from the list, the grid and the error list.
+    pg.locator(f'#stream-rows tr[data-id="{broken}"] button.remove').click()
+    expect(pg.locator(f'#stream-rows tr[data-id="{broken}"]')).to_have_count(0)
+    expect(pg.locator("#grid figure")).to_have_count(1)
+    expect(broken_error).to_have_count(0)
+
+    # Server gone: said on the page; back: the WebSocket reconnects and boxes flow again
+    # (the stream list survives the restart, so the stream keeps its id).
+    live_server.stop()
+    expect(pg.locator('#errors [data-key="server"]')).to_contain_text("Server unreachable")
+    expect(pg.locator(f'figure[data-stream-id="{car}"] .tile-error')).to_contain_text(
+        "connection lost"
+    )
+    pg.screenshot(path=artifacts / "viewer-server-gone.png", full_page=True)
+    pg.evaluate(f"() => {{ delete window.streamdet.drawn['{tile}']; }}")
+    live_server.start()
+    expect(pg.locator("#server-status")).to_have_text("connected")
+    wait_for_boxes(pg, tile)
+    expect(pg.locator('#errors [data-key="server"]')).to_have_count(0)
+    expect(pg.locator(f'figure[data-stream-id="{car}"] .tile-error')).to_be_hidden()
+    pg.screenshot(path=artifacts / "viewer-reconnected.png", full_page=True)
+    assert errors.errors == []
+
+
+def test_api_key_is_asked_for_and_kept_for_the_session(
+    camera: RtspCamera,
+    page: tuple[Page, PageErrors],
+    artifacts: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    key = "viewer-test-key"
+    log_path = artifacts / "viewer-auth-server.log"
+    log_path.write_text("")
+    env = {
+        "STREAMDET_API_KEYS": key,
+        "STREAMDET_DATA_DIR": str(tmp_path_factory.mktemp("viewer-auth-data")),
+    }
+    srv = ServerProcess(free_port(), log_path, env)
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.base, timeout=30) as client:
+            assert client.get("/streams").status_code == 401
+            created = client.post(
+                "/streams",
+                json={"url": camera.url("car"), "name": "car"},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert created.status_code == 201, created.text
+            stream_id = created.json()["id"]
+        pg, errors = page
+        pg.goto(srv.base + "/")  # the page itself is open; its API calls are not
+        dialog = pg.locator("#key-dialog")
+        expect(dialog).to_be_visible()
+        expect(pg.locator("#key-reason")).to_contain_text("needs an API key")
+        pg.screenshot(path=artifacts / "viewer-key-prompt.png", full_page=True)
+
+        # Declined: the 401 is shown on the page, not retried in a loop.
+        pg.click("#key-cancel")
+        expect(dialog).to_be_hidden()
+        expect(pg.locator('#errors [data-key="auth"]')).to_contain_text("401 Unauthorized")
+
+        # A wrong key is refused and asked for again; the right one is kept for the session.
+        pg.click("#key-button")
+        pg.fill("#key-input", "wrong-key")
+        pg.click("#key-save")
+        expect(pg.locator("#key-reason")).to_contain_text("was refused")
+        pg.fill("#key-input", key)
+        pg.click("#key-save")
+        expect(dialog).to_be_hidden()
+        expect(pg.locator('#errors [data-key="auth"]')).to_have_count(0)
+        expect(pg.locator("#model-name")).to_contain_text("onnxruntime")
+        assert pg.evaluate("() => sessionStorage.getItem('streamdet.apiKey')") == key
+
+        # The WebSocket carries the key too: the watched stream draws its boxes.
+        pg.locator(f'#stream-rows tr[data-id="{stream_id}"] input.watch').check()
+        wait_for_boxes(pg, f"tile-{stream_id}")
+
+        # Reloading the tab keeps the key: no prompt, data flows.
+        pg.reload()
+        expect(pg.locator("#model-name")).to_contain_text("onnxruntime")
+        expect(dialog).to_be_hidden()
+        pg.set_input_files("#pick", ultralytics_assets() / "bus.jpg")
+        pg.wait_for_function("() => window.streamdet.drawn['pg-canvas'] !== undefined")
+        assert_boxes_on_canvas(pg, "pg-canvas")
+        pg.screenshot(path=artifacts / "viewer-key-accepted.png", full_page=True)
+        assert errors.errors == []
+    finally:
+        srv.stop()

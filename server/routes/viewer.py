@@ -1,4 +1,5 @@
-"""``GET /``: the viewer page, and the static files it loads from ``/static``.
+"""``GET /``: the viewer page, the static files it loads from ``/static``, and the JPEG
+frames it asks for beside the JSON on ``WS /ws/streams/{id}?frames=jpeg`` (:class:`JpegFrames`).
 
 The page is plain HTML, CSS and an ES module in ``server/static`` (shipped as package data), so
 it needs no build step and no internet: everything it loads comes from this server.
@@ -6,11 +7,20 @@ it needs no build step and no internet: everything it loads comes from this serv
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastapi import APIRouter
+import cv2
+import numpy as np
+from fastapi import APIRouter, WebSocket
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+
+from engines.types import Image
+from streams.fanout import ProcessedFrame
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
@@ -41,3 +51,114 @@ def static_files() -> StaticFiles:
             " (pip install -e . from the repository)"
         )
     return StaticFiles(directory=STATIC_DIR)
+
+
+# ---- JPEG frames beside the JSON on ``WS /ws/streams/{id}`` ---------------------------------
+
+FRAMES_OPTION = "frames"
+WS_BAD_OPTION = 4400
+"""Close code for a WebSocket whose query options are invalid (the reason names the option)."""
+
+
+@dataclass(slots=True)
+class JpegFrames:
+    """What a viewer asked for with ``?frames=jpeg``: each frame it is sent is a JSON text
+    message with a ``"jpeg"`` member, immediately followed by one binary message holding that
+    very frame as a JPEG, so the boxes are always drawn on the picture they were computed on.
+
+    A viewer gets at most ``max_fps`` frames a second, and never a frame while a newer one
+    is already waiting for it: a slow browser gets fewer frames, not older ones.
+
+    Attributes:
+        max_fps: most frames per second sent (query ``max_fps``, 0.1..60, default 5).
+        max_width: frames wider than this are scaled down (query ``max_width``, 32..3840,
+            default 640).
+        quality: JPEG quality (query ``quality``, 10..95, default 70).
+        sent: frames sent so far.
+        skipped: frames not sent (over the rate, or a newer one was waiting).
+    """
+
+    max_fps: float = 5.0
+    max_width: int = 640
+    quality: int = 70
+    sent: int = 0
+    skipped: int = 0
+    _next_due: float = field(default=0.0, repr=False)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> JpegFrames | None:
+        """The viewer's request, or ``None`` when it asked for JSON only.
+
+        Raises:
+            ValueError: an option is malformed; the message names it and its range.
+        """
+        kind = options.get(FRAMES_OPTION, "none")
+        if kind == "none":
+            return None
+        if kind != "jpeg":
+            raise ValueError(f"frames={kind[:20]!r}: expected 'jpeg' or 'none'")
+        return cls(
+            max_fps=_number(options, "max_fps", 5.0, 0.1, 60.0),
+            max_width=int(_number(options, "max_width", 640, 32, 3840)),
+            quality=int(_number(options, "quality", 70, 10, 95)),
+        )
+
+    def due(self, frame: ProcessedFrame, newer_waiting: bool) -> bool:
+        """Whether to send ``frame``; counts it as skipped otherwise."""
+        if newer_waiting or frame.decoded_mono < self._next_due:
+            self.skipped += 1
+            return False
+        period = 1.0 / self.max_fps
+        # Keep the average rate at max_fps against the source's frame spacing, but after a
+        # gap (stall, reconnect) start afresh rather than bursting to catch up.
+        self._next_due += period
+        if self._next_due < frame.decoded_mono:
+            self._next_due = frame.decoded_mono + period
+        return True
+
+    async def send(self, websocket: WebSocket, frame: ProcessedFrame) -> None:
+        """Send ``frame``'s JSON (with a ``"jpeg"`` member) and then its JPEG."""
+        jpeg, width, height = await asyncio.to_thread(
+            encode_jpeg, frame.image, self.max_width, self.quality
+        )
+        message = frame.to_message()
+        message["jpeg"] = {"width": width, "height": height, "bytes": len(jpeg)}
+        # Only this task sends on this socket, so the two messages stay adjacent.
+        await websocket.send_text(json.dumps(message, separators=(",", ":")))
+        await websocket.send_bytes(jpeg)
+        self.sent += 1
+
+
+def _number(
+    options: Mapping[str, str], name: str, default: float, low: float, high: float
+) -> float:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw[:20]!r}: expected a number in [{low:g}, {high:g}]") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value:g}: expected a number in [{low:g}, {high:g}]")
+    return value
+
+
+def encode_jpeg(image: Image, max_width: int, quality: int) -> tuple[bytes, int, int]:
+    """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes.
+
+    Runs in a worker thread (OpenCV releases the GIL). Returns the bytes and the JPEG's
+    width and height.
+    """
+    height, width = image.shape[:2]
+    if width > max_width:
+        height = max(1, round(height * max_width / width))
+        width = max_width
+        image = np.ascontiguousarray(
+            cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA), dtype=np.uint8
+        )
+    bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
+    ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise RuntimeError(f"JPEG encoding failed for a {width}x{height} frame")
+    return buf.tobytes(), width, height

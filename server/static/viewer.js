@@ -58,6 +58,7 @@ function clearError(key) {
 function setServerUp(up, why = "") {
   const badge = $("#server-status");
   badge.dataset.up = String(up);
+  document.body.dataset.serverUp = String(up); // greys out states and fps that went stale
   badge.textContent = up ? "connected" : "server unreachable";
   if (up) {
     clearError("server");
@@ -69,6 +70,9 @@ function setServerUp(up, why = "") {
 // ---------------------------------------------------------------- API key and fetch
 
 let keyPrompt = null;
+// Set when the user cancels the prompt: calls then fail with the 401 shown on the page, and
+// the prompt comes back only from the “API key” button, not every refresh.
+let keyDeclined = false;
 
 function askForKey(reason) {
   if (keyPrompt) return keyPrompt;
@@ -83,6 +87,7 @@ function askForKey(reason) {
       dialog.oncancel = null;
       if (dialog.open) dialog.close();
       keyPrompt = null;
+      keyDeclined = !ok;
       resolve(ok);
     };
     $("#key-form").onsubmit = (event) => {
@@ -134,7 +139,7 @@ async function api(path, init = {}) {
       const reason = key
         ? `The API key was refused (${detail}). Enter another one:`
         : `This server needs an API key (${detail}).`;
-      if (await askForKey(reason)) continue;
+      if (!keyDeclined && (await askForKey(reason))) continue;
       showError("auth", "401 Unauthorized: this server needs an API key; use the “API key” button.");
       throw new ApiError(401, detail);
     }
@@ -161,7 +166,7 @@ function textColorOn(hex) {
 function drawDetections(ctx, detections, sx, sy) {
   const { width, height } = ctx.canvas;
   const lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
-  const fontSize = Math.max(11, lineWidth * 6);
+  const fontSize = Math.max(14, lineWidth * 6);
   ctx.lineWidth = lineWidth;
   ctx.font = `${fontSize}px sans-serif`;
   ctx.textBaseline = "top";
@@ -226,7 +231,8 @@ class Tile {
       max_width: String(TILE_MAX_WIDTH),
     });
     const key = sessionStorage.getItem(KEY_STORAGE);
-    if (key) params.set("api_key", key);
+    // Browsers cannot set headers on a WebSocket: the key goes as RFC 6750's query parameter.
+    if (key) params.set("access_token", key);
     const proto = location.protocol === "https:" ? "wss:" : "ws:";
     return `${proto}//${location.host}/ws/streams/${encodeURIComponent(this.id)}?${params}`;
   }
@@ -315,19 +321,27 @@ class Tile {
 
   async onClose(event) {
     const why = event.reason ? `: ${event.reason}` : "";
-    if (event.code === 4401 || event.code === 4403) {
-      const ok = await askForKey(`The live view needs an API key (${event.code}${why}).`);
+    if (event.code === 1008) {
+      const ok = !keyDeclined && await askForKey(`The live view needs an API key (${event.code}${why}).`);
       if (!ok) {
         this.connError = "401 Unauthorized: enter an API key with the “API key” button";
         this.renderError();
         return;
       }
       this.backoffMs = RECONNECT_MIN_MS;
-    } else if (event.code === 4404) {
+    } else if (event.code === 4404 || event.code === 1000) {
       this.connError = `stream no longer exists${why}`;
+      this.renderError();
+      refreshStreams();
+      return;
+    } else if (event.code === 4400) {
+      this.connError = `the server refused the viewer's options${why}`;
       this.renderError();
       return;
     } else {
+      // 1006 says nothing: a refused key (HTTP 401 on the handshake) looks the same as a
+      // server that is gone, so ask the REST API, which tells the two apart.
+      refreshStreams();
       this.connError = `connection lost (code ${event.code}${why}); reconnecting…`;
       this.renderError();
     }
@@ -376,7 +390,7 @@ function saveWatched() {
 }
 
 function streamFps(stream) {
-  const fps = stream.fps_out ?? stream.fps?.out ?? stream.fps;
+  const fps = stream.fps_processed ?? stream.fps_out ?? stream.fps;
   return typeof fps === "number" ? fps.toFixed(1) : "–";
 }
 
@@ -606,6 +620,7 @@ $("#view-fps").addEventListener("change", () => {
   for (const tile of tiles.values()) tile.reconnectNow();
 });
 $("#key-button").addEventListener("click", async () => {
+  keyDeclined = false;
   if (await askForKey("API key for this server:")) {
     clearError("auth");
     for (const tile of tiles.values()) tile.reconnectNow();
