@@ -108,6 +108,21 @@ class EnginePool:
         return self._ready.is_set() and not self.queue.closed
 
     @property
+    def workers(self) -> int:
+        """Number of engine worker threads."""
+        return self._workers
+
+    @property
+    def max_batch(self) -> int:
+        """Largest batch a worker runs."""
+        return self._max_batch
+
+    @property
+    def busy(self) -> int:
+        """Workers running a batch right now (admission control reads it)."""
+        return self._busy
+
+    @property
     def engine(self) -> Engine:
         """The first worker's engine (for names and model metadata)."""
         return self._engines[0]

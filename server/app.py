@@ -9,8 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from engines.pool import EnginePool
+from server import metrics as metrics_module
+from server.admission import AdmissionController
+from server.auth import ApiKeyMiddleware, ApiKeys
+from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.routes import detect, health, viewer
 from server.runtime import build_pool
 from server.settings import Settings
@@ -24,6 +29,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     binding the port, so a bad model fails fast with a clean message); otherwise the lifespan
     builds it from ``settings``. A pool passed in is stopped by the lifespan too."""
     settings = settings or Settings()
+    metrics = Metrics(gpu=nvml_collector())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -31,6 +37,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         executor = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
         state = AppState(settings=settings, pool=engine_pool, decode_executor=executor)
         app.state.streamdet = state
+        metrics.bind_pool(engine_pool)
+        app.state.admission = AdmissionController(engine_pool, settings, metrics)
         try:
             yield
         finally:
@@ -43,6 +51,25 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app = FastAPI(title="streamdet", version="0.1.0", lifespan=lifespan)
     app.include_router(health.router)
     app.include_router(detect.router)
+    app.include_router(metrics_module.router)
+    app.state.metrics = metrics
+    app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)
+    # Outermost last: CORS answers preflights and decorates 401s; metrics count refusals.
+    app.add_middleware(ApiKeyMiddleware, keys=app.state.api_keys)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=[
+                "Authorization",
+                "Content-Type",
+                "X-Request-Deadline-Ms",
+                "X-Request-Id",
+            ],
+            expose_headers=["Retry-After"],
+        )
     app.include_router(viewer.router)
     app.mount(viewer.STATIC_PATH, viewer.static_files(), name="static")
     app.include_router(viewer.router)

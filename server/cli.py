@@ -71,7 +71,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from server.bench import add_bench_args
 
     add_bench_args(bench_p)
+    load_p = sub.add_parser("loadtest", help="run a Locust profile and check its P99 targets")
+    from loadtest.runner import add_loadtest_args
+
+    add_loadtest_args(load_p)
     args = parser.parse_args(argv)
+    if args.command == "loadtest":
+        from loadtest.runner import run_loadtest
+
+        logging.basicConfig(level="INFO", format=LOG_FORMAT)
+        return run_loadtest(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def _default_cache_dir() -> Path:
@@ -50,6 +51,41 @@ class Settings(BaseSettings):
     decode_threads: int = Field(2, ge=1, le=64, description="threads decoding uploads")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="drain time on shutdown")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Admission control, access and metrics (server/admission.py, server/auth.py)
+    admission_deadline_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="latency a /detect call is admitted for: calls predicted to finish later"
+        " get 429 + Retry-After (clients may ask for less with X-Request-Deadline-Ms; 0 = only"
+        " request_timeout_ms)",
+    )
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        repr=False,
+        description="comma-separated bearer tokens with full access; none = no authentication",
+    )
+    api_keys_readonly: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        repr=False,
+        description="comma-separated bearer tokens that may detect and watch streams but not"
+        " add or remove them",
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="comma-separated origins allowed to call the API from a browser"
+        " (e.g. https://app.example.com, or * for any); none = no CORS headers",
+    )
+
+    @field_validator("api_keys", "api_keys_readonly", "cors_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [item.strip() for item in text.split(",") if item.strip()]
+        return value
 
     @field_validator("backend")
     @classmethod

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -15,7 +14,9 @@ from starlette.datastructures import UploadFile
 
 from engines.batching import DeadlineExceeded, PoolClosed, QueueFull
 from engines.types import DetectParams
+from server.admission import AdmissionTicket
 from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_image
+from server.metrics import get_metrics
 from server.state import AppState, get_state
 
 log = logging.getLogger(__name__)
@@ -97,14 +98,16 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
 @router.post("/detect")
 async def detect(
     request: Request,
+    ticket: AdmissionTicket,
+    *,
     conf: Annotated[float, Query(ge=0.0, le=1.0, description="minimum confidence")] = 0.25,
     iou: Annotated[float, Query(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7,
     classes: Annotated[str | None, Query(description="comma list of class ids or names")] = None,
     max_det: Annotated[int, Query(ge=1, le=1000, description="most detections")] = 300,
 ) -> dict[str, Any]:
-    arrived = time.monotonic()
+    arrived = ticket.arrived
     state = get_state(request)
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
+    request_id = ticket.request_id
     if not state.ready:
         raise HTTPException(503, "model not loaded yet", headers={"Retry-After": "1"})
     settings = state.settings
@@ -112,6 +115,7 @@ async def detect(
     params = DetectParams(
         conf=conf, iou=iou, classes=parse_classes(classes, engine.names), max_det=max_det
     )
+    pre_start = time.monotonic()
     data = await read_image_bytes(request, settings.max_upload_bytes)
     loop = asyncio.get_running_loop()
     try:
@@ -121,30 +125,47 @@ async def detect(
     except ImageError as exc:
         log.info("request %s: rejected image: %s", request_id, exc.message)
         raise HTTPException(exc.status_code, exc.message) from None
-    deadline = arrived + settings.request_timeout_ms / 1000.0
+    preprocess_s = time.monotonic() - pre_start
+    ticket.decoded(preprocess_s)  # admission checks the deadline again: 429 if now too late
     try:
-        result = await state.pool.detect(image, params, deadline, request_id)
+        result = await state.pool.detect(image, params, ticket.hard_deadline, request_id)
     except QueueFull as exc:
+        ticket.reject("queue_full")
         raise HTTPException(429, f"server busy: {exc}", headers=retry_after(state)) from None
     except PoolClosed:
+        ticket.reject("shutting_down")
         raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
     if isinstance(result.error, DeadlineExceeded):
+        ticket.reject("expired")
+        source = "X-Request-Deadline-Ms" if ticket.from_client else "STREAMDET_REQUEST_TIMEOUT_MS"
         raise HTTPException(
             503,
-            f"request not served within {settings.request_timeout_ms:.0f} ms"
-            f" ({result.error}; setting STREAMDET_REQUEST_TIMEOUT_MS)",
+            f"request not served within {(ticket.hard_deadline - arrived) * 1000:.0f} ms"
+            f" ({result.error}; {source})",
             headers=retry_after(state),
         )
     if result.error is not None or result.detections is None:
         raise HTTPException(500, f"inference failed for request {request_id}: {result.error}")
     det = result.detections
-    return {
+    post_start = time.monotonic()
+    body: dict[str, Any] = {
         "detections": det.to_json(),
         "image": {"width": det.width, "height": det.height},
         "model": engine.model_name,
-        "timing_ms": {
-            "queue": round(result.queue_ms, 2),
-            "inference": round(result.inference_ms, 2),
-            "total": round((time.monotonic() - arrived) * 1000, 2),
-        },
     }
+    done = time.monotonic()
+    body["timing_ms"] = {
+        "queue": round(result.queue_ms, 2),
+        "inference": round(result.inference_ms, 2),
+        "total": round((done - arrived) * 1000, 2),
+    }
+    get_metrics(request).observe_stages(
+        {
+            "queue": result.queue_ms / 1000,
+            "preprocess": preprocess_s,
+            "inference": result.inference_ms / 1000,
+            "postprocess": done - post_start,
+            "total": done - arrived,
+        }
+    )
+    return body

@@ -1,0 +1,159 @@
+"""Locust scenarios for streamdet. Run through ``streamdet loadtest`` (which sets the
+environment below), or by hand::
+
+    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 DetectUser
+
+* ``DetectUser`` (scenario ``detect``): posts real frames from the shared clips, at four
+  sizes (thumbnail to 720p), as raw JPEG bodies to ``POST /detect``. A ``429`` counts as a
+  failure: the profile's error-rate ceiling says how much shedding is acceptable.
+* ``LiveUser`` (scenario ``live``): subscribes to ``WS /ws/streams/{id}`` and records each
+  frame's latency as the client sees it (receive time minus the frame's ``captured_at``)
+  under the request name ``WS frame``.
+* ``mixed``: both user classes at once.
+
+Environment: ``STREAMDET_LOADTEST_WAIT_S`` (``min,max`` think time of a detect user),
+``STREAMDET_LOADTEST_STREAMS`` (stream ids for live users), ``STREAMDET_LOADTEST_API_KEY``
+(bearer token, when the server has keys), ``STREAMDET_SHARED_DIR`` (where the clips are).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from contextlib import ExitStack
+from typing import Any
+
+from locust import FastHttpUser, User, between, constant, events, task
+from locust.env import Environment
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from loadtest.frames import Payload, build_payloads
+
+log = logging.getLogger(__name__)
+
+WS_REQUEST_NAME = "frame"
+WS_REQUEST_TYPE = "WS"
+FRAME_TIMEOUT_S = 15.0
+
+_payloads: list[Payload] = []
+_next_payload = itertools.count()
+_next_stream = itertools.count()
+
+
+def _wait_range() -> tuple[float, float]:
+    raw = os.environ.get("STREAMDET_LOADTEST_WAIT_S", "0.5,1.0")
+    low, high = (float(v) for v in raw.split(","))
+    return low, high
+
+
+def _auth_headers() -> dict[str, str]:
+    key = os.environ.get("STREAMDET_LOADTEST_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@events.init.add_listener  # type: ignore[untyped-decorator]
+def _load_frames(environment: Environment, **_: Any) -> None:
+    """Decode the clips once per Locust process, before any user starts."""
+    per_clip = int(os.environ.get("STREAMDET_LOADTEST_PER_CLIP", "6"))
+    _payloads.extend(build_payloads(per_clip=per_clip))
+    log.info("loadtest: %d JPEG payloads ready", len(_payloads))
+
+
+class DetectUser(FastHttpUser):
+    """A client posting frames to ``/detect`` in a closed loop with think time."""
+
+    wait_time = between(*_wait_range())
+
+    @task
+    def detect(self) -> None:
+        payload = _payloads[next(_next_payload) % len(_payloads)]
+        headers = {"Content-Type": "image/jpeg", **_auth_headers()}
+        with self.client.post(
+            "/detect",
+            data=payload.jpeg,  # type: ignore[arg-type]  # geventhttpclient sends bytes as is
+            headers=headers,
+            name="/detect",
+            catch_response=True,
+        ) as resp:
+            if resp.status_code == 200:
+                resp.success()
+            elif resp.status_code == 429:
+                resp.failure(f"429 shed (Retry-After {resp.headers.get('Retry-After')})")
+            else:
+                resp.failure(f"{resp.status_code}: {(resp.text or '')[:200]}")
+
+
+class LiveUser(User):
+    """A viewer of one stream; every frame it receives is one Locust 'request'."""
+
+    wait_time = constant(0)
+
+    def __init__(self, environment: Environment) -> None:
+        super().__init__(environment)
+        self._ws: ClientConnection | None = None
+        self._stack = ExitStack()
+
+    def on_start(self) -> None:
+        ids = [s for s in os.environ.get("STREAMDET_LOADTEST_STREAMS", "").split(",") if s]
+        if not ids:
+            raise RuntimeError(
+                "LiveUser needs stream ids in STREAMDET_LOADTEST_STREAMS (streamdet loadtest"
+                " adds the streams and sets it)"
+            )
+        stream_id = ids[next(_next_stream) % len(ids)]
+        host = (self.host or "").replace("http://", "ws://").replace("https://", "wss://")
+        self._ws = self._stack.enter_context(
+            connect(
+                f"{host}/ws/streams/{stream_id}",
+                additional_headers=_auth_headers(),
+                open_timeout=FRAME_TIMEOUT_S,
+            )
+        )
+
+    def on_stop(self) -> None:
+        self._ws = None
+        self._stack.close()
+
+    @task
+    def receive_frame(self) -> None:
+        if self._ws is None:
+            return
+        start = time.perf_counter()
+        try:
+            message = self._ws.recv(timeout=FRAME_TIMEOUT_S)
+        except (TimeoutError, ConnectionClosed) as exc:
+            self._fire(0.0, 0, exc)
+            if isinstance(exc, ConnectionClosed):
+                self._ws = None
+            return
+        received = time.time()
+        text = message if isinstance(message, str) else message.decode()
+        try:
+            frame = json.loads(text)
+            latency_ms = (received - float(frame["captured_at"])) * 1000.0
+        except (ValueError, KeyError, TypeError) as exc:
+            self._fire((time.perf_counter() - start) * 1000, len(text), exc)
+            return
+        self._fire(latency_ms, len(text), None)
+
+    def _fire(self, ms: float, length: int, exc: BaseException | None) -> None:
+        self.environment.events.request.fire(
+            request_type=WS_REQUEST_TYPE,
+            name=WS_REQUEST_NAME,
+            response_time=ms,
+            response_length=length,
+            exception=exc,
+            context={},
+        )
+
+
+# `streamdet loadtest` fixes how many users of each class run (Locust otherwise splits
+# the user count by weight); by hand, without these variables, weights apply.
+if os.environ.get("STREAMDET_LOADTEST_DETECT_USERS") is not None:
+    DetectUser.fixed_count = int(os.environ["STREAMDET_LOADTEST_DETECT_USERS"])
+if os.environ.get("STREAMDET_LOADTEST_LIVE_USERS") is not None:
+    LiveUser.fixed_count = int(os.environ["STREAMDET_LOADTEST_LIVE_USERS"])

@@ -1,0 +1,232 @@
+"""``streamdet loadtest``: run a profile's Locust scenario headless and check its targets.
+
+It starts a real ``streamdet serve`` process on a free port (or targets ``--host``), adds
+the streams live viewers need, runs Locust for the profile's duration, saves Locust's CSV and
+HTML report under ``--out``, prints a short table, and exits 1 when a target is missed
+(2 when the run itself could not happen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import httpx
+
+from loadtest.frames import default_videos, shared_dir
+from loadtest.profiles import SCENARIOS, Profile, ProfileError, load_profile
+from loadtest.report import evaluate, format_table, passed, read_stats
+from loadtest.server import ServerError, ServerProcess
+
+log = logging.getLogger(__name__)
+
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+WS_TARGET = "WS frame"
+DETECT_TARGET = "POST /detect"
+
+
+def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
+    """The ``streamdet loadtest`` flags."""
+    parser.add_argument("--profile", default="cpu-ci", help="profile name or TOML path")
+    parser.add_argument(
+        "--host", default=None, help="target this server URL instead of starting one"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="report folder")
+    parser.add_argument("--model", default=None, help="model for the started server")
+    parser.add_argument("--scenario", choices=SCENARIOS, default=None, help="override")
+    parser.add_argument("--users", type=int, default=None, help="override detect users")
+    parser.add_argument("--live-users", type=int, default=None, help="override live users")
+    parser.add_argument("--run-time", type=float, default=None, help="override seconds")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("STREAMDET_LOADTEST_API_KEY"),
+        help="bearer token to send (env STREAMDET_LOADTEST_API_KEY)",
+    )
+
+
+def _overrides(profile: Profile, args: argparse.Namespace) -> Profile:
+    if args.scenario is not None:
+        profile = replace(profile, scenario=args.scenario)
+    if args.users is not None:
+        profile = replace(profile, users=args.users)
+    if args.live_users is not None:
+        profile = replace(profile, live_users=args.live_users)
+    if args.run_time is not None:
+        profile = replace(profile, run_time_s=args.run_time)
+    return profile
+
+
+def streams_api_present(client: httpx.Client) -> bool:
+    """Whether the server has the streams API (``GET /streams`` is not a 404)."""
+    return client.get("/streams").status_code != 404
+
+
+def add_streams(client: httpx.Client, profile: Profile) -> list[str]:
+    """Add ``live_streams`` looping file streams of the shared clips; their ids.
+
+    Raises:
+        RuntimeError: the server refused a stream; the message has its answer.
+    """
+    clips = default_videos()
+    if not clips:
+        raise RuntimeError(f"no clips under {shared_dir() / 'videos'} for live streams")
+    ids: list[str] = []
+    for i in range(profile.live_streams):
+        clip = clips[i % len(clips)]
+        body = {
+            "url": clip.resolve().as_uri(),
+            "name": f"loadtest-{i}",
+            "max_fps": profile.live_max_fps,
+            "loop": True,
+        }
+        resp = client.post("/streams", json=body)
+        if resp.status_code != 201:
+            raise RuntimeError(
+                f"POST /streams {body['url']} answered {resp.status_code}: {resp.text[:300]}"
+                " (a started server allows the clips folder via STREAMDET_ALLOWED_FILE_DIR)"
+            )
+        ids.append(str(resp.json()["id"]))
+    return ids
+
+
+def run_locust(
+    profile: Profile, base_url: str, out: Path, live_ids: list[str], api_key: str | None
+) -> int:
+    """Run Locust headless for the profile; its exit code (failures do not change it)."""
+    classes: list[str] = []
+    users = profile.users if profile.scenario in ("detect", "mixed") else 0
+    live = profile.live_users if live_ids else 0
+    if users:
+        classes.append("DetectUser")
+    if live:
+        classes.append("LiveUser")
+    if not classes:
+        raise RuntimeError("nothing to run: no detect users and no live viewers")
+    env = dict(os.environ)
+    env.update(
+        {
+            "STREAMDET_LOADTEST_WAIT_S": ",".join(str(v) for v in profile.wait_s),
+            "STREAMDET_LOADTEST_STREAMS": ",".join(live_ids),
+            "STREAMDET_LOADTEST_DETECT_USERS": str(users),
+            "STREAMDET_LOADTEST_LIVE_USERS": str(live),
+            "STREAMDET_SHARED_DIR": str(shared_dir()),
+        }
+    )
+    if api_key:
+        env["STREAMDET_LOADTEST_API_KEY"] = api_key
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        base_url,
+        "-u",
+        str(users + live),
+        "-r",
+        str(profile.spawn_rate),
+        "-t",
+        f"{profile.run_time_s:g}s",
+        "--stop-timeout",
+        "5",
+        "--csv",
+        str(out / "locust"),
+        "--html",
+        str(out / "report.html"),
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
+        "--exit-code-on-error",
+        "0",
+        *classes,
+    ]
+    log.info("locust: %d detect user(s), %d live viewer(s), %g s", users, live, profile.run_time_s)
+    with (out / "locust.log").open("w") as log_file:
+        proc = subprocess.run(
+            cmd,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            timeout=profile.run_time_s + 120,
+            check=False,
+        )
+    return proc.returncode
+
+
+def run_profile(profile: Profile, base_url: str, out: Path, api_key: str | None) -> int:
+    """Against a ready server: add streams, run Locust, check targets, print the table."""
+    skipped: dict[str, str] = {}
+    live_ids: list[str] = []
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
+        wants_live = profile.scenario in ("live", "mixed") and profile.live_users > 0
+        if wants_live and not streams_api_present(client):
+            reason = "live scenario skipped: the server has no streams API (GET /streams -> 404)"
+            print(reason)
+            skipped[WS_TARGET] = reason
+        elif wants_live:
+            live_ids = add_streams(client, profile)
+        elif WS_TARGET in profile.targets:
+            skipped[WS_TARGET] = f"scenario {profile.scenario!r} has no live viewers"
+        if profile.scenario == "live":
+            skipped.setdefault(DETECT_TARGET, "scenario 'live' runs no /detect users")
+        try:
+            if profile.scenario == "live" and not live_ids:
+                print(f"{profile.name}: nothing to run")
+                code = 0
+            else:
+                code = run_locust(profile, base_url, out, live_ids, api_key)
+        finally:
+            for stream_id in live_ids:
+                client.delete(f"/streams/{stream_id}")
+    if code not in (0, 1):
+        print(f"locust exited with {code}; see {out / 'locust.log'}", file=sys.stderr)
+        return 2
+    stats = out / "locust_stats.csv"
+    rows = read_stats(stats) if stats.exists() else {}
+    verdicts = evaluate(rows, profile.targets, skipped, profile.run_time_s)
+    print(f"profile {profile.name} ({profile.description}); report: {out / 'report.html'}")
+    shown = {k: v for k, v in rows.items() if k != "Aggregated"}
+    print(format_table(shown, verdicts, profile.run_time_s))
+    ok = passed(verdicts)
+    (out / "verdict.json").write_text(
+        json.dumps(
+            {"profile": profile.name, "passed": ok, "verdicts": [asdict(v) for v in verdicts]},
+            indent=2,
+        )
+    )
+    print("PASS" if ok else "FAIL: a target was missed")
+    return 0 if ok else 1
+
+
+def run_loadtest(args: argparse.Namespace) -> int:
+    """The ``streamdet loadtest`` command."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        profile = _overrides(load_profile(args.profile), args)
+    except ProfileError as exc:
+        print(f"streamdet loadtest: {exc}", file=sys.stderr)
+        return 2
+    out: Path = args.out or Path("loadtest-results") / profile.name
+    out.mkdir(parents=True, exist_ok=True)
+    if args.host:
+        return run_profile(profile, args.host.rstrip("/"), out, args.api_key)
+    settings: dict[str, object] = {**profile.server, "log_level": "info"}
+    settings["model"] = args.model or profile.server.get(
+        "model", str(shared_dir() / "models" / "yolov8n.pt")
+    )
+    settings.setdefault("allowed_file_dir", str(shared_dir() / "videos"))
+    try:
+        with ServerProcess(settings, log_path=out / "server.log") as server:
+            return run_profile(profile, server.base_url, out, args.api_key)
+    except ServerError as exc:
+        print(f"streamdet loadtest: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,155 @@
+"""A real ``streamdet serve`` process for load tests, benchmarks and end-to-end tests.
+
+Readiness is an event, not a poll: uvicorn logs ``Application startup complete`` once the
+lifespan (model load and warm-up) has finished, and a reader thread sets an event when it
+sees that line. The same thread copies the server's log to a file for the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+READY_LINE = "Application startup complete"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become ready; the message holds its last log lines."""
+
+
+class ServerProcess:
+    """Start ``python -m server.cli serve`` on a free port and stop it on exit.
+
+    Args:
+        settings: ``streamdet serve`` settings as ``{name: value}`` (e.g. ``{"max_batch": 2}``);
+            passed as ``STREAMDET_*`` environment variables.
+        log_path: where the server's output goes; a temporary name beside the cwd if omitted.
+        ready_timeout_s: how long model export, load and warm-up may take.
+    """
+
+    def __init__(
+        self,
+        settings: dict[str, object],
+        log_path: Path | None = None,
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or Path(f"streamdet-server-{self.port}.log")
+        self._settings = settings
+        self._timeout = ready_timeout_s
+        self._ready = threading.Event()
+        self._saw_ready = False
+        self._tail: list[str] = []
+        self._proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise ServerError("server not started")
+        return self._proc.pid
+
+    def start(self) -> None:
+        """Start the process and block until it is ready.
+
+        Raises:
+            ServerError: the server exited first, or was not ready within the timeout.
+        """
+        env = dict(os.environ)
+        env.update({f"STREAMDET_{k.upper()}": _env_value(v) for k, v in self._settings.items()})
+        env.update({"STREAMDET_HOST": "127.0.0.1", "STREAMDET_PORT": str(self.port)})
+        env.setdefault("STREAMDET_LOG_LEVEL", "info")  # the ready line is an info log
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        stdout = self._proc.stdout
+        if stdout is None:
+            raise ServerError("server started without an output pipe")
+        self._reader = threading.Thread(
+            target=self._read, args=(stdout,), name="server-log", daemon=True
+        )
+        self._reader.start()
+        self._ready.wait(self._timeout)
+        if not self._saw_ready:
+            code = self._proc.poll()
+            self.stop()
+            tail = "".join(self._tail[-20:])
+            state = (
+                f"exited with {code}" if code is not None else f"not ready in {self._timeout:.0f} s"
+            )
+            raise ServerError(f"streamdet serve {state}; last log lines:\n{tail}")
+        log.info("server %s ready (pid %d, log %s)", self.base_url, self._proc.pid, self.log_path)
+
+    def _read(self, stdout: IO[str]) -> None:
+        with stdout, self.log_path.open("w") as out:
+            for line in stdout:
+                out.write(line)
+                self._tail = [*self._tail[-49:], line]
+                if READY_LINE in line:
+                    out.flush()
+                    self._saw_ready = True
+                    self._ready.set()
+        self._ready.set()  # the process closed its output: wake start(), which checks why
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``timeout_s`` for a graceful exit, then SIGKILL."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "server pid %d ignored SIGTERM for %.0f s; killing", proc.pid, timeout_s
+                )
+                proc.kill()
+                proc.wait()
+        if self._reader is not None:
+            self._reader.join(5)
+        return proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _env_value(value: object) -> str:
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)

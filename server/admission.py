@@ -1,0 +1,237 @@
+"""Admission control for ``POST /detect``: refuse early what cannot finish in time.
+
+Every call has a deadline: the server's (``STREAMDET_ADMISSION_DEADLINE_MS``, capped by
+``STREAMDET_REQUEST_TIMEOUT_MS``) or a tighter one the client asks for with the
+``X-Request-Deadline-Ms`` header. A call is admitted only while its predicted finish time
+fits the deadline, checked twice:
+
+1. on arrival, before its body is read (so shedding costs almost nothing under overload);
+2. after its image is decoded, just before it is queued.
+
+The prediction is the queueing model of the pool: the items ahead of it (queued, plus
+admitted calls still decoding) fill ``ahead // (max_batch * workers)`` rounds, one more
+round if every worker is busy, plus its own batch; each round takes the recent batch time
+(an EWMA kept by the pool). A refused call gets ``429`` with ``Retry-After`` (seconds until
+the backlog ahead of it should have cleared), so accepted calls keep their latency and the
+rest come back later instead of every call timing out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from starlette.datastructures import Headers
+
+from engines.pool import EnginePool
+from server.metrics import Metrics, get_metrics
+from server.settings import Settings
+from server.state import get_state
+
+log = logging.getLogger(__name__)
+
+DEADLINE_HEADER = "x-request-deadline-ms"
+DECODE_ALPHA = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Predicted seconds until a new call would be answered, and the part spent waiting."""
+
+    wait_s: float
+    finish_s: float
+
+    @property
+    def retry_after_s(self) -> int:
+        """Whole seconds (``Retry-After`` takes no fractions), at least 1."""
+        return max(1, math.ceil(self.wait_s))
+
+
+def predict(
+    *, ahead: int, busy: int, workers: int, max_batch: int, batch_s: float, decode_s: float
+) -> Estimate:
+    """Queueing prediction for one more call (pure; see the module docstring).
+
+    Args:
+        ahead: interactive items queued or decoding before this one.
+        busy: workers running a batch now.
+        workers: engine workers.
+        max_batch: largest batch a worker runs.
+        batch_s: recent seconds per batch (0 before the first batch: admit).
+        decode_s: recent seconds to read and decode an upload.
+    """
+    per_round = max(1, max_batch * workers)
+    rounds = ahead // per_round + (1 if busy >= workers else 0)
+    wait = rounds * batch_s
+    return Estimate(wait_s=wait, finish_s=decode_s + wait + batch_s)
+
+
+def parse_deadline_ms(headers: Headers) -> float | None:
+    """The client's ``X-Request-Deadline-Ms``; raises HTTP 400 when malformed."""
+    raw = headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise HTTPException(
+            400,
+            f"X-Request-Deadline-Ms must be a positive number of milliseconds, got {raw!r}",
+        )
+    return value
+
+
+class AdmissionController:
+    """Decides, per call, whether it can still finish within its deadline.
+
+    Lives on the event loop (no locks): ``admit`` and the ticket methods are called from
+    async route code only.
+    """
+
+    def __init__(self, pool: EnginePool, settings: Settings, metrics: Metrics) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.metrics = metrics
+        self.decoding = 0
+        self.decode_ewma_s = 0.0
+
+    def server_deadline_ms(self) -> float:
+        """The deadline a call gets when it asks for none."""
+        target = self.settings.admission_deadline_ms
+        timeout = self.settings.request_timeout_ms
+        return min(target, timeout) if target > 0 else timeout
+
+    def estimate(self, decode_left: bool = False) -> Estimate:
+        """Prediction for a call now: everything queued or still decoding is ahead of it.
+
+        Args:
+            decode_left: the call has yet to read and decode its upload.
+        """
+        interactive, _ = self.pool.queue.depth()
+        return predict(
+            ahead=interactive + self.decoding,
+            busy=self.pool.busy,
+            workers=self.pool.workers,
+            max_batch=self.pool.max_batch,
+            batch_s=self.pool.stats.ewma_batch_s,
+            decode_s=self.decode_ewma_s if decode_left else 0.0,
+        )
+
+    def refuse(
+        self, reason: str, detail: str, retry_after_s: int, request_id: str
+    ) -> HTTPException:
+        """Count a rejection and build its 429."""
+        self.metrics.reject(reason)
+        log.info("request %s: 429 (%s): %s", request_id, reason, detail)
+        return HTTPException(429, detail, headers={"Retry-After": str(retry_after_s)})
+
+    def admit(self, arrived: float, headers: Headers, request_id: str) -> Ticket:
+        """Admit a call that arrived at ``arrived`` (monotonic), or raise HTTP 429.
+
+        Raises:
+            HTTPException: 400 bad deadline header, 429 predicted to miss its deadline.
+        """
+        client_ms = parse_deadline_ms(headers)
+        server_ms = self.server_deadline_ms()
+        budget_ms = min(server_ms, client_ms) if client_ms is not None else server_ms
+        hard_ms = (
+            min(self.settings.request_timeout_ms, client_ms)
+            if client_ms is not None
+            else self.settings.request_timeout_ms
+        )
+        ticket = Ticket(
+            self,
+            request_id,
+            arrived,
+            arrived + budget_ms / 1000.0,
+            arrived + hard_ms / 1000.0,
+            from_client=client_ms is not None,
+        )
+        ticket.check(self.estimate(decode_left=True))
+        self.decoding += 1
+        ticket.decoding = True
+        return ticket
+
+
+@dataclass
+class Ticket:
+    """One admitted call. ``deadline`` is the latency it was admitted for; ``hard_deadline``
+    is when the pool answers it with an error instead of running it."""
+
+    controller: AdmissionController
+    request_id: str
+    arrived: float
+    deadline: float
+    hard_deadline: float
+    from_client: bool
+    decoding: bool = field(default=False)
+
+    def check(self, estimate: Estimate) -> None:
+        """Raise 429 if ``estimate`` says this call finishes after its deadline."""
+        if time.monotonic() + estimate.finish_s <= self.deadline:
+            return
+        budget_ms = (self.deadline - self.arrived) * 1000
+        source = (
+            "X-Request-Deadline-Ms"
+            if self.from_client
+            else "setting STREAMDET_ADMISSION_DEADLINE_MS"
+        )
+        raise self.controller.refuse(
+            "deadline",
+            f"server busy: predicted to finish in {estimate.finish_s * 1000:.0f} ms, past this"
+            f" request's {budget_ms:.0f} ms deadline ({source}); retry after"
+            f" {estimate.retry_after_s} s",
+            estimate.retry_after_s,
+            self.request_id,
+        )
+
+    def decoded(self, seconds: float) -> None:
+        """The upload is decoded: record the time and check the deadline again (429)."""
+        c = self.controller
+        self._stop_decoding()
+        c.decode_ewma_s += (DECODE_ALPHA if c.decode_ewma_s else 1.0) * (seconds - c.decode_ewma_s)
+        # Decoding is done: only the queue and this call's own batch are left.
+        self.check(c.estimate())
+
+    def reject(self, reason: str) -> None:
+        """Count a refusal decided elsewhere (queue full, expired, shutting down)."""
+        self.controller.metrics.reject(reason)
+
+    def retry_after(self) -> str:
+        return str(self.controller.estimate().retry_after_s)
+
+    def _stop_decoding(self) -> None:
+        if self.decoding:
+            self.decoding = False
+            self.controller.decoding -= 1
+
+    def release(self) -> None:
+        """The call is over (answered, refused or abandoned)."""
+        self._stop_decoding()
+
+
+async def admit(request: Request) -> AsyncIterator[Ticket]:
+    """FastAPI dependency: admit the call (or answer 429/503) and release it afterwards."""
+    state = get_state(request)
+    controller: AdmissionController | None = getattr(request.app.state, "admission", None)
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
+    if controller is None or not state.ready:
+        get_metrics(request).reject("shutting_down" if state.shutting_down else "not_ready")
+        raise HTTPException(503, "model not loaded yet", headers={"Retry-After": "1"})
+    ticket = controller.admit(time.monotonic(), request.headers, request_id)
+    try:
+        yield ticket
+    finally:
+        ticket.release()
+
+
+AdmissionTicket = Annotated[Ticket, Depends(admit)]
+"""Declare a route parameter with this type to put the route under admission control."""

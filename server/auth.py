@@ -1,0 +1,260 @@
+"""Optional API keys: bearer tokens on every REST and WebSocket route except health checks.
+
+Off until keys are configured. ``STREAMDET_API_KEYS`` grants everything;
+``STREAMDET_API_KEYS_READONLY`` grants reading, ``POST /detect`` and watching streams, but
+not changing them (adding or removing a stream answers 403).
+
+* No token, a malformed header, or an unknown token: **401** with
+  ``WWW-Authenticate: Bearer`` (the client has not proven who it is).
+* A known read-only token on a route that changes state: **403** (known, not allowed).
+
+Tokens are compared in constant time: each candidate is hashed to a fixed length and checked
+against every configured key with :func:`hmac.compare_digest`, without stopping at the first
+match, so timing reveals neither which key matched nor how much of a guess was right.
+
+The check is one function, :func:`authorize`, used by :class:`ApiKeyMiddleware` for HTTP and
+WebSocket alike, so any route added later is covered without doing anything. A WebSocket
+route that wants to check again, or a server that runs without the middleware, calls::
+
+    from server.auth import websocket_allowed
+
+    @router.websocket("/ws/streams/{stream_id}")
+    async def watch(websocket: WebSocket, stream_id: str) -> None:
+        if not await websocket_allowed(websocket):   # closes with 1008 when refused
+            return
+        await websocket.accept()
+
+Browsers cannot set headers on a WebSocket, so there the token may also come as the
+``access_token`` query parameter (RFC 6750 §2.3); HTTP routes accept only the header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from starlette.datastructures import Headers, QueryParams
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+"""Load balancers and orchestrators probe these without credentials."""
+OPEN_PAGES = frozenset({"/"})
+OPEN_PREFIXES = ("/static/",)
+"""The viewer page and its static files hold no data; a browser navigating to them cannot
+send a bearer header. The page's own API calls and WebSockets still need a key."""
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+READONLY_WRITES = frozenset({("POST", "/detect")})
+"""Non-safe calls a read-only key may still make: running detection changes nothing."""
+WS_POLICY_VIOLATION = 1008
+
+
+class Access(Enum):
+    """What a presented token grants."""
+
+    NONE = "none"
+    READONLY = "readonly"
+    FULL = "full"
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+class ApiKeys:
+    """The configured keys, kept only as SHA-256 digests.
+
+    Args:
+        full: tokens with full access.
+        readonly: tokens that may read, detect and watch, but not change streams.
+    """
+
+    def __init__(self, full: Iterable[str] = (), readonly: Iterable[str] = ()) -> None:
+        self._full = [_digest(k) for k in full if k]
+        self._readonly = [_digest(k) for k in readonly if k]
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any key is configured (no keys: everything is open)."""
+        return bool(self._full or self._readonly)
+
+    def check(self, token: str) -> Access:
+        """The access ``token`` grants, compared in constant time against every key."""
+        candidate = _digest(token)
+        full = False
+        readonly = False
+        for key in self._full:
+            full |= hmac.compare_digest(candidate, key)
+        for key in self._readonly:
+            readonly |= hmac.compare_digest(candidate, key)
+        if full:
+            return Access.FULL
+        return Access.READONLY if readonly else Access.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class AuthFailure:
+    """Why a request was refused: ``status`` is 401 or 403."""
+
+    status: int
+    detail: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.status == 401:
+            return {"WWW-Authenticate": 'Bearer realm="streamdet", error="invalid_token"'}
+        return {}
+
+
+def bearer_token(headers: Headers) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or ``None``."""
+    value = headers.get("authorization")
+    if not value:
+        return None
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def authorize(
+    keys: ApiKeys,
+    method: str,
+    path: str,
+    headers: Headers,
+    query: QueryParams | None = None,
+) -> AuthFailure | None:
+    """Check one request; ``None`` means allowed.
+
+    Args:
+        keys: the configured keys.
+        method: HTTP method, or ``"WEBSOCKET"`` for a WebSocket handshake.
+        path: the request path.
+        headers: request headers.
+        query: query parameters; only consulted for WebSockets (``access_token``).
+    """
+    if not keys.enabled or is_open(method, path):
+        return None
+    token = bearer_token(headers)
+    if token is None and method == "WEBSOCKET" and query is not None:
+        token = query.get("access_token") or None
+    if token is None:
+        return AuthFailure(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>' (keys are set with"
+            " STREAMDET_API_KEYS)",
+        )
+    access = keys.check(token)
+    if access is Access.NONE:
+        return AuthFailure(401, "unknown API key (keys are set with STREAMDET_API_KEYS)")
+    if access is Access.READONLY and not _readonly_allowed(method, path):
+        return AuthFailure(
+            403,
+            f"this API key is read-only; {method} {path} needs a key from STREAMDET_API_KEYS",
+        )
+    return None
+
+
+def is_open(method: str, path: str) -> bool:
+    """Whether ``path`` is served without a key (health checks, the viewer's static page)."""
+    if path in OPEN_PATHS:
+        return True
+    return method in ("GET", "HEAD") and (path in OPEN_PAGES or path.startswith(OPEN_PREFIXES))
+
+
+def _readonly_allowed(method: str, path: str) -> bool:
+    return method in SAFE_METHODS or method == "WEBSOCKET" or (method, path) in READONLY_WRITES
+
+
+def check_connection(conn: HTTPConnection, keys: ApiKeys) -> AuthFailure | None:
+    """:func:`authorize` for a Starlette ``Request`` or ``WebSocket``."""
+    method = "WEBSOCKET" if conn.scope["type"] == "websocket" else conn.scope["method"]
+    return authorize(keys, method, conn.url.path, conn.headers, conn.query_params)
+
+
+def get_api_keys(conn: HTTPConnection) -> ApiKeys:
+    """The app's keys (set by ``create_app``); no keys when the app has none."""
+    keys = getattr(conn.app.state, "api_keys", None)
+    return keys if isinstance(keys, ApiKeys) else ApiKeys()
+
+
+async def websocket_allowed(websocket: WebSocket) -> bool:
+    """Check a WebSocket handshake; on refusal close it (1008) and return ``False``.
+
+    Call before ``websocket.accept()``.
+    """
+    failure = check_connection(websocket, get_api_keys(websocket))
+    if failure is None:
+        return True
+    log.info("websocket %s refused: %s", websocket.url.path, failure.detail)
+    await websocket.close(code=WS_POLICY_VIOLATION, reason=failure.detail[:120])
+    return False
+
+
+class ApiKeyMiddleware:
+    """Applies :func:`authorize` to every HTTP request and WebSocket handshake.
+
+    A refused WebSocket gets a plain HTTP 401/403 when the server supports the ASGI
+    ``websocket.http.response`` extension (uvicorn does), otherwise a close with code 1008.
+    """
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or not self.keys.enabled:
+            await self.app(scope, receive, send)
+            return
+        conn = HTTPConnection(scope)
+        failure = check_connection(conn, self.keys)
+        if failure is None:
+            await self.app(scope, receive, send)
+            return
+        request_id = conn.headers.get("x-request-id", "-")
+        log.info(
+            "request %s: %s %s refused with %d: %s",
+            request_id,
+            scope.get("method", "WEBSOCKET"),
+            conn.url.path,
+            failure.status,
+            failure.detail,
+        )
+        body = json.dumps({"detail": failure.detail}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        headers += [(k.lower().encode(), v.encode()) for k, v in failure.headers.items()]
+        if scope["type"] == "http":
+            await send(
+                {"type": "http.response.start", "status": failure.status, "headers": headers}
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await receive()  # the websocket.connect message
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": failure.status,
+                    "headers": headers,
+                }
+            )
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send(
+                {
+                    "type": "websocket.close",
+                    "code": WS_POLICY_VIOLATION,
+                    "reason": failure.detail[:120],
+                }
+            )

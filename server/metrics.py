@@ -1,0 +1,375 @@
+"""Prometheus metrics: one registry per app, exposed at ``GET /metrics``.
+
+Names follow Prometheus conventions: base units in the name (``_seconds``, ``_bytes``,
+``_ratio``), ``_total`` on counters, and only bounded label values (route templates, not raw
+paths; a fixed set of stages and rejection reasons; stream ids, bounded by how many streams
+the server runs).
+
+Two things are read at scrape time through hooks rather than pushed:
+
+* the engine pool (queue depth per lane, estimated wait): :meth:`Metrics.bind_pool`;
+* live streams (fps in/processed, frames, drops, reconnects):
+  :meth:`Metrics.set_stream_source` takes a callable returning :class:`StreamSample` items,
+  so the stream manager plugs in without this module importing it::
+
+      metrics = get_metrics(app)            # or request.app / websocket.app
+      metrics.set_stream_source(manager.metric_samples)
+
+GPU utilisation and memory come from NVML when ``pynvml`` (``nvidia-ml-py``) is installed
+and a GPU answers; otherwise those series are simply absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engines.pool import EnginePool
+
+log = logging.getLogger(__name__)
+
+# The `_created` series double the exposition and no dashboard reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# Seconds. Spans a GPU batch (a few ms) to a CPU request under load (seconds).
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STAGES = ("queue", "preprocess", "inference", "postprocess", "total")
+"""``preprocess`` is reading and decoding the upload; ``inference`` is the engine's batch
+time, which includes letterbox and NMS (they run inside the engine, on the device for GPU
+backends); ``postprocess`` is building the response."""
+REJECTION_REASONS = ("deadline", "queue_full", "expired", "not_ready", "shutting_down")
+UNROUTED = "<unrouted>"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSample:
+    """One stream's figures at scrape time, from the stream manager.
+
+    Attributes:
+        stream_id: the stream's id (a label value; the set of streams is bounded).
+        fps_in: frames/s decoded from the source, recent average.
+        fps_processed: frames/s that went through the engine, recent average.
+        frames_in: frames decoded since the stream was added.
+        frames_processed: frames run through the engine since the stream was added.
+        drops: frames replaced by a newer one before the engine took them.
+        reconnects: times the source was reopened after a failure.
+    """
+
+    stream_id: str
+    fps_in: float
+    fps_processed: float
+    frames_in: int
+    frames_processed: int
+    drops: int
+    reconnects: int
+
+
+StreamSource = Callable[[], Iterable[StreamSample]]
+
+
+class _Nvml(Protocol):
+    """The part of ``pynvml`` the GPU collector uses (a fake can stand in for tests)."""
+
+    def nvmlDeviceGetCount(self) -> int: ...  # noqa: N802
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any: ...  # noqa: N802
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any: ...  # noqa: N802
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any: ...  # noqa: N802
+
+
+class NvmlCollector(Collector):
+    """GPU utilisation and memory per device, read from NVML at scrape time."""
+
+    def __init__(self, nvml: _Nvml) -> None:
+        self._nvml = nvml
+        count = nvml.nvmlDeviceGetCount()
+        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+
+    def collect(self) -> Iterator[Metric]:
+        util = GaugeMetricFamily(
+            "streamdet_gpu_utilization_ratio",
+            "Fraction of the last sample period the GPU was busy (NVML), 0..1",
+            labels=["gpu"],
+        )
+        used = GaugeMetricFamily(
+            "streamdet_gpu_memory_used_bytes", "GPU memory in use (NVML)", labels=["gpu"]
+        )
+        total = GaugeMetricFamily(
+            "streamdet_gpu_memory_total_bytes", "GPU memory installed (NVML)", labels=["gpu"]
+        )
+        for index, handle in enumerate(self._handles):
+            try:
+                rates = self._nvml.nvmlDeviceGetUtilizationRates(handle)
+                mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:  # a GPU fallen off the bus must not break /metrics
+                log.warning("NVML read of gpu %d failed: %s", index, exc)
+                continue
+            util.add_metric([str(index)], float(rates.gpu) / 100.0)
+            used.add_metric([str(index)], float(mem.used))
+            total.add_metric([str(index)], float(mem.total))
+        yield from (util, used, total)
+
+
+def nvml_collector() -> NvmlCollector | None:
+    """An NVML collector when ``pynvml`` imports and reports at least one GPU, else ``None``."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() < 1:
+            return None
+        return NvmlCollector(pynvml)
+    except Exception as exc:  # no package, no driver, no device: no GPU series
+        log.debug("no NVML GPU metrics: %s", exc)
+        return None
+
+
+class _ScrapeCollector(Collector):
+    """Queue depth and stream figures, read from their owners when Prometheus scrapes."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._metrics.pool
+        if pool is not None:
+            interactive, streams = pool.queue.depth()
+            depth = GaugeMetricFamily(
+                "streamdet_queue_depth", "Items waiting for an engine, by lane", labels=["lane"]
+            )
+            depth.add_metric(["interactive"], interactive)
+            depth.add_metric(["stream"], streams)
+            yield depth
+            yield GaugeMetricFamily(
+                "streamdet_estimated_wait_seconds",
+                "Expected queueing delay of a new /detect call, from recent batch times",
+                value=pool.estimated_wait_s(),
+            )
+        source = self._metrics.stream_source
+        if source is None:
+            return
+        try:
+            samples = list(source())
+        except Exception:
+            log.exception("stream metrics source failed")
+            return
+        fps = GaugeMetricFamily(
+            "streamdet_stream_fps",
+            "Recent frames/s per stream: decoded from the source (in) or run through the engine"
+            " (processed)",
+            labels=["stream", "direction"],
+        )
+        counters = {
+            "frames_received": CounterMetricFamily(
+                "streamdet_stream_frames_received",
+                "Frames decoded from the source",
+                labels=["stream"],
+            ),
+            "frames_processed": CounterMetricFamily(
+                "streamdet_stream_frames_processed",
+                "Frames run through the engine",
+                labels=["stream"],
+            ),
+            "frames_dropped": CounterMetricFamily(
+                "streamdet_stream_frames_dropped",
+                "Frames replaced by a newer one before the engine took them",
+                labels=["stream"],
+            ),
+            "reconnects": CounterMetricFamily(
+                "streamdet_stream_reconnects",
+                "Times the source was reopened after a failure",
+                labels=["stream"],
+            ),
+        }
+        for s in samples:
+            fps.add_metric([s.stream_id, "in"], s.fps_in)
+            fps.add_metric([s.stream_id, "processed"], s.fps_processed)
+            counters["frames_received"].add_metric([s.stream_id], s.frames_in)
+            counters["frames_processed"].add_metric([s.stream_id], s.frames_processed)
+            counters["frames_dropped"].add_metric([s.stream_id], s.drops)
+            counters["reconnects"].add_metric([s.stream_id], s.reconnects)
+        yield fps
+        yield from counters.values()
+
+
+class Metrics:
+    """Every metric streamdet exports, on its own registry (so tests can build many apps).
+
+    Args:
+        gpu: add NVML GPU metrics when a GPU is present (``None``: detect).
+    """
+
+    def __init__(self, gpu: NvmlCollector | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.pool: EnginePool | None = None
+        self.stream_source: StreamSource | None = None
+        self.requests = Counter(
+            "streamdet_http_requests",
+            "HTTP requests answered, by route template, method and status code",
+            ["route", "method", "status"],
+            registry=reg,
+        )
+        self.request_duration = Histogram(
+            "streamdet_http_request_duration_seconds",
+            "Time from request arrival to the end of the response, by route template",
+            ["route", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.stage_duration = Histogram(
+            "streamdet_detect_stage_duration_seconds",
+            "Time a successful /detect call spent in each stage (queue, preprocess, inference,"
+            " postprocess, total)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.batch_size = Histogram(
+            "streamdet_batch_size",
+            "Images per engine batch",
+            buckets=BATCH_BUCKETS,
+            registry=reg,
+        )
+        self.batch_duration = Histogram(
+            "streamdet_batch_duration_seconds",
+            "Engine time per batch (pre-processing, inference and NMS)",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.rejections = Counter(
+            "streamdet_rejections",
+            "Requests refused instead of served, by reason (deadline: predicted to miss it;"
+            " queue_full; expired: deadline passed in the queue; not_ready; shutting_down)",
+            ["reason"],
+            registry=reg,
+        )
+        for stage in STAGES:
+            self.stage_duration.labels(stage)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)
+        ProcessCollector(registry=reg)
+        reg.register(_ScrapeCollector(self))
+        if gpu is not None:
+            reg.register(gpu)
+
+    def bind_pool(self, pool: EnginePool) -> None:
+        """Read queue depth from ``pool`` and record every batch it runs."""
+        self.pool = pool
+        pool.batch_observers.append(self.observe_batch)
+
+    def set_stream_source(self, source: StreamSource | None) -> None:
+        """Plug in (or remove) the stream manager's per-stream figures."""
+        self.stream_source = source
+
+    def observe_batch(self, size: int, elapsed_s: float) -> None:
+        """A batch observer for :attr:`EnginePool.batch_observers` (runs on a worker thread)."""
+        self.batch_size.observe(size)
+        self.batch_duration.observe(elapsed_s)
+
+    def observe_stages(self, stages: dict[str, float]) -> None:
+        """Record one successful /detect call; keys are :data:`STAGES`, values seconds."""
+        for stage, seconds in stages.items():
+            self.stage_duration.labels(stage).observe(seconds)
+
+    def reject(self, reason: str) -> None:
+        """Count one refused request; ``reason`` is one of :data:`REJECTION_REASONS`."""
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}; add it to REJECTION_REASONS")
+        self.rejections.labels(reason).inc()
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+def get_metrics(conn: HTTPConnection) -> Metrics:
+    """The app's :class:`Metrics` (set by ``create_app``)."""
+    metrics: Metrics = conn.app.state.metrics
+    return metrics
+
+
+def route_template(scope: Scope) -> str:
+    """The matched route's path template (``/streams/{stream_id}``), never the raw path.
+
+    Requests answered before routing (refused by the API-key check) or matching no route
+    share the label :data:`UNROUTED` (their status code tells them apart).
+    """
+    path = getattr(scope.get("route"), "path", None)
+    return path if isinstance(path, str) else UNROUTED
+
+
+class RequestMetricsMiddleware:
+    """Counts and times every HTTP request by route template, method and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets if the app raises before answering
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = route_template(scope)
+            method = str(scope.get("method", "GET"))
+            self.metrics.requests.labels(route, method, str(status)).inc()
+            self.metrics.request_duration.labels(route, method).observe(time.perf_counter() - start)
+
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics_endpoint(request: Request) -> Response:
+    """Prometheus text exposition of every streamdet metric."""
+    return Response(get_metrics(request).render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,163 @@
+"""API keys and CORS against a real uvicorn process (HTTP and the WebSocket handshake)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.datastructures import Headers, QueryParams
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+from loadtest.server import ServerProcess
+from server.auth import Access, ApiKeys, authorize
+from server.settings import Settings
+from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
+
+FULL = "full-7d1c0e9a4b"
+READONLY = "read-52aa1f03c8"
+ORIGIN = "https://viewer.example"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("auth")
+    settings: dict[str, object] = {
+        "model": str(MODEL_PT),
+        "cache_dir": str(CACHE_DIR),
+        "max_batch": 1,
+        "api_keys": [FULL, "second-key-0b9e"],
+        "api_keys_readonly": [READONLY],
+        "cors_origins": [ORIGIN],
+    }
+    with ServerProcess(settings, log_path=logs / "server.log") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def bus() -> bytes:
+    return Path(ultralytics_assets() / "bus.jpg").read_bytes()
+
+
+def test_health_and_viewer_stay_open(http: httpx.Client) -> None:
+    assert http.get("/healthz").status_code == 200
+    assert http.get("/readyz").status_code == 200
+    assert http.get("/").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, bearer("wrong-key"), {"Authorization": f"Basic {FULL}"}, {"Authorization": "Bearer"}],
+    ids=["none", "unknown", "basic-scheme", "empty"],
+)
+def test_missing_or_unknown_key_is_401(http: httpx.Client, headers: dict[str, str]) -> None:
+    for method, path in [("GET", "/model"), ("GET", "/metrics"), ("GET", "/streams")]:
+        resp = http.request(method, path, headers=headers)
+        assert resp.status_code == 401, (path, resp.text)
+        assert resp.headers["www-authenticate"].startswith("Bearer")
+        assert "STREAMDET_API_KEYS" in resp.json()["detail"]
+    resp = http.post("/detect", content=bus(), headers={**headers, "content-type": "image/jpeg"})
+    assert resp.status_code == 401
+
+
+def test_full_keys_work(http: httpx.Client) -> None:
+    for key in (FULL, "second-key-0b9e"):
+        resp = http.post(
+            "/detect", content=bus(), headers={**bearer(key), "content-type": "image/jpeg"}
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["detections"]
+    assert http.get("/metrics", headers=bearer(FULL)).status_code == 200
+    # Past authentication: the route itself answers (a malformed body is its 422).
+    assert http.post("/streams", json={}, headers=bearer(FULL)).status_code == 422
+
+
+def test_readonly_key_reads_and_detects_but_cannot_change_streams(http: httpx.Client) -> None:
+    ro = bearer(READONLY)
+    assert http.get("/model", headers=ro).status_code == 200
+    assert http.get("/streams", headers=ro).status_code == 200
+    resp = http.post("/detect", content=bus(), headers={**ro, "content-type": "image/jpeg"})
+    assert resp.status_code == 200
+    for method, path in [("POST", "/streams"), ("DELETE", "/streams/abc")]:
+        resp = http.request(method, path, headers=ro, json={"url": "rtsp://127.0.0.1:1/x"})
+        assert resp.status_code == 403, resp.text
+        assert "read-only" in resp.json()["detail"]
+        assert "www-authenticate" not in resp.headers
+
+
+def test_websocket_handshake_needs_a_key(server: ServerProcess) -> None:
+    url = server.base_url.replace("http://", "ws://") + "/ws/streams/nope"
+    with pytest.raises(InvalidStatus) as refused:
+        connect(url, open_timeout=30).close()
+    assert refused.value.response.status_code == 401
+    with pytest.raises(InvalidStatus) as bad:
+        connect(url, additional_headers=bearer("wrong"), open_timeout=30).close()
+    assert bad.value.response.status_code == 401
+    # With a key (header, or the access_token query parameter browsers use), the
+    # handshake succeeds and the route answers: unknown stream, closed with 4404.
+    for ws_url, headers in [(url, bearer(READONLY)), (f"{url}?access_token={FULL}", {})]:
+        with (
+            connect(ws_url, additional_headers=headers, open_timeout=30) as ws,
+            pytest.raises(ConnectionClosed) as closed,
+        ):
+            ws.recv(timeout=30)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
+
+
+def test_cors_preflight_and_headers_on_refusals(http: httpx.Client) -> None:
+    preflight = http.options(
+        "/detect",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type,x-request-deadline-ms",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    # A browser must be able to read a 401 to tell the user why.
+    refused = http.get("/model", headers={"Origin": ORIGIN})
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == ORIGIN
+    other = http.options(
+        "/detect",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert other.status_code == 400
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_key_check_is_exact_and_scoped() -> None:
+    keys = ApiKeys(["alpha"], ["beta"])
+    assert keys.check("alpha") is Access.FULL
+    assert keys.check("beta") is Access.READONLY
+    for guess in ("alph", "alphaa", "ALPHA", "", "beta "):
+        assert keys.check(guess) is Access.NONE
+    assert not ApiKeys().enabled
+    assert authorize(ApiKeys(), "POST", "/streams", Headers()) is None
+    ws = authorize(keys, "WEBSOCKET", "/ws/streams/x", Headers(), QueryParams("access_token=beta"))
+    assert ws is None
+    # The query parameter is for browsers' WebSockets only, never for HTTP routes.
+    http_query = authorize(keys, "GET", "/model", Headers(), QueryParams("access_token=alpha"))
+    assert http_query is not None and http_query.status == 401
+
+
+def test_settings_take_comma_lists_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMDET_API_KEYS", " k1, k2 ,")
+    monkeypatch.setenv("STREAMDET_CORS_ORIGINS", "https://a.example,https://b.example")
+    settings = Settings()
+    assert settings.api_keys == ["k1", "k2"]
+    assert settings.cors_origins == ["https://a.example", "https://b.example"]
+    assert "k1" not in repr(settings)

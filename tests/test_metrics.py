@@ -1,0 +1,181 @@
+"""GET /metrics with the real model in-process: names, labels and counts after real calls."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.app import create_app
+from server.metrics import Metrics, NvmlCollector, StreamSample, get_metrics
+from server.settings import Settings
+from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    settings = Settings(model=str(MODEL_PT), cache_dir=CACHE_DIR, max_batch=2)
+    app = create_app(settings)
+
+    async def item(item_id: str) -> dict[str, str]:
+        return {"id": item_id}
+
+    app.add_api_route("/items/{item_id}", item)  # a templated route of the test's own
+    with TestClient(app) as c:
+        yield c
+
+
+def scrape(client: TestClient) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)], parsed by prometheus_client's own parser."""
+    resp = client.get("/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return samples
+
+
+def value(
+    samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str
+) -> float:
+    for got, v in samples.get(name, []):
+        if all(got.get(k) == want for k, want in labels.items()):
+            return v
+    raise AssertionError(f"no sample {name}{labels}; have {sorted(samples)}")
+
+
+def test_detect_is_counted_by_route_status_and_stage(client: TestClient) -> None:
+    before = scrape(client)
+    bus = (ultralytics_assets() / "bus.jpg").read_bytes()
+    for _ in range(2):
+        resp = client.post("/detect", content=bus, headers={"content-type": "image/jpeg"})
+        assert resp.status_code == 200, resp.text
+    after = scrape(client)
+
+    def delta(name: str, **labels: str) -> float:
+        old = 0.0
+        with contextlib.suppress(AssertionError):  # not exported before the first call
+            old = value(before, name, **labels)
+        return value(after, name, **labels) - old
+
+    assert delta("streamdet_http_requests_total", route="/detect", method="POST", status="200") == 2
+    assert delta("streamdet_http_request_duration_seconds_count", route="/detect") == 2
+    for stage in ("queue", "preprocess", "inference", "postprocess", "total"):
+        assert delta("streamdet_detect_stage_duration_seconds_count", stage=stage) == 2
+    assert value(after, "streamdet_detect_stage_duration_seconds_sum", stage="inference") > 0
+    assert delta("streamdet_batch_size_count") == 2
+    assert delta("streamdet_batch_size_sum") == 2  # sequential calls: batches of one
+    assert value(after, "streamdet_queue_depth", lane="interactive") == 0
+    assert value(after, "streamdet_queue_depth", lane="stream") >= 0
+    assert "streamdet_estimated_wait_seconds" in after
+    assert value(after, "process_resident_memory_bytes") > 0
+    # No GPU here: the GPU series are absent rather than zero.
+    assert not any(name.startswith("streamdet_gpu_") for name in after)
+
+
+def test_labels_are_route_templates_not_raw_paths(client: TestClient) -> None:
+    assert client.get("/items/abc123").status_code == 200
+    client.get("/no/such/path/7f3a")
+    samples = scrape(client)
+    routes = {labels["route"] for labels, _ in samples["streamdet_http_requests_total"]}
+    assert "/items/{item_id}" in routes
+    assert "<unrouted>" in routes
+    assert not any("abc123" in r or "7f3a" in r for r in routes)
+
+
+def test_rejections_counted_by_reason(client: TestClient) -> None:
+    bus = (ultralytics_assets() / "bus.jpg").read_bytes()
+    client.post("/detect", content=bus, headers={"content-type": "image/jpeg"})  # warm estimate
+    before = value(scrape(client), "streamdet_rejections_total", reason="deadline")
+    resp = client.post(
+        "/detect", content=bus, headers={"content-type": "image/jpeg", "x-request-deadline-ms": "1"}
+    )
+    assert resp.status_code == 429
+    samples = scrape(client)
+    assert value(samples, "streamdet_rejections_total", reason="deadline") == before + 1
+    for reason in ("queue_full", "expired", "not_ready", "shutting_down"):
+        value(samples, "streamdet_rejections_total", reason=reason)  # present from the start
+
+
+def test_stream_source_hook(client: TestClient) -> None:
+    metrics = get_metrics(client)  # type: ignore[arg-type]
+    previous = metrics.stream_source
+    metrics.set_stream_source(
+        lambda: [
+            StreamSample(
+                "cam1",
+                fps_in=12.5,
+                fps_processed=5.0,
+                frames_in=250,
+                frames_processed=100,
+                drops=150,
+                reconnects=2,
+            ),
+        ]
+    )
+    try:
+        samples = scrape(client)
+    finally:
+        metrics.set_stream_source(previous)
+    assert value(samples, "streamdet_stream_fps", stream="cam1", direction="in") == 12.5
+    assert value(samples, "streamdet_stream_fps", stream="cam1", direction="processed") == 5.0
+    assert value(samples, "streamdet_stream_frames_received_total", stream="cam1") == 250
+    assert value(samples, "streamdet_stream_frames_processed_total", stream="cam1") == 100
+    assert value(samples, "streamdet_stream_frames_dropped_total", stream="cam1") == 150
+    assert value(samples, "streamdet_stream_reconnects_total", stream="cam1") == 2
+
+
+def test_failing_stream_source_does_not_break_scrape(client: TestClient) -> None:
+    metrics = get_metrics(client)  # type: ignore[arg-type]
+    previous = metrics.stream_source
+
+    def broken() -> list[StreamSample]:
+        raise RuntimeError("manager gone")
+
+    metrics.set_stream_source(broken)
+    try:
+        samples = scrape(client)
+    finally:
+        metrics.set_stream_source(previous)
+    assert "streamdet_http_requests_total" in samples
+    assert "streamdet_stream_fps" not in samples
+
+
+class FakeNvml:
+    """Stands in for pynvml: no GPU on this machine (the one allowed fake)."""
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:  # noqa: N802
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:  # noqa: N802
+        if handle == 1:
+            raise RuntimeError("GPU has fallen off the bus")
+        return SimpleNamespace(gpu=87, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:  # noqa: N802
+        return SimpleNamespace(used=3 * 2**30, total=80 * 2**30, free=77 * 2**30)
+
+
+def test_gpu_collector_units() -> None:
+    metrics = Metrics(gpu=NvmlCollector(FakeNvml()))
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    util = families["streamdet_gpu_utilization_ratio"].samples
+    assert [(s.labels, s.value) for s in util] == [({"gpu": "0"}, 0.87)]
+    used = families["streamdet_gpu_memory_used_bytes"].samples
+    assert used[0].value == 3 * 2**30
+    assert families["streamdet_gpu_memory_total_bytes"].samples[0].value == 80 * 2**30
+
+
+def test_unknown_rejection_reason_is_refused() -> None:
+    with pytest.raises(ValueError, match="REJECTION_REASONS"):
+        Metrics().reject("because")
