@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from server import metrics as metrics_module
 from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware, ApiKeys
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
-from server.routes import detect, health, viewer
+from server.routes import detect, health, streams, viewer, ws
 from server.runtime import build_pool
 from server.settings import Settings
 from server.state import AppState
@@ -39,11 +40,17 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         app.state.streamdet = state
         metrics.bind_pool(engine_pool)
         app.state.admission = AdmissionController(engine_pool, settings, metrics)
+        # Streams start after the pool (they feed it) and stop before it.
+        manager = streams.build_manager(settings, engine_pool)
+        await manager.start()
+        state.streams = manager
+        metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
         try:
             yield
         finally:
             # Stop intake, drain within the timeout, then fail what is left.
             state.shutting_down = True
+            await manager.stop(settings.shutdown_timeout_s)
             await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
             executor.shutdown(wait=False, cancel_futures=True)
             log.info("shutdown complete")
@@ -51,6 +58,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app = FastAPI(title="streamdet", version="0.1.0", lifespan=lifespan)
     app.include_router(health.router)
     app.include_router(detect.router)
+    app.include_router(streams.router)
+    app.include_router(ws.router)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

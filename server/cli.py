@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,6 +44,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.routes.ws import going_away
     from server.runtime import build_pool
 
     try:
@@ -51,13 +53,22 @@ def serve(settings: Settings) -> int:
         log.error("cannot start: %s", exc)
         return 2
     app = create_app(settings, pool=pool)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
-    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Viewers get 1001 (going away) now, before uvicorn drops sockets with 1012.
+            going_away(app)
+            super().handle_exit(sig, frame)
+
+    Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
+        )
+    ).run()
     return 0
 
 

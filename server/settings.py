@@ -16,6 +16,11 @@ def _default_cache_dir() -> Path:
     return Path(base) / "streamdet"
 
 
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "streamdet"
+
+
 class Settings(BaseSettings):
     """Server settings. Every field is ``STREAMDET_<NAME>`` in the environment and
     ``--<name>`` (dashes for underscores) on ``streamdet serve``."""
@@ -51,6 +56,32 @@ class Settings(BaseSettings):
     decode_threads: int = Field(2, ge=1, le=64, description="threads decoding uploads")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="drain time on shutdown")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Live streams (streams/, server/routes/streams.py, server/routes/ws.py)
+    data_dir: Path = Field(
+        default_factory=_default_data_dir, description="where the stream list is kept (SQLite)"
+    )
+    allowed_file_dir: Path | None = Field(
+        None, description="directory file:// streams may come from; unset = no file streams"
+    )
+    max_streams: int = Field(64, ge=1, le=4096, description="most streams at once")
+    stream_open_timeout_s: float = Field(
+        10.0, gt=0, description="time to connect to a source before retrying"
+    )
+    stream_read_timeout_s: float = Field(
+        5.0, gt=0, description="time without data before a source counts as lost"
+    )
+    reconnect_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")
+    reconnect_max_s: float = Field(30.0, gt=0, description="longest reconnect backoff")
+    reconnect_max_attempts: int = Field(
+        0, ge=0, description="failed reconnects before a stream is 'failed'; 0 = retry forever"
+    )
+    stream_frame_deadline_ms: float = Field(
+        1000.0, gt=0, description="a stream frame not run within this is dropped"
+    )
+    ws_queue_size: int = Field(
+        4, ge=1, le=1024, description="messages kept per WebSocket viewer (oldest dropped)"
+    )
 
     # Admission control, access and metrics (server/admission.py, server/auth.py)
     admission_deadline_ms: float = Field(

@@ -9,6 +9,7 @@ from starlette.requests import HTTPConnection
 
 from engines.pool import EnginePool
 from server.settings import Settings
+from streams.manager import StreamManager
 
 
 @dataclass
@@ -17,6 +18,7 @@ class AppState:
     pool: EnginePool
     decode_executor: ThreadPoolExecutor
     shutting_down: bool = False
+    streams: StreamManager | None = None
 
     @property
     def ready(self) -> bool:

@@ -188,6 +188,13 @@ class StreamManager:
     def list(self) -> list[dict[str, Any]]:
         return [d for sid in self._records if (d := self.describe(sid)) is not None]
 
+    async def wait_state(self, stream_id: str, states: set[StreamState], timeout_s: float) -> bool:
+        """Wait until a stream reaches one of ``states``; False on timeout or unknown id."""
+        reader = self._readers.get(stream_id)
+        if reader is None:
+            return False
+        return await asyncio.to_thread(reader.wait_state, states, timeout_s)
+
     def threads_alive(self) -> int:
         """Decode threads still running (leak checks)."""
         return sum(1 for r in self._readers.values() if r.alive)

@@ -130,6 +130,7 @@ class StreamReader:
         self._rng = rng or random.Random()
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name=f"stream-{config.id}", daemon=True)
         self.state = StreamState.CONNECTING
         self.last_error: str | None = None
@@ -191,8 +192,14 @@ class StreamReader:
             }
 
     # ---- thread ------------------------------------------------------------------------
+    def wait_state(self, states: set[StreamState], timeout_s: float) -> bool:
+        """Block until the stream is in one of ``states``; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.state in states, timeout_s)
+
     def _set_state(self, state: StreamState, error: str | None = None) -> None:
-        with self._lock:
+        with self._changed:
+            self._changed.notify_all()
             if state != self.state:
                 log.info(
                     "stream %s: %s -> %s%s",

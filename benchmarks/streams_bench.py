@@ -1,0 +1,261 @@
+"""Live-stream benchmark: N looping RTSP cameras into a real ``streamdet serve``, measured at
+the WebSocket.
+
+For each camera count it starts the GStreamer test camera (``tests/rtsp_server.py``, one
+mount per camera, same clip), a server process, adds the cameras, subscribes to each over
+WebSocket, and after a warm-up measures for a fixed time:
+
+* processed share: frames processed / frames decoded (from ``GET /streams``);
+* processed fps per stream, and slowest / fastest (fairness);
+* frame latency p50/p99 (decode to publication: the message's ``latency_ms``; and decode to
+  the client's receipt: receive time minus ``captured_at``, same host clock).
+
+Run (about 30 s per camera count; the machine is shared, so figures vary)::
+
+    .venv/bin/python -m benchmarks.streams_bench --cameras 3 8 --imgsz 416 \\
+        --out artifacts/streams_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import websockets
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Child:
+    """A child process whose stderr/stdout is drained; ``wait_for`` blocks on a log line."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], ready_text: str) -> None:
+        self.log: deque[str] = deque(maxlen=100)
+        self._ready = threading.Event()
+        self._text = ready_text
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip())
+            if self._text in line:
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self._ready.wait(timeout_s) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("child did not start:\n" + "\n".join(self.log))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._thread.join(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+async def measure(
+    base: str, ws_base: str, ids: list[str], warmup_s: float, seconds_s: float
+) -> dict[str, Any]:
+    counts = dict.fromkeys(ids, 0)
+    server_lat: list[float] = []
+    client_lat: list[float] = []
+    t_start = time.monotonic() + warmup_s
+    t_end = t_start + seconds_s
+
+    async def watch(sid: str) -> None:
+        async with websockets.connect(f"{ws_base}/ws/streams/{sid}", open_timeout=30) as ws:
+            while time.monotonic() < t_end:
+                try:
+                    text = await asyncio.wait_for(ws.recv(), max(0.1, t_end - time.monotonic()))
+                except TimeoutError:
+                    break
+                now_wall, now = time.time(), time.monotonic()
+                if now < t_start:
+                    continue
+                msg = json.loads(text)
+                counts[sid] += 1
+                server_lat.append(msg["latency_ms"])
+                client_lat.append((now_wall - msg["captured_at"]) * 1000)
+
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def snapshot() -> dict[str, dict[str, Any]]:
+            streams = (await client.get(f"{base}/streams")).json()["streams"]
+            return {s["id"]: s for s in streams}
+
+        tasks = [asyncio.create_task(watch(sid)) for sid in ids]
+        await asyncio.sleep(warmup_s)
+        before = await snapshot()
+        await asyncio.gather(*tasks)
+        after = await snapshot()
+
+    per_stream = {}
+    for sid in ids:
+        frames_in = after[sid]["frames_in"] - before[sid]["frames_in"]
+        processed = after[sid]["frames_processed"] - before[sid]["frames_processed"]
+        per_stream[sid] = {
+            "frames_in": frames_in,
+            "processed": processed,
+            "drops": after[sid]["drops"] - before[sid]["drops"],
+            "reconnects": after[sid]["reconnects"],
+            "ws_messages": counts[sid],
+            "fps_in": frames_in / seconds_s,
+            "fps_processed": processed / seconds_s,
+        }
+    fps = [s["fps_processed"] for s in per_stream.values()]
+    total_in = sum(s["frames_in"] for s in per_stream.values())
+    total_done = sum(s["processed"] for s in per_stream.values())
+    return {
+        "cameras": len(ids),
+        "seconds": seconds_s,
+        "processed_share": total_done / max(total_in, 1),
+        "fps_in_total": total_in / seconds_s,
+        "fps_processed_total": total_done / seconds_s,
+        "fairness_min_over_max": min(fps) / max(*fps, 1e-9),
+        "latency_ms_p50": float(np.percentile(server_lat, 50)) if server_lat else None,
+        "latency_ms_p99": float(np.percentile(server_lat, 99)) if server_lat else None,
+        "client_latency_ms_p50": float(np.percentile(client_lat, 50)) if client_lat else None,
+        "client_latency_ms_p99": float(np.percentile(client_lat, 99)) if client_lat else None,
+        "streams": per_stream,
+    }
+
+
+def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
+    rtsp_port, http_port = free_port(), free_port()
+    mounts = [f"--mount=cam{i}={args.clip}" for i in range(cameras)]
+    camera = Child(
+        [
+            "/usr/bin/python3",
+            str(REPO / "tests" / "rtsp_server.py"),
+            "--port",
+            str(rtsp_port),
+            *mounts,
+        ],
+        {},
+        "READY",
+    )
+    camera.wait_ready(60)
+    data_dir = tempfile.mkdtemp(prefix="streamdet-bench-")
+    server = Child(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--model",
+            str(args.model),
+            "--imgsz",
+            str(args.imgsz),
+            "--port",
+            str(http_port),
+            "--log-level",
+            "warning",
+            "--data-dir",
+            data_dir,
+            *args.server_args,
+        ],
+        {},
+        "Uvicorn running on",
+    )
+    try:
+        # uvicorn prints its banner at info level only; readiness comes from /readyz then.
+        base, ws_base = f"http://127.0.0.1:{http_port}", f"ws://127.0.0.1:{http_port}"
+        _wait_http_ready(base, server, 300)
+        ids = []
+        for i in range(cameras):
+            resp = httpx.post(
+                f"{base}/streams", json={"url": f"rtsp://127.0.0.1:{rtsp_port}/cam{i}"}, timeout=30
+            )
+            resp.raise_for_status()
+            ids.append(resp.json()["id"])
+        return asyncio.run(measure(base, ws_base, ids, args.warmup_seconds, args.seconds))
+    finally:
+        server.stop()
+        camera.stop()
+
+
+def _wait_http_ready(base: str, server: Child, timeout_s: float) -> None:
+    # The server process offers no readiness signal at --log-level warning but /readyz.
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if server.proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + "\n".join(server.log))
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready within {timeout_s:.0f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cameras", type=int, nargs="+", default=[3, 8])
+    parser.add_argument("--imgsz", type=int, default=416)
+    parser.add_argument("--model", type=Path, default=SHARED / "models" / "yolov8n.pt")
+    parser.add_argument("--clip", type=Path, default=SHARED / "videos" / "car-detection.mp4")
+    parser.add_argument("--seconds", type=float, default=15.0, help="measured time per run")
+    parser.add_argument("--warmup-seconds", type=float, default=5.0)
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    parser.add_argument("server_args", nargs="*", help="extra `streamdet serve` flags, after --")
+    args = parser.parse_args()
+    results = []
+    for n in args.cameras:
+        r = run_scenario(n, args)
+        results.append(r)
+        print(
+            f"{n} cameras: processed {r['processed_share'] * 100:.1f}% of"
+            f" {r['fps_in_total']:.1f} fps in ({r['fps_processed_total']:.1f} fps out),"
+            f" slowest/fastest {r['fairness_min_over_max']:.2f},"
+            f" latency p50 {r['latency_ms_p50']:.0f} ms p99 {r['latency_ms_p99']:.0f} ms"
+            f" (at client: p50 {r['client_latency_ms_p50']:.0f} p99"
+            f" {r['client_latency_ms_p99']:.0f} ms)",
+            flush=True,
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"cpu_cores": os.cpu_count(), "runs": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Stream control API (DESIGN §4): ``POST/GET /streams``, ``GET/DELETE /streams/{id}``.
+
+An unreachable camera is accepted (it shows up as ``reconnecting`` with its last error);
+a malformed URL or a source that is not allowed is a 422.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from pydantic import BaseModel, Field
+
+from engines.pool import EnginePool
+from server.settings import Settings
+from server.state import get_state
+from streams.manager import ManagerClosed, ManagerOptions, StreamLimitError, StreamManager
+from streams.reader import ReaderOptions
+from streams.sources import SourceError, Transport
+from streams.store import StreamStore
+
+if TYPE_CHECKING:
+    from server.metrics import StreamSample
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+class StreamIn(BaseModel):
+    """Body of ``POST /streams``."""
+
+    url: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=2048,
+            description="rtsp://, rtsps://, http(s):// or file:// URL",
+        ),
+    ]
+    name: Annotated[str, Field(max_length=200)] = ""
+    max_fps: Annotated[
+        float | None, Field(gt=0, le=1000, description="sample at most this many frames/s")
+    ] = None
+    transport: Transport = "tcp"
+    loop: bool = True
+
+
+def get_manager(request: Request) -> StreamManager:
+    state = get_state(request)
+    if state.streams is None or state.shutting_down:
+        raise HTTPException(503, "server not ready", headers={"Retry-After": "1"})
+    return state.streams
+
+
+@router.post("/streams", status_code=201)
+async def add_stream(body: StreamIn, request: Request) -> dict[str, Any]:
+    manager = get_manager(request)
+    try:
+        return await manager.add(body.url, body.name, body.max_fps, body.transport, body.loop)
+    except SourceError as exc:
+        raise HTTPException(422, f"url: {exc}") from None
+    except StreamLimitError as exc:
+        raise HTTPException(409, str(exc)) from None
+    except ManagerClosed:
+        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
+
+
+@router.get("/streams")
+async def list_streams(request: Request) -> dict[str, Any]:
+    return {"streams": get_manager(request).list()}
+
+
+@router.get("/streams/{stream_id}")
+async def get_stream(stream_id: str, request: Request) -> dict[str, Any]:
+    info = get_manager(request).describe(stream_id)
+    if info is None:
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    return info
+
+
+@router.delete("/streams/{stream_id}", status_code=204)
+async def delete_stream(stream_id: str, request: Request) -> Response:
+    if not await get_manager(request).remove(stream_id):
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    return Response(status_code=204)
+
+
+def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
+    """The manager's figures for ``/metrics`` (``Metrics.set_stream_source``)."""
+    from server.metrics import StreamSample
+
+    for info in manager.list():
+        yield StreamSample(
+            stream_id=info["id"],
+            fps_in=info["fps_in"],
+            fps_processed=info["fps_processed"],
+            frames_in=info["frames_in"],
+            frames_processed=info["frames_processed"],
+            drops=info["drops"],
+            reconnects=info["reconnects"],
+        )
+
+
+def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
+    """The stream manager for ``settings``, feeding ``pool`` (not started yet)."""
+    reader = ReaderOptions(
+        open_timeout_s=settings.stream_open_timeout_s,
+        read_timeout_s=settings.stream_read_timeout_s,
+        backoff_initial_s=settings.reconnect_initial_s,
+        backoff_max_s=settings.reconnect_max_s,
+        max_attempts=settings.reconnect_max_attempts,
+        frame_deadline_ms=settings.stream_frame_deadline_ms,
+        max_pixels=settings.max_image_pixels,
+    )
+    options = ManagerOptions(
+        reader=reader,
+        allowed_file_dir=settings.allowed_file_dir,
+        ws_queue_size=settings.ws_queue_size,
+        max_streams=settings.max_streams,
+        stop_timeout_s=settings.stream_open_timeout_s + settings.stream_read_timeout_s,
+    )
+    return StreamManager(pool, StreamStore(settings.data_dir), options)

@@ -1,0 +1,206 @@
+"""Stream ingest without a camera: URL rules, backoff, the store, fan-out, and a file source
+through the real engine pool."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.pool import EnginePool
+from engines.registry import EngineConfig
+from engines.types import Detections, ModelInfo
+from streams.fanout import Closed, ProcessedFrame, Subscriber
+from streams.manager import ManagerOptions, StreamManager
+from streams.reader import ReaderOptions, StreamState
+from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
+from streams.store import StreamStore, new_record
+from tests.helpers import CACHE_DIR, VIDEOS
+
+# ---- URL rules ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "rtsp://127.0.0.1:8554/cam0",
+        "rtsps://camera.local/stream",
+        "rtsp://user:secret@10.0.0.5/h264",
+        "http://camera.local/mjpeg",
+        "https://example.com/live/index.m3u8",
+    ],
+)
+def test_network_sources_are_accepted(url: str) -> None:
+    spec = parse_source(url, None)
+    assert spec.target == url
+    assert not spec.is_file
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("ftp://host/clip.mp4", "scheme 'ftp' is not allowed"),
+        ("javascript:alert(1)", "scheme 'javascript' is not allowed"),
+        ("/etc/passwd", r"scheme '\(none\)' is not allowed"),
+        ("rtsp:///no-host", "has no host"),
+        ("rtsp://host:99999/x", "malformed url"),
+        ("rtsp://host/a b", "spaces"),
+        ("", "1..2048"),
+    ],
+)
+def test_bad_urls_are_refused_with_the_reason(url: str, expected: str) -> None:
+    with pytest.raises(SourceError, match=expected):
+        parse_source(url, None)
+
+
+def test_file_sources_only_under_the_allowed_dir(tmp_path: Path) -> None:
+    allowed = tmp_path / "clips"
+    allowed.mkdir()
+    clip = allowed / "a.mp4"
+    clip.write_bytes(b"not really a video")
+    (allowed / "escape.mp4").symlink_to("/etc/passwd")
+    assert parse_source(f"file://{clip}", allowed).path == clip.resolve()
+    with pytest.raises(SourceError, match="STREAMDET_ALLOWED_FILE_DIR"):
+        parse_source(f"file://{clip}", None)  # file sources off by default
+    with pytest.raises(SourceError, match="outside the allowed directory"):
+        parse_source("file:///etc/passwd", allowed)
+    with pytest.raises(SourceError, match="outside the allowed directory"):
+        parse_source(f"file://{allowed}/../../etc/passwd", allowed)
+    with pytest.raises(SourceError, match="outside the allowed directory"):
+        parse_source(f"file://{allowed}/escape.mp4", allowed)  # a symlink out
+    with pytest.raises(SourceError, match="does not exist"):
+        parse_source(f"file://{allowed}/missing.mp4", allowed)
+    with pytest.raises(SourceError, match="must be local"):
+        parse_source(f"file://otherhost{clip}", allowed)
+
+
+def test_ffmpeg_options_pin_protocols_and_transport() -> None:
+    udp = open_options(parse_source("rtsp://cam/x", None, transport="udp"))
+    assert udp["rtsp_transport"] == "udp"
+    assert "file" not in udp["protocol_whitelist"].split(",")
+    hls = open_options(parse_source("https://cam/x.m3u8", None))
+    assert "file" not in hls["protocol_whitelist"].split(",")
+    assert "rtsp_transport" not in hls
+
+
+def test_passwords_are_redacted() -> None:
+    assert redact("rtsp://admin:hunter2@cam:554/x") == "rtsp://admin:***@cam:554/x"
+    assert redact("rtsp://cam/x") == "rtsp://cam/x"
+
+
+def test_backoff_grows_is_capped_and_jittered() -> None:
+    rng = random.Random(7)
+    delays = [backoff_delay(n, 0.5, 8.0, rng) for n in range(1, 12)]
+    for n, delay in enumerate(delays, start=1):
+        cap = min(8.0, 0.5 * 2 ** (n - 1))
+        assert cap / 2 <= delay <= cap
+    assert max(delays) <= 8.0
+    assert len({round(d, 6) for d in delays[5:]}) > 1  # capped delays still differ
+    with pytest.raises(ValueError, match="1-based"):
+        backoff_delay(0, 0.5, 8.0, rng)
+
+
+# ---- store and fan-out -------------------------------------------------------------------
+
+
+def test_store_keeps_streams_across_instances(tmp_path: Path) -> None:
+    store = StreamStore(tmp_path / "data")
+    store.add(
+        new_record("a1", "rtsp://cam/1", name="door", max_fps=5.0, transport="udp", loop=False)
+    )
+    store.add(new_record("b2", "rtsp://cam/2", name="", max_fps=None, transport="tcp", loop=True))
+    assert StreamStore(tmp_path / "data").remove("a1")
+    assert not store.remove("a1")
+    (only,) = StreamStore(tmp_path / "data").load()
+    assert (only.id, only.url, only.max_fps, only.transport) == ("b2", "rtsp://cam/2", None, "tcp")
+
+
+def _frame(n: int) -> ProcessedFrame:
+    det = Detections.empty({0: "person"}, 64, 48)
+    return ProcessedFrame("s1", n, n / 10, 1.0, 0.0, np.zeros((48, 64, 3), np.uint8), det, 1)
+
+
+async def test_slow_subscriber_keeps_only_the_newest_messages() -> None:
+    sub = Subscriber("s1", maxsize=3)
+    for n in range(1, 11):
+        sub.offer(_frame(n))  # never blocks, whatever the reader does
+    assert sub.qsize() == 3
+    assert sub.dropped == 7
+    got = [await sub.get() for _ in range(3)]
+    assert [f.frame for f in got if isinstance(f, ProcessedFrame)] == [8, 9, 10]
+
+
+async def test_closing_a_subscriber_delivers_the_close_code_next() -> None:
+    sub = Subscriber("s1", maxsize=2)
+    sub.offer(_frame(1))
+    sub.close(1001, "server shutting down")
+    sub.offer(_frame(2))  # after close: ignored
+    assert await sub.get() == Closed(1001, "server shutting down")
+    message = _frame(5).to_message()
+    assert set(message) == {
+        "stream_id",
+        "frame",
+        "pts",
+        "captured_at",
+        "width",
+        "height",
+        "detections",
+        "latency_ms",
+    }
+
+
+# ---- a file source through the real pool -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
+    from engines.onnxruntime import OrtEngine
+
+    config = EngineConfig(model=model_info, imgsz=640, max_batch=4, threads=2, cache_dir=CACHE_DIR)
+    factory = functools.partial(OrtEngine, config)
+    p = EnginePool(factory, workers=1, max_batch=4, max_wait_ms=5, max_queue=8)
+    p.start()
+    yield p
+    p.stop(5)
+
+
+@pytest.fixture
+async def file_manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
+        allowed_file_dir=VIDEOS[0].parent,
+        ws_queue_size=4,
+    )
+    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await manager.start()
+    yield manager
+    await manager.stop(10)
+
+
+async def test_file_stream_is_sampled_at_max_fps_and_published(
+    file_manager: StreamManager,
+) -> None:
+    clip = next(v for v in VIDEOS if v.name.startswith("bottle"))
+    info = await file_manager.add(f"file://{clip}", name="bottles", max_fps=4.0)
+    sub = file_manager.subscribe(info["id"])
+    assert sub is not None
+    frames = []
+    for _ in range(4):
+        item = await asyncio.wait_for(sub.get(), 60)
+        assert isinstance(item, ProcessedFrame)
+        frames.append(item)
+    assert all(f.image.shape == (360, 640, 3) for f in frames)
+    assert sum(len(f.detections) for f in frames) > 0  # the clip shows bottles
+    assert [f.frame for f in frames] == sorted(f.frame for f in frames)
+    stats = file_manager.describe(info["id"])
+    assert stats is not None
+    assert stats["state"] == StreamState.LIVE
+    assert stats["skipped"] > 0  # ~30 fps clip sampled at 4 fps
+    assert file_manager.latest(info["id"]) is not None
+    assert await file_manager.remove(info["id"])
+    assert file_manager.describe(info["id"]) is None

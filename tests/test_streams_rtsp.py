@@ -1,0 +1,254 @@
+"""Live streams from a real camera: GStreamer's RTSP server on 127.0.0.1 looping the shared
+clips, decoded by the stream manager and run through the real engine pool."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import subprocess
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from engines.pool import EnginePool
+from engines.registry import EngineConfig
+from engines.types import ModelInfo
+from streams.fanout import ProcessedFrame, Subscriber
+from streams.manager import ManagerOptions, StreamManager
+from streams.reader import ReaderOptions, StreamState
+from streams.store import StreamStore
+from tests.helpers import CACHE_DIR, REPO, VIDEOS, free_port
+
+pytestmark = pytest.mark.rtsp
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+RTSP_SCRIPT = REPO / "tests" / "rtsp_server.py"
+CAR = next((v for v in VIDEOS if v.name.startswith("car")), None)
+BOTTLE = next((v for v in VIDEOS if v.name.startswith("bottle")), None)
+
+
+class RtspCamera:
+    """``tests/rtsp_server.py`` in a child process, serving clips at ``rtsp://127.0.0.1:PORT/NAME``.
+
+    Args:
+        mounts: mount name to clip.
+        port: fixed port (to restart the same camera), else a free one.
+    """
+
+    def __init__(self, mounts: dict[str, Path], port: int | None = None) -> None:
+        self.mounts = mounts
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> RtspCamera:
+        check = subprocess.run(
+            [SYSTEM_PYTHON, "-c", "import gi; gi.require_version('GstRtspServer', '1.0')"],
+            capture_output=True,
+            check=False,
+        )
+        if check.returncode:
+            pytest.fail(
+                "the RTSP test camera needs python3-gi and gir1.2-gst-rtsp-server-1.0 for"
+                " /usr/bin/python3: run `bash scripts/system-deps.sh` (or -m 'not rtsp')"
+            )
+        cmd = [SYSTEM_PYTHON, str(RTSP_SCRIPT), "--port", str(self.port)]
+        for name, clip in self.mounts.items():
+            cmd += ["--mount", f"{name}={clip}"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # blocks until it listens (or dies)
+        if not line.startswith("READY"):
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            pytest.fail(f"RTSP test camera did not start on port {self.port}: {err[-2000:]}")
+        return self
+
+    def url(self, mount: str) -> str:
+        return f"rtsp://127.0.0.1:{self.port}/{mount}"
+
+    def kill(self) -> None:
+        """Pull the plug: SIGKILL, no RTSP teardown."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.communicate()
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def camera() -> Iterator[RtspCamera]:
+    if CAR is None or BOTTLE is None:
+        pytest.fail(f"shared clips missing: {VIDEOS} (set STREAMDET_SHARED_DIR)")
+    cam = RtspCamera({"car": CAR, "bottle": BOTTLE}).start()
+    yield cam
+    cam.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
+    from engines.onnxruntime import OrtEngine
+
+    config = EngineConfig(model=model_info, imgsz=640, max_batch=4, threads=2, cache_dir=CACHE_DIR)
+    factory = functools.partial(OrtEngine, config)
+    # A long fill window so frames of both cameras reliably meet in one batch.
+    p = EnginePool(factory, workers=1, max_batch=4, max_wait_ms=150, max_queue=8)
+    p.start()
+    yield p
+    p.stop(5)
+
+
+def manager_options() -> ManagerOptions:
+    reader = ReaderOptions(
+        open_timeout_s=3,
+        read_timeout_s=2,
+        backoff_initial_s=0.2,
+        backoff_max_s=1.0,
+        frame_deadline_ms=5000,
+    )
+    return ManagerOptions(reader=reader, allowed_file_dir=None, ws_queue_size=4, stop_timeout_s=10)
+
+
+@pytest.fixture
+async def manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
+    m = StreamManager(pool, StreamStore(tmp_path / "data"), manager_options())
+    await m.start()
+    yield m
+    await m.stop(10)
+
+
+async def next_frame(sub: Subscriber, timeout_s: float = 30) -> ProcessedFrame:
+    item = await asyncio.wait_for(sub.get(), timeout_s)
+    assert isinstance(item, ProcessedFrame), f"subscription closed: {item}"
+    return item
+
+
+async def test_detections_arrive_with_capture_time_and_latency(
+    manager: StreamManager, camera: RtspCamera
+) -> None:
+    info = await manager.add(camera.url("car"))
+    sub = manager.subscribe(info["id"])
+    assert sub is not None
+    frames = [await next_frame(sub) for _ in range(30)]
+    assert all(f.stream_id == info["id"] and f.image.shape == (432, 768, 3) for f in frames)
+    assert any(len(f.detections) for f in frames), "no detections in 30 frames of car-detection"
+    assert all(f.latency_ms > 0 and f.captured_at > 0 for f in frames)
+    names = {n for f in frames for n in (d["class_name"] for d in f.to_message()["detections"])}
+    assert "car" in names
+    stats = manager.describe(info["id"])
+    assert stats is not None
+    assert stats["state"] == "live"
+    assert stats["frames_processed"] >= 30
+    assert stats["last_frame_age_s"] is not None
+
+
+async def test_two_streams_share_batches(manager: StreamManager, camera: RtspCamera) -> None:
+    a = await manager.add(camera.url("car"))
+    b = await manager.add(camera.url("bottle"))
+    subs = [manager.subscribe(a["id"]), manager.subscribe(b["id"])]
+    assert subs[0] is not None and subs[1] is not None
+    shared = 0
+    for _ in range(20):
+        frames = [await next_frame(s) for s in subs if s is not None]
+        # The stream lane holds one frame per stream and nothing else is queued, so a batch
+        # of two is a frame of each camera.
+        shared += sum(f.batch_size >= 2 for f in frames)
+    assert shared > 0, "no batch held frames of both cameras"
+    for info in (a, b):
+        stats = manager.describe(info["id"])
+        assert stats is not None and stats["frames_processed"] >= 20
+
+
+async def test_camera_killed_and_restarted_reconnects_by_itself(
+    manager: StreamManager, tmp_path: Path
+) -> None:
+    assert CAR is not None
+    cam = RtspCamera({"car": CAR}).start()
+    try:
+        info = await manager.add(cam.url("car"))
+        sid = info["id"]
+        sub = manager.subscribe(sid)
+        assert sub is not None
+        before = await next_frame(sub)
+        cam.kill()
+        assert await manager.wait_state(sid, {StreamState.RECONNECTING}, 30)
+        lost = manager.describe(sid)
+        assert lost is not None and lost["last_error"]
+        cam = RtspCamera({"car": CAR}, port=cam.port).start()  # same camera comes back
+        assert await manager.wait_state(sid, {StreamState.LIVE}, 60)
+        while True:  # skip frames published before the plug was pulled
+            after = await next_frame(sub)
+            if after.frame > before.frame and after.captured_at > before.captured_at + 0.5:
+                break
+        stats = manager.describe(sid)
+        assert stats is not None
+        assert stats["reconnects"] >= 1
+        assert stats["state"] == "live"
+    finally:
+        cam.stop()
+
+
+async def test_unreachable_and_missing_cameras_report_their_error(
+    manager: StreamManager, camera: RtspCamera
+) -> None:
+    refused = await manager.add(f"rtsp://127.0.0.1:{free_port()}/cam")
+    missing = await manager.add(camera.url("no-such-mount"))
+    for info, expected in ((refused, "refused"), (missing, "404")):
+        assert await manager.wait_state(info["id"], {StreamState.RECONNECTING}, 30)
+        stats = manager.describe(info["id"])
+        assert stats is not None
+        assert expected in stats["last_error"].lower(), stats["last_error"]
+    good = await manager.add(camera.url("bottle"))  # the broken ones do not affect it
+    sub = manager.subscribe(good["id"])
+    assert sub is not None
+    await next_frame(sub)
+
+
+async def test_add_remove_cycles_leak_no_threads_or_sockets(
+    manager: StreamManager, camera: RtspCamera
+) -> None:
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def cycle() -> None:
+        info = await manager.add(camera.url("bottle"))
+        assert await manager.wait_state(info["id"], {StreamState.LIVE}, 30)
+        assert await manager.remove(info["id"])
+
+    await cycle()  # first use loads codec tables and thread pools once
+    threads, files = threading.active_count(), fds()
+    for _ in range(8):
+        await cycle()
+    assert manager.threads_alive() == 0
+    assert threading.active_count() <= threads
+    assert fds() <= files + 2  # small slack: the event loop may open a socket pair lazily
+    assert manager.list() == []
+
+
+async def test_streams_survive_a_restart(
+    pool: EnginePool, camera: RtspCamera, tmp_path: Path
+) -> None:
+    first = StreamManager(pool, StreamStore(tmp_path / "data"), manager_options())
+    await first.start()
+    info = await first.add(camera.url("car"), name="gate", max_fps=5)
+    await first.stop(10)
+
+    second = StreamManager(pool, StreamStore(tmp_path / "data"), manager_options())
+    await second.start()
+    try:
+        again = second.describe(info["id"])
+        assert again is not None
+        assert (again["name"], again["max_fps"], again["url"]) == ("gate", 5, camera.url("car"))
+        assert await second.wait_state(info["id"], {StreamState.LIVE}, 30)
+    finally:
+        await second.stop(10)

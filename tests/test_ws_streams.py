@@ -1,0 +1,225 @@
+"""End to end: a real ``streamdet serve`` process, a real RTSP camera, a WebSocket client.
+
+Covers the control API, the WebSocket messages and close codes, and that the stream list
+survives a server restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from tests.helpers import CACHE_DIR, MODEL_PT, free_port
+from tests.test_streams_rtsp import BOTTLE, CAR, RtspCamera
+
+pytestmark = pytest.mark.rtsp
+
+MESSAGE_KEYS = {
+    "stream_id",
+    "frame",
+    "pts",
+    "captured_at",
+    "width",
+    "height",
+    "detections",
+    "latency_ms",
+}
+
+
+class ServerProcess:
+    """``streamdet serve`` in a child process on a free port."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.ws_base = f"ws://127.0.0.1:{self.port}"
+        self.log: deque[str] = deque(maxlen=200)
+        self._running = threading.Event()
+        self._signalled = False
+        env = {
+            **os.environ,
+            "STREAMDET_DATA_DIR": str(data_dir),
+            "STREAMDET_STREAM_READ_TIMEOUT_S": "3",
+            "STREAMDET_RECONNECT_MAX_S": "2",
+            "STREAMDET_SHUTDOWN_TIMEOUT_S": "5",
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--model",
+                str(MODEL_PT),
+                "--imgsz",
+                "640",
+                "--cache-dir",
+                str(CACHE_DIR),
+                "--port",
+                str(self.port),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        if not self._running.wait(180) or self.proc.poll() is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self._reader.join(10)
+            if self.proc.stderr is not None:
+                self.proc.stderr.close()
+            pytest.fail("server did not start:\n" + "\n".join(self.log))
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            if "Uvicorn running on" in line:
+                self._running.set()
+        self._running.set()  # exited: wake the waiter
+
+    def signal_stop(self) -> None:
+        """SIGTERM once (a second one would make uvicorn quit without its shutdown)."""
+        if not self._signalled:
+            self._signalled = True
+            self.proc.send_signal(signal.SIGTERM)
+
+    def terminate(self) -> int:
+        self.signal_stop()
+        code = self.proc.wait(60)
+        self._reader.join(10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return code
+
+
+@pytest.fixture(scope="module")
+def camera() -> Iterator[RtspCamera]:
+    assert CAR is not None and BOTTLE is not None
+    cam = RtspCamera({"car": CAR, "bottle": BOTTLE}).start()
+    yield cam
+    cam.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+async def first_message_with_detections(url: str, limit: int = 100) -> dict[str, Any]:
+    async with websockets.connect(url, open_timeout=30) as ws:
+        for _ in range(limit):
+            message: dict[str, Any] = json.loads(await ws.recv())
+            if message["detections"]:
+                return message
+    pytest.fail(f"no detections in {limit} messages from {url}")
+
+
+async def read_until_closed(ws: websockets.ClientConnection) -> int | None:
+    """Read until the server closes; the close code it sent."""
+    try:
+        while True:
+            await ws.recv()
+    except websockets.ConnectionClosed as exc:
+        return exc.rcvd.code if exc.rcvd else None
+
+
+async def close_code(url: str) -> int | None:
+    async with websockets.connect(url, open_timeout=30) as ws:
+        return await read_until_closed(ws)
+
+
+async def test_control_api_and_websocket(
+    camera: RtspCamera, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    server = ServerProcess(tmp_path / "data")
+    try:
+        base = server.base
+        resp = await client.post(f"{base}/streams", json={"url": camera.url("car"), "name": "car"})
+        assert resp.status_code == 201, resp.text
+        sid = resp.json()["id"]
+
+        message = await first_message_with_detections(f"{server.ws_base}/ws/streams/{sid}")
+        assert set(message) == MESSAGE_KEYS
+        assert (message["stream_id"], message["width"], message["height"]) == (sid, 768, 432)
+        assert message["latency_ms"] > 0
+        det = message["detections"][0]
+        assert set(det) == {"box", "confidence", "class_id", "class_name"}
+
+        for bad, expected in (
+            ({"url": "not a url"}, "spaces"),
+            ({"url": "file:///etc/passwd"}, "STREAMDET_ALLOWED_FILE_DIR"),
+            ({"url": "gopher://x/y"}, "not allowed"),
+            ({"url": camera.url("car"), "max_fps": -1}, "greater than 0"),
+        ):
+            resp = await client.post(f"{base}/streams", json=bad)
+            assert resp.status_code == 422, resp.text
+            assert expected in resp.text
+
+        resp = await client.post(
+            f"{base}/streams", json={"url": f"rtsp://127.0.0.1:{free_port()}/x"}
+        )
+        assert resp.status_code == 201  # cameras come and go: accepted, reported in its state
+        assert resp.json()["state"] in {"connecting", "reconnecting"}
+
+        listed = (await client.get(f"{base}/streams")).json()["streams"]
+        assert {s["id"] for s in listed} == {sid, resp.json()["id"]}
+        one = (await client.get(f"{base}/streams/{sid}")).json()
+        assert one["state"] == "live" and one["frames_processed"] > 0 and one["name"] == "car"
+
+        assert await close_code(f"{server.ws_base}/ws/streams/nope") == 4404
+        assert (await client.get(f"{base}/streams/nope")).status_code == 404
+
+        async with websockets.connect(f"{server.ws_base}/ws/streams/{sid}") as ws:
+            await ws.recv()
+            assert (await client.delete(f"{base}/streams/{sid}")).status_code == 204
+            assert await read_until_closed(ws) == 1000
+        assert (await client.get(f"{base}/streams/{sid}")).status_code == 404
+        assert (await client.delete(f"{base}/streams/{sid}")).status_code == 404
+    finally:
+        server.terminate()
+
+
+async def test_restart_keeps_streams_and_shutdown_says_going_away(
+    camera: RtspCamera, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    server = ServerProcess(data)
+    try:
+        resp = await client.post(
+            f"{server.base}/streams", json={"url": camera.url("bottle"), "max_fps": 5}
+        )
+        assert resp.status_code == 201, resp.text
+        sid = resp.json()["id"]
+        async with websockets.connect(f"{server.ws_base}/ws/streams/{sid}") as ws:
+            await ws.recv()
+            server.signal_stop()
+            assert await read_until_closed(ws) == 1001
+    finally:
+        # uvicorn re-raises the SIGTERM after its graceful shutdown, hence -15.
+        assert server.terminate() in (0, -signal.SIGTERM)
+    assert any("shutdown complete" in line for line in server.log), "\n".join(server.log)
+
+    restarted = ServerProcess(data)
+    try:
+        listed = (await client.get(f"{restarted.base}/streams")).json()["streams"]
+        assert [(s["id"], s["max_fps"]) for s in listed] == [(sid, 5)]
+        message = await first_message_with_detections(f"{restarted.ws_base}/ws/streams/{sid}")
+        assert message["stream_id"] == sid
+    finally:
+        restarted.terminate()
