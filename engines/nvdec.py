@@ -1,0 +1,134 @@
+"""Optional GPU video decode: NVDEC through PyAV's ``hwaccel`` and DLPack, CPU decode otherwise.
+
+PyAV's wheel ships FFmpeg with the ``cuda`` hardware device. With ``HWAccel("cuda",
+is_hw_owned=True)`` the decoded NV12 surfaces stay on the GPU and each plane exports by DLPack,
+so a frame reaches torch without a host copy; :func:`nv12_to_rgb` turns it into the same
+``(H, W, 3)`` uint8 RGB the CPU path produces, on the device. Where there is no GPU, no CUDA
+build of torch or no NVDEC for the codec, the decoder says why and decodes on the CPU
+(``VideoFrame.to_ndarray(format="rgb24")``), which stays the default.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engines.types import Image
+
+log = logging.getLogger(__name__)
+
+# Y'CbCr -> R'G'B' for limited-range video (rows R, G, B; columns Y, Cb, Cr), as swscale uses.
+_BT601 = ((1.164383, 0.0, 1.596027), (1.164383, -0.391762, -0.812968), (1.164383, 2.017232, 0.0))
+_BT709 = ((1.164383, 0.0, 1.792741), (1.164383, -0.213249, -0.532909), (1.164383, 2.112402, 0.0))
+BT709_COLORSPACE = 1  # AVCOL_SPC_BT709; everything else is treated as BT.601 like swscale does
+
+
+def nvdec_unavailable(device: str = "cuda") -> str | None:
+    """Why NVDEC decode cannot be used here, or ``None`` when it can."""
+    try:
+        from av.codec.hwaccel import hwdevices_available
+    except ImportError as exc:
+        return f"this PyAV has no hardware decode support ({exc})"
+    if "cuda" not in hwdevices_available():
+        return "this PyAV/FFmpeg build has no cuda hardware device"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return f"no CUDA device visible to torch {torch.__version__}"
+    if device != "cuda" and not device.startswith("cuda:"):
+        return f"device {device!r} is not a CUDA device"
+    return None
+
+
+def nv12_to_rgb(luma: Any, chroma: Any, colorspace: int = 0) -> Any:
+    """Convert an NV12 frame (torch tensors, any device) to ``(H, W, 3)`` uint8 RGB.
+
+    Args:
+        luma: ``(H, W)`` uint8 Y plane.
+        chroma: ``(H/2, W/2, 2)`` uint8 interleaved Cb/Cr plane.
+        colorspace: FFmpeg's ``AVColorSpace`` of the frame (1 = BT.709, else BT.601).
+
+    Returns:
+        ``(H, W, 3)`` uint8 tensor on the planes' device.
+    """
+    import torch
+
+    matrix = torch.tensor(
+        _BT709 if colorspace == BT709_COLORSPACE else _BT601,
+        dtype=torch.float32,
+        device=luma.device,
+    )
+    h, w = int(luma.shape[0]), int(luma.shape[1])
+    y = luma.float() - 16.0
+    # Chroma is sited between luma rows; nearest-neighbour upsampling is what swscale's
+    # default fast path does for 4:2:0 -> RGB at the same size.
+    cbcr = chroma.float() - 128.0
+    cbcr = cbcr.repeat_interleave(2, dim=0).repeat_interleave(2, dim=1)[:h, :w]
+    ycc = torch.cat((y[..., None], cbcr), dim=2)
+    rgb = ycc @ matrix.T
+    return rgb.round_().clamp_(0, 255).to(torch.uint8)
+
+
+class VideoDecoder:
+    """Decode a video file or URL into RGB frames, on the GPU when asked and possible.
+
+    Iterating yields numpy ``(H, W, 3)`` uint8 arrays (CPU decode) or torch ``(H, W, 3)``
+    uint8 tensors on the GPU (NVDEC). Engines accept both.
+
+    Args:
+        source: path or URL PyAV can open.
+        device: ``cuda``/``cuda:N`` to try NVDEC, ``cpu`` to decode on the CPU.
+        options: FFmpeg options for ``av.open`` (e.g. ``rtsp_transport``).
+    """
+
+    def __init__(
+        self, source: str | Path, device: str = "cpu", options: dict[str, str] | None = None
+    ) -> None:
+        self.source = str(source)
+        self._options = options or {}
+        self.reason = "CPU decode requested" if device == "cpu" else nvdec_unavailable(device)
+        self.on_gpu = self.reason is None
+        self._device_index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+        if not self.on_gpu:
+            log.info("video %s: decoding on the CPU (%s)", self.source, self.reason)
+
+    def __iter__(self) -> Iterator[Image | Any]:
+        import av
+
+        hwaccel = None
+        if self.on_gpu:
+            from av.codec.hwaccel import HWAccel
+
+            hwaccel = HWAccel(
+                "cuda", device=self._device_index, allow_software_fallback=True, is_hw_owned=True
+            )
+        with av.open(self.source, options=self._options, hwaccel=hwaccel) as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for frame in container.decode(stream):
+                yield self._convert(frame)
+
+    def _convert(self, frame: Any) -> Image | Any:
+        if self.on_gpu and frame.format.name == "cuda":
+            import torch
+            from torch.utils.dlpack import from_dlpack
+
+            # PyAV exports CUDA planes only without a stream argument (it cannot order them on
+            # ours), so hand torch the capsules, and wait on the legacy default stream, which
+            # FFmpeg's NVDEC copies use: a stream wait, not a device-wide synchronize.
+            luma = from_dlpack(frame.planes[0].__dlpack__())
+            chroma = from_dlpack(frame.planes[1].__dlpack__())
+            with torch.cuda.device(luma.device):
+                torch.cuda.default_stream().synchronize()
+                on_device = nv12_to_rgb(luma, chroma, int(frame.colorspace))
+                # An engine reads it from its own stream: finish the conversion first.
+                torch.cuda.current_stream().synchronize()
+            return on_device
+        rgb: Image = np.ascontiguousarray(frame.to_ndarray(format="rgb24"))
+        return rgb

@@ -1,0 +1,219 @@
+"""The GPU device layer's CPU-checkable parts: buckets, letterbox, resize, NMS, buffers.
+
+The layer runs unchanged on ``device="cpu"``; these tests hold it to ``engines.yolo`` (the CPU
+engine's pre/post-processing) on real frames and the real model's raw outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from engines.gpu import (
+    BucketRunner,
+    DeviceWorkspace,
+    batch_buckets,
+    bucket_for,
+    letterbox_into,
+    placement,
+    resize_linear,
+    resolve_device,
+)
+from engines.registry import EngineConfig, load_backend
+from engines.types import DetectParams, EngineError, ModelError, ModelInfo
+from engines.yolo import PAD_VALUE, letterbox, postprocess, preprocess, rect_shape
+from streams.files import load_image, sample_video_frames
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, ultralytics_assets
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def frames() -> list[np.ndarray]:
+    assets = ultralytics_assets()
+    images = [load_image(assets / "bus.jpg"), load_image(assets / "zidane.jpg")]
+    return images + [f for v in VIDEOS for f in sample_video_frames(v, 3)]
+
+
+def test_buckets_are_powers_of_two_up_to_max_batch() -> None:
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(8) == (1, 2, 4, 8)
+    assert batch_buckets(12) == (1, 2, 4, 8, 12)
+    assert batch_buckets(32) == (1, 2, 4, 8, 16, 32)
+    with pytest.raises(ValueError, match="max_batch"):
+        batch_buckets(0)
+
+
+@pytest.mark.parametrize(
+    ("size", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 12), (12, 12)]
+)
+def test_bucket_for_picks_smallest_that_fits(size: int, bucket: int) -> None:
+    assert bucket_for(size, batch_buckets(12)) == bucket
+
+
+@pytest.mark.parametrize("size", [0, 13])
+def test_bucket_for_rejects_sizes_outside_buckets(size: int) -> None:
+    with pytest.raises(ValueError, match="STREAMDET_MAX_BATCH"):
+        bucket_for(size, batch_buckets(12))
+
+
+@pytest.mark.parametrize(
+    ("h", "w"), [(1080, 810), (720, 1280), (432, 768), (360, 640), (33, 500), (640, 640), (7, 3)]
+)
+def test_placement_matches_cpu_letterbox(h: int, w: int) -> None:
+    shape = rect_shape(h, w, 640, 32)
+    image = np.zeros((h, w, 3), np.uint8)
+    for target in (shape, (640, 640)):
+        _, meta = letterbox(image, target, 640)
+        assert placement(h, w, target, 640).meta == meta
+
+
+@pytest.mark.parametrize(("h", "w"), [(100, 37), (480, 640), (1080, 1920), (300, 301), (33, 500)])
+def test_resize_linear_is_opencv_inter_linear(h: int, w: int) -> None:
+    rng = np.random.default_rng(h * w)
+    image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    for th, tw in [
+        (max(1, h // 2 + 1), max(1, w // 3 + 1)),
+        (max(1, h * 2 // 3), max(1, w * 5 // 7)),
+    ]:
+        ours = resize_linear(torch.from_numpy(image), th, tw).numpy()
+        ref = cv2.resize(image, (tw, th), interpolation=cv2.INTER_LINEAR)
+        assert np.array_equal(ours, ref), f"downscale {h}x{w} -> {th}x{tw} differs from cv2"
+    # Upscaling: OpenCV's scalar tail rounds differently in a few pixels; never by more than 1.
+    up = resize_linear(torch.from_numpy(image), h * 2, w * 2).numpy().astype(int)
+    ref_up = cv2.resize(image, (w * 2, h * 2), interpolation=cv2.INTER_LINEAR).astype(int)
+    assert np.abs(up - ref_up).max() <= 1
+
+
+def test_letterbox_into_gives_the_cpu_engines_pixels(frames: list[np.ndarray]) -> None:
+    for frame in frames:
+        shape = rect_shape(frame.shape[0], frame.shape[1], 640, 32)
+        ref, meta = letterbox(frame, shape, 640)
+        out = torch.empty((2, 3, *shape))
+        (ours_meta,) = letterbox_into([torch.from_numpy(frame.copy())], out, 640)
+        ours = (out[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        assert ours_meta == meta
+        assert np.array_equal(ours, ref)
+        # The bucket's padding row is the pad grey, never stale data or NaN.
+        assert torch.all((out[1] * 255).round() == PAD_VALUE)
+
+
+def test_letterbox_into_refuses_more_frames_than_the_buffer() -> None:
+    frame = torch.zeros((10, 10, 3), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not fit"):
+        letterbox_into([frame] * 3, torch.empty((2, 3, 32, 32)), 32)
+
+
+def test_upload_on_cpu_returns_the_images(frames: list[np.ndarray]) -> None:
+    ws = DeviceWorkspace(CPU)
+    assert ws.stream is None
+    views = ws.upload(frames[:3])
+    for view, frame in zip(views, frames[:3], strict=True):
+        assert np.array_equal(view.numpy(), frame)
+
+
+@pytest.fixture(scope="module")
+def ort(model_info: ModelInfo) -> Iterator[object]:
+    config = EngineConfig(model=model_info, imgsz=640, max_batch=8, threads=2, cache_dir=CACHE_DIR)
+    engine = load_backend("onnxruntime")(config)
+    engine.load()
+    yield engine
+    engine.close()
+
+
+PARAM_SETS = [
+    DetectParams(),
+    DetectParams(conf=0.5),
+    DetectParams(classes=frozenset({0, 2})),
+    DetectParams(max_det=2),
+    DetectParams(conf=0.1, iou=0.5),
+    DetectParams(conf=0.05, iou=0.9, max_det=7),
+]
+
+
+def test_device_nms_matches_cpu_postprocess(
+    frames: list[np.ndarray], ort: object, model_info: ModelInfo
+) -> None:
+    """Same raw head output, per-image parameters mixed in one batch: same detections."""
+    ws = DeviceWorkspace(CPU)
+    by_shape: dict[tuple[int, int], list[np.ndarray]] = {}
+    for frame in frames:
+        by_shape.setdefault(rect_shape(frame.shape[0], frame.shape[1], 640, 32), []).append(frame)
+    compared = 0
+    for shape, group in by_shape.items():
+        blob, metas = preprocess(group, 640, shape)
+        raw = ort.run_raw(blob)  # type: ignore[attr-defined]
+        params = [PARAM_SETS[i % len(PARAM_SETS)] for i in range(len(group))]
+        ref = postprocess(raw, metas, params, model_info.names)
+        ours = ws.postprocess(torch.from_numpy(raw), metas, params, model_info.names)
+        for r, o, p in zip(ref, ours, params, strict=True):
+            assert len(o) == len(r), f"{p}: {len(o)} vs {len(r)} detections"
+            np.testing.assert_array_equal(o.class_ids, r.class_ids)
+            np.testing.assert_allclose(o.scores, r.scores, atol=1e-6)
+            np.testing.assert_allclose(o.boxes, r.boxes, atol=1e-3)
+            assert (o.width, o.height) == (r.width, r.height)
+            compared += len(r)
+    assert compared > 10
+
+
+def test_bucket_runner_reuses_buffers_and_bounds_them() -> None:
+    calls: list[tuple[int, ...]] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return x.sum(dim=(2, 3))
+
+    runner = BucketRunner(forward, DeviceWorkspace(CPU), torch.float32, max_graphs=2)
+    first = runner.input_for(4, (32, 64))
+    assert runner.input_for(4, (32, 64)) is first
+    first.fill_(1.0)
+    assert torch.all(runner.run(4, (32, 64)) == 32 * 64)
+    runner.input_for(8, (32, 32))
+    runner.input_for(1, (64, 64))  # third key: the least recently used one goes
+    assert runner.input_for(4, (32, 64)) is not first
+    assert runner.captured == 0  # no graphs on the CPU
+    assert calls == [(4, 3, 32, 64)]
+
+
+def test_cuda_device_without_gpu_is_refused_with_the_reason() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    with pytest.raises(EngineError, match="no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(EngineError, match="STREAMDET_DEVICE"):
+        resolve_device("mps")
+
+
+def test_torch_backend_refuses_cuda_without_gpu(model_info: ModelInfo) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    config = EngineConfig(
+        model=model_info,
+        imgsz=640,
+        max_batch=4,
+        threads=1,
+        device="cuda",
+        cache_dir=CACHE_DIR,
+        source=MODEL_PT,
+    )
+    engine = load_backend("torch")(config)
+    with pytest.raises(EngineError, match=r"no CUDA device.*--backend onnxruntime"):
+        engine.load()
+
+
+def test_torch_backend_needs_a_pt_checkpoint(model_info: ModelInfo) -> None:
+    config = EngineConfig(
+        model=model_info,
+        imgsz=640,
+        max_batch=4,
+        threads=1,
+        device="cpu",
+        cache_dir=CACHE_DIR,
+        source=None,
+    )
+    with pytest.raises(ModelError, match=r"\.pt checkpoint"):
+        load_backend("torch")(config).load()

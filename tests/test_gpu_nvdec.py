@@ -1,0 +1,53 @@
+"""GPU decode falls back to the CPU here, and its NV12 -> RGB conversion matches FFmpeg's."""
+
+from __future__ import annotations
+
+import itertools
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from engines.nvdec import VideoDecoder, nv12_to_rgb, nvdec_unavailable
+from streams.files import iter_video_frames
+from tests.helpers import VIDEOS
+
+
+@pytest.mark.parametrize("video", VIDEOS, ids=[v.name for v in VIDEOS])
+def test_nv12_to_rgb_matches_ffmpeg_rgb24(video: object) -> None:
+    with av.open(str(video)) as container:
+        frames = list(itertools.islice(container.decode(video=0), 0, 30, 10))
+    for frame in frames:
+        nv12 = frame.reformat(format="nv12")
+        h, w = frame.height, frame.width
+        luma_rows = np.asarray(nv12.planes[0]).reshape(h, -1)[:, :w]
+        chroma_rows = np.asarray(nv12.planes[1]).reshape(h // 2, -1)[:, :w]
+        luma = torch.from_numpy(luma_rows.copy())
+        chroma = torch.from_numpy(chroma_rows.reshape(h // 2, -1, 2).copy())
+        ours = nv12_to_rgb(luma, chroma, int(frame.colorspace)).numpy().astype(int)
+        ref = frame.to_ndarray(format="rgb24").astype(int)
+        diff = np.abs(ours - ref)
+        # swscale's chroma filter and rounding differ slightly; no visible difference.
+        assert diff.max() <= 4 and diff.mean() < 1.5, (diff.max(), diff.mean())
+
+
+def test_gpu_decode_falls_back_to_cpu_with_a_reason() -> None:
+    if not torch.cuda.is_available():
+        assert nvdec_unavailable("cuda") is not None
+    decoder = VideoDecoder(VIDEOS[0], device="cuda")
+    if decoder.on_gpu:
+        pytest.skip("NVDEC is available here; tests/test_gpu_cuda.py covers it")
+    assert decoder.reason
+    got = list(itertools.islice(iter(decoder), 5))
+    want = list(iter_video_frames(VIDEOS[0], limit=5))
+    assert len(got) == 5
+    for a, b in zip(got, want, strict=True):
+        assert isinstance(a, np.ndarray) and np.array_equal(a, b)
+
+
+def test_cpu_decode_when_asked() -> None:
+    decoder = VideoDecoder(VIDEOS[0], device="cpu")
+    assert not decoder.on_gpu and decoder.reason == "CPU decode requested"
+    first = next(iter(decoder))
+    assert isinstance(first, np.ndarray) and first.dtype == np.uint8 and first.shape[2] == 3

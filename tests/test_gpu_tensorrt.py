@@ -1,0 +1,192 @@
+"""TensorRT backend parts that need no GPU: profiles, cache keys, the build recipe, refusals.
+
+TensorRT itself cannot be installed here (its libraries come from NVIDIA's index), so the build
+recipe is checked against a recording stand-in for the ``tensorrt`` module: strongly typed on
+10.x, no flags on 11.x, never a precision flag, one dynamic-batch profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines.registry import EngineConfig, load_backend
+from engines.tensorrt import (
+    EngineKey,
+    ProfileShapes,
+    build_engine,
+    import_tensorrt,
+    profile_shapes,
+    trt_major,
+)
+from engines.types import EngineError, ModelInfo
+from tests.helpers import CACHE_DIR, MODEL_PT
+
+
+def test_dynamic_profile_covers_every_letterbox_shape() -> None:
+    shapes = profile_shapes(max_batch=32, imgsz=640, stride=32, dynamic_hw=True)
+    assert shapes == ProfileShapes((1, 3, 160, 160), (32, 3, 384, 640), (32, 3, 640, 640))
+    # 16:9 camera, portrait photo, square: all inside the profile.
+    for h, w in [(384, 640), (640, 480), (640, 640), (160, 640)]:
+        assert shapes.contains((1, 3, h, w)) and shapes.contains((32, 3, h, w))
+    assert not shapes.contains((33, 3, 640, 640))
+    assert not shapes.contains((1, 3, 672, 640))
+
+
+def test_fixed_profile_varies_only_the_batch() -> None:
+    shapes = profile_shapes(max_batch=8, imgsz=320, stride=32, dynamic_hw=False, opt_batch=4)
+    assert shapes == ProfileShapes((1, 3, 320, 320), (4, 3, 320, 320), (8, 3, 320, 320))
+
+
+def test_profile_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        profile_shapes(max_batch=8, imgsz=650, stride=32, dynamic_hw=True)
+    with pytest.raises(ValueError, match="max_batch"):
+        profile_shapes(max_batch=0, imgsz=640, stride=32, dynamic_hw=True)
+
+
+def _key(**changes: Any) -> EngineKey:
+    base = EngineKey(
+        onnx_sha256="ab" * 32,
+        trt_version="10.13.0.35",
+        gpu="NVIDIA H200 sm_90",
+        precision="fp16",
+        profile=profile_shapes(32, 640, 32, True),
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_engine_cache_key_changes_with_every_input(tmp_path: Path) -> None:
+    base = _key()
+    assert base.digest() == _key().digest()
+    variants = [
+        _key(onnx_sha256="cd" * 32),
+        _key(trt_version="11.0.0.1"),
+        _key(gpu="NVIDIA L4 sm_89"),
+        _key(precision="int8"),
+        _key(profile=profile_shapes(16, 640, 32, True)),
+        _key(profile=profile_shapes(32, 640, 32, True, opt_batch=8)),
+        _key(profile=profile_shapes(32, 320, 32, True)),
+    ]
+    digests = {v.digest() for v in variants}
+    assert len(digests) == len(variants) and base.digest() not in digests
+    path = base.path(tmp_path, "yolov8n-fp16")
+    assert path.parent == tmp_path / "engines"
+    assert path.name == f"yolov8n-fp16-{base.digest()}.engine"
+
+
+def test_trt_major() -> None:
+    assert trt_major("10.13.0.35") == 10
+    assert trt_major("11.0.0") == 11
+    with pytest.raises(EngineError, match="unrecognised"):
+        trt_major("x.y")
+
+
+class _Recorder:
+    """A stand-in for the ``tensorrt`` module that records what the build asks of it."""
+
+    def __init__(self, version: str) -> None:
+        self.__version__ = version
+        self.calls: list[tuple[Any, ...]] = []
+        rec = self
+
+        class Logger:
+            WARNING = 2
+
+            def __init__(self, severity: int) -> None:
+                rec.calls.append(("logger", severity))
+
+        class Network:
+            def get_input(self, i: int) -> Any:
+                return type("Input", (), {"name": "images"})()
+
+        class Profile:
+            def set_shape(self, name: str, lo: Any, opt: Any, hi: Any) -> None:
+                rec.calls.append(("profile", name, lo, opt, hi))
+
+        class Config:
+            def set_memory_pool_limit(self, pool: str, size: int) -> None:
+                rec.calls.append(("pool", pool, size))
+
+            def add_optimization_profile(self, profile: Profile) -> None:
+                rec.calls.append(("add_profile",))
+
+            def set_flag(self, flag: Any) -> None:
+                rec.calls.append(("set_flag", flag))
+
+        class Builder:
+            def __init__(self, logger: Logger) -> None:
+                pass
+
+            def create_network(self, *flags: int) -> Network:
+                rec.calls.append(("create_network", *flags))
+                return Network()
+
+            def create_builder_config(self) -> Config:
+                return Config()
+
+            def create_optimization_profile(self) -> Profile:
+                return Profile()
+
+            def build_serialized_network(self, network: Network, config: Config) -> bytes:
+                rec.calls.append(("build",))
+                return b"plan"
+
+        class OnnxParser:
+            num_errors = 0
+
+            def __init__(self, network: Network, logger: Logger) -> None:
+                pass
+
+            def parse_from_file(self, path: str) -> bool:
+                rec.calls.append(("parse", path))
+                return True
+
+        self.Logger, self.Builder, self.OnnxParser = Logger, Builder, OnnxParser
+        self.NetworkDefinitionCreationFlag = type("Flags", (), {"STRONGLY_TYPED": 1})
+        self.MemoryPoolType = type("Pools", (), {"WORKSPACE": "workspace"})
+
+
+@pytest.mark.parametrize(
+    ("version", "network_flags"), [("10.13.0.35", (1 << 1,)), ("11.0.0.114", ())]
+)
+def test_build_is_strongly_typed_without_precision_flags(
+    tmp_path: Path, version: str, network_flags: tuple[int, ...]
+) -> None:
+    trt = _Recorder(version)
+    shapes = profile_shapes(16, 640, 32, True)
+    out = build_engine(trt, Path("model.onnx"), shapes, tmp_path / "engines" / "m.engine")
+    assert out.read_bytes() == b"plan"
+    assert ("create_network", *network_flags) in trt.calls
+    assert not [c for c in trt.calls if c[0] == "set_flag"], "precision comes from the ONNX"
+    assert ("profile", "images", shapes.min, shapes.opt, shapes.max) in trt.calls
+    assert ("add_profile",) in trt.calls and trt.calls[-1] == ("build",)
+
+
+def test_tensorrt_backend_refuses_cleanly_here(model_info: ModelInfo) -> None:
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed here")
+    with pytest.raises(EngineError, match=r"TensorRT not installed.*streamdet\[gpu\]"):
+        import_tensorrt()
+    config = EngineConfig(
+        model=model_info,
+        imgsz=640,
+        max_batch=8,
+        threads=1,
+        device="cuda",
+        cache_dir=CACHE_DIR,
+        source=MODEL_PT,
+    )
+    engine = load_backend("tensorrt")(config)
+    with pytest.raises(EngineError) as info:
+        engine.load()
+    message = str(info.value)
+    assert "TensorRT not installed" in message
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in message
