@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -412,6 +413,7 @@ def _cap_candidates(
 
 # ---- captured forward passes ---------------------------------------------------------------------
 Forward = Callable[[torch.Tensor], torch.Tensor]
+_CAPTURE_LOCK = threading.Lock()
 
 
 class BucketRunner:
@@ -420,6 +422,7 @@ class BucketRunner:
     Each ``(bucket, H, W)`` gets its own input buffer and, on CUDA with ``use_graphs``, its own
     graph captured on first use (after two eager warm-up passes on the worker's stream). At most
     ``max_graphs`` are kept; the least recently used is dropped with its memory pool.
+    (Entering a capture synchronizes the device once, in ``torch.cuda.graph``; replays do not.)
 
     Args:
         forward: the model on a ``(B, 3, H, W)`` tensor; must keep shapes static.
@@ -483,7 +486,12 @@ class BucketRunner:
             out = self._forward(slot.inputs)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=stream):
+            # One capture at a time, and "thread_local" so the other workers' syncs and
+            # copies, legal outside this stream, keep running while this one captures.
+            with (
+                _CAPTURE_LOCK,
+                torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"),
+            ):
                 slot.output = self._forward(slot.inputs)
         except RuntimeError as exc:  # an uncapturable op: run eagerly from now on
             log.warning("CUDA graph capture failed (%s); running batch %d eagerly", exc, bucket)

@@ -22,7 +22,7 @@ import torch
 
 from engines.gpu import Forward, GpuDetector
 from engines.registry import EngineConfig
-from engines.types import EngineError, ModelError
+from engines.types import EngineError, ModelError, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,22 @@ def load_detection_model(path: Path, device: torch.device) -> torch.nn.Module:
         p.requires_grad_(False)
     module: torch.nn.Module = model
     return module
+
+
+def checkpoint_info(path: Path, imgsz: int = 640) -> ModelInfo:
+    """Names and stride straight from a ``.pt`` (no ONNX export): for machines with PyTorch and
+    Ultralytics but no exporter, such as the GPU check."""
+    model = load_detection_model(path, torch.device("cpu"))
+    names = {int(k): str(v) for k, v in getattr(model, "names", {}).items()}
+    stride = int(getattr(model, "stride", torch.tensor([32])).max())
+    return ModelInfo(
+        path=str(path),
+        names=names,
+        imgsz=(imgsz, imgsz),
+        stride=stride,
+        dynamic_hw=True,
+        precision="fp16",
+    )
 
 
 class TorchEngine(GpuDetector):

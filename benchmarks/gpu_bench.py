@@ -1,0 +1,419 @@
+"""GPU check: parity with the CPU engine, engine-only and end-to-end throughput, GPU busy %,
+frame latency. Run by ``scripts/gpu_check.sh``; two commands:
+
+``python -m benchmarks.gpu_bench prepare --data .gpu`` (on the CPU machine)
+    runs the CPU engine (ONNX Runtime) on ``bus.jpg`` and frames of the clips and writes its
+    boxes to ``.gpu/cpu_reference.json``, with a checksum of every frame.
+``python -m benchmarks.gpu_bench run --data .gpu --out-dir DIR`` (on the GPU machine)
+    runs the ``torch`` engine (FP16, CUDA graphs) and writes ``DIR/<date>-<gpu>-gpu.json``.
+
+End-to-end means real clips decoded by one thread per stream (PyAV, looping), offered to the
+real :class:`engines.pool.EnginePool` through its latest-frame lane, results back through
+callbacks: first unpaced (saturation: throughput and GPU busy % from NVML), then paced at
+``--fps`` per stream (frame latency from decode to result, p50/p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import logging
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engines.batching import WorkItem, WorkResult
+from engines.pool import EnginePool
+from engines.types import DetectParams, Engine
+from streams.files import iter_video_frames, load_image, sample_video_frames
+from tests.helpers import match_reference, ultralytics_assets
+
+log = logging.getLogger("gpu_bench")
+CONF = 0.25
+FRAMES_PER_CLIP = 6
+TARGETS = {"gpu_busy_pct": 90.0, "e2e_over_engine": 0.8, "frame_latency_p99_ms": 50.0}
+
+
+def parity_frames(data: Path) -> list[tuple[str, np.ndarray]]:
+    """``bus.jpg`` and evenly spaced frames of every clip, with names."""
+    frames = [("bus.jpg", load_image(ultralytics_assets() / "bus.jpg"))]
+    for clip in sorted((data / "videos").glob("*.mp4")):
+        for i, f in enumerate(sample_video_frames(clip, FRAMES_PER_CLIP)):
+            frames.append((f"{clip.name}#{i}", f))
+    return frames
+
+
+def _digest(image: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest()[:16]
+
+
+def prepare(data: Path) -> int:
+    """Write the CPU engine's detections on the parity frames."""
+    from engines.registry import EngineConfig, load_backend, prepare_model
+
+    info = prepare_model(str(data / "models" / "yolov8n.pt"), data / "cache", 640)
+    engine = load_backend("onnxruntime")(
+        EngineConfig(model=info, imgsz=640, max_batch=8, threads=2)
+    )
+    engine.load()
+    reference = []
+    for name, frame in parity_frames(data):
+        (det,) = engine.infer([frame], [DetectParams(conf=CONF)])
+        reference.append(
+            {
+                "name": name,
+                "sha256": _digest(frame),
+                "boxes": det.boxes.tolist(),
+                "scores": det.scores.tolist(),
+                "classes": det.class_ids.tolist(),
+            }
+        )
+    (data / "cpu_reference.json").write_text(json.dumps(reference))
+    print(f"wrote {len(reference)} CPU-engine results to {data / 'cpu_reference.json'}")
+    return 0
+
+
+def check_parity(engine: Engine, data: Path) -> dict[str, Any]:
+    """The GPU engine against the CPU engine's stored boxes: same classes, IoU >= 0.9."""
+    reference = {r["name"]: r for r in json.loads((data / "cpu_reference.json").read_text())}
+    problems: list[str] = []
+    same_pixels = True
+    for name, frame in parity_frames(data):
+        ref = reference[name]
+        same_pixels &= ref["sha256"] == _digest(frame)
+        (det,) = engine.infer([frame], [DetectParams(conf=CONF)])
+        found = match_reference(
+            det,
+            np.asarray(ref["boxes"], np.float32).reshape(-1, 4),
+            np.asarray(ref["scores"], np.float32),
+            np.asarray(ref["classes"], np.int32),
+            min_iou=0.9,
+            conf_tol=0.05,
+            edge_conf=CONF + 0.05,
+        )
+        problems += [f"{name}: {p}" for p in found]
+    return {
+        "boxes_match_cpu": not problems,
+        "parity_frames": len(reference),
+        "parity_problems": problems[:20],
+        "parity_same_decoded_pixels": same_pixels,
+    }
+
+
+def _timed(fn: Any, seconds: float) -> tuple[int, float]:
+    """Run ``fn`` repeatedly for about ``seconds``; returns (calls, elapsed s).
+
+    On CUDA the elapsed time is measured by events on the current stream, so it ends when
+    the last call's GPU work does, not when the host finished queueing it.
+    """
+    import torch
+
+    fn()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        calls, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            fn()
+            calls += 1
+        return calls, time.monotonic() - t0
+    torch.cuda.current_stream().synchronize()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    calls, t0 = 0, time.monotonic()
+    start.record()
+    while time.monotonic() - t0 < seconds:
+        fn()
+        calls += 1
+    end.record()
+    end.synchronize()
+    return calls, start.elapsed_time(end) / 1000.0
+
+
+def engine_only(
+    engine: Any, frames: list[np.ndarray], batches: list[int], seconds: float
+) -> dict[str, Any]:
+    """Images/s of ``infer`` on host frames (upload, letterbox, model, NMS, download) and of
+    the model alone (graph replay on a ready input), per batch size."""
+    import torch
+
+    infer_rate: dict[str, float] = {}
+    forward_rate: dict[str, float] = {}
+    shape = (384, 640)  # the clips' letterbox shape
+    for b in batches:
+        batch = [frames[i % len(frames)] for i in range(b)]
+        params = [DetectParams()] * b
+        calls, elapsed = _timed(
+            lambda batch=batch, params=params: engine.infer(batch, params), seconds
+        )
+        infer_rate[str(b)] = round(calls * b / elapsed, 1)
+        ws = engine._ws
+        with torch.cuda.stream(ws.stream):
+            calls, elapsed = _timed(lambda b=b: engine._runner.run(b, shape), seconds)
+        forward_rate[str(b)] = round(calls * b / elapsed, 1)
+        log.info(
+            "batch %d: infer %.0f img/s, model alone %.0f img/s",
+            b,
+            infer_rate[str(b)],
+            forward_rate[str(b)],
+        )
+    return {"engine_infer_img_s": infer_rate, "engine_forward_img_s": forward_rate}
+
+
+class BusySampler:
+    """GPU utilisation from NVML, sampled every 50 ms on a thread until stopped."""
+
+    def __init__(self, index: int = 0) -> None:
+        self._stop = threading.Event()
+        self.samples: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+        self._index = index
+        self.error = ""
+
+    def _run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(self._index)
+        except Exception as exc:  # no NVML (CPU smoke run): report NaN and say why
+            self.error = f"NVML unavailable: {exc}"
+            return
+        while not self._stop.wait(0.05):  # a fixed sampling period, not a wait for a condition
+            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+
+    def __enter__(self) -> BusySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.samples)) if self.samples else float("nan")
+
+
+@dataclass
+class StreamStats:
+    done: int = 0
+    offered: int = 0
+    dropped: int = 0
+    errors: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def run_streams(
+    pool: EnginePool,
+    *,
+    clips: list[Path],
+    streams: int,
+    fps: float,
+    seconds: float,
+    warmup_s: float,
+    decode_device: str,
+) -> StreamStats:
+    """``streams`` decode threads (clips round-robin, looping) feeding the pool for ``seconds``
+    after ``warmup_s``; ``fps`` 0 means as fast as they decode."""
+    from engines.nvdec import VideoDecoder
+
+    stats = StreamStats()
+    stop = threading.Event()
+    measure_from = time.monotonic() + warmup_s
+    params = DetectParams()
+
+    def on_done(captured: float) -> Any:
+        def done(result: WorkResult) -> None:
+            now = time.monotonic()
+            if now < measure_from:
+                return
+            with stats.lock:
+                if result.error is not None:
+                    stats.errors += 1
+                else:
+                    stats.done += 1
+                    stats.latencies_ms.append((now - captured) * 1000)
+
+        return done
+
+    def reader(k: int) -> None:
+        clip = clips[k % len(clips)]
+        period = 1.0 / fps if fps else 0.0
+        next_at = time.monotonic() + (k / max(streams, 1)) * period  # spread stream phases
+        while not stop.is_set():
+            for frame in VideoDecoder(clip, device=decode_device):
+                if period:
+                    if stop.wait(max(0.0, next_at - time.monotonic())):
+                        return
+                    next_at += period
+                elif stop.is_set():
+                    return
+                now = time.monotonic()
+                item = WorkItem(frame, params, now + 1.0, on_done(now), request_id=f"s{k}")
+                replaced = pool.submit_latest(f"s{k}", item)
+                if now >= measure_from:
+                    with stats.lock:
+                        stats.offered += 1
+                        stats.dropped += replaced is not None
+
+    threads = [
+        threading.Thread(target=reader, args=(k,), name=f"stream-{k}", daemon=True)
+        for k in range(streams)
+    ]
+    for t in threads:
+        t.start()
+    stop.wait(warmup_s + seconds)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    return stats
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engines.registry import EngineConfig
+    from engines.torch_cuda import TorchEngine, checkpoint_info
+
+    data: Path = args.data
+    pt = data / "models" / "yolov8n.pt"
+    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    info = checkpoint_info(pt)
+    config = EngineConfig(
+        model=info,
+        imgsz=640,
+        max_batch=args.max_batch,
+        threads=1,
+        device=args.device,
+        cache_dir=data / "cache",
+        source=pt,
+    )
+    engine = TorchEngine(config)
+    engine.load()
+    engine.warmup()
+    figures: dict[str, Any] = {
+        "gpu": gpu,
+        "engine": "torch",
+        "precision": "fp16" if args.device.startswith("cuda") else "fp32",
+        "torch": torch.__version__,
+        "date": dt.date.today().isoformat(),
+        "max_batch": args.max_batch,
+        "workers": args.workers,
+    }
+    figures.update(check_parity(engine, data))
+    log.info("parity with the CPU engine: %s", figures["boxes_match_cpu"])
+    clips = sorted((data / "videos").glob("*.mp4"))
+    frames = list(iter_video_frames(clips[-1], limit=64))
+    figures.update(engine_only(engine, frames, sorted({1, 8, args.max_batch}), args.engine_seconds))
+    engine.close()
+    figures["engine_img_s"] = figures["engine_infer_img_s"][str(args.max_batch)]
+
+    pool = EnginePool(
+        lambda: TorchEngine(config),
+        workers=args.workers,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=64,
+    )
+    pool.start()
+    try:
+        with BusySampler() as busy:
+            sat = run_streams(
+                pool,
+                clips=clips,
+                streams=args.streams,
+                fps=0.0,
+                seconds=args.seconds,
+                warmup_s=2.0,
+                decode_device=args.decode,
+            )
+        paced = run_streams(
+            pool,
+            clips=clips,
+            streams=args.streams,
+            fps=args.fps,
+            seconds=args.seconds,
+            warmup_s=2.0,
+            decode_device=args.decode,
+        )
+    finally:
+        pool.stop(timeout_s=5)
+    e2e = sat.done / args.seconds
+    lat = np.asarray(paced.latencies_ms or [float("nan")])
+    figures.update(
+        {
+            "streams": args.streams,
+            "decode": args.decode,
+            "e2e_img_s": round(e2e, 1),
+            "e2e_over_engine": round(e2e / figures["engine_img_s"], 3),
+            "gpu_busy_pct": round(busy.mean, 1),
+            "gpu_busy_note": busy.error or f"{len(busy.samples)} NVML samples while saturated",
+            "e2e_offered_fps": round(sat.offered / args.seconds, 1),
+            "fps_per_stream": args.fps,
+            "paced_processed_fps": round(paced.done / args.seconds, 1),
+            "paced_drop_pct": round(100.0 * paced.dropped / max(paced.offered, 1), 2),
+            "frame_latency_p50_ms": round(float(np.percentile(lat, 50)), 2),
+            "frame_latency_p99_ms": round(float(np.percentile(lat, 99)), 2),
+            "errors": sat.errors + paced.errors,
+            "pool_batches": pool.stats.batches,
+            "mean_batch": round(pool.stats.items / max(pool.stats.batches, 1), 2),
+        }
+    )
+    figures["targets_met"] = {
+        "gpu_busy_pct>=90": figures["gpu_busy_pct"] >= TARGETS["gpu_busy_pct"],
+        "e2e_over_engine>=0.8": figures["e2e_over_engine"] >= TARGETS["e2e_over_engine"],
+        "frame_latency_p99_ms<=50": figures["frame_latency_p99_ms"]
+        <= TARGETS["frame_latency_p99_ms"],
+        "boxes_match_cpu": figures["boxes_match_cpu"],
+    }
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = args.out_dir / f"{figures['date']}-{slug}-gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2) + "\n")
+    print(json.dumps(figures, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gpu_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", choices=["prepare", "run"])
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path(".gpu"),
+        help="folder with models/yolov8n.pt, videos/*.mp4, cpu_reference.json",
+    )
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--fps", type=float, default=30.0, help="per stream, paced run")
+    parser.add_argument("--seconds", type=float, default=15.0, help="each end-to-end run")
+    parser.add_argument("--engine-seconds", type=float, default=3.0, help="each engine-only rate")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-wait-ms", type=float, default=2.0)
+    parser.add_argument("--workers", type=int, default=2, help="engine workers (CUDA streams)")
+    parser.add_argument("--decode", default="cpu", help="cpu, or cuda for NVDEC")
+    parser.add_argument("--device", default="cuda", help="engine device (cpu only for a smoke run)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "prepare":
+        return prepare(args.data)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared run on a CUDA machine, under 5 minutes on an H200.
+#
+#   bash scripts/gpu_check.sh prepare   # here, on a CPU machine that reaches PyPI: puts the
+#                                       # wheels the GPU image lacks in .whl/ and the model,
+#                                       # clips and CPU-engine reference boxes in .gpu/
+#   bash scripts/gpu_check.sh           # on the GPU machine (carry .whl and .gpu): installs
+#                                       # the wheels offline, runs the GPU tests and the bench
+#
+# The bench writes <date>-<gpu>-gpu.json (parity with the CPU engine, engine-only and
+# end-to-end img/s, GPU busy %, frame latency p50/p99) into $OUT if set, else
+# benchmarks/results/. The GPU image is assumed to hold Python 3.12, torch (CUDA), numpy,
+# opencv, pillow, pyyaml, nvidia-ml-py and pytest; PyAV and Ultralytics travel as wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SHARED=${STREAMDET_SHARED_DIR:-../shared}
+
+if [ "${1:-run}" = prepare ]; then
+  PY=${PY:-.venv/bin/python}
+  pins=()
+  for dist in av ultralytics; do
+    pins+=("$dist==$("$PY" -c "from importlib.metadata import version; print(version('$dist'))")")
+  done
+  rm -rf .whl && mkdir -p .whl .gpu/models .gpu/videos
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
+  install -m 0644 "$SHARED/models/yolov8n.pt" .gpu/models/
+  install -m 0644 "$SHARED"/videos/*.mp4 .gpu/videos/
+  "$PY" -m benchmarks.gpu_bench prepare --data .gpu
+  rm -rf .gpu/cache  # the ONNX export only served the reference; it need not travel
+  du -sh .whl .gpu
+  exit 0
+fi
+
+start=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/streamdet-site .whl/*.whl
+export PYTHONPATH="/tmp/streamdet-site:$PWD" PYTHONUNBUFFERED=1
+export STREAMDET_SHARED_DIR="$PWD/.gpu" YOLO_OFFLINE=true YOLO_AUTOINSTALL=false
+out_dir=${OUT:-benchmarks/results}
+mkdir -p "$out_dir"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+python3 -c "import torch, av; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'gpu', torch.cuda.get_device_name(0), 'pyav', av.__version__)"
+# -c /dev/null: the project's pytest config names plugins (pytest-asyncio) the GPU image lacks.
+set +e
+timeout 150 python3 -m pytest -q -c /dev/null -p no:cacheprovider --rootdir . \
+  tests/test_gpu_cuda.py 2>&1 | tee "$out_dir/gpu-pytest.log"
+tests_rc=${PIPESTATUS[0]}
+set -e
+timeout 200 python3 -m benchmarks.gpu_bench run --data .gpu --out-dir "$out_dir" \
+  --streams 32 --fps 30 --seconds 15 --engine-seconds 3
+echo "gpu tests exit $tests_rc; total $(( $(date +%s) - start )) s"
+exit "$tests_rc"
