@@ -36,9 +36,12 @@ def default_videos() -> list[Path]:
 
 
 def build_payloads(
-    videos: list[Path] | None = None, per_clip: int = 6, sizes: tuple[tuple[int, int], ...] = SIZES
+    videos: list[Path] | None = None,
+    per_clip: int = 6,
+    sizes: tuple[tuple[int, int], ...] | None = SIZES,
 ) -> list[Payload]:
-    """``per_clip`` frames of every clip, each frame resized to one of ``sizes`` in turn.
+    """``per_clip`` frames of every clip, each frame resized to one of ``sizes`` in turn
+    (``None``: frames keep the clip's own size).
 
     Raises:
         FileNotFoundError: no clip found; the message names the folder searched.
@@ -51,6 +54,10 @@ def build_payloads(
     payloads: list[Payload] = []
     for clip in clips:
         for i, frame in enumerate(sample_video_frames(clip, per_clip)):
+            if sizes is None:
+                height, width = frame.shape[:2]
+                payloads.append(Payload(encode_jpeg(frame), width, height))
+                continue
             width, height = sizes[i % len(sizes)]
             image = PILImage.fromarray(frame).resize((width, height), PILImage.Resampling.BILINEAR)
             payloads.append(Payload(encode_jpeg(np.asarray(image)), width, height))

@@ -224,6 +224,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
         "model", str(shared_dir() / "models" / "yolov8n.pt")
     )
     settings.setdefault("allowed_file_dir", str(shared_dir() / "videos"))
+    settings.setdefault("data_dir", str(out / "server-data"))  # no streams left behind
     try:
         with ServerProcess(settings, log_path=out / "server.log") as server:
             return run_profile(profile, server.base_url, out, args.api_key)

@@ -1,0 +1,232 @@
+"""Overload benchmark: does admission control keep accepted latency and goodput far past
+capacity? All phases run in one go on this machine (<= ~60 s with the defaults)::
+
+    .venv/bin/python -m benchmarks.overload --out loadtest-results/overload.json
+
+1. **engine ceiling**: ONNX Runtime alone, batch 1, a 640x640 input, no HTTP (images/s);
+2. a real ``streamdet serve`` process (``--max-batch``, default 2 for a CPU);
+3. **idle latency**: one request at a time (median of ``--idle-requests``);
+4. **capacity**: a few closed-loop clients (goodput = 200s per second);
+5. **overload**: ``--clients`` (64) closed-loop clients; a 429 client sleeps ``Retry-After``
+   as the contract asks (``--impatient``: retries after 50 ms instead);
+6. **below capacity**: open-loop Poisson arrivals at half the measured capacity.
+
+Checks (issue 5): no 5xx and no client timeouts under overload, accepted p99 <= 1000 ms,
+goodput >= 0.8x the engine ceiling; below capacity p99 <= 2.5x the idle latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from loadtest.frames import build_payloads, shared_dir
+from loadtest.server import ServerProcess
+from server.bench import engine_ceiling
+from server.settings import Settings
+from streams.files import sample_video_frames
+
+CLIENT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Phase:
+    """What one load phase saw (latencies of 200s only)."""
+
+    seconds: float
+    statuses: dict[str, int] = field(default_factory=dict)
+    latencies_ms: list[float] = field(default_factory=list)
+
+    def add(self, status: str, ms: float) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        if status == "200":
+            self.latencies_ms.append(ms)
+
+    @property
+    def goodput(self) -> float:
+        return len(self.latencies_ms) / self.seconds
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+    @property
+    def server_errors(self) -> int:
+        return sum(n for s, n in self.statuses.items() if s.startswith("5"))
+
+    @property
+    def timeouts(self) -> int:
+        return sum(n for s, n in self.statuses.items() if "Timeout" in s)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "statuses": self.statuses,
+            "goodput_img_s": round(self.goodput, 3),
+            "p50_ms": round(self.pct(50), 1),
+            "p99_ms": round(self.pct(99), 1),
+        }
+
+
+async def _post(client: httpx.AsyncClient, jpeg: bytes) -> tuple[str, float, str | None]:
+    t0 = time.monotonic()
+    try:
+        resp = await client.post("/detect", content=jpeg, headers={"content-type": "image/jpeg"})
+        status, retry = str(resp.status_code), resp.headers.get("retry-after")
+    except httpx.HTTPError as exc:
+        status, retry = type(exc).__name__, None
+    return status, (time.monotonic() - t0) * 1000, retry
+
+
+async def closed_loop(
+    base: str,
+    jpegs: list[bytes],
+    *,
+    clients: int,
+    seconds: float,
+    warmup: float,
+    impatient: bool = False,
+) -> Phase:
+    """``clients`` tasks: post, wait for the answer, post the next (after a 429, wait)."""
+    phase = Phase(seconds)
+    start = time.monotonic()
+    measure_from, stop_at = start + warmup, start + warmup + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S, limits=limits) as c:
+
+        async def client(k: int) -> None:
+            i = k
+            while time.monotonic() < stop_at:
+                t0 = time.monotonic()
+                status, ms, retry = await _post(c, jpegs[i % len(jpegs)])
+                i += clients
+                if t0 >= measure_from and time.monotonic() <= stop_at:
+                    phase.add(status, ms)
+                if status == "429":
+                    pause = 0.05 if impatient else float(retry or 1)
+                    await asyncio.sleep(min(pause, max(0.0, stop_at - time.monotonic())))
+
+        await asyncio.gather(*(client(k) for k in range(clients)))
+    return phase
+
+
+async def open_loop(base: str, jpegs: list[bytes], rate: float, seconds: float) -> Phase:
+    """Poisson arrivals at ``rate``/s, each its own request, whatever the server's pace."""
+    phase = Phase(seconds)
+    rng = random.Random(5)
+    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S) as c:
+        tasks: list[asyncio.Task[None]] = []
+
+        async def one(jpeg: bytes) -> None:
+            status, ms, _ = await _post(c, jpeg)
+            phase.add(status, ms)
+
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            tasks.append(asyncio.create_task(one(jpegs[i % len(jpegs)])))
+            i += 1
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return phase
+
+
+async def idle_latency(base: str, jpegs: list[bytes], count: int) -> float:
+    """Median latency of ``count`` requests sent one at a time."""
+    phase = Phase(1.0)
+    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S) as c:
+        for i in range(count):
+            status, ms, _ = await _post(c, jpegs[i % len(jpegs)])
+            phase.add(status, ms)
+    return phase.pct(50)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(shared_dir() / "models" / "yolov8n.pt"))
+    parser.add_argument("--max-batch", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--overload-seconds", type=float, default=20.0)
+    parser.add_argument("--capacity-seconds", type=float, default=8.0)
+    parser.add_argument("--open-loop-seconds", type=float, default=12.0)
+    parser.add_argument("--ceiling-seconds", type=float, default=5.0)
+    parser.add_argument("--idle-requests", type=int, default=8)
+    parser.add_argument("--impatient", action="store_true", help="retry 429s after 50 ms")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    args = parser.parse_args(argv)
+
+    clips = sorted((shared_dir() / "videos").glob("*.mp4"))
+    jpegs = [p.jpeg for p in build_payloads(clips, per_clip=10, sizes=None)]
+    settings = Settings(model=args.model, max_batch=args.max_batch)
+    frame = sample_video_frames(clips[0], 1)[0]
+    ceiling = engine_ceiling(settings, frame, args.ceiling_seconds)
+    print(f"engine ceiling (onnxruntime, batch 1, 640x640): {ceiling:.2f} img/s")
+
+    server_settings: dict[str, object] = {"model": args.model, "max_batch": args.max_batch}
+    out_dir = args.out.parent if args.out else Path("loadtest-results")
+    with ServerProcess(server_settings, log_path=out_dir / "overload-server.log") as server:
+        base = server.base_url
+        idle_ms = asyncio.run(idle_latency(base, jpegs, args.idle_requests))
+        print(f"idle single-request latency (median): {idle_ms:.0f} ms")
+        cap = asyncio.run(
+            closed_loop(base, jpegs, clients=3, seconds=args.capacity_seconds, warmup=2.0)
+        )
+        capacity = cap.goodput
+        print(f"capacity (3 closed-loop clients): {capacity:.2f} img/s, p99 {cap.pct(99):.0f} ms")
+        over = asyncio.run(
+            closed_loop(
+                base,
+                jpegs,
+                clients=args.clients,
+                seconds=args.overload_seconds,
+                warmup=3.0,
+                impatient=args.impatient,
+            )
+        )
+        print(f"overload ({args.clients} clients): {over.summary()}")
+        below = asyncio.run(open_loop(base, jpegs, capacity / 2, args.open_loop_seconds))
+        print(f"open loop at {capacity / 2:.2f}/s: {below.summary()}")
+
+    checks = {
+        "overload_no_5xx": over.server_errors == 0,
+        "overload_no_client_timeouts": over.timeouts == 0,
+        "overload_accepted_p99_le_1000ms": over.pct(99) <= 1000,
+        "overload_goodput_ge_0.8x_ceiling": over.goodput >= 0.8 * ceiling,
+        "below_capacity_p99_le_2.5x_idle": below.pct(99) <= 2.5 * idle_ms,
+    }
+    figures = {
+        "engine_ceiling_img_s": round(ceiling, 3),
+        "idle_latency_ms": round(idle_ms, 1),
+        "capacity_img_s": round(capacity, 3),
+        "overload": {
+            **over.summary(),
+            "clients": args.clients,
+            "impatient": args.impatient,
+            "goodput_over_ceiling": round(over.goodput / ceiling, 3),
+        },
+        "below_capacity": {
+            **below.summary(),
+            "rate_per_s": round(capacity / 2, 3),
+            "p99_over_idle": round(below.pct(99) / idle_ms, 3),
+        },
+        "checks": checks,
+    }
+    for name, ok in checks.items():
+        print(f"{'ok    ' if ok else 'MISSED'} {name}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(figures, indent=2))
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Admission control: the queueing prediction, the deadline header, and shedding under a
+real burst against a real server (statuses and headers only; no timing assertions)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi import HTTPException
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.datastructures import Headers
+
+from loadtest.frames import build_payloads
+from loadtest.server import ServerProcess
+from server.admission import parse_deadline_ms, predict
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
+
+ADMISSION_MS = 600.0
+
+
+def test_predict_idle_server_is_one_item_plus_decode() -> None:
+    est = predict(ahead=0, busy=0, workers=1, max_batch=4, batch_s=0.2, item_s=0.2, decode_s=0.01)
+    assert est.wait_s == 0
+    assert est.finish_s == pytest.approx(0.21)
+    assert est.retry_after_s == 1  # Retry-After is whole seconds, never 0
+
+
+def test_predict_counts_full_rounds_busy_workers_and_own_batch() -> None:
+    # 9 ahead, 2 workers x batch 2: 2 full rounds (4 items each, 2 x 0.5 s) after the busy
+    # batch (0.3 s); its own batch holds it and the 1 item left over on its worker.
+    est = predict(ahead=9, busy=2, workers=2, max_batch=2, batch_s=0.3, item_s=0.25)
+    assert est.wait_s == pytest.approx(0.3 + 2 * 0.5)
+    assert est.finish_s == pytest.approx(1.3 + 0.25)
+    assert est.retry_after_s == 2
+    # One worker still free: no wait for the busy one.
+    free = predict(ahead=0, busy=1, workers=2, max_batch=2, batch_s=0.5, item_s=0.25)
+    assert free.wait_s == 0
+
+
+def test_predict_batch_time_grows_with_batch_size() -> None:
+    # Measured at batch 1 (0.15 s), a full batch of 8 is predicted at 8 x 0.15 s, not 0.15 s.
+    est = predict(ahead=8, busy=0, workers=1, max_batch=8, batch_s=0.15, item_s=0.15)
+    assert est.wait_s == pytest.approx(1.2)
+
+
+def test_predict_decode_queue_on_arrival() -> None:
+    def finish(decoding: int) -> float:
+        return predict(
+            ahead=0,
+            busy=0,
+            workers=1,
+            max_batch=1,
+            batch_s=0.1,
+            item_s=0.1,
+            decode_s=0.02,
+            decoding=decoding,
+            decode_threads=2,
+        ).finish_s
+
+    assert finish(6) - finish(0) == pytest.approx(3 * 0.02)  # 6 ahead on 2 decode threads
+
+
+def test_predict_cold_server_admits_one_round_only() -> None:
+    def cold(ahead: int) -> float:
+        return predict(
+            ahead=ahead, busy=0, workers=1, max_batch=2, batch_s=0.0, item_s=0.0
+        ).finish_s
+
+    assert cold(0) == 0.0 and cold(1) == 0.0
+    assert math.isinf(cold(2))
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "inf", ""])
+def test_bad_deadline_header_is_400_naming_it(raw: str) -> None:
+    with pytest.raises(HTTPException) as err:
+        parse_deadline_ms(Headers({"x-request-deadline-ms": raw}))
+    assert err.value.status_code == 400
+    assert "X-Request-Deadline-Ms" in str(err.value.detail)
+
+
+def test_deadline_header_parsed() -> None:
+    assert parse_deadline_ms(Headers({"x-request-deadline-ms": "250.5"})) == 250.5
+    assert parse_deadline_ms(Headers({})) is None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("admission")
+    settings: dict[str, object] = {
+        "model": str(MODEL_PT),
+        "cache_dir": str(CACHE_DIR),
+        "max_batch": 2,
+        "max_queue": 8,
+        "admission_deadline_ms": ADMISSION_MS,
+    }
+    with ServerProcess(settings, log_path=logs / "server.log") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def jpegs() -> list[bytes]:
+    return [p.jpeg for p in build_payloads(VIDEOS[:1], per_clip=4)]
+
+
+def mean_item_s(base_url: str) -> float:
+    """Mean engine seconds per image so far, from /metrics."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if family.name in ("streamdet_batch_duration_seconds", "streamdet_batch_size")
+    }
+    return values["streamdet_batch_duration_seconds_sum"] / values["streamdet_batch_size_sum"]
+
+
+def rejections(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "streamdet_rejections":
+            out = {s.labels["reason"]: s.value for s in family.samples}
+    return out
+
+
+def post(client: httpx.Client, jpeg: bytes, deadline_ms: float | None = None) -> httpx.Response:
+    headers = {"content-type": "image/jpeg"}
+    if deadline_ms is not None:
+        headers["x-request-deadline-ms"] = f"{deadline_ms:.0f}"
+    return client.post("/detect", content=jpeg, headers=headers)
+
+
+def test_tight_client_deadline_is_refused_early(server: ServerProcess, jpegs: list[bytes]) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        assert post(client, jpegs[0]).status_code == 200  # the estimate needs one batch
+        resp = post(client, jpegs[0], deadline_ms=1)
+        assert resp.status_code == 429
+        assert int(resp.headers["retry-after"]) >= 1
+        assert "X-Request-Deadline-Ms" in resp.json()["detail"]
+        bad = client.post(
+            "/detect",
+            content=jpegs[0],
+            headers={"content-type": "image/jpeg", "x-request-deadline-ms": "x"},
+        )
+        assert bad.status_code == 400
+
+
+def test_burst_is_answered_with_200_or_429_never_5xx(
+    server: ServerProcess, jpegs: list[bytes]
+) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        post(client, jpegs[0])
+    # Three times the work the admission deadline allows: some calls fit, the rest must not.
+    item_s = mean_item_s(server.base_url)
+    burst_size = min(64, max(8, math.ceil(3 * ADMISSION_MS / 1000 / item_s)))
+    before = rejections(server.base_url)
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=burst_size)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as c:
+            calls = [
+                c.post(
+                    "/detect", content=jpegs[i % len(jpegs)], headers={"content-type": "image/jpeg"}
+                )
+                for i in range(burst_size)
+            ]
+            return await asyncio.gather(*calls)
+
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= 1, statuses
+    assert statuses.count(429) >= 1, statuses
+    for resp in responses:
+        if resp.status_code == 429:
+            assert int(resp.headers["retry-after"]) >= 1
+        else:
+            assert resp.json()["detections"] is not None
+    after = rejections(server.base_url)
+    shed = sum(after.values()) - sum(before.values())
+    assert shed == statuses.count(429)
+    assert after["expired"] == before.get("expired", 0)  # refused early, not timed out
