@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -258,3 +259,45 @@ class TrtEngine(GpuDetector):
         if self._shapes is None:
             return shape
         return max(shape[0], self._shapes.min[2]), max(shape[1], self._shapes.min[3])
+
+
+def export_engine(
+    model: str, *, imgsz: int, max_batch: int, device: str, cache_dir: Path, out: Path | None
+) -> Path:
+    """Build (or find cached) the TensorRT engine for ``model`` ahead of serving.
+
+    The precision is the ONNX's own: pass the file ``streamdet export --precision fp16|int8``
+    wrote for an FP16 or INT8 engine; a ``.pt`` is exported to FP32 ONNX first.
+
+    Returns:
+        The cached engine, or ``out`` when given (a copy of it).
+
+    Raises:
+        EngineError: TensorRT missing, no CUDA device, or the build failed; says which.
+    """
+    from engines.registry import prepare_model
+
+    problems: list[str] = []
+    trt: Any = None
+    try:
+        trt = import_tensorrt()
+    except EngineError as exc:
+        problems.append(str(exc))
+    try:
+        torch_device = resolve_device(device)
+    except EngineError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise EngineError("cannot build a TensorRT engine: " + "; ".join(problems))
+    if torch_device.type != "cuda":
+        raise EngineError("a TensorRT engine is built on the GPU it runs on: pass --device cuda")
+    info = prepare_model(model, cache_dir, imgsz)
+    config = EngineConfig(
+        model=info, imgsz=imgsz, max_batch=max_batch, threads=1, device=device, cache_dir=cache_dir
+    )
+    path = ensure_engine(config, torch_device, trt)
+    if out is None:
+        return path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, out)
+    return out

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -72,6 +73,45 @@ def serve(settings: Settings) -> int:
     return 0
 
 
+def _add_engine_format(sub: Any) -> None:
+    """``streamdet export --format engine``: build and cache a TensorRT engine ahead of time."""
+    export_p = sub.choices.get("export")
+    if export_p is None:
+        return
+    export_p.add_argument(
+        "--format",
+        choices=["onnx", "engine"],
+        default="onnx",
+        help="onnx (default) or engine: build the TensorRT engine from --model (its precision"
+        " is the ONNX's) into the cache, and copy it to --out",
+    )
+    export_p.add_argument("--max-batch", type=int, default=32, help="engine: largest batch")
+    export_p.add_argument("--device", default="cuda", help="engine: the GPU it is built for")
+
+
+def _export_engine(args: argparse.Namespace) -> int:
+    from engines.tensorrt import export_engine
+
+    logging.basicConfig(level="INFO", format=LOG_FORMAT)
+    cache_dir = args.cache_dir or Settings.model_fields["cache_dir"].get_default(
+        call_default_factory=True
+    )
+    try:
+        path = export_engine(
+            args.model,
+            imgsz=args.imgsz or 640,
+            max_batch=args.max_batch,
+            device=args.device,
+            cache_dir=Path(cache_dir),
+            out=args.out,
+        )
+    except EngineError as exc:
+        print(f"streamdet export: {exc}", file=sys.stderr)
+        return 2
+    print(f"TensorRT engine: {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamdet", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,7 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loadtest.runner import add_loadtest_args
 
     add_loadtest_args(load_p)
+    _add_engine_format(sub)
     args = parser.parse_args(argv)
+    if args.command == "export" and getattr(args, "format", "onnx") == "engine":
+        return _export_engine(args)
     if args.command == "loadtest":
         from loadtest.runner import run_loadtest
 

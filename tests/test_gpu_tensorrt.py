@@ -190,3 +190,29 @@ def test_tensorrt_backend_refuses_cleanly_here(model_info: ModelInfo) -> None:
 
     if not torch.cuda.is_available():
         assert "no CUDA device" in message
+
+
+def test_export_engine_command_says_why_it_cannot_build(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed here")
+    from server.cli import main
+
+    rc = main(
+        [
+            "export",
+            "--format",
+            "engine",
+            "--model",
+            str(MODEL_PT),
+            "--out",
+            str(tmp_path / "m.engine"),
+            "--cache-dir",
+            str(CACHE_DIR),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "TensorRT not installed" in err
+    assert not (tmp_path / "m.engine").exists()
