@@ -6,7 +6,7 @@ SHARED ?= ../shared
 MODEL ?= $(SHARED)/models/yolov8n.pt
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint typecheck unit bench clean system-deps
+.PHONY: install serve test lint typecheck unit bench clean system-deps loadtest
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -37,6 +37,10 @@ system-deps:
 	bash scripts/system-deps.sh
 
 test: system-deps install lint typecheck unit
+
+# Locust against a real server; exits 1 when a P99/error/goodput target of the profile is missed.
+loadtest: install
+	$(VENV)/bin/streamdet loadtest --profile $(or $(PROFILE),cpu-ci) --model $(MODEL) $(ARGS)
 
 bench: install
 	$(VENV)/bin/streamdet bench --model $(MODEL) $(ARGS)
