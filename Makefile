@@ -6,7 +6,7 @@ SHARED ?= ../shared
 MODEL ?= $(SHARED)/models/yolov8n.pt
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint typecheck unit bench clean system-deps loadtest
+.PHONY: install serve test lint typecheck unit bench clean system-deps loadtest gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -41,6 +41,10 @@ test: system-deps install lint typecheck unit
 # Locust against a real server; exits 1 when a P99/error/goodput target of the profile is missed.
 loadtest: install
 	$(VENV)/bin/streamdet loadtest --profile $(or $(PROFILE),cpu-ci) --model $(MODEL) $(ARGS)
+
+# GPU check: `make gpu-check ARGS=prepare` here, then `make gpu-check` on the GPU machine.
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS)
 
 bench: install
 	$(VENV)/bin/streamdet bench --model $(MODEL) $(ARGS)
