@@ -180,10 +180,12 @@ function drawDetections(ctx, detections, sx, sy) {
     const labelHeight = fontSize + 4;
     const labelWidth = ctx.measureText(label).width + 6;
     const labelTop = y1 - labelHeight >= 0 ? y1 - labelHeight : y1;
+    // Kept inside the picture for boxes at its right edge.
+    const labelLeft = Math.max(0, Math.min(x1 - lineWidth / 2, width - labelWidth));
     ctx.fillStyle = color;
-    ctx.fillRect(x1 - lineWidth / 2, labelTop, labelWidth, labelHeight);
+    ctx.fillRect(labelLeft, labelTop, labelWidth, labelHeight);
     ctx.fillStyle = textColorOn(color);
-    ctx.fillText(label, x1 - lineWidth / 2 + 3, labelTop + 2);
+    ctx.fillText(label, labelLeft + 3, labelTop + 2);
     shapes.push({ x1, y1, x2, y2, color, label, lineWidth });
   }
   return shapes;
