@@ -81,6 +81,4 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         )
     app.include_router(viewer.router)
     app.mount(viewer.STATIC_PATH, viewer.static_files(), name="static")
-    app.include_router(viewer.router)
-    app.mount(viewer.STATIC_PATH, viewer.static_files(), name="static")
     return app
