@@ -154,8 +154,11 @@ def encode_jpeg(image: Image, max_width: int, quality: int) -> tuple[bytes, int,
     if width > max_width:
         height = max(1, round(height * max_width / width))
         width = max_width
+        # INTER_AREA only where it matters (shrinking to under half): for 768x432 -> 640x360
+        # it took 3.6 ms a frame against 0.7 ms for INTER_LINEAR, here on one CPU core.
+        interpolation = cv2.INTER_AREA if width * 2 < image.shape[1] else cv2.INTER_LINEAR
         image = np.ascontiguousarray(
-            cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA), dtype=np.uint8
+            cv2.resize(image, (width, height), interpolation=interpolation), dtype=np.uint8
         )
     bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
     ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, quality])
