@@ -1,4 +1,4 @@
-"""``streamdet`` command line: ``serve`` and ``bench``."""
+"""``streamdet`` command line: ``serve``, ``bench``, ``export`` and ``evaluate``."""
 
 from __future__ import annotations
 
@@ -122,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from server.bench import add_bench_args
 
     add_bench_args(bench_p)
+    from server.export_cli import add_export_parsers
+
+    add_export_parsers(sub)
     load_p = sub.add_parser("loadtest", help="run a Locust profile and check its P99 targets")
     from loadtest.runner import add_loadtest_args
 
@@ -135,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         logging.basicConfig(level="INFO", format=LOG_FORMAT)
         return run_loadtest(args)
+    if args.command in ("export", "evaluate"):
+        from server.export_cli import run_export_command
+
+        return run_export_command(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

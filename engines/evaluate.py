@@ -1,0 +1,273 @@
+"""Accuracy and speed of an exported artifact against the FP32 model, on the CPU.
+
+The FP32 model's detections are the reference: a candidate detection is a true positive
+when it has the same class and IoU >= 0.5 with a reference detection not matched yet
+(greedy, highest confidence first, as in COCO matching). Recall = matched / reference
+detections, precision = matched / candidate detections, per class and overall. Both models
+run through the serving engine (``OrtEngine``: same letterbox, same NMS), one frame at a
+time, alternating, so a busy machine slows both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.calibration import parse_sources, sample_frames
+from engines.model import read_model_info
+from engines.registry import EngineConfig
+from engines.types import Detections, DetectParams, Engine, Image
+
+log = logging.getLogger(__name__)
+
+MATCH_IOU = 0.5
+
+
+@dataclass(slots=True)
+class ClassStats:
+    """Counts of one class. ``reference``: FP32 detections; ``candidate``: the artifact's."""
+
+    name: str
+    reference: int = 0
+    candidate: int = 0
+    matched: int = 0
+
+    @property
+    def recall(self) -> float:
+        return self.matched / self.reference if self.reference else 1.0
+
+    @property
+    def precision(self) -> float:
+        return self.matched / self.candidate if self.candidate else 1.0
+
+
+@dataclass(slots=True)
+class EvalReport:
+    """What :func:`evaluate` found. Times are medians per frame, batch 1, pre/post included."""
+
+    reference: str
+    candidate: str
+    precision_label: str
+    frames: int
+    conf: float
+    threads: int
+    classes: dict[int, ClassStats] = field(default_factory=dict)
+    reference_ms: float = float("nan")
+    candidate_ms: float = float("nan")
+
+    @property
+    def total(self) -> ClassStats:
+        out = ClassStats("all")
+        for c in self.classes.values():
+            out.reference += c.reference
+            out.candidate += c.candidate
+            out.matched += c.matched
+        return out
+
+    @property
+    def recall(self) -> float:
+        return self.total.recall
+
+    @property
+    def precision(self) -> float:
+        return self.total.precision
+
+    @property
+    def speedup(self) -> float:
+        return self.reference_ms / self.candidate_ms if self.candidate_ms else float("nan")
+
+    def passed(self, bar: float) -> bool:
+        """Overall recall and precision both at least ``bar``."""
+        return self.recall >= bar and self.precision >= bar
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "precision": self.precision_label,
+            "frames": self.frames,
+            "conf": self.conf,
+            "match_iou": MATCH_IOU,
+            "threads": self.threads,
+            "overall": {"recall": self.recall, "precision": self.precision, **asdict(self.total)},
+            "classes": {
+                c.name: {"recall": c.recall, "precision": c.precision, **asdict(c)}
+                for c in self.classes.values()
+            },
+            "reference_ms": self.reference_ms,
+            "candidate_ms": self.candidate_ms,
+            "speedup": self.speedup,
+        }
+
+    def format(self) -> str:
+        """A plain-text table for the terminal."""
+        lines = [
+            f"{self.precision_label} {Path(self.candidate).name}"
+            f" vs FP32 {Path(self.reference).name}:"
+            f" {self.frames} held-out frames, conf {self.conf}, IoU {MATCH_IOU}",
+            f"{'class':<16}{'fp32':>7}{'cand':>7}{'match':>7}{'recall':>9}{'precision':>11}",
+        ]
+        rows = sorted(self.classes.values(), key=lambda c: -c.reference)
+        for c in [*rows, self.total]:
+            lines.append(
+                f"{c.name:<16}{c.reference:>7}{c.candidate:>7}{c.matched:>7}"
+                f"{c.recall:>9.3f}{c.precision:>11.3f}"
+            )
+        lines.append(
+            f"speed (batch 1, {self.threads} threads, median per frame):"
+            f" FP32 {self.reference_ms:.1f} ms,"
+            f" {self.precision_label} {self.candidate_ms:.1f} ms, speed-up x{self.speedup:.2f}"
+        )
+        return "\n".join(lines)
+
+
+def box_iou(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Pairwise IoU of ``(N, 4)`` and ``(M, 4)`` xyxy boxes."""
+    lt = np.maximum(a[:, None, :2], b[None, :, :2])
+    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod((rb - lt).clip(0), axis=2)
+    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
+    area_b = np.prod(b[:, 2:] - b[:, :2], axis=1)
+    return np.asarray(inter / (area_a[:, None] + area_b[None, :] - inter + 1e-9), np.float32)
+
+
+def match(reference: Detections, candidate: Detections, stats: dict[int, ClassStats]) -> None:
+    """Add one frame's counts to ``stats`` (greedy matching, candidates by confidence)."""
+    for cid in set(reference.class_ids.tolist()) | set(candidate.class_ids.tolist()):
+        entry = stats.setdefault(cid, ClassStats(reference.names.get(cid, str(cid))))
+        ref = reference.boxes[reference.class_ids == cid]
+        cand_mask = candidate.class_ids == cid
+        cand = candidate.boxes[cand_mask]
+        order = np.argsort(-candidate.scores[cand_mask], kind="stable")
+        entry.reference += len(ref)
+        entry.candidate += len(cand)
+        if not len(ref) or not len(cand):
+            continue
+        ious = box_iou(cand[order], ref)
+        taken = np.zeros(len(ref), bool)
+        for row in ious:
+            free = np.where(taken, -1.0, row)
+            j = int(free.argmax())
+            if free[j] >= MATCH_IOU:
+                taken[j] = True
+                entry.matched += 1
+
+
+def _engine(path: Path, imgsz: int, threads: int) -> Engine:
+    from engines.onnxruntime import OrtEngine
+
+    config = EngineConfig(model=read_model_info(path), imgsz=imgsz, max_batch=1, threads=threads)
+    engine = OrtEngine(config)
+    engine.load()
+    engine.warmup()
+    return engine
+
+
+def evaluate(
+    reference: Path,
+    candidate: Path,
+    frames: Sequence[Image],
+    *,
+    imgsz: int,
+    threads: int,
+    conf: float = 0.25,
+) -> EvalReport:
+    """Run both ONNX files on ``frames`` and compare the candidate with the reference.
+
+    Args:
+        reference: the FP32 ONNX file (its detections count as ground truth).
+        candidate: the exported artifact.
+        frames: RGB frames not used for calibration.
+        imgsz: inference size, as served.
+        threads: ONNX Runtime intra-op threads for each model.
+        conf: confidence threshold of both (the ``/detect`` default).
+    """
+    info = read_model_info(candidate)
+    params = [DetectParams(conf=conf)]
+    ref_engine, cand_engine = _engine(reference, imgsz, threads), _engine(candidate, imgsz, threads)
+    report = EvalReport(
+        reference=str(reference),
+        candidate=str(candidate),
+        precision_label=info.precision.upper(),
+        frames=len(frames),
+        conf=conf,
+        threads=threads,
+    )
+    ref_times: list[float] = []
+    cand_times: list[float] = []
+    try:
+        for frame in frames:
+            t0 = time.perf_counter()
+            (ref_dets,) = ref_engine.infer([frame], params)
+            t1 = time.perf_counter()
+            (cand_dets,) = cand_engine.infer([frame], params)
+            t2 = time.perf_counter()
+            ref_times.append(t1 - t0)
+            cand_times.append(t2 - t1)
+            match(ref_dets, cand_dets, report.classes)
+    finally:
+        ref_engine.close()
+        cand_engine.close()
+    if frames:
+        report.reference_ms = statistics.median(ref_times) * 1000
+        report.candidate_ms = statistics.median(cand_times) * 1000
+    log.info(
+        "evaluate %s: recall %.3f precision %.3f over %d frames",
+        candidate,
+        report.recall,
+        report.precision,
+        len(frames),
+    )
+    return report
+
+
+def calibration_record(path: Path) -> dict[str, Any] | None:
+    """The calibration summary an INT8 artifact carries (``streamdet_calibration``), or ``None``."""
+    raw = read_model_info(path).extra.get("streamdet_calibration")
+    if not raw:
+        return None
+    record: dict[str, Any] = json.loads(raw)
+    return record
+
+
+def calibration_indices(path: Path) -> Mapping[str, Sequence[int]]:
+    """Per source name, the frame indices ``path`` was calibrated on, to hold them out."""
+    record = calibration_record(path) or {}
+    return {s["name"]: list(s.get("indices") or []) for s in record.get("sources", [])}
+
+
+def evaluate_artifact(
+    candidate: Path,
+    reference: Path,
+    sources: Sequence[str],
+    *,
+    frames: int,
+    threads: int,
+    imgsz: int | None = None,
+    conf: float = 0.25,
+    progress: bool = True,
+) -> EvalReport:
+    """Evaluate ``candidate`` against ``reference`` on ``frames`` frames of ``sources`` that
+    the candidate was not calibrated on (its ``streamdet_calibration`` metadata says which).
+
+    Raises:
+        CalibrationError: the sources hold too few frames besides the calibration ones.
+    """
+    size = imgsz or read_model_info(candidate).imgsz[0]
+    sample = sample_frames(
+        parse_sources(sources),
+        frames,
+        exclude=calibration_indices(candidate),
+        purpose="evaluation",
+        progress=progress,
+    )
+    return evaluate(reference, candidate, sample.frames, imgsz=size, threads=threads, conf=conf)

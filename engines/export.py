@@ -1,0 +1,332 @@
+"""FP32, FP16 and INT8 ONNX artifacts, each carrying its metadata, for ONNX Runtime and TensorRT.
+
+- fp32: Ultralytics' ONNX export (dynamic batch and H/W axes, cached by content hash).
+- fp16: NVIDIA ModelOpt's ONNX autocast (FP16 inside, float32 inputs and outputs).
+- int8 (``target="tensorrt"``, the default): ModelOpt's post-training quantization into
+  explicit Q/DQ nodes, the one INT8 form TensorRT 11 builds (strongly typed networks, no
+  calibrators); calibrated on real frames letterboxed as inference does. ONNX Runtime runs the
+  same file on the CPU, which is where its accuracy is checked.
+- int8 ``target="cpu"``: ONNX Runtime's own static quantization (Q/DQ, per-channel weights),
+  laid out for ONNX Runtime's CPU kernels rather than TensorRT's.
+
+ModelOpt is imported only here and only when asked for: it comes with the ``export`` extra,
+installed without ModelOpt's own ``[onnx]`` extra, which would pull ``onnxruntime-gpu`` and
+replace the CPU ``onnxruntime`` module (see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+from engines.calibration import FrameReader, FrameSample, input_shape, parse_sources, sample_frames
+from engines.model import file_sha256, read_model_info, resolve_onnx
+from engines.types import EngineError
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "fp16", "int8")
+TARGETS = ("tensorrt", "cpu")
+CALIB_METHODS = ("entropy", "max")
+DEFAULT_CALIB_FRAMES = 256
+# The YOLO head's last 1x1 convolutions (box and class logits) and the DFL decode: measured
+# on ../shared/videos, quantizing them costs most of INT8's accuracy loss against FP32 (the
+# class logits sit right at the confidence threshold) for a few percent of the compute.
+YOLO_HEAD_NODES = (r".*/cv[23]\.\d+\.2/.*", r".*/dfl/.*")
+
+
+class ExportError(EngineError):
+    """An export could not be made; the message says which option to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportRequest:
+    """What to export.
+
+    Attributes:
+        model: an Ultralytics ``.pt`` checkpoint or an FP32 ``.onnx`` file.
+        out: the ONNX file to write.
+        precision: ``fp32``, ``fp16`` or ``int8``.
+        imgsz: inference size the artifact is made (and calibrated) for.
+        calib: INT8 calibration sources: videos, image folders, images or RTSP URLs.
+        calib_frames: frames sampled evenly over ``calib``.
+        calib_method: ``entropy`` or ``max`` activation ranges.
+        target: ``tensorrt`` (ModelOpt Q/DQ, for TensorRT; also runs on ONNX Runtime) or
+            ``cpu`` (ONNX Runtime's static quantization, for its CPU kernels).
+        high_precision: dtype of the layers an INT8 ModelOpt graph keeps unquantized:
+            ``fp16`` (ModelOpt's default, what TensorRT runs fastest) or ``fp32``.
+        exclude_nodes: regular expressions of node names left unquantized.
+        cache_dir: where the FP32 export of a ``.pt`` is cached.
+        progress: progress bars on stderr while sampling and calibrating.
+    """
+
+    model: str
+    out: Path
+    precision: str = "fp32"
+    imgsz: int = 640
+    calib: tuple[str, ...] = ()
+    calib_frames: int = DEFAULT_CALIB_FRAMES
+    calib_method: str = "entropy"
+    target: str = "tensorrt"
+    high_precision: str = "fp16"
+    exclude_nodes: tuple[str, ...] = YOLO_HEAD_NODES
+    cache_dir: Path = Path(".cache/streamdet")
+    progress: bool = True
+
+    def check(self) -> None:
+        """Raises:
+        ExportError: an option out of range, naming the flag to change.
+        """
+        if self.precision not in PRECISIONS:
+            raise ExportError(f"--precision: expected one of {PRECISIONS}, got {self.precision!r}")
+        if self.target not in TARGETS:
+            raise ExportError(f"--target: expected one of {TARGETS}, got {self.target!r}")
+        if self.calib_method not in CALIB_METHODS:
+            raise ExportError(
+                f"--calib-method: expected one of {CALIB_METHODS}, got {self.calib_method!r}"
+            )
+        if self.high_precision not in ("fp16", "fp32"):
+            raise ExportError(
+                f"--high-precision: expected fp16 or fp32, got {self.high_precision!r}"
+            )
+        if self.imgsz < 32 or self.imgsz % 32:
+            raise ExportError(
+                f"--imgsz: expected a multiple of 32 (the model stride), got {self.imgsz}"
+            )
+        if self.out.suffix.lower() != ".onnx":
+            raise ExportError(f"--out: expected a .onnx file name, got {self.out}")
+        if self.precision == "int8" and not self.calib:
+            raise ExportError(
+                "--precision int8 needs calibration frames: pass videos, image folders or RTSP"
+                " URLs with --calib"
+            )
+        if self.precision == "int8" and self.calib_frames < 1:
+            raise ExportError(f"--calib-frames: expected at least 1, got {self.calib_frames}")
+        if self.precision != "int8" and self.target != "tensorrt":
+            raise ExportError("--target cpu applies to --precision int8 only")
+
+
+@dataclass(slots=True)
+class ExportResult:
+    """The written artifact, the FP32 model it came from and the calibration it used."""
+
+    path: Path
+    precision: str
+    reference: Path
+    calibration: FrameSample | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def export_model(request: ExportRequest) -> ExportResult:
+    """Write the artifact ``request`` asks for.
+
+    Raises:
+        ExportError: bad options, too few calibration frames, or a missing quantizer.
+        ModelError: the model cannot be read or exported.
+    """
+    request.check()
+    reference = resolve_onnx(request.model, request.cache_dir, request.imgsz)
+    info = read_model_info(reference)
+    if info.precision != "fp32":
+        raise ExportError(
+            f"model {request.model}: is already {info.precision};"
+            " export from the .pt or the FP32 .onnx"
+        )
+    request.out.parent.mkdir(parents=True, exist_ok=True)
+    extra: dict[str, str] = {
+        "streamdet_precision": request.precision,
+        "streamdet_source_sha256": file_sha256(reference),
+    }
+    calibration: FrameSample | None = None
+    with tempfile.TemporaryDirectory(dir=request.out.parent, prefix=".export-") as tmp:
+        work = Path(tmp)
+        if request.precision == "fp32":
+            produced = reference
+        elif request.precision == "fp16":
+            produced = _autocast_fp16(reference, work)
+            extra["streamdet_converter"] = _version("nvidia-modelopt", "modelopt")
+        else:
+            sources = parse_sources(request.calib)
+            calibration = sample_frames(sources, request.calib_frames, progress=request.progress)
+            shape = input_shape(calibration.frames, request.imgsz, info.stride, info.dynamic_hw)
+            reader = FrameReader(
+                calibration.frames, request.imgsz, shape, progress=request.progress
+            )
+            if request.target == "cpu":
+                produced = _quantize_ort(reference, work, reader, request)
+                quantizer = _version("onnxruntime")
+            else:
+                produced = _quantize_modelopt(reference, work, reader, request)
+                quantizer = _version("nvidia-modelopt", "modelopt")
+            extra["streamdet_target"] = request.target
+            extra["streamdet_quantizer"] = quantizer
+            extra["streamdet_calibration"] = json.dumps(
+                {
+                    "method": request.calib_method,
+                    "frames": len(calibration.frames),
+                    "imgsz": request.imgsz,
+                    "shape": list(shape),
+                    "high_precision": request.high_precision
+                    if request.target == "tensorrt"
+                    else "fp32",
+                    "sources": [s.to_json() for s in calibration.sources],
+                },
+                separators=(",", ":"),
+            )
+        metadata = _write_with_metadata(produced, reference, request.out, extra)
+    log.info("export %s: wrote %s (%s)", request.model, request.out, request.precision)
+    return ExportResult(request.out, request.precision, reference, calibration, metadata)
+
+
+def _version(dist: str, label: str | None = None) -> str:
+    try:
+        return f"{label or dist} {importlib_metadata.version(dist)}"
+    except importlib_metadata.PackageNotFoundError:
+        return label or dist
+
+
+@contextmanager
+def _third_party() -> Iterator[None]:
+    """Quantizers log and warn freely (deprecations, ONNX checker notes); an export must not
+    fail on their chatter where warnings are errors, and their INFO flood is kept out."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _import_modelopt(what: str) -> Any:
+    try:
+        with _third_party():
+            if what == "autocast":
+                import modelopt.onnx.autocast as module
+            else:
+                import modelopt.onnx.quantization as module
+    except ImportError as exc:
+        raise ExportError(
+            f"NVIDIA ModelOpt is needed for this export but cannot be imported ({exc}):"
+            " install the export extra, `pip install -e .[export]` (not nvidia-modelopt[onnx],"
+            " which replaces the CPU onnxruntime with onnxruntime-gpu);"
+            " or use --target cpu for INT8"
+        ) from exc
+    return module
+
+
+def _autocast_fp16(reference: Path, work: Path) -> Path:
+    import onnx
+
+    autocast = _import_modelopt("autocast")
+    model = onnx.load(str(reference))
+    with _third_party():
+        converted = autocast.convert_to_f16(model, keep_io_types=True)
+    out = work / "fp16.onnx"
+    onnx.save(converted, str(out))
+    return out
+
+
+def _quantize_modelopt(
+    reference: Path, work: Path, reader: FrameReader, request: ExportRequest
+) -> Path:
+    quantization = _import_modelopt("quantization")
+    # ModelOpt writes intermediate files beside its input: work on a copy in our temp dir.
+    src = work / "fp32.onnx"
+    shutil.copyfile(reference, src)
+    out = work / "int8.onnx"
+    with _third_party():
+        quantization.quantize(
+            str(src),
+            quantize_mode="int8",
+            calibration_data_reader=reader,
+            calibration_method=request.calib_method,
+            # Calibration runs on ONNX Runtime's CPU provider: the CPU install has no other.
+            calibration_eps=["cpu"],
+            high_precision_dtype=request.high_precision,
+            nodes_to_exclude=list(request.exclude_nodes),
+            output_path=str(out),
+            log_level="WARNING",
+        )
+    if not out.exists():
+        raise ExportError(f"ModelOpt quantization of {reference} wrote no model; see the log above")
+    return out
+
+
+def _quantize_ort(reference: Path, work: Path, reader: FrameReader, request: ExportRequest) -> Path:
+    """ONNX Runtime's static quantization, in a fresh process: ModelOpt patches
+    ``onnxruntime.quantization`` in the process that imported it (``patch_ort_modules``), and
+    the patched calibrator fails on a plain ORT quantization afterwards."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as child:
+        return child.submit(_quantize_ort_here, reference, work, reader, request).result()
+
+
+def _quantize_ort_here(
+    reference: Path, work: Path, reader: FrameReader, request: ExportRequest
+) -> Path:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    pre = work / "pre.onnx"
+    out = work / "int8.onnx"
+    with _third_party():
+        # Symbolic shape inference cannot resolve the dynamic H/W axes; ONNX's is enough.
+        quant_pre_process(str(reference), str(pre), skip_symbolic_shape=True)
+        exclude = _matching_nodes(pre, request.exclude_nodes)
+        quantize_static(
+            str(pre),
+            str(out),
+            reader,
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            calibrate_method=CalibrationMethod.Entropy
+            if request.calib_method == "entropy"
+            else CalibrationMethod.MinMax,
+            nodes_to_exclude=exclude,
+        )
+    return out
+
+
+def _matching_nodes(path: Path, patterns: Sequence[str]) -> list[str]:
+    """Names of the nodes of ``path`` that fully match one of ``patterns`` (regular
+    expressions, as ModelOpt takes them; ONNX Runtime's quantizer takes exact names)."""
+    import onnx
+
+    if not patterns:
+        return []
+    compiled = [re.compile(p) for p in patterns]
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [n.name for n in graph.node if any(c.fullmatch(n.name) for c in compiled)]
+
+
+def _write_with_metadata(
+    produced: Path, reference: Path, out: Path, extra: dict[str, str]
+) -> dict[str, str]:
+    """Save ``produced`` to ``out`` with the reference's metadata (names, imgsz, stride, ...)
+    plus ``extra``; quantizers drop ``metadata_props``. Written atomically."""
+    import onnx
+
+    ref_meta = {
+        p.key: p.value for p in onnx.load(str(reference), load_external_data=False).metadata_props
+    }
+    model = onnx.load(str(produced))
+    meta = {**ref_meta, **{p.key: p.value for p in model.metadata_props}, **extra}
+    del model.metadata_props[:]
+    for key, value in meta.items():
+        model.metadata_props.add(key=key, value=value)
+    tmp = out.with_name(f".{out.name}.tmp")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, out)
+    return meta

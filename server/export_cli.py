@@ -1,0 +1,213 @@
+"""``streamdet export`` and ``streamdet evaluate``: make FP32/FP16/INT8 ONNX artifacts and
+check them against FP32 on held-out frames (recall/precision per class, speed on this CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from engines.calibration import CalibrationError
+from engines.evaluate import EvalReport
+from engines.export import CALIB_METHODS, DEFAULT_CALIB_FRAMES, PRECISIONS, TARGETS, YOLO_HEAD_NODES
+from engines.types import EngineError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EVAL_FRAMES = 100
+ACCURACY_BAR = 0.95
+EXIT_BELOW_BAR = 3
+
+
+def _default_cache_dir() -> Path:
+    from server.settings import Settings
+
+    return Settings.model_fields["cache_dir"].default_factory()  # type: ignore[call-arg,misc,no-any-return]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--imgsz", type=int, default=None, help="inference size (default: the model's, else 640)"
+    )
+    p.add_argument(
+        "--eval-frames",
+        type=int,
+        default=DEFAULT_EVAL_FRAMES,
+        help=f"held-out frames compared with FP32 (default {DEFAULT_EVAL_FRAMES}; 0 skips)",
+    )
+    p.add_argument(
+        "--min-score",
+        type=float,
+        default=ACCURACY_BAR,
+        help=f"recall and precision vs FP32 below this exit with {EXIT_BELOW_BAR}",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="ONNX Runtime threads when timing; 0 = all cores"
+    )
+    p.add_argument(
+        "--report", type=Path, default=None, help="also write the accuracy report as JSON"
+    )
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="where FP32 exports of .pt files are cached"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_export_parsers(sub: Any) -> None:
+    """Register ``export`` and ``evaluate`` on the ``streamdet`` subcommand parser."""
+    exp = sub.add_parser("export", help="write an FP32 / FP16 / INT8 ONNX artifact (and check it)")
+    exp.add_argument("--model", required=True, help="Ultralytics .pt checkpoint or FP32 .onnx")
+    exp.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    exp.add_argument("--out", type=Path, required=True, help="ONNX file to write")
+    exp.add_argument(
+        "--calib",
+        nargs="+",
+        default=[],
+        metavar="SRC",
+        help="INT8 calibration frames: videos, image folders/files, rtsp:// URLs",
+    )
+    exp.add_argument(
+        "--calib-frames",
+        type=int,
+        default=DEFAULT_CALIB_FRAMES,
+        help=f"calibration frames sampled evenly over --calib (default {DEFAULT_CALIB_FRAMES})",
+    )
+    exp.add_argument("--calib-method", choices=CALIB_METHODS, default="entropy")
+    exp.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="tensorrt",
+        help="int8 for TensorRT (ModelOpt Q/DQ) or for ONNX Runtime on the CPU",
+    )
+    exp.add_argument(
+        "--high-precision",
+        choices=("fp16", "fp32"),
+        default="fp16",
+        help="dtype of the layers a ModelOpt INT8 graph leaves unquantized",
+    )
+    exp.add_argument(
+        "--exclude-nodes",
+        nargs="*",
+        default=None,
+        metavar="REGEX",
+        help="INT8: node names (regular expressions) left unquantized"
+        " (default: the YOLO head's output convolutions and DFL; none with an empty list)",
+    )
+    exp.add_argument(
+        "--eval",
+        nargs="+",
+        default=None,
+        metavar="SRC",
+        help="frames for the accuracy report (default: the --calib sources)",
+    )
+    _common(exp)
+    ev = sub.add_parser("evaluate", help="compare an ONNX artifact with FP32 on held-out frames")
+    ev.add_argument("--model", required=True, help="the artifact (.onnx) to check")
+    ev.add_argument("--reference", required=True, help="the FP32 model: .pt checkpoint or .onnx")
+    ev.add_argument(
+        "--frames",
+        nargs="+",
+        required=True,
+        metavar="SRC",
+        help="videos, image folders/files or rtsp:// URLs",
+    )
+    _common(ev)
+
+
+def run_export_command(args: argparse.Namespace) -> int:
+    """Run ``export`` or ``evaluate``; returns the process exit status."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.command == "export":
+            return _export(args)
+        return _evaluate(args)
+    except EngineError as exc:
+        print(f"streamdet {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _threads(args: argparse.Namespace) -> int:
+    from engines.registry import default_threads
+
+    return default_threads(1, int(args.threads))
+
+
+def _export(args: argparse.Namespace) -> int:
+    from engines.export import ExportRequest, export_model
+
+    request = ExportRequest(
+        model=args.model,
+        out=args.out,
+        precision=args.precision,
+        imgsz=args.imgsz or 640,
+        calib=tuple(args.calib),
+        calib_frames=args.calib_frames,
+        calib_method=args.calib_method,
+        target=args.target,
+        high_precision=args.high_precision,
+        exclude_nodes=YOLO_HEAD_NODES if args.exclude_nodes is None else tuple(args.exclude_nodes),
+        cache_dir=args.cache_dir or _default_cache_dir(),
+        progress=not args.no_progress,
+    )
+    result = export_model(request)
+    print(f"wrote {result.path} ({result.precision}; FP32 reference {result.reference})")
+    sources = args.eval or args.calib
+    if args.eval_frames <= 0 or result.precision == "fp32":
+        return 0
+    if not sources:
+        print("no --eval sources: accuracy report skipped", file=sys.stderr)
+        return 0
+    return _report(args, result.path, result.reference, sources)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from engines.model import resolve_onnx
+
+    imgsz = args.imgsz or 640
+    reference = resolve_onnx(args.reference, args.cache_dir or _default_cache_dir(), imgsz)
+    return _report(args, Path(args.model), reference, args.frames)
+
+
+def _report(args: argparse.Namespace, candidate: Path, reference: Path, sources: list[str]) -> int:
+    from engines.evaluate import evaluate_artifact
+
+    try:
+        report = evaluate_artifact(
+            candidate,
+            reference,
+            sources,
+            frames=args.eval_frames,
+            threads=_threads(args),
+            imgsz=args.imgsz,
+            progress=not args.no_progress,
+        )
+    except CalibrationError as exc:
+        print(f"streamdet {args.command}: accuracy report: {exc}", file=sys.stderr)
+        return 2
+    return _print_report(args, report)
+
+
+def _print_report(args: argparse.Namespace, report: EvalReport) -> int:
+    print(report.format())
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if report.passed(args.min_score):
+        print(
+            f"PASS: recall {report.recall:.3f} and precision {report.precision:.3f}"
+            f" >= {args.min_score}"
+        )
+        return 0
+    print(
+        f"FAIL: recall {report.recall:.3f} / precision {report.precision:.3f}"
+        f" below {args.min_score}:"
+        " try --calib-method max, more --calib-frames, calibration frames closer to the cameras"
+        " served, or --high-precision fp32",
+        file=sys.stderr,
+    )
+    return EXIT_BELOW_BAR
