@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -29,6 +30,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.frames import build_payloads, shared_dir
 from loadtest.server import ServerProcess
@@ -140,6 +142,28 @@ async def open_loop(base: str, jpegs: list[bytes], rate: float, seconds: float) 
     return phase
 
 
+def server_buckets(base: str) -> dict[float, float]:
+    """Cumulative counts of the server's own /detect total-latency histogram (le -> count)."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {
+        float(s.labels["le"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "streamdet_detect_stage_duration_seconds"
+        for s in family.samples
+        if s.name.endswith("_bucket") and s.labels["stage"] == "total"
+    }
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Upper bound (ms) of the histogram bucket holding quantile ``q`` of what was added."""
+    delta = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
+    total = delta[math.inf]
+    for le, count in delta.items():
+        if total and count >= q * total:
+            return le * 1000
+    return math.nan
+
+
 async def idle_latency(base: str, jpegs: list[bytes], count: int) -> float:
     """Median latency of ``count`` requests sent one at a time."""
     phase = Phase(1.0)
@@ -157,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--overload-seconds", type=float, default=20.0)
     parser.add_argument("--capacity-seconds", type=float, default=8.0)
-    parser.add_argument("--open-loop-seconds", type=float, default=12.0)
+    parser.add_argument("--open-loop-seconds", type=float, default=18.0)
     parser.add_argument("--ceiling-seconds", type=float, default=5.0)
     parser.add_argument("--idle-requests", type=int, default=8)
     parser.add_argument("--impatient", action="store_true", help="retry 429s after 50 ms")
@@ -182,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         capacity = cap.goodput
         print(f"capacity (3 closed-loop clients): {capacity:.2f} img/s, p99 {cap.pct(99):.0f} ms")
+        buckets_before = server_buckets(base)
         over = asyncio.run(
             closed_loop(
                 base,
@@ -192,7 +217,14 @@ def main(argv: list[str] | None = None) -> int:
                 impatient=args.impatient,
             )
         )
+        buckets_after = server_buckets(base)
+        server_p50 = bucket_quantile(buckets_before, buckets_after, 0.5)
+        server_p99 = bucket_quantile(buckets_before, buckets_after, 0.99)
         print(f"overload ({args.clients} clients): {over.summary()}")
+        print(
+            f"  server-side (handler entry to response, histogram bucket bounds):"
+            f" p50 <= {server_p50:.0f} ms, p99 <= {server_p99:.0f} ms"
+        )
         below = asyncio.run(open_loop(base, jpegs, capacity / 2, args.open_loop_seconds))
         print(f"open loop at {capacity / 2:.2f}/s: {below.summary()}")
 
@@ -212,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             "clients": args.clients,
             "impatient": args.impatient,
             "goodput_over_ceiling": round(over.goodput / ceiling, 3),
+            "server_p50_ms_le": server_p50,
+            "server_p99_ms_le": server_p99,
         },
         "below_capacity": {
             **below.summary(),

@@ -51,23 +51,9 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds. Spans a GPU batch (a few ms) to a CPU request under load (seconds).
 LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.5,
-    5.0,
-    10.0,
-)
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5,
+    5.0, 10.0,
+)  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STAGES = ("queue", "preprocess", "inference", "postprocess", "total")
 """``preprocess`` is reading and decoding the upload; ``inference`` is the engine's batch

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterator
+from typing import Never
 
 import httpx
 import pytest
@@ -30,11 +31,14 @@ def test_predict_idle_server_is_one_item_plus_decode() -> None:
 
 def test_predict_counts_full_rounds_busy_workers_and_own_batch() -> None:
     # 9 ahead, 2 workers x batch 2: 2 full rounds (4 items each, 2 x 0.5 s) after the busy
-    # batch (0.3 s); its own batch holds it and the 1 item left over on its worker.
+    # batch (0.3 s); behind busy workers its own batch fills up (2 x 0.25 s).
     est = predict(ahead=9, busy=2, workers=2, max_batch=2, batch_s=0.3, item_s=0.25)
     assert est.wait_s == pytest.approx(0.3 + 2 * 0.5)
-    assert est.finish_s == pytest.approx(1.3 + 0.25)
+    assert est.finish_s == pytest.approx(1.3 + 0.5)
     assert est.retry_after_s == 2
+    # Idle workers: its batch holds it and the 1 item left over on its worker.
+    idle = predict(ahead=9, busy=0, workers=2, max_batch=2, batch_s=0.3, item_s=0.25)
+    assert idle.finish_s == pytest.approx(1.0 + 0.25)
     # One worker still free: no wait for the busy one.
     free = predict(ahead=0, busy=1, workers=2, max_batch=2, batch_s=0.5, item_s=0.25)
     assert free.wait_s == 0
@@ -183,3 +187,45 @@ def test_burst_is_answered_with_200_or_429_never_5xx(
     shed = sum(after.values()) - sum(before.values())
     assert shed == statuses.count(429)
     assert after["expired"] == before.get("expired", 0)  # refused early, not timed out
+
+
+def test_retry_after_spreads_when_many_are_refused() -> None:
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController, Estimate
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=2, max_wait_ms=2, max_queue=8)
+    controller = AdmissionController(pool, Settings(), Metrics())
+    controller.observe_batch(2, 0.4)  # 0.2 s per image: 5 images/s
+    short = Estimate(wait_s=0.3, finish_s=0.5)
+    assert controller.retry_after_s(short) == 1  # one refusal: the queue clears in 0.3 s
+    waits = [controller.retry_after_s(short) for _ in range(60)]
+    # ~60 refusals in a 5 s window = 12/s for a pool serving 5/s: come back in >= 2 s.
+    assert waits[-1] >= 2
+    assert waits == sorted(waits)
+    assert max(waits) <= 30
+
+
+def test_item_time_estimate_tracks_mean_and_deviation() -> None:
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=8)
+    controller = AdmissionController(pool, Settings(), Metrics())
+    for _ in range(200):
+        pool._observe(4, 0.4)  # steady 0.1 s per image, through the pool's own observers
+    assert controller.item_mean_s == pytest.approx(0.1)
+    assert controller.item_dev_s == pytest.approx(0.0, abs=1e-6)
+    for elapsed in (0.2, 0.6) * 50:  # alternating 0.05 and 0.15 s per image
+        pool._observe(4, elapsed)
+    assert controller.item_mean_s == pytest.approx(0.1, abs=0.01)
+    assert controller.item_s > controller.item_mean_s + 0.05

@@ -28,6 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "model": str(MODEL_PT),
         "cache_dir": str(CACHE_DIR),
         "max_batch": 1,
+        "admission_deadline_ms": 0,
         "api_keys": [FULL, "second-key-0b9e"],
         "api_keys_readonly": [READONLY],
         "cors_origins": [ORIGIN],

@@ -70,6 +70,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "model": str(MODEL_PT),
         "cache_dir": str(CACHE_DIR),
         "max_batch": 2,
+        "admission_deadline_ms": 0,
     }
     with ServerProcess(settings, log_path=logs / "server.log") as proc:
         yield proc
@@ -86,7 +87,6 @@ wait_s = [0.2, 0.4]
 
 [targets."POST /detect"]
 p99_ms = {p99_ms}
-max_error_rate = 0.0
 """)
     return path
 

@@ -19,7 +19,10 @@ from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    settings = Settings(model=str(MODEL_PT), cache_dir=CACHE_DIR, max_batch=2)
+    # No admission target: only the explicit X-Request-Deadline-Ms test may see a 429.
+    settings = Settings(
+        model=str(MODEL_PT), cache_dir=CACHE_DIR, max_batch=2, admission_deadline_ms=0
+    )
     app = create_app(settings)
 
     async def item(item_id: str) -> dict[str, str]:
