@@ -31,14 +31,11 @@ def test_predict_idle_server_is_one_item_plus_decode() -> None:
 
 def test_predict_counts_full_rounds_busy_workers_and_own_batch() -> None:
     # 9 ahead, 2 workers x batch 2: 2 full rounds (4 items each, 2 x 0.5 s) after the busy
-    # batch (0.3 s); behind busy workers its own batch fills up (2 x 0.25 s).
+    # batch (0.3 s); its own batch holds it and the 1 item left over on its worker.
     est = predict(ahead=9, busy=2, workers=2, max_batch=2, batch_s=0.3, item_s=0.25)
     assert est.wait_s == pytest.approx(0.3 + 2 * 0.5)
-    assert est.finish_s == pytest.approx(1.3 + 0.5)
+    assert est.finish_s == pytest.approx(1.3 + 0.25)
     assert est.retry_after_s == 2
-    # Idle workers: its batch holds it and the 1 item left over on its worker.
-    idle = predict(ahead=9, busy=0, workers=2, max_batch=2, batch_s=0.3, item_s=0.25)
-    assert idle.finish_s == pytest.approx(1.0 + 0.25)
     # One worker still free: no wait for the busy one.
     free = predict(ahead=0, busy=1, workers=2, max_batch=2, batch_s=0.5, item_s=0.25)
     assert free.wait_s == 0
@@ -210,7 +207,7 @@ def test_retry_after_spreads_when_many_are_refused() -> None:
     assert max(waits) <= 30
 
 
-def test_item_time_estimate_tracks_mean_and_deviation() -> None:
+def test_item_time_mean_and_outcome_correction() -> None:
     from engines.pool import EnginePool
     from server.admission import AdmissionController
     from server.metrics import Metrics
@@ -221,11 +218,16 @@ def test_item_time_estimate_tracks_mean_and_deviation() -> None:
 
     pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=8)
     controller = AdmissionController(pool, Settings(), Metrics())
+    for _ in range(50):
+        pool._observe(4, 0.4)  # 0.1 s per image, through the pool's own observers
+    assert controller.item_s == pytest.approx(0.1)
+    assert controller.correction == 1.0  # no outcome yet: the model as it is
+    for _ in range(100):
+        controller.calibrate(0.5, 0.25)  # the model was pessimistic by 2x
+    assert controller.correction == pytest.approx(0.5, abs=0.01)
+    for actual in (0.5, 1.0) * 50:
+        controller.calibrate(0.5, actual)  # optimistic and noisy: mean 1.5, deviation 0.5
+    assert controller.correction == pytest.approx(2.5, abs=0.1)
     for _ in range(200):
-        pool._observe(4, 0.4)  # steady 0.1 s per image, through the pool's own observers
-    assert controller.item_mean_s == pytest.approx(0.1)
-    assert controller.item_dev_s == pytest.approx(0.0, abs=1e-6)
-    for elapsed in (0.2, 0.6) * 50:  # alternating 0.05 and 0.15 s per image
-        pool._observe(4, elapsed)
-    assert controller.item_mean_s == pytest.approx(0.1, abs=0.01)
-    assert controller.item_s > controller.item_mean_s + 0.05
+        controller.calibrate(0.01, 5.0)
+    assert controller.correction == 4.0  # bounded
