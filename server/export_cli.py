@@ -12,7 +12,7 @@ from typing import Any
 
 from engines.calibration import CalibrationError
 from engines.evaluate import EvalReport
-from engines.export import CALIB_METHODS, DEFAULT_CALIB_FRAMES, PRECISIONS, TARGETS, YOLO_HEAD_NODES
+from engines.export import CALIB_METHODS, DEFAULT_CALIB_FRAMES, PRECISIONS, TARGETS, YOLO_HEAD
 from engines.types import EngineError
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ def add_export_parsers(sub: Any) -> None:
         "--target",
         choices=TARGETS,
         default="tensorrt",
-        help="int8 for TensorRT (ModelOpt Q/DQ) or for ONNX Runtime on the CPU",
+        help="int8 for TensorRT (ModelOpt Q/DQ) or for ONNX Runtime on the CPU (measured x1.5"
+        " faster than FP32 here but recall/precision ~0.90 vs FP32: below the 0.95 bar)",
     )
     exp.add_argument(
         "--high-precision",
@@ -93,8 +94,8 @@ def add_export_parsers(sub: Any) -> None:
         nargs="*",
         default=None,
         metavar="REGEX",
-        help="INT8: node names (regular expressions) left unquantized"
-        " (default: the YOLO head's output convolutions and DFL; none with an empty list)",
+        help="INT8: node names (regular expressions) left unquantized; 'yolo-head' (the"
+        " default) is the Detect module's logits, DFL and decode; an empty list quantizes all",
     )
     exp.add_argument(
         "--eval",
@@ -150,7 +151,7 @@ def _export(args: argparse.Namespace) -> int:
         calib_method=args.calib_method,
         target=args.target,
         high_precision=args.high_precision,
-        exclude_nodes=YOLO_HEAD_NODES if args.exclude_nodes is None else tuple(args.exclude_nodes),
+        exclude_nodes=(YOLO_HEAD,) if args.exclude_nodes is None else tuple(args.exclude_nodes),
         cache_dir=args.cache_dir or _default_cache_dir(),
         progress=not args.no_progress,
     )

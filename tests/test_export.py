@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +29,14 @@ from engines.calibration import (
     share,
 )
 from engines.evaluate import ClassStats, calibration_indices, evaluate, match
-from engines.export import ExportError, ExportRequest, ExportResult, export_model
+from engines.export import (
+    YOLO_HEAD,
+    ExportError,
+    ExportRequest,
+    ExportResult,
+    export_model,
+    head_patterns,
+)
 from engines.model import read_model_info
 from engines.onnxruntime import OrtEngine
 from engines.registry import EngineConfig
@@ -298,3 +306,15 @@ def test_cpu_target_int8_after_modelopt_in_the_same_process(
     assert ops["QuantizeLinear"] > 50
     (dets,) = ort_engine(out).infer(sample_video_frames(VIDEOS[0], 1, offset=40), [DetectParams()])
     assert len(dets) > 0
+
+
+def test_yolo_head_stays_float(int8: ExportResult) -> None:
+    """The decoded output mixes pixels and scores in one tensor; quantized per tensor, the
+    scores would round to 0. The logits, DFL and decode stay float, the 3x3 convs do not."""
+    patterns = head_patterns(int8.reference, (YOLO_HEAD,))
+    graph = onnx.load(str(int8.reference), load_external_data=False).graph
+    kept = {n.name for n in graph.node if any(re.fullmatch(p, n.name) for p in patterns)}
+    assert any("/dfl/" in n for n in kept) and any(n.endswith("cv3.0.2/Conv") for n in kept)
+    assert not any("cv3.0.0/" in n or "cv2.1.1/" in n for n in kept)
+    producers = {o: n.op_type for n in onnx.load(str(int8.path)).graph.node for o in n.output}
+    assert producers["output0"] != "DequantizeLinear"
