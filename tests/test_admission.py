@@ -231,3 +231,9 @@ def test_item_time_mean_and_outcome_correction() -> None:
     for _ in range(200):
         controller.calibrate(0.01, 5.0)
     assert controller.correction == 4.0  # bounded
+
+
+def test_idle_pool_never_refuses_under_the_server_deadline() -> None:
+    assert predict(ahead=0, busy=0, workers=1, max_batch=4, batch_s=5.0, item_s=5.0).idle
+    assert not predict(ahead=1, busy=0, workers=1, max_batch=4, batch_s=5.0, item_s=5.0).idle
+    assert not predict(ahead=0, busy=1, workers=1, max_batch=4, batch_s=5.0, item_s=5.0).idle

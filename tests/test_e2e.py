@@ -18,7 +18,12 @@ from tests.helpers import CACHE_DIR, MODEL_PT, REPO, free_port, ultralytics_asse
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, "STREAMDET_CACHE_DIR": str(CACHE_DIR), "STREAMDET_MAX_BATCH": "4"}
+    env = {
+        **os.environ,
+        "STREAMDET_CACHE_DIR": str(CACHE_DIR),
+        "STREAMDET_MAX_BATCH": "4",
+        "STREAMDET_ADMISSION_DEADLINE_MS": "0",
+    }
     proc = subprocess.Popen(
         [
             sys.executable,
