@@ -36,7 +36,7 @@ unit: install
 system-deps:
 	bash scripts/system-deps.sh
 
-test: system-deps install lint typecheck unit
+test: system-deps install lint typecheck unit loadtest
 
 # Locust against a real server; exits 1 when a P99/error/goodput target of the profile is missed.
 loadtest: install

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -21,6 +21,9 @@ def _default_data_dir() -> Path:
     return Path(base) / "streamdet"
 
 
+DEFAULT_MAX_BATCH = {"onnxruntime": 2, "torch": 32, "tensorrt": 32}
+
+
 class Settings(BaseSettings):
     """Server settings. Every field is ``STREAMDET_<NAME>`` in the environment and
     ``--<name>`` (dashes for underscores) on ``streamdet serve``."""
@@ -32,7 +35,13 @@ class Settings(BaseSettings):
     backend: str = Field("onnxruntime", description="onnxruntime | torch | tensorrt")
     device: str = Field("cpu", description="cpu, cuda or cuda:N (GPU backends)")
     imgsz: int = Field(640, ge=32, le=4096, description="engine input size in pixels")
-    max_batch: int = Field(8, ge=1, le=256, description="largest batch a worker runs")
+    max_batch: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="largest batch a worker runs; 0 = the backend's default (onnxruntime 2,"
+        " torch/tensorrt 32)",
+    )
     max_wait_ms: float = Field(
         4.0, ge=0.0, le=1000.0, description="how long a batch waits to fill after its first item"
     )
@@ -117,6 +126,15 @@ class Settings(BaseSettings):
                 return json.loads(text)
             return [item.strip() for item in text.split(",") if item.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _backend_batch(self) -> Settings:
+        # On a CPU a batch buys no throughput past 2 (ONNX Runtime, yolov8n, 2 cores,
+        # 640x384: 16.9 img/s at 1, 18.5 at 2, 4 and 8) but every extra image adds ~54 ms
+        # to the batch's latency; a GPU gains throughput up to large batches.
+        if self.max_batch == 0:
+            object.__setattr__(self, "max_batch", DEFAULT_MAX_BATCH.get(self.backend, 8))
+        return self
 
     @field_validator("backend")
     @classmethod
