@@ -139,9 +139,12 @@ async def test_detections_arrive_with_capture_time_and_latency(
     info = await manager.add(camera.url("car"))
     sub = manager.subscribe(info["id"])
     assert sub is not None
+    # The clip has stretches of empty road up to ~7 s long: read on (bounded) until a car.
     frames = [await next_frame(sub) for _ in range(30)]
+    while not any(len(f.detections) for f in frames) and len(frames) < 250:
+        frames.append(await next_frame(sub))
     assert all(f.stream_id == info["id"] and f.image.shape == (432, 768, 3) for f in frames)
-    assert any(len(f.detections) for f in frames), "no detections in 30 frames of car-detection"
+    assert any(len(f.detections) for f in frames), "no detections in 250 frames of car-detection"
     assert all(f.latency_ms > 0 and f.captured_at > 0 for f in frames)
     names = {n for f in frames for n in (d["class_name"] for d in f.to_message()["detections"])}
     assert "car" in names

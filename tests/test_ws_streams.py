@@ -121,7 +121,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-async def first_message_with_detections(url: str, limit: int = 100) -> dict[str, Any]:
+async def first_message_with_detections(url: str, limit: int = 250) -> dict[str, Any]:
     async with websockets.connect(url, open_timeout=30) as ws:
         for _ in range(limit):
             message: dict[str, Any] = json.loads(await ws.recv())
