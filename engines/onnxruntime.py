@@ -55,9 +55,10 @@ class OrtEngine:
         opts.intra_op_num_threads = self._config.threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        # Spinning intra-op threads burn the cores the event loop and decoders need
-        # between batches; measured on 2 cores it cost more than it saved.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Spinning intra-op threads (ORT's default) kept: on 2 cores, 3 RTSP cameras at
+        # --imgsz 416 went from 85.6% to 96.0% of frames processed and p99 164 -> 140 ms,
+        # and /detect goodput at 8 clients from 17.4 to 18.0 img/s, versus no spinning.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
         try:
             session = ort.InferenceSession(
                 self._config.model.path, sess_options=opts, providers=["CPUExecutionProvider"]
