@@ -35,17 +35,10 @@ import httpx
 import numpy as np
 import websockets
 
+from loadtest.server import ServerProcess, free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared"))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Child:
@@ -159,7 +152,7 @@ async def measure(
 
 
 def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
-    rtsp_port, http_port = free_port(), free_port()
+    rtsp_port = free_port()
     mounts = [f"--mount=cam{i}={args.clip}" for i in range(cameras)]
     camera = Child(
         [
@@ -174,57 +167,26 @@ def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
     )
     camera.wait_ready(60)
     data_dir = tempfile.mkdtemp(prefix="streamdet-bench-")
-    server = Child(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--model",
-            str(args.model),
-            "--imgsz",
-            str(args.imgsz),
-            "--port",
-            str(http_port),
-            "--log-level",
-            "warning",
-            "--data-dir",
-            data_dir,
-            *args.server_args,
-        ],
-        {},
-        "Uvicorn running on",
-    )
+    settings: dict[str, object] = {"model": args.model, "imgsz": args.imgsz, "data_dir": data_dir}
+    log_path = Path(data_dir) / "server.log"
+    server = ServerProcess(settings, log_path=log_path, args=args.server_args, cwd=Path.cwd())
     try:
-        # uvicorn prints its banner at info level only; readiness comes from /readyz then.
-        base, ws_base = f"http://127.0.0.1:{http_port}", f"ws://127.0.0.1:{http_port}"
-        _wait_http_ready(base, server, 300)
+        server.start()
         ids = []
         for i in range(cameras):
             resp = httpx.post(
-                f"{base}/streams", json={"url": f"rtsp://127.0.0.1:{rtsp_port}/cam{i}"}, timeout=30
+                f"{server.base_url}/streams",
+                json={"url": f"rtsp://127.0.0.1:{rtsp_port}/cam{i}"},
+                timeout=30,
             )
             resp.raise_for_status()
             ids.append(resp.json()["id"])
-        return asyncio.run(measure(base, ws_base, ids, args.warmup_seconds, args.seconds))
+        return asyncio.run(
+            measure(server.base_url, server.ws_url, ids, args.warmup_seconds, args.seconds)
+        )
     finally:
         server.stop()
         camera.stop()
-
-
-def _wait_http_ready(base: str, server: Child, timeout_s: float) -> None:
-    # The server process offers no readiness signal at --log-level warning but /readyz.
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if server.proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + "\n".join(server.log))
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server not ready within {timeout_s:.0f} s")
 
 
 def main() -> int:

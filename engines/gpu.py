@@ -27,12 +27,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from engines.registry import EngineConfig
+from engines.registry import ConfiguredEngine, EngineConfig
 from engines.types import Detections, DetectParams, EngineError, Image
 from engines.yolo import MAX_NMS, MAX_WH, PAD_VALUE, LetterboxMeta, group_by_shape
 
@@ -513,7 +512,7 @@ class _Slot:
 
 
 # ---- the Engine protocol on top of the layer ----------------------------------------------------
-class GpuDetector:
+class GpuDetector(ConfiguredEngine):
     """:class:`engines.types.Engine` for runtimes on the device layer; one per worker thread.
 
     Subclasses implement :meth:`_open` (load the runtime, return its forward pass and input
@@ -522,32 +521,12 @@ class GpuDetector:
     """
 
     def __init__(self, config: EngineConfig, use_graphs: bool = True) -> None:
-        self._config = config
+        super().__init__(config)
         self._use_graphs = use_graphs
-        info = config.model
-        if not info.dynamic_hw and info.imgsz[0] != info.imgsz[1]:
-            raise EngineError(f"model {info.path}: non-square fixed input {info.imgsz} unsupported")
-        self._imgsz = config.imgsz if info.dynamic_hw else info.imgsz[0]
-        self._dynamic_hw = info.dynamic_hw
+        self._dynamic_hw = config.model.dynamic_hw
         self._buckets = batch_buckets(config.max_batch)
         self._ws: DeviceWorkspace | None = None
         self._runner: BucketRunner | None = None
-
-    @property
-    def names(self) -> Mapping[int, str]:
-        return self._config.model.names
-
-    @property
-    def input_size(self) -> int:
-        return self._imgsz
-
-    @property
-    def max_batch(self) -> int:
-        return self._config.max_batch
-
-    @property
-    def model_name(self) -> str:
-        return Path(self._config.model.path).name
 
     @property
     def device(self) -> torch.device:

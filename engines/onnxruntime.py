@@ -3,49 +3,26 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from engines.registry import EngineConfig
+from engines.registry import ConfiguredEngine, EngineConfig
 from engines.types import Detections, DetectParams, EngineError, Image
 from engines.yolo import group_by_shape, postprocess, preprocess
 
 log = logging.getLogger(__name__)
 
 
-class OrtEngine:
+class OrtEngine(ConfiguredEngine):
     """One ONNX Runtime session; the pool gives each worker its own instance."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self._config = config
-        info = config.model
-        fixed = not info.dynamic_hw
-        if fixed and info.imgsz[0] != info.imgsz[1]:
-            raise EngineError(f"model {info.path}: non-square fixed input {info.imgsz} unsupported")
-        # A fixed-shape ONNX dictates its size; a dynamic one takes the configured imgsz.
-        self._imgsz = info.imgsz[0] if fixed else config.imgsz
+        super().__init__(config)
         self._session: object | None = None
         self._input_name = "images"
         self._output_name = "output0"
-
-    @property
-    def names(self) -> Mapping[int, str]:
-        return self._config.model.names
-
-    @property
-    def input_size(self) -> int:
-        return self._imgsz
-
-    @property
-    def max_batch(self) -> int:
-        return self._config.max_batch
-
-    @property
-    def model_name(self) -> str:
-        return Path(self._config.model.path).name
 
     def load(self) -> None:
         import onnxruntime as ort

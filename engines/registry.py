@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +32,35 @@ class EngineConfig:
     cache_dir: Path = Path(".cache")
     # The model file as the user gave it (.pt), for backends that run it directly (torch).
     source: Path | None = None
+
+
+class ConfiguredEngine:
+    """What every backend answers from its :class:`EngineConfig` alone: class names, input
+    size, largest batch and model name. Backends subclass it and add load/detect."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        info = config.model
+        if not info.dynamic_hw and info.imgsz[0] != info.imgsz[1]:
+            raise EngineError(f"model {info.path}: non-square fixed input {info.imgsz} unsupported")
+        # A fixed-shape model dictates its size; a dynamic one takes the configured imgsz.
+        self._imgsz = config.imgsz if info.dynamic_hw else info.imgsz[0]
+
+    @property
+    def names(self) -> Mapping[int, str]:
+        return self._config.model.names
+
+    @property
+    def input_size(self) -> int:
+        return self._imgsz
+
+    @property
+    def max_batch(self) -> int:
+        return self._config.max_batch
+
+    @property
+    def model_name(self) -> str:
+        return Path(self._config.model.path).name
 
 
 class EngineFactory(Protocol):

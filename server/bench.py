@@ -15,9 +15,9 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ import numpy as np
 from engines.registry import load_backend, prepare_model
 from engines.types import Image
 from engines.yolo import preprocess, rect_shape
+from loadtest.server import ServerProcess, free_port
 from server.runtime import engine_config
 from server.settings import Settings
 from streams.files import encode_jpeg, sample_video_frames
@@ -99,43 +100,55 @@ async def closed_loop(
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def run_load(base: str, jpegs: list[bytes], args: argparse.Namespace) -> LoadResult:
+    return asyncio.run(
+        closed_loop(f"{base}/detect", jpegs, args.clients, args.seconds, args.warmup_seconds)
+    )
 
 
-def wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server not ready within {timeout_s:.0f} s")
-
-
-def run_server_load(
-    cmd: list[str], env: dict[str, str], port: int, jpegs: list[bytes], args: argparse.Namespace
+def run_streamdet_load(
+    settings: Settings, jpegs: list[bytes], args: argparse.Namespace
 ) -> LoadResult:
+    """A real ``streamdet serve`` with ``settings`` under the closed loop; its log goes to a
+    temporary folder."""
+    serve_settings: dict[str, object] = {
+        k: v for k, v in settings.model_dump().items() if k not in {"host", "port", "log_level"}
+    }
+    log_path = Path(tempfile.mkdtemp(prefix="streamdet-bench-")) / "server.log"
+    with ServerProcess(serve_settings, log_path=log_path, cwd=Path.cwd()) as server:
+        return run_load(server.base_url, jpegs, args)
+
+
+def run_seed_load(settings: Settings, jpegs: list[bytes], args: argparse.Namespace) -> LoadResult:
+    """The seed design (``server.bench_seed``, which logs nothing at its level: readiness is
+    polled at ``/readyz``) under the closed loop."""
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd, env={**os.environ, **env})
+    env = {"SEED_MODEL": settings.model, "SEED_IMGSZ": str(settings.imgsz), "SEED_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "server.bench_seed"], env={**os.environ, **env})
     try:
-        wait_ready(base, proc)
-        return asyncio.run(
-            closed_loop(f"{base}/detect", jpegs, args.clients, args.seconds, args.warmup_seconds)
-        )
+        _wait_seed_ready(base, proc)
+        return run_load(base, jpegs, args)
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _wait_seed_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"seed server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"seed server not ready within {timeout_s:.0f} s")
 
 
 def engine_ceiling(settings: Settings, frame: Image, seconds: float, rect: bool = False) -> float:
@@ -182,23 +195,7 @@ def run_bench(settings: Settings, args: argparse.Namespace) -> int:
     rect = engine_ceiling(settings, frames[0], max(5.0, args.seconds / 2), rect=True)
     print(f"engine at the frames' rect shape (batch 1): {rect:.2f} img/s")
 
-    port = free_port()
-    serve_cmd = [
-        sys.executable,
-        "-m",
-        "server.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    env = {
-        f"STREAMDET_{k.upper()}": str(v)
-        for k, v in settings.model_dump().items()
-        if k not in {"host", "port", "log_level"}
-    }
-    ours = run_server_load(serve_cmd, env, port, jpegs, args)
+    ours = run_streamdet_load(settings, jpegs, args)
     print(
         f"streamdet: {ours.goodput:.2f} img/s, p50 {ours.pct(50):.0f} ms,"
         f" p99 {ours.pct(99):.0f} ms, errors {ours.errors}"
@@ -221,15 +218,7 @@ def run_bench(settings: Settings, args: argparse.Namespace) -> int:
     }
     figures["streamdet"].pop("latencies_ms")
     if not args.skip_seed:
-        seed_port = free_port()
-        seed_env = {
-            "SEED_MODEL": settings.model,
-            "SEED_IMGSZ": str(settings.imgsz),
-            "SEED_PORT": str(seed_port),
-        }
-        seed = run_server_load(
-            [sys.executable, "-m", "server.bench_seed"], seed_env, seed_port, jpegs, args
-        )
+        seed = run_seed_load(settings, jpegs, args)
         print(
             f"seed (FastAPI + Ultralytics predictor): {seed.goodput:.2f} img/s,"
             f" p50 {seed.pct(50):.0f} ms, p99 {seed.pct(99):.0f} ms, errors {seed.errors}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,17 @@ SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).re
 MODEL_PT = SHARED / "models" / "yolov8n.pt"
 VIDEOS = sorted((SHARED / "videos").glob("*.mp4"))
 CACHE_DIR = REPO / ".cache" / "streamdet"
+# The keys of one WebSocket frame message (``/ws/streams/{id}``).
+MESSAGE_KEYS = {
+    "stream_id",
+    "frame",
+    "pts",
+    "captured_at",
+    "width",
+    "height",
+    "detections",
+    "latency_ms",
+}
 
 
 def ultralytics_assets() -> Path:
@@ -85,10 +95,3 @@ def match_reference(
     )
     one_way(ours.boxes, ours.scores, ours.class_ids, ref_boxes, ref_scores, ref_classes, "ours")
     return problems
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port

@@ -2,76 +2,33 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.helpers import CACHE_DIR, MODEL_PT, REPO, free_port, ultralytics_assets
+from loadtest.server import ServerProcess
+from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "STREAMDET_CACHE_DIR": str(CACHE_DIR),
-        "STREAMDET_MAX_BATCH": "4",
-        "STREAMDET_ADMISSION_DEADLINE_MS": "0",
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    settings: dict[str, object] = {
+        "model": str(MODEL_PT),
+        "cache_dir": str(CACHE_DIR),
+        "max_batch": 4,
+        "workers": 1,
+        "admission_deadline_ms": 0,
     }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--model",
-            str(MODEL_PT),
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            if proc.stdout:
-                proc.stdout.close()
-            pytest.fail(f"server exited with {proc.returncode}:\n{out}")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server not ready within 180 s")
-        time.sleep(0.25)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("server did not shut down within 30 s of SIGTERM")
-    log = proc.stdout.read() if proc.stdout else ""
-    if proc.stdout:
-        proc.stdout.close()
+    log_path = tmp_path_factory.mktemp("e2e") / "server.log"
+    srv = ServerProcess(settings, log_path=log_path, ready_timeout_s=180)
+    srv.start()
+    yield srv.base_url
+    code = srv.stop(30)
+    log = srv.log_text()
     # uvicorn re-raises the caught SIGTERM after its graceful shutdown, hence -15.
-    assert proc.returncode in (0, -signal.SIGTERM), log
+    assert code in (0, -signal.SIGTERM), log
     assert "shutdown complete" in log
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engines.calibration import CalibrationError, parse_sources, sample_frames
-from tests.helpers import VIDEOS, free_port
-from tests.test_streams_rtsp import CAR, RtspCamera
+from loadtest.server import free_port
+from tests.helpers import VIDEOS
+from tests.rtsp_camera import CAR, RtspCamera
 
 pytestmark = pytest.mark.rtsp
 

@@ -74,46 +74,30 @@ def test_non_detection_onnx_is_refused(tmp_path: Path) -> None:
         read_model_info(path)
 
 
-def test_serve_with_missing_model_exits_with_message(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--model",
-            str(tmp_path / "gone.pt"),
-            "--cache-dir",
-            str(tmp_path),
-        ],
+def run_serve(*flags: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    """``streamdet serve FLAGS`` in a child process, expected to refuse to start."""
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", *flags],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s,
         cwd=REPO,
         check=False,
+    )
+
+
+def test_serve_with_missing_model_exits_with_message(tmp_path: Path) -> None:
+    proc = run_serve(
+        "--model", str(tmp_path / "gone.pt"), "--cache-dir", str(tmp_path), timeout_s=120
     )
     assert proc.returncode == 2
     assert "gone.pt: file not found" in proc.stderr
 
 
 def test_serve_rejects_bad_flags() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--imgsz", "641"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        check=False,
-    )
+    proc = run_serve("--imgsz", "641")
     assert proc.returncode == 2
     assert "--imgsz" in proc.stderr and "multiple of 32" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--backend", "magic"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        check=False,
-    )
+    proc = run_serve("--backend", "magic")
     assert proc.returncode == 2
     assert "unknown backend 'magic'" in proc.stderr

@@ -20,7 +20,7 @@ from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
 from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
 from streams.store import StreamStore, new_record
-from tests.helpers import CACHE_DIR, VIDEOS
+from tests.helpers import CACHE_DIR, MESSAGE_KEYS, VIDEOS
 
 # ---- URL rules ---------------------------------------------------------------------------
 
@@ -142,16 +142,7 @@ async def test_closing_a_subscriber_delivers_the_close_code_next() -> None:
     sub.offer(_frame(2))  # after close: ignored
     assert await sub.get() == Closed(1001, "server shutting down")
     message = _frame(5).to_message()
-    assert set(message) == {
-        "stream_id",
-        "frame",
-        "pts",
-        "captured_at",
-        "width",
-        "height",
-        "detections",
-        "latency_ms",
-    }
+    assert set(message) == MESSAGE_KEYS
 
 
 # ---- a file source through the real pool -------------------------------------------------

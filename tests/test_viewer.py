@@ -6,10 +6,6 @@ from __future__ import annotations
 import base64
 import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +14,9 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, FilePayload, Page, Playwright, expect, sync_playwright
 
-from tests.helpers import CACHE_DIR, MODEL_PT, REPO, VIDEOS, free_port, ultralytics_assets
+from loadtest.server import ServerProcess, free_port
+from tests.helpers import CACHE_DIR, MODEL_PT, REPO, VIDEOS, ultralytics_assets
+from tests.rtsp_camera import CAR, RtspCamera
 
 pytestmark = pytest.mark.browser
 
@@ -80,81 +78,18 @@ EDGE_PIXELS_JS = """
 """
 
 
-class ServerProcess:
-    """A real ``streamdet serve`` process on a fixed port, restartable on that same port."""
-
-    def __init__(self, port: int, log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = port
-        self.base = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.env = {
-            **os.environ,
-            "STREAMDET_CACHE_DIR": str(CACHE_DIR),
-            "STREAMDET_MAX_BATCH": "4",
-            "STREAMDET_WORKERS": "1",
-            **(env or {}),
-        }
-        self.proc: subprocess.Popen[str] | None = None
-        self._reader: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start the server and return once uvicorn listens (its own log line says so)."""
-        listening = threading.Event()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "serve",
-                "--model",
-                str(MODEL_PT),
-                "--port",
-                str(self.port),
-            ],
-            cwd=REPO,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.proc = proc
-
-        def pump() -> None:
-            # Reads the log to its end, so the pipe never fills; wakes start() on readiness
-            # or on exit (EOF).
-            assert proc.stdout is not None
-            with self.log_path.open("a") as log:
-                for line in proc.stdout:
-                    log.write(line)
-                    log.flush()
-                    if "Uvicorn running on" in line:
-                        listening.set()
-            proc.stdout.close()
-            listening.set()
-
-        self._reader = threading.Thread(target=pump, name=f"server-log-{self.port}", daemon=True)
-        self._reader.start()
-        if not listening.wait(START_TIMEOUT_S) or proc.poll() is not None:
-            self.stop()
-            pytest.fail(
-                f"streamdet serve did not start within {START_TIMEOUT_S:.0f} s;"
-                f" log: {self.log_path}\n{self.log_path.read_text()[-3000:]}"
-            )
-
-    def stop(self) -> None:
-        """SIGTERM, then wait for the process and its log reader."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        if self._reader is not None:
-            self._reader.join(10)
+def viewer_server(log_path: Path, **settings: object) -> ServerProcess:
+    """A started ``streamdet serve`` process (restartable on its port) with ``settings`` on
+    top of the viewer tests' own."""
+    base: dict[str, object] = {
+        "model": str(MODEL_PT),
+        "cache_dir": str(CACHE_DIR),
+        "max_batch": 4,
+        "workers": 1,
+    }
+    srv = ServerProcess({**base, **settings}, log_path=log_path, ready_timeout_s=START_TIMEOUT_S)
+    srv.start()
+    return srv
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +102,7 @@ def artifacts() -> Path:
 def server(artifacts: Path) -> Iterator[ServerProcess]:
     if not MODEL_PT.exists():
         pytest.fail(f"shared model missing: {MODEL_PT} (set STREAMDET_SHARED_DIR)")
-    log_path = artifacts / "viewer-server.log"
-    log_path.write_text("")
-    srv = ServerProcess(free_port(), log_path)
-    srv.start()
+    srv = viewer_server(artifacts / "viewer-server.log")
     yield srv
     srv.stop()
 
@@ -230,7 +162,7 @@ def assert_boxes_on_canvas(page: Page, canvas_id: str) -> None:
 
 
 def test_page_and_assets_are_served_locally(server: ServerProcess) -> None:
-    with httpx.Client(base_url=server.base, timeout=30) as client:
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
         index = client.get("/")
         assert index.status_code == 200
         assert index.headers["content-type"].startswith("text/html")
@@ -248,11 +180,11 @@ def test_playground_draws_boxes_for_bus(
 ) -> None:
     pg, errors = page
     bus = ultralytics_assets() / "bus.jpg"
-    with httpx.Client(base_url=server.base, timeout=60) as client:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
         expected = client.post(
             "/detect", files={"image": ("bus.jpg", bus.read_bytes(), "image/jpeg")}
         ).json()["detections"]
-    pg.goto(server.base + "/")
+    pg.goto(server.base_url + "/")
     expect(pg.locator("#server-status")).to_have_text("connected")
     pg.set_input_files("#pick", bus)
     pg.wait_for_function("() => window.streamdet.drawn['pg-canvas'] !== undefined")
@@ -276,7 +208,7 @@ def test_playground_shows_server_errors(
     server: ServerProcess, page: tuple[Page, PageErrors], artifacts: Path
 ) -> None:
     pg, errors = page
-    pg.goto(server.base + "/")
+    pg.goto(server.base_url + "/")
     pg.fill("#pg-conf", "2")  # the server accepts 0..1
     pg.set_input_files("#pick", ultralytics_assets() / "zidane.jpg")
     alert = pg.locator('#errors [data-key="playground"]')
@@ -295,48 +227,6 @@ def test_playground_shows_server_errors(
 
 # ---- live streams: a real RTSP camera, the stream list, tiles, errors, reconnects ----------
 
-CAR = next((v for v in VIDEOS if v.name.startswith("car")), None)
-
-
-class RtspCamera:
-    """``tests/rtsp_server.py`` (GStreamer's RTSP server, system python3-gi) looping clips at
-    ``rtsp://127.0.0.1:PORT/NAME``."""
-
-    def __init__(self, mounts: dict[str, Path]) -> None:
-        self.port = free_port()
-        self.cmd = ["/usr/bin/python3", str(REPO / "tests" / "rtsp_server.py"), "--port"]
-        self.cmd.append(str(self.port))
-        for name, clip in mounts.items():
-            self.cmd += ["--mount", f"{name}={clip}"]
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> RtspCamera:
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        assert self.proc.stdout is not None
-        if not self.proc.stdout.readline().startswith("READY"):  # blocks until it listens
-            self.proc.kill()
-            _, err = self.proc.communicate()
-            pytest.fail(
-                f"RTSP test camera did not start: {err[-2000:]}\n(it needs python3-gi and"
-                " gir1.2-gst-rtsp-server-1.0: run `bash scripts/system-deps.sh`)"
-            )
-        return self
-
-    def url(self, mount: str) -> str:
-        return f"rtsp://127.0.0.1:{self.port}/{mount}"
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.communicate()
-            self.proc = None
-
 
 @pytest.fixture(scope="module")
 def camera() -> Iterator[RtspCamera]:
@@ -351,18 +241,15 @@ def camera() -> Iterator[RtspCamera]:
 def live_server(
     artifacts: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    log_path = artifacts / "viewer-live-server.log"
-    log_path.write_text("")
-    env = {
-        "STREAMDET_DATA_DIR": str(tmp_path_factory.mktemp("viewer-data")),
+    srv = viewer_server(
+        artifacts / "viewer-live-server.log",
+        data_dir=str(tmp_path_factory.mktemp("viewer-data")),
         # Quick to notice a dead camera and to come back, so the test stays short.
-        "STREAMDET_STREAM_OPEN_TIMEOUT_S": "3",
-        "STREAMDET_STREAM_READ_TIMEOUT_S": "2",
-        "STREAMDET_RECONNECT_MAX_S": "1",
-        "STREAMDET_SHUTDOWN_TIMEOUT_S": "5",
-    }
-    srv = ServerProcess(free_port(), log_path, env)
-    srv.start()
+        stream_open_timeout_s=3,
+        stream_read_timeout_s=2,
+        reconnect_max_s=1,
+        shutdown_timeout_s=5,
+    )
     yield srv
     srv.stop()
 
@@ -399,7 +286,7 @@ def test_live_stream_boxes_errors_grid_and_reconnect(
     artifacts: Path,
 ) -> None:
     pg, errors = page
-    pg.goto(live_server.base + "/")
+    pg.goto(live_server.base_url + "/")
     expect(pg.locator("#server-status")).to_have_text("connected")
 
     # A real camera: listed, live, and its frames drawn with their boxes.
@@ -468,16 +355,13 @@ def test_api_key_is_asked_for_and_kept_for_the_session(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     key = "viewer-test-key"
-    log_path = artifacts / "viewer-auth-server.log"
-    log_path.write_text("")
-    env = {
-        "STREAMDET_API_KEYS": key,
-        "STREAMDET_DATA_DIR": str(tmp_path_factory.mktemp("viewer-auth-data")),
-    }
-    srv = ServerProcess(free_port(), log_path, env)
-    srv.start()
+    srv = viewer_server(
+        artifacts / "viewer-auth-server.log",
+        api_keys=key,
+        data_dir=str(tmp_path_factory.mktemp("viewer-auth-data")),
+    )
     try:
-        with httpx.Client(base_url=srv.base, timeout=30) as client:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as client:
             assert client.get("/streams").status_code == 401
             created = client.post(
                 "/streams",
@@ -487,7 +371,7 @@ def test_api_key_is_asked_for_and_kept_for_the_session(
             assert created.status_code == 201, created.text
             stream_id = created.json()["id"]
         pg, errors = page
-        pg.goto(srv.base + "/")  # the page itself is open; its API calls are not
+        pg.goto(srv.base_url + "/")  # the page itself is open; its API calls are not
         dialog = pg.locator("#key-dialog")
         expect(dialog).to_be_visible()
         expect(pg.locator("#key-reason")).to_contain_text("needs an API key")

@@ -6,12 +6,7 @@ survives a server restart."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import threading
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,91 +15,28 @@ import httpx
 import pytest
 import websockets
 
-from tests.helpers import CACHE_DIR, MODEL_PT, free_port
-from tests.test_streams_rtsp import BOTTLE, CAR, RtspCamera
+from loadtest.server import ServerProcess, free_port
+from tests.helpers import CACHE_DIR, MESSAGE_KEYS, MODEL_PT
+from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
 
 pytestmark = pytest.mark.rtsp
 
-MESSAGE_KEYS = {
-    "stream_id",
-    "frame",
-    "pts",
-    "captured_at",
-    "width",
-    "height",
-    "detections",
-    "latency_ms",
-}
 
-
-class ServerProcess:
-    """``streamdet serve`` in a child process on a free port."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.ws_base = f"ws://127.0.0.1:{self.port}"
-        self.log: deque[str] = deque(maxlen=200)
-        self._running = threading.Event()
-        self._signalled = False
-        env = {
-            **os.environ,
-            "STREAMDET_DATA_DIR": str(data_dir),
-            "STREAMDET_STREAM_READ_TIMEOUT_S": "3",
-            "STREAMDET_RECONNECT_MAX_S": "2",
-            "STREAMDET_SHUTDOWN_TIMEOUT_S": "5",
-        }
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "serve",
-                "--model",
-                str(MODEL_PT),
-                "--imgsz",
-                "640",
-                "--cache-dir",
-                str(CACHE_DIR),
-                "--port",
-                str(self.port),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
-        if not self._running.wait(180) or self.proc.poll() is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self._reader.join(10)
-            if self.proc.stderr is not None:
-                self.proc.stderr.close()
-            pytest.fail("server did not start:\n" + "\n".join(self.log))
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line.rstrip())
-            if "Uvicorn running on" in line:
-                self._running.set()
-        self._running.set()  # exited: wake the waiter
-
-    def signal_stop(self) -> None:
-        """SIGTERM once (a second one would make uvicorn quit without its shutdown)."""
-        if not self._signalled:
-            self._signalled = True
-            self.proc.send_signal(signal.SIGTERM)
-
-    def terminate(self) -> int:
-        self.signal_stop()
-        code = self.proc.wait(60)
-        self._reader.join(10)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-        return code
+def start_server(data_dir: Path, log_path: Path) -> ServerProcess:
+    """``streamdet serve`` in a child process on a free port, keeping its streams in
+    ``data_dir``; quick to notice a dead camera and to shut down."""
+    settings: dict[str, object] = {
+        "model": str(MODEL_PT),
+        "imgsz": 640,
+        "cache_dir": str(CACHE_DIR),
+        "data_dir": str(data_dir),
+        "stream_read_timeout_s": 3,
+        "reconnect_max_s": 2,
+        "shutdown_timeout_s": 5,
+    }
+    server = ServerProcess(settings, log_path=log_path, ready_timeout_s=180)
+    server.start()
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -147,14 +79,14 @@ async def close_code(url: str) -> int | None:
 async def test_control_api_and_websocket(
     camera: RtspCamera, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
-    server = ServerProcess(tmp_path / "data")
+    server = start_server(tmp_path / "data", tmp_path / "server.log")
     try:
-        base = server.base
+        base = server.base_url
         resp = await client.post(f"{base}/streams", json={"url": camera.url("car"), "name": "car"})
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
 
-        message = await first_message_with_detections(f"{server.ws_base}/ws/streams/{sid}")
+        message = await first_message_with_detections(f"{server.ws_url}/ws/streams/{sid}")
         assert set(message) == MESSAGE_KEYS
         assert (message["stream_id"], message["width"], message["height"]) == (sid, 768, 432)
         assert message["latency_ms"] > 0
@@ -182,44 +114,45 @@ async def test_control_api_and_websocket(
         one = (await client.get(f"{base}/streams/{sid}")).json()
         assert one["state"] == "live" and one["frames_processed"] > 0 and one["name"] == "car"
 
-        assert await close_code(f"{server.ws_base}/ws/streams/nope") == 4404
+        assert await close_code(f"{server.ws_url}/ws/streams/nope") == 4404
         assert (await client.get(f"{base}/streams/nope")).status_code == 404
 
-        async with websockets.connect(f"{server.ws_base}/ws/streams/{sid}") as ws:
+        async with websockets.connect(f"{server.ws_url}/ws/streams/{sid}") as ws:
             await ws.recv()
             assert (await client.delete(f"{base}/streams/{sid}")).status_code == 204
             assert await read_until_closed(ws) == 1000
         assert (await client.get(f"{base}/streams/{sid}")).status_code == 404
         assert (await client.delete(f"{base}/streams/{sid}")).status_code == 404
     finally:
-        server.terminate()
+        server.stop(60)
 
 
 async def test_restart_keeps_streams_and_shutdown_says_going_away(
     camera: RtspCamera, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    server = ServerProcess(data)
+    server = start_server(data, tmp_path / "server.log")
     try:
         resp = await client.post(
-            f"{server.base}/streams", json={"url": camera.url("bottle"), "max_fps": 5}
+            f"{server.base_url}/streams", json={"url": camera.url("bottle"), "max_fps": 5}
         )
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
-        async with websockets.connect(f"{server.ws_base}/ws/streams/{sid}") as ws:
+        async with websockets.connect(f"{server.ws_url}/ws/streams/{sid}") as ws:
             await ws.recv()
             server.signal_stop()
             assert await read_until_closed(ws) == 1001
     finally:
         # uvicorn re-raises the SIGTERM after its graceful shutdown, hence -15.
-        assert server.terminate() in (0, -signal.SIGTERM)
-    assert any("shutdown complete" in line for line in server.log), "\n".join(server.log)
+        assert server.stop(60) in (0, -signal.SIGTERM)
+    log = server.log_text()
+    assert "shutdown complete" in log, log
 
-    restarted = ServerProcess(data)
+    restarted = start_server(data, tmp_path / "restarted.log")
     try:
-        listed = (await client.get(f"{restarted.base}/streams")).json()["streams"]
+        listed = (await client.get(f"{restarted.base_url}/streams")).json()["streams"]
         assert [(s["id"], s["max_fps"]) for s in listed] == [(sid, 5)]
-        message = await first_message_with_detections(f"{restarted.ws_base}/ws/streams/{sid}")
+        message = await first_message_with_detections(f"{restarted.ws_url}/ws/streams/{sid}")
         assert message["stream_id"] == sid
     finally:
-        restarted.terminate()
+        restarted.stop(60)
