@@ -167,7 +167,12 @@ def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
     )
     camera.wait_ready(60)
     data_dir = tempfile.mkdtemp(prefix="streamdet-bench-")
-    settings: dict[str, object] = {"model": args.model, "imgsz": args.imgsz, "data_dir": data_dir}
+    settings: dict[str, object] = {
+        "model": args.model,
+        "imgsz": args.imgsz,
+        "data_dir": data_dir,
+        "access_log": False,
+    }
     log_path = Path(data_dir) / "server.log"
     server = ServerProcess(settings, log_path=log_path, args=args.server_args, cwd=Path.cwd())
     try:

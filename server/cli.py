@@ -67,6 +67,7 @@ def serve(settings: Settings) -> int:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            access_log=settings.access_log,
             timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
         )
     ).run()

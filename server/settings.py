@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     decode_threads: int = Field(2, ge=1, le=64, description="threads decoding uploads")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="drain time on shutdown")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = Field(True, description="one uvicorn log line per HTTP request")
 
     # Live streams (streams/, server/routes/streams.py, server/routes/ws.py)
     data_dir: Path = Field(
