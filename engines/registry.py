@@ -60,7 +60,9 @@ class ConfiguredEngine:
 
     @property
     def model_name(self) -> str:
-        return Path(self._config.model.path).name
+        """The file the user named (``yolov8n.pt``), not the cached export's name."""
+        source = self._config.source
+        return (source or Path(self._config.model.path)).name
 
 
 class EngineFactory(Protocol):

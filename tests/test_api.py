@@ -52,6 +52,7 @@ def test_detect_multipart_matches_contract(client: TestClient) -> None:
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert set(body) == {"detections", "image", "model", "timing_ms"}
+    assert body["model"] == "yolov8n.pt"  # the file the user named, not the cached export
     assert body["image"] == {"width": 810, "height": 1080}
     assert set(body["timing_ms"]) == {"queue", "inference", "total"}
     names = sorted(d["class_name"] for d in body["detections"])
