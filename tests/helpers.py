@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from engines.types import Detections
+from engines.pool import EnginePool
+from engines.registry import EngineConfig
+from engines.types import Detections, Engine, ModelInfo
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).resolve()
@@ -95,3 +98,30 @@ def match_reference(
     )
     one_way(ours.boxes, ours.scores, ours.class_ids, ref_boxes, ref_scores, ref_classes, "ours")
     return problems
+
+
+def ort_factory(model: ModelInfo) -> Callable[[], Engine]:
+    """Builds the real ONNX Runtime engine (one per pool worker)."""
+    from engines.onnxruntime import OrtEngine
+
+    config = EngineConfig(model=model, imgsz=640, max_batch=4, threads=2, cache_dir=CACHE_DIR)
+
+    def make() -> Engine:
+        return OrtEngine(config)
+
+    return make
+
+
+def start_ort_pool(
+    model: ModelInfo, max_wait_ms: float, max_batch: int = 4, max_queue: int = 8
+) -> EnginePool:
+    """A started one-worker pool on the real ONNX Runtime engine; the caller stops it."""
+    pool = EnginePool(
+        ort_factory(model),
+        workers=1,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        max_queue=max_queue,
+    )
+    pool.start()
+    return pool

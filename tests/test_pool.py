@@ -5,28 +5,16 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
 from engines.pool import EnginePool
-from engines.registry import EngineConfig
-from engines.types import DetectParams, Engine, EngineError, ModelInfo
+from engines.types import DetectParams, EngineError, ModelInfo
 from streams.files import load_image
-from tests.helpers import CACHE_DIR, ultralytics_assets
-
-
-def ort_factory(model: ModelInfo) -> Callable[[], Engine]:
-    from engines.onnxruntime import OrtEngine
-
-    config = EngineConfig(model=model, imgsz=640, max_batch=4, threads=2, cache_dir=CACHE_DIR)
-
-    def make() -> Engine:
-        return OrtEngine(config)
-
-    return make
+from tests.helpers import ort_factory, start_ort_pool, ultralytics_assets
 
 
 class Collector:
@@ -50,8 +38,7 @@ class Collector:
 
 @pytest.fixture(scope="module")
 def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
-    p = EnginePool(ort_factory(model_info), workers=1, max_batch=4, max_wait_ms=20, max_queue=32)
-    p.start()
+    p = start_ort_pool(model_info, max_wait_ms=20, max_queue=32)
     yield p
     p.stop(5)
 

@@ -4,7 +4,6 @@ through the real engine pool."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -13,14 +12,13 @@ import numpy as np
 import pytest
 
 from engines.pool import EnginePool
-from engines.registry import EngineConfig
 from engines.types import Detections, ModelInfo
 from streams.fanout import Closed, ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
 from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
 from streams.store import StreamStore, new_record
-from tests.helpers import CACHE_DIR, MESSAGE_KEYS, VIDEOS
+from tests.helpers import MESSAGE_KEYS, VIDEOS, start_ort_pool
 
 # ---- URL rules ---------------------------------------------------------------------------
 
@@ -150,12 +148,7 @@ async def test_closing_a_subscriber_delivers_the_close_code_next() -> None:
 
 @pytest.fixture(scope="module")
 def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
-    from engines.onnxruntime import OrtEngine
-
-    config = EngineConfig(model=model_info, imgsz=640, max_batch=4, threads=2, cache_dir=CACHE_DIR)
-    factory = functools.partial(OrtEngine, config)
-    p = EnginePool(factory, workers=1, max_batch=4, max_wait_ms=5, max_queue=8)
-    p.start()
+    p = start_ort_pool(model_info, max_wait_ms=5)
     yield p
     p.stop(5)
 

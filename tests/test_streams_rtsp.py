@@ -4,7 +4,6 @@ clips, decoded by the stream manager and run through the real engine pool."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -13,14 +12,13 @@ from pathlib import Path
 import pytest
 
 from engines.pool import EnginePool
-from engines.registry import EngineConfig
 from engines.types import ModelInfo
 from loadtest.server import free_port
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
 from streams.store import StreamStore
-from tests.helpers import CACHE_DIR, VIDEOS
+from tests.helpers import VIDEOS, start_ort_pool
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
 
 pytestmark = pytest.mark.rtsp
@@ -37,13 +35,8 @@ def camera() -> Iterator[RtspCamera]:
 
 @pytest.fixture(scope="module")
 def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
-    from engines.onnxruntime import OrtEngine
-
-    config = EngineConfig(model=model_info, imgsz=640, max_batch=4, threads=2, cache_dir=CACHE_DIR)
-    factory = functools.partial(OrtEngine, config)
     # A long fill window so frames of both cameras reliably meet in one batch.
-    p = EnginePool(factory, workers=1, max_batch=4, max_wait_ms=150, max_queue=8)
-    p.start()
+    p = start_ort_pool(model_info, max_wait_ms=150)
     yield p
     p.stop(5)
 
