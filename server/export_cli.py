@@ -12,7 +12,15 @@ from typing import Any
 
 from engines.calibration import CalibrationError
 from engines.evaluate import EvalReport
-from engines.export import CALIB_METHODS, DEFAULT_CALIB_FRAMES, PRECISIONS, TARGETS, YOLO_HEAD
+from engines.export import (
+    CALIB_METHODS,
+    DEFAULT_CALIB_FRAMES,
+    DEFAULT_CALIB_METHOD,
+    DEFAULT_EXCLUDE,
+    DEFAULT_HIGH_PRECISION,
+    PRECISIONS,
+    TARGETS,
+)
 from engines.types import EngineError
 
 log = logging.getLogger(__name__)
@@ -75,7 +83,7 @@ def add_export_parsers(sub: Any) -> None:
         default=DEFAULT_CALIB_FRAMES,
         help=f"calibration frames sampled evenly over --calib (default {DEFAULT_CALIB_FRAMES})",
     )
-    exp.add_argument("--calib-method", choices=CALIB_METHODS, default="entropy")
+    exp.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD)
     exp.add_argument(
         "--target",
         choices=TARGETS,
@@ -86,7 +94,7 @@ def add_export_parsers(sub: Any) -> None:
     exp.add_argument(
         "--high-precision",
         choices=("fp16", "fp32"),
-        default="fp16",
+        default=DEFAULT_HIGH_PRECISION,
         help="dtype of the layers a ModelOpt INT8 graph leaves unquantized",
     )
     exp.add_argument(
@@ -94,8 +102,9 @@ def add_export_parsers(sub: Any) -> None:
         nargs="*",
         default=None,
         metavar="REGEX",
-        help="INT8: node names (regular expressions) left unquantized; 'yolo-head' (the"
-        " default) is the Detect module's logits, DFL and decode; an empty list quantizes all",
+        help="INT8: node names (regular expressions) left unquantized; 'yolo-head' is the"
+        " Detect module's logits, DFL and decode; the default is 'yolo-head' plus the two stem"
+        " convolutions; an empty list quantizes all",
     )
     exp.add_argument(
         "--eval",
@@ -151,7 +160,7 @@ def _export(args: argparse.Namespace) -> int:
         calib_method=args.calib_method,
         target=args.target,
         high_precision=args.high_precision,
-        exclude_nodes=(YOLO_HEAD,) if args.exclude_nodes is None else tuple(args.exclude_nodes),
+        exclude_nodes=DEFAULT_EXCLUDE if args.exclude_nodes is None else tuple(args.exclude_nodes),
         cache_dir=args.cache_dir or _default_cache_dir(),
         progress=not args.no_progress,
     )
@@ -207,8 +216,8 @@ def _print_report(args: argparse.Namespace, report: EvalReport) -> int:
     print(
         f"FAIL: recall {report.recall:.3f} / precision {report.precision:.3f}"
         f" below {args.min_score}:"
-        " try --calib-method max, more --calib-frames, calibration frames closer to the cameras"
-        " served, or --high-precision fp32",
+        " try more --calib-frames, calibration frames closer to the cameras served, or more"
+        " sensitive layers kept in float (--exclude-nodes yolo-head REGEX...)",
         file=sys.stderr,
     )
     return EXIT_BELOW_BAR
