@@ -108,9 +108,7 @@ async def detect(
     arrived = ticket.arrived
     state = get_state(request)
     request_id = ticket.request_id
-    if not state.ready:
-        raise HTTPException(503, "model not loaded yet", headers={"Retry-After": "1"})
-    settings = state.settings
+    settings = state.settings  # readiness was checked by the admission dependency
     engine = state.pool.engine
     params = DetectParams(
         conf=conf, iou=iou, classes=parse_classes(classes, engine.names), max_det=max_det
