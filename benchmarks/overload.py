@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -79,14 +80,61 @@ class Phase:
         }
 
 
-async def _post(client: httpx.AsyncClient, jpeg: bytes) -> tuple[str, float, str | None]:
-    t0 = time.monotonic()
-    try:
-        resp = await client.post("/detect", content=jpeg, headers={"content-type": "image/jpeg"})
-        status, retry = str(resp.status_code), resp.headers.get("retry-after")
-    except httpx.HTTPError as exc:
-        status, retry = type(exc).__name__, None
-    return status, (time.monotonic() - t0) * 1000, retry
+class Connection:
+    """A lean HTTP/1.1 keep-alive client for one connection (asyncio streams, pre-built
+    requests): 64 httpx clients cost the 2 cores the server runs on enough CPU to show up in
+    the latencies they measure, this costs a parse of a status line and a few headers."""
+
+    def __init__(self, base: str) -> None:
+        url = httpx.URL(base)
+        self.host, self.port = url.host, url.port or 80
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    @staticmethod
+    def request(jpeg: bytes) -> bytes:
+        head = (
+            "POST /detect HTTP/1.1\r\nHost: bench\r\nContent-Type: image/jpeg\r\n"
+            f"Content-Length: {len(jpeg)}\r\n\r\n"
+        )
+        return head.encode() + jpeg
+
+    async def _exchange(self, request: bytes) -> tuple[str, str | None]:
+        if self._writer is None or self._reader is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        self._writer.write(request)
+        await self._writer.drain()
+        head = await self._reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = lines[0].split(" ", 2)[1]
+        headers = {
+            k.strip().lower(): v.strip()
+            for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
+        }
+        await self._reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        return status, headers.get("retry-after")
+
+    async def post(self, request: bytes) -> tuple[str, float, str | None]:
+        """One call: (status or exception name, milliseconds, Retry-After)."""
+        t0 = time.monotonic()
+        try:
+            status, retry = await asyncio.wait_for(self._exchange(request), CLIENT_TIMEOUT_S)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            await self.close()
+            status, retry = type(exc).__name__, None
+        except TimeoutError:
+            await self.close()
+            status, retry = "ReadTimeout", None
+        return status, (time.monotonic() - t0) * 1000, retry
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()
+        self._reader = self._writer = None
 
 
 async def closed_loop(
@@ -102,22 +150,23 @@ async def closed_loop(
     phase = Phase(seconds)
     start = time.monotonic()
     measure_from, stop_at = start + warmup, start + warmup + seconds
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S, limits=limits) as c:
+    requests = [Connection.request(j) for j in jpegs]
 
-        async def client(k: int) -> None:
-            i = k
-            while time.monotonic() < stop_at:
-                t0 = time.monotonic()
-                status, ms, retry = await _post(c, jpegs[i % len(jpegs)])
-                i += clients
-                if t0 >= measure_from and time.monotonic() <= stop_at:
-                    phase.add(status, ms)
-                if status == "429":
-                    pause = 0.05 if impatient else float(retry or 1)
-                    await asyncio.sleep(min(pause, max(0.0, stop_at - time.monotonic())))
+    async def client(k: int) -> None:
+        conn = Connection(base)
+        i = k
+        while time.monotonic() < stop_at:
+            t0 = time.monotonic()
+            status, ms, retry = await conn.post(requests[i % len(requests)])
+            i += clients
+            if t0 >= measure_from and time.monotonic() <= stop_at:
+                phase.add(status, ms)
+            if status == "429":
+                pause = 0.05 if impatient else float(retry or 1)
+                await asyncio.sleep(min(pause, max(0.0, stop_at - time.monotonic())))
+        await conn.close()
 
-        await asyncio.gather(*(client(k) for k in range(clients)))
+    await asyncio.gather(*(client(k) for k in range(clients)))
     return phase
 
 
@@ -125,20 +174,25 @@ async def open_loop(base: str, jpegs: list[bytes], rate: float, seconds: float) 
     """Poisson arrivals at ``rate``/s, each its own request, whatever the server's pace."""
     phase = Phase(seconds)
     rng = random.Random(5)
-    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S) as c:
-        tasks: list[asyncio.Task[None]] = []
+    requests = [Connection.request(j) for j in jpegs]
+    idle: list[Connection] = []  # keep-alive connections free for the next arrival
+    tasks: list[asyncio.Task[None]] = []
 
-        async def one(jpeg: bytes) -> None:
-            status, ms, _ = await _post(c, jpeg)
-            phase.add(status, ms)
+    async def one(request: bytes) -> None:
+        conn = idle.pop() if idle else Connection(base)
+        status, ms, _ = await conn.post(request)
+        phase.add(status, ms)
+        idle.append(conn)
 
-        end = time.monotonic() + seconds
-        i = 0
-        while time.monotonic() < end:
-            tasks.append(asyncio.create_task(one(jpegs[i % len(jpegs)])))
-            i += 1
-            await asyncio.sleep(rng.expovariate(rate))
-        await asyncio.gather(*tasks)
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        tasks.append(asyncio.create_task(one(requests[i % len(requests)])))
+        i += 1
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    for conn in idle:
+        await conn.close()
     return phase
 
 
@@ -167,10 +221,11 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
 async def idle_latency(base: str, jpegs: list[bytes], count: int) -> float:
     """Median latency of ``count`` requests sent one at a time."""
     phase = Phase(1.0)
-    async with httpx.AsyncClient(base_url=base, timeout=CLIENT_TIMEOUT_S) as c:
-        for i in range(count):
-            status, ms, _ = await _post(c, jpegs[i % len(jpegs)])
-            phase.add(status, ms)
+    conn = Connection(base)
+    for i in range(count):
+        status, ms, _ = await conn.post(Connection.request(jpegs[i % len(jpegs)]))
+        phase.add(status, ms)
+    await conn.close()
     return phase.pct(50)
 
 

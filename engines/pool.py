@@ -161,13 +161,6 @@ class EnginePool:
         self.submit(WorkItem(image, params, deadline, done, request_id=request_id))
         return await future
 
-    def estimated_wait_s(self) -> float:
-        """Expected queueing delay of a new interactive item, from recent batch times."""
-        interactive, _ = self.queue.depth()
-        per_round = max(1, self._max_batch * self._workers)
-        rounds = interactive // per_round + (1 if self._busy >= self._workers else 0)
-        return rounds * self.stats.ewma_batch_s
-
     # ---- workers ------------------------------------------------------------------------
     def _run(self, idx: int, started: threading.Barrier, errors: list[BaseException]) -> None:
         try:

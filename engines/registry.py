@@ -99,8 +99,14 @@ def prepare_model(model: str, cache_dir: Path, imgsz: int) -> ModelInfo:
     return read_model_info(resolve_onnx(model, cache_dir, imgsz))
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
 def default_threads(workers: int, threads_per_worker: int) -> int:
+    """Intra-op threads per CPU worker: the setting, or the cores shared among workers."""
     if threads_per_worker > 0:
         return threads_per_worker
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // workers)
+    return max(1, usable_cores() // workers)

@@ -32,6 +32,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     ProcessCollector,
     disable_created_metrics,
@@ -164,10 +165,12 @@ class _ScrapeCollector(Collector):
             depth.add_metric(["interactive"], interactive)
             depth.add_metric(["stream"], streams)
             yield depth
+        wait = self._metrics.wait_source
+        if wait is not None:
             yield GaugeMetricFamily(
                 "streamdet_estimated_wait_seconds",
-                "Expected queueing delay of a new /detect call, from recent batch times",
-                value=pool.estimated_wait_s(),
+                "Expected queueing delay of a new /detect call (admission control's estimate)",
+                value=wait(),
             )
         source = self._metrics.stream_source
         if source is None:
@@ -228,6 +231,7 @@ class Metrics:
         reg = self.registry
         self.pool: EnginePool | None = None
         self.stream_source: StreamSource | None = None
+        self.wait_source: Callable[[], float] | None = None
         self.requests = Counter(
             "streamdet_http_requests",
             "HTTP requests answered, by route template, method and status code",
@@ -268,6 +272,13 @@ class Metrics:
             ["reason"],
             registry=reg,
         )
+        self.admission_budget_scale = Gauge(
+            "streamdet_admission_budget_ratio",
+            "Share of a /detect deadline admission plans for; below 1 when recent calls ran"
+            " late (it tracks the 99th percentile)",
+            registry=reg,
+        )
+        self.admission_budget_scale.set(1.0)
         for stage in STAGES:
             self.stage_duration.labels(stage)
         for reason in REJECTION_REASONS:
@@ -281,6 +292,10 @@ class Metrics:
         """Read queue depth from ``pool`` and record every batch it runs."""
         self.pool = pool
         pool.batch_observers.append(self.observe_batch)
+
+    def set_wait_source(self, source: Callable[[], float] | None) -> None:
+        """Plug in the admission controller's wait estimate (seconds) for a new call."""
+        self.wait_source = source
 
     def set_stream_source(self, source: StreamSource | None) -> None:
         """Plug in (or remove) the stream manager's per-stream figures."""

@@ -237,3 +237,52 @@ def test_idle_pool_never_refuses_under_the_server_deadline() -> None:
     assert predict(ahead=0, busy=0, workers=1, max_batch=4, batch_s=5.0, item_s=5.0).idle
     assert not predict(ahead=1, busy=0, workers=1, max_batch=4, batch_s=5.0, item_s=5.0).idle
     assert not predict(ahead=0, busy=1, workers=1, max_batch=4, batch_s=5.0, item_s=5.0).idle
+
+
+def test_budget_scale_tracks_the_99th_percentile_of_outcomes() -> None:
+    from engines.pool import EnginePool
+    from server.admission import MIN_BUDGET_SCALE, AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=2, max_wait_ms=2, max_queue=8)
+    metrics = Metrics()
+    controller = AdmissionController(pool, Settings(), metrics)
+    now = [100.0]
+    controller.clock = lambda: now[0]  # time stands still unless the test moves it
+    assert controller.budget_scale == 1.0
+    for _ in range(500):
+        controller.observe_outcome(0.5, 1.0)  # all in time: the whole deadline, never more
+    assert controller.budget_scale == 1.0
+    for _ in range(10):
+        controller.observe_outcome(1.3, 1.0)  # late calls shrink the planned share
+    late = controller.budget_scale
+    assert late == pytest.approx(math.exp(-0.05 * 10))
+    assert f"streamdet_admission_budget_ratio {late}".encode() in metrics.render()
+    # 1 late call in 100 is the equilibrium: the scale stays where it is.
+    for _ in range(5):
+        for _ in range(99):
+            controller.observe_outcome(0.5, 1.0)
+        controller.observe_outcome(1.3, 1.0)
+    assert controller.budget_scale == pytest.approx(late, rel=0.02)
+    for _ in range(200):
+        controller.observe_outcome(5.0, 1.0)
+    assert controller.budget_scale == pytest.approx(MIN_BUDGET_SCALE)  # bounded
+    now[0] += 30.0  # nothing ran for 30 s: the shortfall decays by 1/e
+    assert controller.budget_scale == pytest.approx(1 - (1 - MIN_BUDGET_SCALE) / math.e)
+
+
+def test_cpu_backend_defaults_to_one_single_thread_worker_per_core() -> None:
+    from engines.registry import default_threads, usable_cores
+    from server.settings import Settings
+
+    cpu = Settings(backend="onnxruntime")
+    assert cpu.workers == min(4, usable_cores())
+    assert default_threads(cpu.workers, cpu.threads_per_worker) == max(
+        1, usable_cores() // cpu.workers
+    )
+    assert Settings(backend="onnxruntime", workers=3).workers == 3  # an explicit value stays
+    assert Settings(backend="torch").workers == 1  # one CUDA stream unless asked

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -17,7 +16,7 @@ from engines.types import DetectParams
 from server.admission import AdmissionTicket
 from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_image
 from server.metrics import get_metrics
-from server.state import AppState, get_state
+from server.state import get_state
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -44,10 +43,6 @@ def parse_classes(raw: str | None, names: Mapping[int, str]) -> frozenset[int] |
         else:
             raise HTTPException(422, f"classes: unknown class name {token!r}; see GET /model")
     return frozenset(ids)
-
-
-def retry_after(state: AppState) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(state.pool.estimated_wait_s())))}
 
 
 async def read_body_capped(request: Request, limit: int) -> bytes:
@@ -129,7 +124,7 @@ async def detect(
         result = await state.pool.detect(image, params, ticket.hard_deadline, request_id)
     except QueueFull as exc:
         ticket.reject("queue_full")
-        raise HTTPException(429, f"server busy: {exc}", headers=retry_after(state)) from None
+        raise HTTPException(429, f"server busy: {exc}", headers=ticket.retry_after()) from None
     except PoolClosed:
         ticket.reject("shutting_down")
         raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
@@ -140,7 +135,7 @@ async def detect(
             503,
             f"request not served within {(ticket.hard_deadline - arrived) * 1000:.0f} ms"
             f" ({result.error}; {source})",
-            headers=retry_after(state),
+            headers=ticket.retry_after(),
         )
     if result.error is not None or result.detections is None:
         raise HTTPException(500, f"inference failed for request {request_id}: {result.error}")
