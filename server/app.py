@@ -45,11 +45,13 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         await manager.start()
         state.streams = manager
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
+        lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
         try:
             yield
         finally:
             # Stop intake, drain within the timeout, then fail what is left.
             state.shutting_down = True
+            lag_watch.cancel()
             await manager.stop(settings.shutdown_timeout_s)
             await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
             executor.shutdown(wait=False, cancel_futures=True)

@@ -21,6 +21,7 @@ and a GPU answers; otherwise those series are simply absent.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -52,9 +53,11 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds. Spans a GPU batch (a few ms) to a CPU request under load (seconds).
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5,
-    5.0, 10.0,
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0,
+    1.1, 1.25, 1.5, 2.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LOOP_LAG_INTERVAL_S = 0.1
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STAGES = ("queue", "preprocess", "inference", "postprocess", "total")
 """``preprocess`` is reading and decoding the upload; ``inference`` is the engine's batch
@@ -272,6 +275,13 @@ class Metrics:
             ["reason"],
             registry=reg,
         )
+        self.loop_lag = Histogram(
+            "streamdet_event_loop_lag_seconds",
+            "How late the event loop ran a timer (sampled every 100 ms): time every HTTP and"
+            " WebSocket step waits behind other work",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=reg,
+        )
         self.admission_budget_scale = Gauge(
             "streamdet_admission_budget_ratio",
             "Share of a /detect deadline admission plans for; below 1 when recent calls ran"
@@ -320,6 +330,15 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+async def watch_loop_lag(metrics: Metrics, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+    """Sample the event loop's lag forever (run it as a task; cancel it to stop)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval_s)
+        metrics.loop_lag.observe(max(0.0, loop.time() - start - interval_s))
 
 
 def get_metrics(conn: HTTPConnection) -> Metrics:

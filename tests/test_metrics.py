@@ -182,3 +182,17 @@ def test_gpu_collector_units() -> None:
 def test_unknown_rejection_reason_is_refused() -> None:
     with pytest.raises(ValueError, match="REJECTION_REASONS"):
         Metrics().reject("because")
+
+
+def test_event_loop_lag_is_sampled(client: TestClient) -> None:
+    import time
+
+    deadline = time.monotonic() + 5.0
+    count = 0.0
+    while time.monotonic() < deadline and count < 2:
+        time.sleep(0.25)  # the app's loop runs in TestClient's portal thread meanwhile
+        count = value(scrape(client), "streamdet_event_loop_lag_seconds_count")
+    assert count >= 2
+    samples = scrape(client)
+    assert value(samples, "streamdet_admission_budget_ratio") == 1.0
+    assert value(samples, "streamdet_estimated_wait_seconds") >= 0.0
