@@ -26,6 +26,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+import gevent  # type: ignore[import-untyped]  # no stubs; Locust depends on it
 from locust import FastHttpUser, User, between, constant, events, task
 from locust.env import Environment
 from websockets.exceptions import ConnectionClosed
@@ -61,6 +62,10 @@ def _load_frames(environment: Environment, **_: Any) -> None:
     per_clip = int(os.environ.get("STREAMDET_LOADTEST_PER_CLIP", "6"))
     _payloads.extend(build_payloads(per_clip=per_clip))
     log.info("loadtest: %d JPEG payloads ready", len(_payloads))
+    # gevent's loop caches "now"; after seconds of blocking decode it is stale, and the
+    # --run-time timer Locust arms next would be due at once (seen on a busy machine: a
+    # 4 s run stopped 6 ms after starting, with one request).
+    gevent.get_hub().loop.update_now()
 
 
 class DetectUser(FastHttpUser):
