@@ -117,16 +117,24 @@ class Connection:
         return status, headers.get("retry-after")
 
     async def post(self, request: bytes) -> tuple[str, float, str | None]:
-        """One call: (status or exception name, milliseconds, Retry-After)."""
+        """One call: (status or exception name, milliseconds, Retry-After). A kept-alive
+        connection the server has since closed (uvicorn's keep-alive timeout is 5 s) is
+        reopened and the call sent again, as HTTP clients do."""
         t0 = time.monotonic()
-        try:
-            status, retry = await asyncio.wait_for(self._exchange(request), CLIENT_TIMEOUT_S)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-            await self.close()
-            status, retry = type(exc).__name__, None
-        except TimeoutError:
-            await self.close()
-            status, retry = "ReadTimeout", None
+        for attempt in (0, 1):
+            reused = self._writer is not None
+            try:
+                status, retry = await asyncio.wait_for(self._exchange(request), CLIENT_TIMEOUT_S)
+                break
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+                await self.close()
+                status, retry = type(exc).__name__, None
+                if not (reused and attempt == 0):
+                    break
+            except TimeoutError:
+                await self.close()
+                status, retry = "ReadTimeout", None
+                break
         return status, (time.monotonic() - t0) * 1000, retry
 
     async def close(self) -> None:
