@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.calibration import parse_sources, sample_frames
+from engines.calibration import FrameSample, parse_sources, sample_frames
 from engines.model import read_model_info
 from engines.registry import EngineConfig
 from engines.types import Detections, DetectParams, Engine, Image
@@ -63,6 +63,7 @@ class EvalReport:
     classes: dict[int, ClassStats] = field(default_factory=dict)
     reference_ms: float = float("nan")
     candidate_ms: float = float("nan")
+    held_out_set: int = 0
 
     @property
     def total(self) -> ClassStats:
@@ -95,6 +96,7 @@ class EvalReport:
             "candidate": self.candidate,
             "precision": self.precision_label,
             "frames": self.frames,
+            "held_out_set": self.held_out_set,
             "conf": self.conf,
             "match_iou": MATCH_IOU,
             "threads": self.threads,
@@ -113,7 +115,8 @@ class EvalReport:
         lines = [
             f"{self.precision_label} {Path(self.candidate).name}"
             f" vs FP32 {Path(self.reference).name}:"
-            f" {self.frames} held-out frames, conf {self.conf}, IoU {MATCH_IOU}",
+            f" held-out set {self.held_out_set + 1}, {self.frames} frames,"
+            f" conf {self.conf}, IoU {MATCH_IOU}",
             f"{'class':<16}{'fp32':>7}{'cand':>7}{'match':>7}{'recall':>9}{'precision':>11}",
         ]
         rows = sorted(self.classes.values(), key=lambda c: -c.reference)
@@ -191,43 +194,64 @@ def evaluate(
         threads: ONNX Runtime intra-op threads for each model.
         conf: confidence threshold of both (the ``/detect`` default).
     """
+    (report,) = evaluate_sets(
+        reference, candidate, [frames], imgsz=imgsz, threads=threads, conf=conf
+    )
+    return report
+
+
+def evaluate_sets(
+    reference: Path,
+    candidate: Path,
+    frame_sets: Sequence[Sequence[Image]],
+    *,
+    imgsz: int,
+    threads: int,
+    conf: float = 0.25,
+) -> list[EvalReport]:
+    """:func:`evaluate` on each of ``frame_sets`` (one report per set), loading each model once."""
     info = read_model_info(candidate)
     params = [DetectParams(conf=conf)]
     ref_engine, cand_engine = _engine(reference, imgsz, threads), _engine(candidate, imgsz, threads)
-    report = EvalReport(
-        reference=str(reference),
-        candidate=str(candidate),
-        precision_label=info.precision.upper(),
-        frames=len(frames),
-        conf=conf,
-        threads=threads,
-    )
-    ref_times: list[float] = []
-    cand_times: list[float] = []
+    reports: list[EvalReport] = []
     try:
-        for frame in frames:
-            t0 = time.perf_counter()
-            (ref_dets,) = ref_engine.infer([frame], params)
-            t1 = time.perf_counter()
-            (cand_dets,) = cand_engine.infer([frame], params)
-            t2 = time.perf_counter()
-            ref_times.append(t1 - t0)
-            cand_times.append(t2 - t1)
-            match(ref_dets, cand_dets, report.classes)
+        for index, frames in enumerate(frame_sets):
+            report = EvalReport(
+                reference=str(reference),
+                candidate=str(candidate),
+                precision_label=info.precision.upper(),
+                frames=len(frames),
+                conf=conf,
+                threads=threads,
+                held_out_set=index,
+            )
+            ref_times: list[float] = []
+            cand_times: list[float] = []
+            for frame in frames:
+                t0 = time.perf_counter()
+                (ref_dets,) = ref_engine.infer([frame], params)
+                t1 = time.perf_counter()
+                (cand_dets,) = cand_engine.infer([frame], params)
+                t2 = time.perf_counter()
+                ref_times.append(t1 - t0)
+                cand_times.append(t2 - t1)
+                match(ref_dets, cand_dets, report.classes)
+            if frames:
+                report.reference_ms = statistics.median(ref_times) * 1000
+                report.candidate_ms = statistics.median(cand_times) * 1000
+            log.info(
+                "evaluate %s, held-out set %d: recall %.3f precision %.3f over %d frames",
+                candidate,
+                index + 1,
+                report.recall,
+                report.precision,
+                len(frames),
+            )
+            reports.append(report)
     finally:
         ref_engine.close()
         cand_engine.close()
-    if frames:
-        report.reference_ms = statistics.median(ref_times) * 1000
-        report.candidate_ms = statistics.median(cand_times) * 1000
-    log.info(
-        "evaluate %s: recall %.3f precision %.3f over %d frames",
-        candidate,
-        report.recall,
-        report.precision,
-        len(frames),
-    )
-    return report
+    return reports
 
 
 def calibration_record(path: Path) -> dict[str, Any] | None:
@@ -245,6 +269,35 @@ def calibration_indices(path: Path) -> Mapping[str, Sequence[int]]:
     return {s["name"]: list(s.get("indices") or []) for s in record.get("sources", [])}
 
 
+def held_out_sets(
+    sources: Sequence[str],
+    frames: int,
+    sets: int,
+    exclude: Mapping[str, Sequence[int]],
+    *,
+    progress: bool = True,
+) -> list[FrameSample]:
+    """``sets`` disjoint samples of ``frames`` frames each, none of them in ``exclude``.
+
+    Set ``k`` is sampled evenly over what ``exclude`` and sets ``0..k-1`` left, so set 0 is
+    the same whatever ``sets`` is, and each further set is a fresh, disjoint look.
+
+    Raises:
+        CalibrationError: the sources hold too few frames besides the excluded ones.
+    """
+    held: dict[str, list[int]] = {name: list(idx) for name, idx in exclude.items()}
+    parsed = parse_sources(sources)
+    out: list[FrameSample] = []
+    for _ in range(sets):
+        sample = sample_frames(
+            parsed, frames, exclude=held, purpose="evaluation", progress=progress
+        )
+        for record in sample.sources:
+            held.setdefault(record.name, []).extend(record.indices)
+        out.append(sample)
+    return out
+
+
 def evaluate_artifact(
     candidate: Path,
     reference: Path,
@@ -252,22 +305,27 @@ def evaluate_artifact(
     *,
     frames: int,
     threads: int,
+    sets: int = 1,
     imgsz: int | None = None,
     conf: float = 0.25,
     progress: bool = True,
-) -> EvalReport:
-    """Evaluate ``candidate`` against ``reference`` on ``frames`` frames of ``sources`` that
-    the candidate was not calibrated on (its ``streamdet_calibration`` metadata says which).
+) -> list[EvalReport]:
+    """Evaluate ``candidate`` against ``reference`` on ``sets`` disjoint sets of ``frames``
+    frames of ``sources`` that the candidate was not calibrated on (its
+    ``streamdet_calibration`` metadata says which); one report per set.
 
     Raises:
         CalibrationError: the sources hold too few frames besides the calibration ones.
     """
     size = imgsz or read_model_info(candidate).imgsz[0]
-    sample = sample_frames(
-        parse_sources(sources),
-        frames,
-        exclude=calibration_indices(candidate),
-        purpose="evaluation",
-        progress=progress,
+    samples = held_out_sets(
+        sources, frames, sets, calibration_indices(candidate), progress=progress
     )
-    return evaluate(reference, candidate, sample.frames, imgsz=size, threads=threads, conf=conf)
+    return evaluate_sets(
+        reference,
+        candidate,
+        [s.frames for s in samples],
+        imgsz=size,
+        threads=threads,
+        conf=conf,
+    )

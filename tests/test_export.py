@@ -8,6 +8,7 @@ the module; the full accuracy bar (256 frames, imgsz 640, >= 0.95 vs FP32) is th
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import re
@@ -28,7 +29,14 @@ from engines.calibration import (
     sample_frames,
     share,
 )
-from engines.evaluate import ClassStats, calibration_indices, evaluate, match
+from engines.evaluate import (
+    ClassStats,
+    EvalReport,
+    calibration_indices,
+    evaluate,
+    held_out_sets,
+    match,
+)
 from engines.export import (
     YOLO_HEAD,
     ExportError,
@@ -43,6 +51,7 @@ from engines.registry import EngineConfig
 from engines.types import Detections, DetectParams
 from server.app import create_app
 from server.cli import main
+from server.export_cli import EXIT_BELOW_BAR
 from server.settings import Settings
 from streams.files import encode_jpeg, sample_video_frames
 from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, ultralytics_assets
@@ -324,3 +333,38 @@ def test_yolo_head_stays_float(int8: ExportResult) -> None:
     assert convs["/model.0/conv/Conv"] != "DequantizeLinear"
     assert convs["/model.1/conv/Conv"] != "DequantizeLinear"
     assert convs["/model.2/cv1/conv/Conv"] == "DequantizeLinear"
+
+
+def test_held_out_sets_are_disjoint_from_calibration_and_each_other() -> None:
+    calib = {VIDEOS[0].name: [0, 100, 200], VIDEOS[1].name: [5, 500]}
+    sets = held_out_sets([str(v) for v in VIDEOS], 6, 3, calib, progress=False)
+    assert [len(s.frames) for s in sets] == [6, 6, 6]
+    seen: dict[str, set[int]] = {k: set(v) for k, v in calib.items()}
+    for sample in sets:
+        for record in sample.sources:
+            taken = set(record.indices)
+            assert len(taken) == 3 and not taken & seen[record.name], (record, seen)
+            seen[record.name] |= taken
+    # Set 1 does not depend on how many sets are asked for.
+    (first,) = held_out_sets([str(v) for v in VIDEOS], 6, 1, calib, progress=False)
+    assert [r.indices for r in first.sources] == [r.indices for r in sets[0].sources]
+
+
+def _report(index: int, matched: int) -> EvalReport:
+    report = EvalReport("fp32.onnx", "int8.onnx", "INT8", 10, 0.25, 2, held_out_set=index)
+    report.classes[0] = ClassStats("car", reference=100, candidate=100, matched=matched)
+    return report
+
+
+def test_every_held_out_set_must_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from server.export_cli import _print_report
+
+    args = argparse.Namespace(min_score=0.95, report=tmp_path / "r.json")
+    assert _print_report(args, [_report(0, 99), _report(1, 96)]) == 0
+    out = capsys.readouterr().out
+    assert "held-out set 2" in out and "set 2: recall 0.960" in out and "PASS" in out
+    body = json.loads(args.report.read_text())
+    assert body["passed"] and [s["held_out_set"] for s in body["sets"]] == [0, 1]
+    assert _print_report(args, [_report(0, 99), _report(1, 94), _report(2, 97)]) == EXIT_BELOW_BAR
+    assert "below 0.95 on 1 of 3 held-out sets" in capsys.readouterr().err
+    assert not json.loads(args.report.read_text())["passed"]
