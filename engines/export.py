@@ -24,7 +24,10 @@ on the calibration frames, 200-300 Adam steps, ~5 min on 2 cores) with the weigh
 into the FP32 graph and quantized again: 0.938/0.960, 0.919/0.967, 0.938/0.968; the same
 simulating the Q/DQ graph's own tensors and scales and keeping them: 0.946/0.907,
 0.926/0.872, 0.930/0.912 (the simulation's loss fell 0.56 -> 0.23 but the ONNX graph's error
-grew, so it does not yet reproduce ONNX Runtime's Q/DQ arithmetic). ``--target cpu`` (ORT
+grew, so it does not yet reproduce ONNX Runtime's Q/DQ arithmetic). More max-calibrated
+frames trade recall for precision: 384 frames 0.945/0.941, 0.961/0.965, 0.969/0.942; 512
+frames 0.968/0.945, 0.952/0.932, 0.966/0.943 (the car clip's 377 frames then leave too few
+for even sets, so those sets lean on the bottle clip). ``--target cpu`` (ORT
 static, max, head in float): recall 0.895, precision 0.899, x1.53 (measured before the stem
 was added to the default exclusions).
 
