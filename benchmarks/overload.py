@@ -4,7 +4,7 @@ capacity? All phases run in one go on this machine (<= ~60 s with the defaults):
     .venv/bin/python -m benchmarks.overload --out loadtest-results/overload.json
 
 1. **engine ceiling**: ONNX Runtime alone, batch 1, a 640x640 input, no HTTP (images/s);
-2. a real ``streamdet serve`` process (``--max-batch``, default 2 for a CPU);
+2. a real ``streamdet serve`` process (the server's defaults unless ``--max-batch`` is given);
 3. **idle latency**: one request at a time (median of ``--idle-requests``);
 4. **capacity**: a few closed-loop clients (goodput = 200s per second);
 5. **overload**: ``--clients`` (64) closed-loop clients; a 429 client sleeps ``Retry-After``
@@ -245,7 +245,7 @@ async def idle_latency(base: str, jpegs: list[bytes], count: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(shared_dir() / "models" / "yolov8n.pt"))
-    parser.add_argument("--max-batch", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=0, help="0 = the backend default")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--overload-seconds", type=float, default=20.0)
     parser.add_argument("--capacity-seconds", type=float, default=8.0)

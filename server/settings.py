@@ -21,7 +21,7 @@ def _default_data_dir() -> Path:
     return Path(base) / "streamdet"
 
 
-DEFAULT_MAX_BATCH = {"onnxruntime": 2, "torch": 32, "tensorrt": 32}
+DEFAULT_MAX_BATCH = {"onnxruntime": 1, "torch": 32, "tensorrt": 32}
 
 
 class Settings(BaseSettings):
@@ -39,7 +39,7 @@ class Settings(BaseSettings):
         0,
         ge=0,
         le=256,
-        description="largest batch a worker runs; 0 = the backend's default (onnxruntime 2,"
+        description="largest batch a worker runs; 0 = the backend's default (onnxruntime 1,"
         " torch/tensorrt 32)",
     )
     max_wait_ms: float = Field(
@@ -136,9 +136,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _backend_batch(self) -> Settings:
-        # On a CPU a batch buys no throughput past 2 (ONNX Runtime, yolov8n, 2 cores,
-        # 640x384: 16.9 img/s at 1, 18.5 at 2, 4 and 8) but every extra image adds ~54 ms
-        # to the batch's latency; a GPU gains throughput up to large batches.
+        # On a CPU a batch buys no throughput for single-thread workers (yolov8n, 2 cores,
+        # 2 workers x 1 thread, 8 clients: 21.15 img/s at batch 1, 20.9 at 2) but couples
+        # latencies: the first image of a batch of 2 waits for the second (idle 98 ms with
+        # its 4 ms fill wait against 88 ms; queued calls wait ~190 ms batches instead of
+        # ~90 ms). A GPU gains throughput up to large batches.
         if self.max_batch == 0:
             object.__setattr__(self, "max_batch", DEFAULT_MAX_BATCH.get(self.backend, 8))
         # Several single-thread CPU sessions instead of one session on every core: a call
