@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-fps", type=float, default=2.0)
     parser.add_argument("--warmup-s", type=float, default=60.0)
     parser.add_argument("--sample-s", type=float, default=30.0)
-    parser.add_argument("--max-batch", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=0, help="0 = the backend default")
     parser.add_argument("--model", default=str(shared_dir() / "models" / "yolov8n.pt"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
