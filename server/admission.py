@@ -342,8 +342,10 @@ class Ticket:
             return
         self.checked = True
         finish_s = estimate.finish_s * self.controller.correction
-        budget_s = (self.deadline - self.arrived) * self.controller.budget_scale
-        if time.monotonic() + finish_s <= self.arrived + budget_s:
+        scale = self.controller.budget_scale
+        budget_s = (self.deadline - self.arrived) * scale
+        now = time.monotonic()
+        if now + finish_s <= self.arrived + budget_s:
             return
         self.refused = True
         predicted = (
@@ -352,6 +354,13 @@ class Ticket:
             else f"{finish_s * 1000:.0f} ms"
         )
         budget_ms = (self.deadline - self.arrived) * 1000
+        left_ms = max(0.0, (self.arrived + budget_s - now) * 1000)
+        planned = (
+            f" (of which {left_ms:.0f} ms are left to plan for: recent calls ran late, budget"
+            f" ratio {scale:.2f})"
+            if scale < 0.995
+            else ""
+        )
         source = (
             "X-Request-Deadline-Ms"
             if self.from_client
@@ -361,7 +370,8 @@ class Ticket:
         raise self.controller.refuse(
             "deadline",
             f"server busy: predicted to finish in {predicted}, past this"
-            f" request's {budget_ms:.0f} ms deadline ({source}); retry after {retry_after_s} s",
+            f" request's {budget_ms:.0f} ms deadline{planned} ({source});"
+            f" retry after {retry_after_s} s",
             retry_after_s,
             self.request_id,
         )
