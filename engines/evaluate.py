@@ -64,6 +64,9 @@ class EvalReport:
     reference_ms: float = float("nan")
     candidate_ms: float = float("nan")
     held_out_set: int = 0
+    class_swaps: int = 0
+    """Missed FP32 detections the candidate has as the same box under another class (an
+    ambiguous object whose top class flipped): each costs recall and precision at once."""
 
     @property
     def total(self) -> ClassStats:
@@ -105,6 +108,7 @@ class EvalReport:
                 c.name: {"recall": c.recall, "precision": c.precision, **asdict(c)}
                 for c in self.classes.values()
             },
+            "class_swaps": self.class_swaps,
             "reference_ms": self.reference_ms,
             "candidate_ms": self.candidate_ms,
             "speedup": self.speedup,
@@ -125,6 +129,11 @@ class EvalReport:
                 f"{c.name:<16}{c.reference:>7}{c.candidate:>7}{c.matched:>7}"
                 f"{c.recall:>9.3f}{c.precision:>11.3f}"
             )
+        missed = self.total.reference - self.total.matched
+        lines.append(
+            f"of {missed} missed FP32 detections, {self.class_swaps} are the same box under"
+            " another class (top-class swaps on ambiguous objects)"
+        )
         lines.append(
             f"speed (batch 1, {self.threads} threads, median per frame):"
             f" FP32 {self.reference_ms:.1f} ms,"
@@ -163,6 +172,18 @@ def match(reference: Detections, candidate: Detections, stats: dict[int, ClassSt
             if free[j] >= MATCH_IOU:
                 taken[j] = True
                 entry.matched += 1
+
+
+def class_swaps(reference: Detections, candidate: Detections) -> int:
+    """Reference detections with no candidate of their class at IoU >= ``MATCH_IOU`` but one
+    of another class there: the box was found, its top class flipped."""
+    if not len(reference) or not len(candidate):
+        return 0
+    ious = box_iou(reference.boxes, candidate.boxes) >= MATCH_IOU
+    same = reference.class_ids[:, None] == candidate.class_ids[None, :]
+    found_same = (ious & same).any(axis=1)
+    found_other = (ious & ~same).any(axis=1)
+    return int((found_other & ~found_same).sum())
 
 
 def _engine(path: Path, imgsz: int, threads: int) -> Engine:
@@ -236,6 +257,7 @@ def evaluate_sets(
                 ref_times.append(t1 - t0)
                 cand_times.append(t2 - t1)
                 match(ref_dets, cand_dets, report.classes)
+                report.class_swaps += class_swaps(ref_dets, cand_dets)
             if frames:
                 report.reference_ms = statistics.median(ref_times) * 1000
                 report.candidate_ms = statistics.median(cand_times) * 1000

@@ -33,6 +33,7 @@ from engines.evaluate import (
     ClassStats,
     EvalReport,
     calibration_indices,
+    class_swaps,
     evaluate,
     held_out_sets,
     match,
@@ -286,6 +287,21 @@ def test_detections_type_is_what_match_counts() -> None:
     (entry,) = stats.values()
     assert (entry.reference, entry.candidate, entry.matched) == (2, 1, 1)
     assert entry.recall == 0.5 and entry.precision == 1.0
+
+
+def test_class_swaps_count_found_boxes_with_a_flipped_top_class() -> None:
+    names = {0: "car", 1: "bus", 2: "bottle"}
+    boxes = np.array([[0, 0, 10, 10], [50, 50, 60, 60], [100, 0, 120, 30]], np.float32)
+    fp32 = Detections(
+        boxes, np.array([0.4, 0.3, 0.3], np.float32), np.array([0, 0, 2], np.int32), names, 200, 200
+    )
+    # Box 0 kept as a car, box 1 now a bus (swap), box 2 lost entirely (a plain miss).
+    cand = Detections(
+        boxes[:2] + 1, np.array([0.4, 0.3], np.float32), np.array([0, 1], np.int32), names, 200, 200
+    )
+    assert class_swaps(fp32, cand) == 1
+    assert class_swaps(fp32, Detections.empty(names, 200, 200)) == 0
+    assert class_swaps(fp32, fp32) == 0
 
 
 def test_cpu_target_int8_after_modelopt_in_the_same_process(
