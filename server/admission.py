@@ -204,11 +204,12 @@ class AdmissionController:
         elapsed = self.clock() - self._budget_at
         return 1.0 - (1.0 - self._budget_scale) * math.exp(-elapsed / BUDGET_RELAX_S)
 
-    def observe_outcome(self, total_s: float, budget_s: float) -> None:
-        """An admitted call was answered ``total_s`` after arrival against ``budget_s``:
+    def observe_outcome(self, total_s: float, deadline_s: float) -> None:
+        """An admitted call was answered ``total_s`` after arrival, against a deadline
+        ``deadline_s`` after arrival:
         move :attr:`budget_scale` towards the point where 1 % of calls are late."""
         scale = self.budget_scale
-        if total_s > TAIL_HEADROOM * budget_s:
+        if total_s > TAIL_HEADROOM * deadline_s:
             scale *= math.exp(-TAIL_GAIN)
         else:
             scale *= math.exp(TAIL_GAIN * (1 - TAIL_QUANTILE) / TAIL_QUANTILE)
@@ -343,9 +344,9 @@ class Ticket:
         self.checked = True
         finish_s = estimate.finish_s * self.controller.correction
         scale = self.controller.budget_scale
-        budget_s = (self.deadline - self.arrived) * scale
+        planned_s = (self.deadline - self.arrived) * scale
         now = time.monotonic()
-        if now + finish_s <= self.arrived + budget_s:
+        if now + finish_s <= self.arrived + planned_s:
             return
         self.refused = True
         predicted = (
@@ -353,8 +354,8 @@ class Ticket:
             if math.isinf(finish_s)
             else f"{finish_s * 1000:.0f} ms"
         )
-        budget_ms = (self.deadline - self.arrived) * 1000
-        left_ms = max(0.0, (self.arrived + budget_s - now) * 1000)
+        deadline_ms = (self.deadline - self.arrived) * 1000
+        left_ms = max(0.0, (self.arrived + planned_s - now) * 1000)
         planned = (
             f" (of which {left_ms:.0f} ms are left to plan for: recent calls ran late, budget"
             f" ratio {scale:.2f})"
@@ -370,7 +371,7 @@ class Ticket:
         raise self.controller.refuse(
             "deadline",
             f"server busy: predicted to finish in {predicted}, past this"
-            f" request's {budget_ms:.0f} ms deadline{planned} ({source});"
+            f" request's {deadline_ms:.0f} ms deadline{planned} ({source});"
             f" retry after {retry_after_s} s",
             retry_after_s,
             self.request_id,

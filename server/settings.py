@@ -145,9 +145,9 @@ class Settings(BaseSettings):
             object.__setattr__(self, "max_batch", DEFAULT_MAX_BATCH.get(self.backend, 8))
         # Several single-thread CPU sessions instead of one session on every core: a call
         # arriving while one batch runs starts on the next worker instead of queueing behind
-        # it. 2 cores, Poisson arrivals at half capacity: p99 2.15x the idle latency with
-        # 2 workers x 1 thread, 4.3x with 1 worker x 2 threads (idle 101 vs 60 ms); same
-        # capacity (19.0 vs 18.6 img/s).
+        # it. 2 cores, Poisson arrivals at half capacity: p99 2.9-3.8x the idle latency with
+        # 2 workers x 1 thread (60 s runs), 4.3x with 1 worker x 2 threads (idle 85-95 vs
+        # 60 ms; benchmarks/queueing_sim.py gives the floors, 2.6x and 4.4x); same capacity.
         if self.workers == 0:
             from engines.registry import usable_cores
 
