@@ -209,7 +209,7 @@ def sample_frames(
             + (f" (after setting aside {held} frames used elsewhere)" if held else "")
             + f": add sources or lower the frame count ({flag})"
         )
-    bar = _progress(count, f"sampling {purpose} frames", progress)
+    bar = progress_bar(count, f"sampling {purpose} frames", progress)
     frames: list[Image] = []
     records: list[SourceSample] = []
     try:
@@ -308,12 +308,13 @@ class _NoBar:
         return None
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "frame") -> Any:
+    """A tqdm bar on stderr, or a silent stand-in when ``enabled`` is false."""
     if not enabled:
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="frame", leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False)
 
 
 def input_shape(
@@ -368,7 +369,7 @@ class FrameReader:
 
     def get_next(self) -> dict[str, npt.NDArray[np.float32]] | None:
         if self._pos == 0 and self._bar is None:
-            self._bar = _progress(len(self._frames), "calibrating", self._progress)
+            self._bar = progress_bar(len(self._frames), "calibrating", self._progress)
         if self._pos >= len(self._frames):
             if self._bar is not None:
                 self._bar.close()

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.calibration import FrameReader, FrameSample, input_shape, parse_sources, sample_frames
+from engines.finetune import DEFAULT_STEPS, FinetuneConfig, FinetuneReport
 from engines.model import file_sha256, read_model_info, resolve_onnx
 from engines.types import EngineError
 
@@ -86,6 +87,7 @@ DEFAULT_EXCLUDE = (YOLO_HEAD, YOLO_STEM)
 # in float, entropy gave 0.946 / 0.953 on the report's frames (max 0.957 / 0.972) and fp16
 # 0.953 / 0.980 (one detection from failing; also x0.59 on ONNX Runtime, which emulates fp16).
 DEFAULT_CALIB_METHOD = "max"
+DEFAULT_FINETUNE_STEPS = DEFAULT_STEPS
 DEFAULT_HIGH_PRECISION = "fp32"
 
 
@@ -113,8 +115,11 @@ class ExportRequest:
         exclude_nodes: regular expressions of node names left unquantized; ``yolo-head``
             stands for the Detect module's logits, DFL and decode (found in the graph); the
             default adds the stem convolutions (``YOLO_STEM``).
+        finetune_steps: quantization-aware fine-tuning steps after ModelOpt's calibration
+            (``engines.finetune``); ``None`` means ``DEFAULT_FINETUNE_STEPS`` for the
+            ``tensorrt`` target and none for ``cpu``; 0 keeps the post-training graph.
         cache_dir: where the FP32 export of a ``.pt`` is cached.
-        progress: progress bars on stderr while sampling and calibrating.
+        progress: progress bars on stderr while sampling, calibrating and fine-tuning.
     """
 
     model: str
@@ -127,8 +132,18 @@ class ExportRequest:
     target: str = "tensorrt"
     high_precision: str = DEFAULT_HIGH_PRECISION
     exclude_nodes: tuple[str, ...] = DEFAULT_EXCLUDE
+    finetune_steps: int | None = None
     cache_dir: Path = Path(".cache/streamdet")
     progress: bool = True
+
+    @property
+    def steps(self) -> int:
+        """Fine-tuning steps this export runs."""
+        if self.precision != "int8":
+            return 0
+        if self.finetune_steps is None:
+            return DEFAULT_FINETUNE_STEPS if self.target == "tensorrt" else 0
+        return self.finetune_steps
 
     def check(self) -> None:
         """Raises:
@@ -161,6 +176,13 @@ class ExportRequest:
             raise ExportError(f"--calib-frames: expected at least 1, got {self.calib_frames}")
         if self.precision != "int8" and self.target != "tensorrt":
             raise ExportError("--target cpu applies to --precision int8 only")
+        if self.finetune_steps is not None and self.finetune_steps < 0:
+            raise ExportError(f"--finetune-steps: expected 0 or more, got {self.finetune_steps}")
+        if self.target == "cpu" and self.steps:
+            raise ExportError(
+                "--finetune-steps applies to the tensorrt target (float weights under Q/DQ);"
+                " ONNX Runtime's static quantization stores int8 weights: pass --finetune-steps 0"
+            )
 
 
 @dataclass(slots=True)
@@ -215,6 +237,12 @@ def export_model(request: ExportRequest) -> ExportResult:
             else:
                 produced = _quantize_modelopt(reference, work, reader, request)
                 quantizer = _version("nvidia-modelopt", "modelopt")
+                if request.steps:
+                    tuned = _finetune(produced, reference, work, reader, request)
+                    produced = tuned.path
+                    extra["streamdet_finetune"] = json.dumps(
+                        tuned.report.to_json(), separators=(",", ":")
+                    )
             extra["streamdet_target"] = request.target
             extra["streamdet_quantizer"] = quantizer
             extra["streamdet_calibration"] = json.dumps(
@@ -304,6 +332,30 @@ def _quantize_modelopt(
     if not out.exists():
         raise ExportError(f"ModelOpt quantization of {reference} wrote no model; see the log above")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Tuned:
+    path: Path
+    report: FinetuneReport
+
+
+def _finetune(
+    produced: Path, reference: Path, work: Path, reader: FrameReader, request: ExportRequest
+) -> _Tuned:
+    from engines.finetune import finetune
+
+    out = work / "int8-finetuned.onnx"
+    with _third_party():
+        report = finetune(
+            produced,
+            reference,
+            reader,
+            out,
+            FinetuneConfig(steps=request.steps),
+            progress=request.progress,
+        )
+    return _Tuned(out, report)
 
 
 def _quantize_ort(reference: Path, work: Path, reader: FrameReader, request: ExportRequest) -> Path:

@@ -59,6 +59,7 @@ from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, ultralytics_assets
 
 IMGSZ = 320
 CALIB_FRAMES = 16
+FINETUNE_STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,7 @@ def int8(out_dir: Path) -> ExportResult:
         imgsz=IMGSZ,
         calib=tuple(str(v) for v in VIDEOS),
         calib_frames=CALIB_FRAMES,
+        finetune_steps=FINETUNE_STEPS,
         cache_dir=CACHE_DIR,
         progress=False,
     )
@@ -384,3 +386,88 @@ def test_every_held_out_set_must_pass(tmp_path: Path, capsys: pytest.CaptureFixt
     assert _print_report(args, [_report(0, 99), _report(1, 94), _report(2, 97)]) == EXIT_BELOW_BAR
     assert "below 0.95 on 1 of 3 held-out sets" in capsys.readouterr().err
     assert not json.loads(args.report.read_text())["passed"]
+
+
+def _calibration_reader(int8: ExportResult) -> FrameReader:
+    assert int8.calibration is not None
+    frames = int8.calibration.frames
+    return FrameReader(frames, IMGSZ, input_shape(frames, IMGSZ, 32, True), progress=False)
+
+
+def test_int8_export_records_its_fine_tuning(int8: ExportResult) -> None:
+    tuned = json.loads(read_model_info(int8.path).extra["streamdet_finetune"])
+    assert tuned["steps"] == FINETUNE_STEPS
+    # One calibration frame in 8 is held back to judge the fine-tuned weights.
+    assert tuned["train_frames"] + tuned["val_frames"] == CALIB_FRAMES and tuned["val_frames"] == 2
+    assert tuned["kept"] == (tuned["flips_after"] < tuned["flips_before"])
+    assert tuned["logit_err_before"] > 0
+
+
+def test_qdq_graph_in_torch_computes_what_onnxruntime_does(int8: ExportResult) -> None:
+    """Fine-tuning trains the exported graph run by torch; that run must be ONNX Runtime's
+    arithmetic (fake quantization with the graph's scales), or training optimises something
+    else than what ships."""
+    import onnxruntime as ort
+    import torch
+
+    from engines.finetune import QdqGraph
+
+    reader = _calibration_reader(int8)
+    x = np.concatenate([reader.tensor(0), reader.tensor(9)])
+    want = ort.InferenceSession(str(int8.path), providers=["CPUExecutionProvider"]).run(
+        None, {"images": x}
+    )[0]
+    with torch.no_grad():
+        (got,), _ = QdqGraph(onnx.load(str(int8.path)))(torch.from_numpy(x))
+    scores_got, scores_want = got.numpy()[:, 4:], want[:, 4:]
+    # Summation order can put a value on the other side of a rounding step now and then.
+    assert np.abs(scores_got - scores_want).mean() < 1e-5
+    assert np.abs(scores_got - scores_want).max() < 0.05
+    found = scores_want.max(axis=1) >= 0.25
+    assert found.sum() > 0
+    boxes_got, boxes_want = got.numpy()[:, :4], want[:, :4]
+    assert np.abs(boxes_got - boxes_want).transpose(0, 2, 1)[found].max() < 1.0
+
+
+def test_fine_tuning_that_does_not_help_is_discarded(int8: ExportResult, out_dir: Path) -> None:
+    from engines.finetune import FinetuneConfig, finetune
+
+    out = out_dir / "not-tuned.onnx"
+    report = finetune(
+        int8.path, int8.reference, _calibration_reader(int8), out,
+        FinetuneConfig(steps=2, lr=0.0), progress=False,
+    )  # fmt: skip
+    assert not report.kept and report.flips_after == report.flips_before
+    before = {
+        i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(int8.path)).graph.initializer
+    }
+    after = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(out)).graph.initializer}
+    assert before.keys() == after.keys()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_fine_tuning_refuses_what_it_cannot_simulate(tmp_path: Path) -> None:
+    from onnx import TensorProto, helper
+
+    from engines.finetune import FinetuneError, QdqGraph
+
+    graph = helper.make_graph(
+        [helper.make_node("Tanh", ["images"], ["output0"])],
+        "g",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("output0", TensorProto.FLOAT, [1, 3, 4, 4])],
+    )
+    with pytest.raises(FinetuneError, match=r"\['Tanh'\].*--finetune-steps 0"):
+        QdqGraph(helper.make_model(graph))
+
+
+def test_fine_tuning_applies_to_the_tensorrt_target_only(out_dir: Path) -> None:
+    request = ExportRequest(
+        model=str(MODEL_PT), out=out_dir / "x.onnx", precision="int8", target="cpu",
+        calib=(str(VIDEOS[0]),), finetune_steps=10,
+    )  # fmt: skip
+    with pytest.raises(ExportError, match="--finetune-steps 0"):
+        request.check()
+    assert ExportRequest(model="m", out=Path("x.onnx"), precision="int8", target="cpu").steps == 0
+    assert ExportRequest(model="m", out=Path("x.onnx"), precision="int8").steps > 0
+    assert ExportRequest(model="m", out=Path("x.onnx"), precision="fp16").steps == 0
