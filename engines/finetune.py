@@ -1,24 +1,29 @@
 """Quantization-aware fine-tuning of an INT8 Q/DQ ONNX graph by self-distillation.
 
-Post-training quantization leaves each class logit with noise (a spread of ~0.5 near the
-confidence threshold on YOLOv8n), so FP32 detections scored just over 0.25 fall under it.
-Here the weights learn to carry that noise: the FP32 model's class logits and boxes teach the
-quantized graph on the calibration frames (no labels needed), a few hundred Adam steps.
+Post-training quantization leaves each class logit with noise (mean |error| 0.43 near the
+confidence threshold on YOLOv8n, mostly from activation quantization: with the activations
+left float it is 0.18, with the weights left float it is no lower), so FP32 detections scored
+just over 0.25 fall under it. Here the graph learns to carry that noise: the FP32 model's
+class logits and boxes teach the quantized graph on the calibration frames (no labels).
 
 What is trained is the exported graph itself, not a re-creation of it: :class:`QdqGraph` runs
 every node of the ONNX file in torch, each QuantizeLinear/DequantizeLinear pair as fake
-quantization with the graph's own scales (fixed) and a straight-through gradient, so the
-forward pass is what ONNX Runtime and TensorRT compute (checked against ONNX Runtime before
-training: an earlier attempt that re-created the quantizers on the PyTorch module lowered its
-own loss while the ONNX graph's error grew). Only the float Conv weights and biases change;
-they are written back into the same graph, which keeps every Q/DQ node and scale, so TensorRT
-builds it as before.
+quantization (round half to even, saturation) with a straight-through gradient, so the
+forward pass is what ONNX Runtime and TensorRT compute; it is checked against ONNX Runtime
+before training. (An earlier attempt re-created the quantizers on the PyTorch module: its own
+loss fell while the ONNX graph's error grew.) The Conv weights and biases train, and so do the
+activation scales (LSQ: a learned factor on each calibrated scale, tied where ModelOpt tied
+them); everything is written back into the same graph, which keeps every Q/DQ node, so
+TensorRT builds it as before. On ONNX Runtime's static-quantization graph (``--target cpu``)
+the int8 weights and int32 biases train as floats and are stored back as integers; its
+scales stay (its biases' scales are the products of input and weight scales).
 
-A slice of the calibration frames is kept out of training; the fine-tuned weights are kept
-only when they flip fewer anchors across the confidence threshold there than the
-post-training graph does.
+A slice of the calibration frames is kept out of training; the fine-tuned graph is kept only
+when it flips fewer anchors across the confidence threshold there than the post-training
+graph does.
 
-Torch is imported only when an INT8 export asks for fine-tuning (it comes with Ultralytics).
+Runs on the CPU (~1.6 s a step at 640x384, batch 4, on 2 cores). Torch is imported only when
+an INT8 export asks for fine-tuning (it comes with Ultralytics).
 """
 
 from __future__ import annotations
@@ -42,18 +47,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STEPS = 300
+DEFAULT_STEPS = 500
 DEFAULT_LR = 1e-5
 # Learning rate of the activation scales' log factors (their gradients are LSQ's).
 DEFAULT_SCALE_LR = 1e-3
 DEFAULT_BATCH = 4
 # Weight of every class logit in the loss, on top of its probability (see _distill_loss).
 LOGIT_FLOOR = 1e-3
+# Extra weight on the logits near the default confidence threshold (see _distill_loss).
+DEFAULT_BAND_GAIN = 1.0
+BAND_WIDTH = 1.0
 # Calibration frames kept out of training to decide whether the fine-tuned weights are kept.
 VALIDATION_SHARE = 0.125
 CONF = 0.25
-# Checked before training: the torch run of the graph against ONNX Runtime on one frame.
-MAX_SCORE_GAP = 0.05
+# Checked before training: the torch run of the graph against ONNX Runtime on a few frames.
+# Summation order differs (oneDNN vs MLAS), so now and then a value lands on the other side
+# of a rounding step and one anchor's score moves (0.15 seen on 1 frame of 5); the share of
+# scores off by more than SCORE_STEP must stay tiny (7e-5 seen at worst).
+SCORE_STEP = 0.02
+MAX_OFF_SHARE = 1e-3
 # Anchors scored above this by either model count in the logit-error summary.
 NEAR = 0.15
 
@@ -72,6 +84,8 @@ class FinetuneReport:
     lr: float
     scale_lr: float
     batch: int
+    band_gain: float
+    learn_scales: bool
     train_frames: int
     val_frames: int
     seconds: float
@@ -85,17 +99,33 @@ class FinetuneReport:
         return asdict(self)
 
 
-def _fake_quant(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+def _ranges() -> dict[Any, tuple[float, float]]:
+    import torch
+
+    return {
+        torch.int8: (-128.0, 127.0),
+        torch.uint8: (0.0, 255.0),
+        torch.int32: (-(2.0**31), 2.0**31 - 1),
+    }
+
+
+_RANGES: dict[Any, tuple[float, float]] = {}
+
+
+def _fake_quant(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: Any = None
+) -> torch.Tensor:
     """QuantizeLinear's integer values (as floats): round half to even, saturate, and a
     straight-through gradient inside the range (none outside it)."""
     import torch
 
-    if zero is None or zero.dtype == torch.int8:
-        lo, hi = -128.0, 127.0
-    elif zero.dtype == torch.uint8:
-        lo, hi = 0.0, 255.0
-    else:
-        raise FinetuneError(f"QuantizeLinear to {zero.dtype} is not simulated")
+    if not _RANGES:
+        _RANGES.update(_ranges())
+    if dtype is None:
+        dtype = torch.int8 if zero is None else zero.dtype
+    if dtype not in _RANGES:
+        raise FinetuneError(f"QuantizeLinear to {dtype} is not simulated")
+    lo, hi = _RANGES[dtype]
     z = 0.0 if zero is None else zero.to(x.dtype)
     y = torch.clamp(x / scale + z, lo, hi)
     return y + (torch.round(y) - y).detach()
@@ -248,7 +278,7 @@ class QdqGraph:
     (``params``; the DFL's fixed projection excepted) and its activation quantization scales
     (``scales``) as trainable parameters."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: onnx.ModelProto, *, learn_scales: bool = True) -> None:
         import onnx
         import torch
         from onnx import numpy_helper
@@ -286,6 +316,22 @@ class QdqGraph:
                 self.params[init.name] = torch.nn.Parameter(tensor)
             else:
                 self._consts[init.name] = tensor
+        # Weights and biases stored as integers under a DequantizeLinear (ONNX Runtime's static
+        # quantization) train as floats, quantized again in every forward pass and on write-back.
+        self._stored: dict[str, tuple[str, str | None, int]] = {}
+        self._stored_dtype: dict[str, Any] = {}
+        conv_inputs = {i for n in graph.node if n.op_type == "Conv" for i in n.input[1:]}
+        for n in graph.node:
+            name = n.input[0] if n.op_type == "DequantizeLinear" else ""
+            tensor = self._consts.get(name, torch.zeros(()))
+            if n.output[0] in conv_inputs and tensor.dtype in (torch.int8, torch.int32):
+                zero = n.input[2] if len(n.input) > 2 and n.input[2] else None
+                axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+                stored = (n.input[1], zero, axis)
+                self._stored[name] = stored
+                self._stored_dtype[name] = tensor.dtype
+                self.params[name] = torch.nn.Parameter(self._dequantize_stored(name, stored))
+                del self._consts[name]
         # Activation scales are learned too, as a factor exp(d) on the calibrated scale (d = 0
         # at the start, so an untrained graph is written back bit for bit). Scales ModelOpt
         # made equal (a Concat's inputs and output, a Split, the SPPF pools: TensorRT fuses
@@ -298,7 +344,7 @@ class QdqGraph:
             if n.op_type == "QuantizeLinear" and n.input[0] not in self.params
             and n.input[0] not in self._consts
         }  # fmt: skip
-        for name in activations:
+        for name in activations if learn_scales else ():
             scale = self._consts[name]
             if scale.numel() == 1 and scale.dtype == torch.float32:
                 key = float(scale)
@@ -328,18 +374,40 @@ class QdqGraph:
             return None
         if name in env:
             return env[name]
+        if name in self._stored:
+            return self._quantize_stored(name)
         if name in self.params:
             return self.params[name]
         if name in self._scale_of:
             return self._consts[name] * self.scales[self._scale_of[name]].exp()
         return self._consts[name]
 
+    def _dequantize_stored(self, name: str, stored: tuple[str, str | None, int]) -> torch.Tensor:
+        import torch
+
+        q = self._consts[name]
+        scale_name, zero_name, axis = stored
+        zero = _per_axis(self._consts[zero_name], q, axis) if zero_name else 0
+        return (q.to(torch.float32) - zero) * _per_axis(self._consts[scale_name], q, axis)
+
+    def _quantize_stored(self, name: str) -> torch.Tensor:
+        """The integer values (as floats) of trained parameter ``name``."""
+        param = self.params[name]
+        scale_name, zero_name, axis = self._stored[name]
+        zero = self._consts[zero_name] if zero_name else None
+        zero_t = None if zero is None else _per_axis(zero, param, axis)
+        scale = _per_axis(self._consts[scale_name], param, axis)
+        return _fake_quant(param, scale, zero_t, self._stored_dtype[name])
+
     def write_back(self, model: onnx.ModelProto) -> None:
         """Put the trained parameters into ``model``'s initializers (same names, same graph)."""
         from onnx import numpy_helper
 
         for init in model.graph.initializer:
-            if init.name in self.params:
+            if init.name in self._stored:
+                dtype = numpy_helper.to_array(init).dtype
+                arr = self._quantize_stored(init.name).detach().numpy().astype(dtype)
+            elif init.name in self.params:
                 arr = self.params[init.name].detach().numpy().astype(np.float32)
             elif init.name in self._scale_of:
                 scaled = self._value({}, init.name).detach().numpy().astype(np.float32)
@@ -365,6 +433,10 @@ class FinetuneConfig:
     lr: float = DEFAULT_LR
     scale_lr: float = DEFAULT_SCALE_LR
     batch: int = DEFAULT_BATCH
+    band_gain: float = DEFAULT_BAND_GAIN
+    learn_scales: bool = True
+    """Off for ONNX Runtime's static quantization: its int32 biases are quantized with the
+    product of the input and weight scales, which a learned input scale would break."""
     seed: int = 0
 
 
@@ -409,7 +481,7 @@ def finetune(
 
     torch.set_num_threads(usable_cores())
     model = onnx.load(str(candidate))
-    graph = QdqGraph(model)
+    graph = QdqGraph(model, learn_scales=config.learn_scales)
     logits_name = _logit_tensor(model)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = usable_cores()
@@ -426,15 +498,15 @@ def finetune(
     def teach(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(teacher.run(None, {graph.input: x.numpy()})[0])
 
-    first = batch(val[:1])
+    first = batch(val[:4])
     with torch.no_grad():
         (sim,), _ = graph(first)
     ref = quantized.run(None, {graph.input: first.numpy()})[0]
-    gap = float(np.abs(sim.numpy()[:, 4:] - ref[:, 4:]).max())
-    if gap > MAX_SCORE_GAP:
+    off = float((np.abs(sim.numpy()[:, 4:] - ref[:, 4:]) > SCORE_STEP).mean())
+    if off > MAX_OFF_SHARE:
         raise FinetuneError(
-            f"the torch run of {candidate} differs from ONNX Runtime's by {gap:.3f} in score;"
-            " export with --finetune-steps 0"
+            f"the torch run of {candidate} differs from ONNX Runtime's in {off:.2%} of scores"
+            f" (by more than {SCORE_STEP}); export with --finetune-steps 0"
         )
 
     val_inputs = [batch(val[k : k + 8]) for k in range(0, len(val), 8)]
@@ -474,7 +546,7 @@ def finetune(
         x = batch(idx.tolist())
         flip = torch.from_numpy(rng.random(len(idx)) < 0.5)[:, None, None, None]
         x = torch.where(flip, x.flip(-1), x).contiguous()
-        loss = _distill_loss(graph, x, teach(x), logits_name)
+        loss = _distill_loss(graph, x, teach(x), logits_name, config.band_gain)
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
@@ -495,6 +567,8 @@ def finetune(
         lr=config.lr,
         scale_lr=config.scale_lr,
         batch=config.batch,
+        band_gain=config.band_gain,
+        learn_scales=config.learn_scales,
         train_frames=len(train),
         val_frames=len(val),
         seconds=round(seconds, 1),
@@ -521,19 +595,28 @@ def _logit(p: torch.Tensor) -> torch.Tensor:
 
 
 def _distill_loss(
-    graph: QdqGraph, x: torch.Tensor, target: torch.Tensor, logits_name: str
+    graph: QdqGraph, x: torch.Tensor, target: torch.Tensor, logits_name: str, band_gain: float
 ) -> torch.Tensor:
     """Class logits: squared error weighted by the larger of the two probabilities plus
     ``LOGIT_FLOOR`` (the anchors that are, or become, detections count most; the floor keeps
     the background near FP32's too: with 1e-5 instead, the held-back frames' threshold flips
-    rose); boxes: L1 in pixels / 8, weighted by the FP32 top score."""
+    rose), plus ``band_gain`` on those within about ``BAND_WIDTH`` of the default threshold's
+    logit in either model (with it, the report's worst set went 0.946 -> 0.957 at 500 steps);
+    boxes: L1 in pixels / 8, weighted by the FP32 top score."""
     import torch
 
     (out,), kept = graph(x, keep=[logits_name])
     s_logit = kept[logits_name]
     t_prob = target[:, 4:]
+    t_logit = _logit(t_prob)
     weight = torch.maximum(t_prob, torch.sigmoid(s_logit).detach()) + LOGIT_FLOOR
-    cls = (weight * (s_logit - _logit(t_prob)) ** 2).sum() / weight.sum()
+    if band_gain:
+        # The logits that decide a detection at the default threshold: a Gaussian band
+        # (BAND_WIDTH logits wide) around logit(CONF), on either model's side.
+        edge = math.log(CONF / (1 - CONF))
+        nearest = torch.minimum((t_logit - edge).abs(), (s_logit.detach() - edge).abs())
+        weight = weight + band_gain * torch.exp(-0.5 * (nearest / BAND_WIDTH) ** 2)
+    cls = (weight * (s_logit - t_logit) ** 2).sum() / weight.sum()
     box_w = t_prob.amax(1, keepdim=True)
     box = (box_w * (out[:, :4] - target[:, :4]).abs()).sum() / (box_w.sum() * 4) / 8
     return cls + box

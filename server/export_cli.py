@@ -122,7 +122,7 @@ def add_export_parsers(sub: Any) -> None:
         metavar="N",
         help="INT8 (tensorrt target): quantization-aware fine-tuning steps after calibration,"
         " FP32 teaching the Q/DQ graph on the calibration frames"
-        f" (default {DEFAULT_FINETUNE_STEPS}, ~1.5 s a step on 2 cores at imgsz 640;"
+        f" (default {DEFAULT_FINETUNE_STEPS}, ~1.6 s a step on 2 cores at imgsz 640;"
         " 0 keeps the post-training graph)",
     )
     exp.add_argument(
@@ -248,8 +248,9 @@ def _print_report(args: argparse.Namespace, reports: list[EvalReport]) -> int:
     print(
         f"FAIL ({figures}): below {args.min_score} on"
         f" {sum(not r.passed(args.min_score) for r in reports)} of {len(reports)} held-out sets:"
-        " try more --calib-frames, calibration frames closer to the cameras served, or more"
-        " sensitive layers kept in float (--exclude-nodes yolo-head REGEX...)",
+        " try more --finetune-steps or --calib-frames, calibration frames closer to the"
+        " cameras served, or more sensitive layers kept in float"
+        " (--exclude-nodes yolo-head REGEX...)",
         file=sys.stderr,
     )
     return EXIT_BELOW_BAR
