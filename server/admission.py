@@ -201,7 +201,8 @@ class AdmissionController:
     @property
     def budget_scale(self) -> float:
         """Share of a call's deadline that admission plans for (see the class docstring)."""
-        elapsed = self.clock() - self._budget_at
+        # Never negative: a clock swapped in after construction (tests) may start earlier.
+        elapsed = max(0.0, self.clock() - self._budget_at)
         return 1.0 - (1.0 - self._budget_scale) * math.exp(-elapsed / BUDGET_RELAX_S)
 
     def observe_outcome(self, total_s: float, deadline_s: float) -> None:
