@@ -74,18 +74,28 @@ class FinetuneError(EngineError):
     """The graph cannot be fine-tuned; the message names the option that turns it off."""
 
 
+@dataclass(frozen=True, slots=True)
+class FinetuneConfig:
+    """Adam steps, peak learning rates (one-cycle schedule) and frames per step."""
+
+    steps: int = DEFAULT_STEPS
+    lr: float = DEFAULT_LR
+    scale_lr: float = DEFAULT_SCALE_LR
+    batch: int = DEFAULT_BATCH
+    band_gain: float = DEFAULT_BAND_GAIN
+    learn_scales: bool = True
+    """Off for ONNX Runtime's static quantization: its int32 biases are quantized with the
+    product of the input and weight scales, which a learned input scale would break."""
+    seed: int = 0
+
+
 @dataclass(slots=True)
 class FinetuneReport:
     """What fine-tuning did. ``flips``: validation anchor-class scores on the other side of
     the confidence threshold from FP32; ``logit_err``: mean |logit error| where either model
     scores above ``NEAR``."""
 
-    steps: int
-    lr: float
-    scale_lr: float
-    batch: int
-    band_gain: float
-    learn_scales: bool
+    config: FinetuneConfig
     train_frames: int
     val_frames: int
     seconds: float
@@ -96,7 +106,10 @@ class FinetuneReport:
     kept: bool
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The config's fields and the outcome's, flat."""
+        out = asdict(self)
+        config: dict[str, Any] = out.pop("config")
+        return {**config, **out}
 
 
 def _ranges() -> dict[Any, tuple[float, float]]:
@@ -425,21 +438,6 @@ class FrameSource(Protocol):
     def __len__(self) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
-class FinetuneConfig:
-    """Adam steps, peak learning rates (one-cycle schedule) and frames per step."""
-
-    steps: int = DEFAULT_STEPS
-    lr: float = DEFAULT_LR
-    scale_lr: float = DEFAULT_SCALE_LR
-    batch: int = DEFAULT_BATCH
-    band_gain: float = DEFAULT_BAND_GAIN
-    learn_scales: bool = True
-    """Off for ONNX Runtime's static quantization: its int32 biases are quantized with the
-    product of the input and weight scales, which a learned input scale would break."""
-    seed: int = 0
-
-
 def _logit_tensor(model: onnx.ModelProto) -> str:
     """The class logits: the input of the Sigmoid that feeds the graph's output."""
     graph = model.graph
@@ -563,12 +561,7 @@ def finetune(
     graph.write_back(model)
     onnx.save(model, str(out))
     report = FinetuneReport(
-        steps=config.steps,
-        lr=config.lr,
-        scale_lr=config.scale_lr,
-        batch=config.batch,
-        band_gain=config.band_gain,
-        learn_scales=config.learn_scales,
+        config=config,
         train_frames=len(train),
         val_frames=len(val),
         seconds=round(seconds, 1),
