@@ -250,9 +250,9 @@ def test_budget_scale_tracks_the_99th_percentile_of_outcomes() -> None:
 
     pool = EnginePool(no_engine, workers=1, max_batch=2, max_wait_ms=2, max_queue=8)
     metrics = Metrics()
-    controller = AdmissionController(pool, Settings(), metrics)
     now = [100.0]
-    controller.clock = lambda: now[0]  # time stands still unless the test moves it
+    # Time stands still unless the test moves it.
+    controller = AdmissionController(pool, Settings(), metrics, clock=lambda: now[0])
     assert controller.budget_scale == 1.0
     for _ in range(500):
         controller.observe_outcome(0.8, 1.0)  # all in time: the whole deadline, never more
