@@ -249,11 +249,10 @@ def export_model(request: ExportRequest) -> ExportResult:
                 produced = _quantize_modelopt(reference, work, reader, request)
                 quantizer = _version("nvidia-modelopt", "modelopt")
             if request.steps:
-                tuned = _finetune(produced, reference, work, reader, request)
-                produced = tuned.path
-                extra["streamdet_finetune"] = json.dumps(
-                    tuned.report.to_json(), separators=(",", ":")
-                )
+                tuned = work / "int8-finetuned.onnx"
+                report = _finetune(produced, reference, tuned, reader, request)
+                produced = tuned
+                extra["streamdet_finetune"] = json.dumps(report.to_json(), separators=(",", ":"))
             extra["streamdet_target"] = request.target
             extra["streamdet_quantizer"] = quantizer
             extra["streamdet_calibration"] = json.dumps(
@@ -345,20 +344,13 @@ def _quantize_modelopt(
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class _Tuned:
-    path: Path
-    report: FinetuneReport
-
-
 def _finetune(
-    produced: Path, reference: Path, work: Path, reader: FrameReader, request: ExportRequest
-) -> _Tuned:
+    produced: Path, reference: Path, out: Path, reader: FrameReader, request: ExportRequest
+) -> FinetuneReport:
     from engines.finetune import finetune
 
-    out = work / "int8-finetuned.onnx"
     with _third_party():
-        report = finetune(
+        return finetune(
             produced,
             reference,
             reader,
@@ -366,7 +358,6 @@ def _finetune(
             FinetuneConfig(steps=request.steps, learn_scales=request.target == "tensorrt"),
             progress=request.progress,
         )
-    return _Tuned(out, report)
 
 
 def _quantize_ort(reference: Path, work: Path, reader: FrameReader, request: ExportRequest) -> Path:

@@ -112,35 +112,21 @@ class FinetuneReport:
         return {**config, **out}
 
 
-def _ranges() -> dict[Any, tuple[float, float]]:
-    import torch
-
-    return {
-        torch.int8: (-128.0, 127.0),
-        torch.uint8: (0.0, 255.0),
-        torch.int32: (-(2.0**31), 2.0**31 - 1),
-    }
-
-
-_RANGES: dict[Any, tuple[float, float]] = {}
-
-
 def _fake_quant(
     x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: Any = None
 ) -> torch.Tensor:
-    """QuantizeLinear's integer values (as floats): round half to even, saturate, and a
-    straight-through gradient inside the range (none outside it)."""
+    """QuantizeLinear's integer values (as floats) in ``dtype`` (the zero point's, else int8):
+    round half to even, saturate, and a straight-through gradient inside the range (none
+    outside it)."""
     import torch
 
-    if not _RANGES:
-        _RANGES.update(_ranges())
     if dtype is None:
         dtype = torch.int8 if zero is None else zero.dtype
-    if dtype not in _RANGES:
+    if dtype not in (torch.int8, torch.uint8, torch.int32):
         raise FinetuneError(f"QuantizeLinear to {dtype} is not simulated")
-    lo, hi = _RANGES[dtype]
+    limits = torch.iinfo(dtype)
     z = 0.0 if zero is None else zero.to(x.dtype)
-    y = torch.clamp(x / scale + z, lo, hi)
+    y = torch.clamp(x / scale + z, float(limits.min), float(limits.max))
     return y + (torch.round(y) - y).detach()
 
 
@@ -286,6 +272,17 @@ def _ops() -> dict[str, Op]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """An integer initializer under a DequantizeLinear: its scale and zero-point initializers,
+    the quantization axis and the integer type."""
+
+    scale: str
+    zero: str | None
+    axis: int
+    dtype: Any
+
+
 class QdqGraph:
     """An ONNX graph run by torch, node by node, with its Conv weights and biases
     (``params``; the DFL's fixed projection excepted) and its activation quantization scales
@@ -331,20 +328,24 @@ class QdqGraph:
                 self._consts[init.name] = tensor
         # Weights and biases stored as integers under a DequantizeLinear (ONNX Runtime's static
         # quantization) train as floats, quantized again in every forward pass and on write-back.
-        self._stored: dict[str, tuple[str, str | None, int]] = {}
-        self._stored_dtype: dict[str, Any] = {}
+        self._stored: dict[str, _Stored] = {}
         conv_inputs = {i for n in graph.node if n.op_type == "Conv" for i in n.input[1:]}
         for n in graph.node:
-            name = n.input[0] if n.op_type == "DequantizeLinear" else ""
-            tensor = self._consts.get(name, torch.zeros(()))
-            if n.output[0] in conv_inputs and tensor.dtype in (torch.int8, torch.int32):
-                zero = n.input[2] if len(n.input) > 2 and n.input[2] else None
-                axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
-                stored = (n.input[1], zero, axis)
-                self._stored[name] = stored
-                self._stored_dtype[name] = tensor.dtype
-                self.params[name] = torch.nn.Parameter(self._dequantize_stored(name, stored))
-                del self._consts[name]
+            if n.op_type != "DequantizeLinear" or n.output[0] not in conv_inputs:
+                continue
+            q = self._consts.get(n.input[0])
+            if q is None or q.dtype not in (torch.int8, torch.int32):
+                continue
+            zero = n.input[2] if len(n.input) > 2 and n.input[2] else None
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+            stored = _Stored(n.input[1], zero, axis, q.dtype)
+            self._stored[n.input[0]] = stored
+            levels = q.to(torch.float32)
+            zero_levels = self._stored_zero(stored, q)
+            if zero_levels is not None:
+                levels = levels - zero_levels
+            self.params[n.input[0]] = torch.nn.Parameter(levels * self._stored_scale(stored, q))
+            del self._consts[n.input[0]]
         # Activation scales are learned too, as a factor exp(d) on the calibrated scale (d = 0
         # at the start, so an untrained graph is written back bit for bit). Scales ModelOpt
         # made equal (a Concat's inputs and output, a Split, the SPPF pools: TensorRT fuses
@@ -395,22 +396,17 @@ class QdqGraph:
             return self._consts[name] * self.scales[self._scale_of[name]].exp()
         return self._consts[name]
 
-    def _dequantize_stored(self, name: str, stored: tuple[str, str | None, int]) -> torch.Tensor:
-        import torch
+    def _stored_scale(self, stored: _Stored, like: torch.Tensor) -> torch.Tensor:
+        return _per_axis(self._consts[stored.scale], like, stored.axis)
 
-        q = self._consts[name]
-        scale_name, zero_name, axis = stored
-        zero = _per_axis(self._consts[zero_name], q, axis) if zero_name else 0
-        return (q.to(torch.float32) - zero) * _per_axis(self._consts[scale_name], q, axis)
+    def _stored_zero(self, stored: _Stored, like: torch.Tensor) -> torch.Tensor | None:
+        return _per_axis(self._consts[stored.zero], like, stored.axis) if stored.zero else None
 
     def _quantize_stored(self, name: str) -> torch.Tensor:
         """The integer values (as floats) of trained parameter ``name``."""
-        param = self.params[name]
-        scale_name, zero_name, axis = self._stored[name]
-        zero = self._consts[zero_name] if zero_name else None
-        zero_t = None if zero is None else _per_axis(zero, param, axis)
-        scale = _per_axis(self._consts[scale_name], param, axis)
-        return _fake_quant(param, scale, zero_t, self._stored_dtype[name])
+        param, stored = self.params[name], self._stored[name]
+        zero = self._stored_zero(stored, param)
+        return _fake_quant(param, self._stored_scale(stored, param), zero, stored.dtype)
 
     def write_back(self, model: onnx.ModelProto) -> None:
         """Put the trained parameters into ``model``'s initializers (same names, same graph)."""
