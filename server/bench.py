@@ -20,16 +20,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from engines.registry import load_backend, prepare_model, usable_cores
 from engines.types import Image
 from engines.yolo import preprocess, rect_shape
+from loadtest.client import Phase, closed_loop
 from loadtest.server import ServerProcess, free_port
 from server.runtime import engine_config
 from server.settings import Settings
@@ -46,73 +45,22 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
 
 
-@dataclass
-class LoadResult:
-    ok: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    latencies_ms: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def goodput(self) -> float:
-        return self.ok / self.seconds if self.seconds else 0.0
-
-    def pct(self, q: float) -> float:
-        if not self.latencies_ms:
-            return float("nan")
-        return float(np.percentile(self.latencies_ms, q))
-
-
-async def closed_loop(
-    url: str, jpegs: list[bytes], clients: int, seconds: float, warmup: float
-) -> LoadResult:
-    """``clients`` tasks each post a frame, wait for the answer, and post the next."""
-    result = LoadResult()
-    start = time.monotonic()
-    measure_from = start + warmup
-    stop_at = measure_from + seconds
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
-
-        async def worker(k: int) -> None:
-            i = k
-            while time.monotonic() < stop_at:
-                data = jpegs[i % len(jpegs)]
-                i += clients
-                t0 = time.monotonic()
-                retry_after = 0.0
-                try:
-                    resp = await client.post(
-                        url, files={"image": ("frame.jpg", data, "image/jpeg")}
-                    )
-                    status = str(resp.status_code)
-                    retry_after = float(resp.headers.get("retry-after", 0) or 0)
-                except httpx.HTTPError as exc:
-                    status = type(exc).__name__
-                t1 = time.monotonic()
-                if t0 >= measure_from and t1 <= stop_at:
-                    if status == "200":
-                        result.ok += 1
-                        result.latencies_ms.append((t1 - t0) * 1000)
-                    else:
-                        result.errors[status] = result.errors.get(status, 0) + 1
-                if retry_after > 0:  # a polite client honours Retry-After (429/503)
-                    await asyncio.sleep(min(retry_after, max(0.0, stop_at - time.monotonic())))
-
-        await asyncio.gather(*(worker(k) for k in range(clients)))
-    result.seconds = seconds
-    return result
-
-
-def run_load(base: str, jpegs: list[bytes], args: argparse.Namespace) -> LoadResult:
+def run_load(base: str, jpegs: list[bytes], args: argparse.Namespace) -> Phase:
+    """``args.clients`` closed-loop clients posting multipart form uploads (what the seed
+    design accepts), the same for both servers."""
     return asyncio.run(
-        closed_loop(f"{base}/detect", jpegs, args.clients, args.seconds, args.warmup_seconds)
+        closed_loop(
+            base,
+            jpegs,
+            clients=args.clients,
+            seconds=args.seconds,
+            warmup=args.warmup_seconds,
+            multipart=True,
+        )
     )
 
 
-def run_streamdet_load(
-    settings: Settings, jpegs: list[bytes], args: argparse.Namespace
-) -> LoadResult:
+def run_streamdet_load(settings: Settings, jpegs: list[bytes], args: argparse.Namespace) -> Phase:
     """A real ``streamdet serve`` with ``settings`` under the closed loop; its log goes to a
     temporary folder."""
     serve_settings: dict[str, object] = {
@@ -124,7 +72,7 @@ def run_streamdet_load(
         return run_load(server.base_url, jpegs, args)
 
 
-def run_seed_load(settings: Settings, jpegs: list[bytes], args: argparse.Namespace) -> LoadResult:
+def run_seed_load(settings: Settings, jpegs: list[bytes], args: argparse.Namespace) -> Phase:
     """The seed design (``server.bench_seed``, which logs nothing at its level: readiness is
     polled at ``/readyz``) under the closed loop."""
     port = free_port()
@@ -213,28 +161,17 @@ def run_bench(settings: Settings, args: argparse.Namespace) -> int:
         "seconds": args.seconds,
         "engine_ceiling_img_s": round(ceiling, 3),
         "engine_rect_img_s": round(rect, 3),
-        "streamdet": {
-            **asdict(ours),
-            "goodput_img_s": round(ours.goodput, 3),
-            "p50_ms": ours.pct(50),
-            "p99_ms": ours.pct(99),
-        },
+        "streamdet": ours.summary(),
         "streamdet_over_ceiling": round(ours.goodput / ceiling, 3),
         "streamdet_over_rect_engine": round(ours.goodput / rect, 3),
     }
-    figures["streamdet"].pop("latencies_ms")
     if not args.skip_seed:
         seed = run_seed_load(settings, jpegs, args)
         print(
             f"seed (FastAPI + Ultralytics predictor): {seed.goodput:.2f} img/s,"
             f" p50 {seed.pct(50):.0f} ms, p99 {seed.pct(99):.0f} ms, errors {seed.errors}"
         )
-        figures["seed"] = {
-            "goodput_img_s": round(seed.goodput, 3),
-            "p50_ms": seed.pct(50),
-            "p99_ms": seed.pct(99),
-            "errors": seed.errors,
-        }
+        figures["seed"] = seed.summary()
         figures["streamdet_over_seed"] = round(ours.goodput / max(seed.goodput, 1e-9), 3)
     print(json.dumps({k: v for k, v in figures.items() if k.endswith(("ceiling", "seed"))}))
     print(

@@ -14,6 +14,7 @@ from fastapi import HTTPException
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.datastructures import Headers
 
+from loadtest.client import closed_loop
 from loadtest.frames import build_payloads
 from loadtest.server import ServerProcess
 from server.admission import parse_deadline_ms, predict
@@ -184,6 +185,26 @@ def test_burst_is_answered_with_200_or_429_never_5xx(
     shed = sum(after.values()) - sum(before.values())
     assert shed == statuses.count(429)
     assert after["expired"] == before.get("expired", 0)  # refused early, not timed out
+
+
+def test_load_clients_count_what_the_server_answers(
+    server: ServerProcess, jpegs: list[bytes]
+) -> None:
+    """The clients of ``streamdet bench`` and ``benchmarks.overload`` (loadtest.client), against
+    the real server: multipart and raw bodies both answered, every status counted, latencies
+    of 200s only, and far past capacity refusals but never a 5xx or a timeout."""
+    one = asyncio.run(
+        closed_loop(server.base_url, jpegs, clients=1, seconds=2.0, warmup=0.5, multipart=True)
+    )
+    assert set(one.statuses) == {"200"} and one.statuses["200"] == len(one.latencies_ms) > 0
+    assert one.goodput == pytest.approx(one.statuses["200"] / 2.0)
+    assert 0 < one.pct(50) <= one.pct(99) < 2000
+    many = asyncio.run(
+        closed_loop(server.base_url, jpegs, clients=24, seconds=3.0, warmup=0.5, impatient=True)
+    )
+    assert set(many.statuses) <= {"200", "429"}, many.statuses
+    assert many.errors.get("429", 0) > 0 and many.server_errors == many.timeouts == 0
+    assert many.statuses["200"] == len(many.latencies_ms) > 0
 
 
 def test_retry_after_spreads_when_many_are_refused() -> None:
