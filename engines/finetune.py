@@ -15,8 +15,9 @@ loss fell while the ONNX graph's error grew.) The Conv weights and biases train,
 activation scales (LSQ: a learned factor on each calibrated scale, tied where ModelOpt tied
 them); everything is written back into the same graph, which keeps every Q/DQ node, so
 TensorRT builds it as before. On ONNX Runtime's static-quantization graph (``--target cpu``)
-the int8 weights and int32 biases train as floats and are stored back as integers; its
-scales stay (its biases' scales are the products of input and weight scales).
+the int8 weights and int32 biases train as floats and are stored back as integers, and each
+int32 bias's scale follows its Conv's learned input scale (QLinearConv defines it as input
+scale x weight scale; ONNX Runtime fuses DQ -> Conv -> Q into QLinearConv only when it is).
 
 A slice of the calibration frames is kept out of training; the fine-tuned graph is kept only
 when it flips fewer anchors across the confidence threshold there than the post-training
@@ -84,8 +85,7 @@ class FinetuneConfig:
     batch: int = DEFAULT_BATCH
     band_gain: float = DEFAULT_BAND_GAIN
     learn_scales: bool = True
-    """Off for ONNX Runtime's static quantization: its int32 biases are quantized with the
-    product of the input and weight scales, which a learned input scale would break."""
+    """Learn the activation scales too (off: weights and biases only)."""
     seed: int = 0
 
 
@@ -329,6 +329,8 @@ class QdqGraph:
         # Weights and biases stored as integers under a DequantizeLinear (ONNX Runtime's static
         # quantization) train as floats, quantized again in every forward pass and on write-back.
         self._stored: dict[str, _Stored] = {}
+        self.scales: dict[float, torch.nn.Parameter] = {}
+        self._scale_of: dict[str, float] = {}
         conv_inputs = {i for n in graph.node if n.op_type == "Conv" for i in n.input[1:]}
         for n in graph.node:
             if n.op_type != "DequantizeLinear" or n.output[0] not in conv_inputs:
@@ -350,8 +352,6 @@ class QdqGraph:
         # at the start, so an untrained graph is written back bit for bit). Scales ModelOpt
         # made equal (a Concat's inputs and output, a Split, the SPPF pools: TensorRT fuses
         # them only when equal) share one factor, and so stay equal.
-        self.scales: dict[float, torch.nn.Parameter] = {}
-        self._scale_of: dict[str, float] = {}
         activations = {
             n.input[1]
             for n in graph.node
@@ -363,11 +363,29 @@ class QdqGraph:
             if scale.numel() == 1 and scale.dtype == torch.float32:
                 key = float(scale)
                 self.scales.setdefault(key, torch.nn.Parameter(torch.zeros(())))
+        stored_scales = {s.scale for s in self._stored.values()}
         for n in graph.node:
             if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
                 found = self._consts.get(n.input[1])
-                if found is not None and found.numel() == 1 and float(found) in self.scales:
+                if (
+                    found is not None
+                    and found.numel() == 1
+                    and float(found) in self.scales
+                    and n.input[1] not in stored_scales
+                ):
                     self._scale_of[n.input[1]] = float(found)
+        # An int32 bias (ONNX Runtime's graph) is stored in units of its Conv's input scale
+        # times the weight scale, and ONNX Runtime's fused QLinearConv takes that product for
+        # granted: the bias scale follows the input scale's learned factor.
+        producer = {n.output[0]: n for n in graph.node if n.op_type == "DequantizeLinear"}
+        for n in graph.node:
+            if n.op_type != "Conv" or len(n.input) < 3:
+                continue
+            source, bias = producer.get(n.input[0]), producer.get(n.input[2])
+            if source is None or bias is None or bias.input[0] not in self._stored:
+                continue
+            if source.input[1] in self._scale_of:
+                self._scale_of[self._stored[bias.input[0]].scale] = self._scale_of[source.input[1]]
 
     def __call__(
         self, x: torch.Tensor, keep: Sequence[str] = ()
@@ -397,7 +415,7 @@ class QdqGraph:
         return self._consts[name]
 
     def _stored_scale(self, stored: _Stored, like: torch.Tensor) -> torch.Tensor:
-        return _per_axis(self._consts[stored.scale], like, stored.axis)
+        return _per_axis(self._value({}, stored.scale), like, stored.axis)
 
     def _stored_zero(self, stored: _Stored, like: torch.Tensor) -> torch.Tensor | None:
         return _per_axis(self._consts[stored.zero], like, stored.axis) if stored.zero else None

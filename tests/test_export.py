@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -306,11 +307,10 @@ def test_class_swaps_count_found_boxes_with_a_flipped_top_class() -> None:
     assert class_swaps(fp32, fp32) == 0
 
 
-def test_cpu_target_int8_after_modelopt_in_the_same_process(
-    int8: ExportResult, out_dir: Path
-) -> None:
-    """ModelOpt patches onnxruntime.quantization in its process; the CPU target quantizes in a
-    fresh one, so it works after a ModelOpt export (the int8 fixture) in this process."""
+@pytest.fixture(scope="module")
+def cpu_int8(int8: ExportResult, out_dir: Path) -> Path:
+    """``--target cpu`` (ONNX Runtime's static quantization), exported after the ModelOpt one
+    (the int8 fixture) in this process."""
     out = out_dir / "yolov8n-int8-cpu.onnx"
     export_model(
         ExportRequest(
@@ -328,15 +328,81 @@ def test_cpu_target_int8_after_modelopt_in_the_same_process(
             progress=False,
         )
     )
+    return out
+
+
+def test_cpu_target_int8_after_modelopt_in_the_same_process(cpu_int8: Path) -> None:
+    """ModelOpt patches onnxruntime.quantization in its process; the CPU target quantizes in a
+    fresh one, so it works after a ModelOpt export in this process."""
+    out = cpu_int8
     info = read_model_info(out)
     tuned = json.loads(info.extra["streamdet_finetune"])
-    assert tuned["steps"] == 1 and not tuned["learn_scales"]
+    assert tuned["steps"] == 1 and tuned["learn_scales"]
     assert info.precision == "int8" and info.extra["streamdet_target"] == "cpu"
     assert info.extra["streamdet_quantizer"].startswith("onnxruntime ")
-    ops = Counter(n.op_type for n in onnx.load(str(out)).graph.node)
+    nodes = onnx.load(str(out)).graph.node
+    ops = Counter(n.op_type for n in nodes)
     assert ops["QuantizeLinear"] > 50
+    # The convolutions are quantized, the SiLUs stay float (ORT_QUANTIZED_OPS).
+    producers = {o: n.op_type for n in nodes for o in n.output}
+    quantized = Counter(producers.get(n.input[0]) for n in nodes if n.op_type == "QuantizeLinear")
+    assert quantized["Conv"] > 40 and quantized["Sigmoid"] == 0, quantized
     (dets,) = ort_engine(out).infer(sample_video_frames(VIDEOS[0], 1, offset=40), [DetectParams()])
     assert len(dets) > 0
+
+
+def _conv_bias_scales(model: onnx.ModelProto) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(Conv name, its int32 bias's scale, its input scale times its weight scale)."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    found = []
+    for n in model.graph.node:
+        if n.op_type == "Conv" and len(n.input) > 2 and n.input[2] in dq and n.input[0] in dq:
+            x_scale = inits[dq[n.input[0]].input[1]]
+            w_scale = inits[dq[n.input[1]].input[1]]
+            found.append((n.name, inits[dq[n.input[2]].input[1]], x_scale * w_scale))
+    return found
+
+
+def test_cpu_target_learned_scales_keep_onnxruntime_parity(cpu_int8: Path, out_dir: Path) -> None:
+    """ONNX Runtime fuses the CPU graph's DQ -> Conv -> Q into QLinearConv (its whole speed-up)
+    only where the int32 bias's scale is the input scale times the weight scale, as QLinearConv
+    defines it. Learned activation scales must carry the bias scales along: without that, every
+    Conv stayed a float Conv (1 QLinearConv of 56, 62 ms against 35-41 ms at 640x384, still
+    correct, so only the fused-kernel count catches it)."""
+    import onnxruntime as ort
+    import torch
+
+    from engines.finetune import QdqGraph
+
+    model = onnx.load(str(cpu_int8))
+    graph = QdqGraph(model)
+    assert graph.scales
+    with torch.no_grad():
+        for i, factor in enumerate(graph.scales.values()):
+            factor.fill_(0.05 if i % 2 else -0.05)  # every activation scale x1.05 or /1.05
+    graph.write_back(model)
+    moved = out_dir / "cpu-scales-moved.onnx"
+    onnx.save(model, str(moved))
+    convs = _conv_bias_scales(model)
+    assert len(convs) > 40
+    for name, bias_scale, product in convs:
+        np.testing.assert_allclose(bias_scale, product, rtol=1e-5, err_msg=name)
+
+    frames = sample_video_frames(VIDEOS[0], 2, offset=40)
+    reader = FrameReader(frames, IMGSZ, input_shape(frames, IMGSZ, 32, True), progress=False)
+    x = np.concatenate([reader.tensor(0), reader.tensor(1)])
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    opts.optimized_model_filepath = str(out_dir / "cpu-scales-moved.optimized.onnx")
+    session = ort.InferenceSession(str(moved), opts, providers=["CPUExecutionProvider"])
+    fused = Counter(n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node)
+    assert fused["QLinearConv"] >= len(convs), fused
+    want = session.run(None, {"images": x})[0]
+    with torch.no_grad():
+        (got,), _ = QdqGraph(onnx.load(str(moved)))(torch.from_numpy(x))
+    off = np.abs(got.numpy()[:, 4:] - want[:, 4:])
+    assert off.mean() < 1e-3 and (off > 0.02).mean() < 1e-3, (off.mean(), (off > 0.02).mean())
 
 
 def test_yolo_head_stays_float(int8: ExportResult) -> None:
@@ -465,6 +531,18 @@ def test_fine_tuning_refuses_what_it_cannot_simulate(tmp_path: Path) -> None:
     )
     with pytest.raises(FinetuneError, match=r"\['Tanh'\].*--finetune-steps 0"):
         QdqGraph(helper.make_model(graph))
+
+
+def _killed(code: int) -> int:
+    os._exit(code)  # what the kernel's out-of-memory killer leaves the parent to see
+
+
+def test_a_quantizer_process_that_dies_is_an_export_error() -> None:
+    from engines.export import in_fresh_process
+
+    assert in_fresh_process(abs, (-3,), "abs") == 3
+    with pytest.raises(ExportError, match=r"the quantizer: the process died.*--calib-frames"):
+        in_fresh_process(_killed, (137,), "the quantizer")
 
 
 def test_fine_tuning_steps_default_per_target() -> None:
