@@ -79,9 +79,10 @@ class Connection:
         self._writer: asyncio.StreamWriter | None = None
 
     @staticmethod
-    def request(jpeg: bytes, *, multipart: bool = False, path: str = "/detect") -> bytes:
-        """A POST of ``jpeg``: the raw body (``Content-Type: image/jpeg``), or an ``image``
-        form field (``multipart/form-data``, what a browser form or ``curl -F`` sends)."""
+    def request(jpeg: bytes, *, multipart: bool = False) -> bytes:
+        """A POST of ``jpeg`` to /detect: the raw body (``Content-Type: image/jpeg``), or an
+        ``image`` form field (``multipart/form-data``, what a browser form or ``curl -F``
+        sends)."""
         if multipart:
             body = (
                 (
@@ -95,7 +96,7 @@ class Connection:
         else:
             body, kind = jpeg, "image/jpeg"
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {kind}\r\n"
+            f"POST /detect HTTP/1.1\r\nHost: bench\r\nContent-Type: {kind}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         )
         return head.encode() + body

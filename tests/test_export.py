@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from fastapi.testclient import TestClient
 
@@ -94,7 +95,6 @@ def ort_engine(path: Path) -> OrtEngine:
 def test_onnxruntime_is_still_the_cpu_build() -> None:
     """The export extra installs ModelOpt without its [onnx] extra, which would pull
     onnxruntime-gpu and replace the CPU onnxruntime module (see pyproject.toml)."""
-    import onnxruntime as ort
 
     assert ort.get_device() == "CPU"
     assert importlib.metadata.version("onnxruntime") == ort.__version__
@@ -351,6 +351,21 @@ def test_cpu_target_int8_after_modelopt_in_the_same_process(cpu_int8: Path) -> N
     assert len(dets) > 0
 
 
+def _torch_and_onnxruntime(
+    path: Path, session: ort.InferenceSession, x: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The outputs for ``x`` of the graph at ``path`` run by torch (:class:`QdqGraph`, what
+    fine-tuning trains) and by ONNX Runtime's ``session`` of it."""
+    import torch
+
+    from engines.finetune import QdqGraph
+
+    with torch.no_grad():
+        (got,), _ = QdqGraph(onnx.load(str(path)))(torch.from_numpy(x))
+    want: np.ndarray = session.run(None, {"images": x})[0]
+    return got.numpy(), want
+
+
 def _conv_bias_scales(model: onnx.ModelProto) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(Conv name, its int32 bias's scale, its input scale times its weight scale)."""
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
@@ -370,7 +385,6 @@ def test_cpu_target_learned_scales_keep_onnxruntime_parity(cpu_int8: Path, out_d
     defines it. Learned activation scales must carry the bias scales along: without that, every
     Conv stayed a float Conv (1 QLinearConv of 56, 62 ms against 35-41 ms at 640x384, still
     correct, so only the fused-kernel count catches it)."""
-    import onnxruntime as ort
     import torch
 
     from engines.finetune import QdqGraph
@@ -398,10 +412,8 @@ def test_cpu_target_learned_scales_keep_onnxruntime_parity(cpu_int8: Path, out_d
     session = ort.InferenceSession(str(moved), opts, providers=["CPUExecutionProvider"])
     fused = Counter(n.op_type for n in onnx.load(opts.optimized_model_filepath).graph.node)
     assert fused["QLinearConv"] >= len(convs), fused
-    want = session.run(None, {"images": x})[0]
-    with torch.no_grad():
-        (got,), _ = QdqGraph(onnx.load(str(moved)))(torch.from_numpy(x))
-    off = np.abs(got.numpy()[:, 4:] - want[:, 4:])
+    got, want = _torch_and_onnxruntime(moved, session, x)
+    off = np.abs(got[:, 4:] - want[:, 4:])
     assert off.mean() < 1e-3 and (off > 0.02).mean() < 1e-3, (off.mean(), (off > 0.02).mean())
 
 
@@ -477,26 +489,18 @@ def test_qdq_graph_in_torch_computes_what_onnxruntime_does(int8: ExportResult) -
     """Fine-tuning trains the exported graph run by torch; that run must be ONNX Runtime's
     arithmetic (fake quantization with the graph's scales), or training optimises something
     else than what ships."""
-    import onnxruntime as ort
-    import torch
-
-    from engines.finetune import QdqGraph
-
     reader = _calibration_reader(int8)
     x = np.concatenate([reader.tensor(0), reader.tensor(9)])
-    want = ort.InferenceSession(str(int8.path), providers=["CPUExecutionProvider"]).run(
-        None, {"images": x}
-    )[0]
-    with torch.no_grad():
-        (got,), _ = QdqGraph(onnx.load(str(int8.path)))(torch.from_numpy(x))
-    scores_got, scores_want = got.numpy()[:, 4:], want[:, 4:]
+    session = ort.InferenceSession(str(int8.path), providers=["CPUExecutionProvider"])
+    got, want = _torch_and_onnxruntime(int8.path, session, x)
+    scores_got, scores_want = got[:, 4:], want[:, 4:]
     # Summation order (oneDNN vs MLAS) can put a value on the other side of a rounding step
     # now and then and move one anchor's score; nearly all must agree to float precision.
     off = np.abs(scores_got - scores_want)
     assert off.mean() < 1e-4 and (off > 0.02).mean() < 1e-3, (off.mean(), (off > 0.02).mean())
     found = scores_want.max(axis=1) >= 0.25
     assert found.sum() > 0
-    boxes_got, boxes_want = got.numpy()[:, :4], want[:, :4]
+    boxes_got, boxes_want = got[:, :4], want[:, :4]
     box_off = np.abs(boxes_got - boxes_want).transpose(0, 2, 1)[found]
     assert (box_off > 1.0).mean() < 0.02, box_off.max()
 
