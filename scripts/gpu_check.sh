@@ -11,6 +11,12 @@
 # end-to-end img/s, GPU busy %, frame latency p50/p99) into $OUT if set, else
 # benchmarks/results/. The GPU image is assumed to hold Python 3.12, torch (CUDA), numpy,
 # opencv, pillow, pyyaml, nvidia-ml-py and pytest; PyAV and Ultralytics travel as wheels.
+#
+# CI runs the bench harness on the CPU (tests/test_gpu_bench.py: prepare, then run --device cpu).
+# Rehearsed 2026-11-30 in a venv holding only the GPU image's packages (torch, numpy, opencv,
+# pillow, pyyaml, matplotlib, scipy, requests, psutil, pytest, nvidia-ml-py; no polars, no
+# ultralytics-thop, no pydantic) plus the carried wheels: the CUDA tests collect (and skip
+# there), and `gpu_bench run --device cpu` writes a full report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${STREAMDET_SHARED_DIR:-../shared}

@@ -1,0 +1,62 @@
+"""The GPU check's harness, run on the CPU: ``gpu_bench prepare`` then ``gpu_bench run --device
+cpu`` on the shared model and clips, so the one script a device session runs cannot rot
+unnoticed between the sessions that have a GPU (there have been none so far).
+
+The figures themselves mean nothing here (FP32 on two cores); what is checked is that every
+key the GPU report promises is there, that JSON holds no NaN, that the torch engine's boxes
+match the CPU engine's stored ones, and that the pool answered every frame it took.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import gpu_bench
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
+
+REPORT_KEYS = {
+    "gpu",
+    "engine",
+    "precision",
+    "engine_img_s",
+    "e2e_img_s",
+    "e2e_over_engine",
+    "gpu_busy_pct",
+    "boxes_match_cpu",
+    "streams",
+    "frame_latency_p99_ms",
+}
+
+
+def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "models").mkdir(parents=True)
+    (data / "videos").mkdir()
+    (data / "models" / MODEL_PT.name).symlink_to(MODEL_PT)
+    for clip in VIDEOS:
+        (data / "videos" / clip.name).symlink_to(clip)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    (data / "cache").symlink_to(CACHE_DIR)  # reuse the suite's ONNX export
+    assert gpu_bench.main(["prepare", "--data", str(data)]) == 0
+    reference = json.loads((data / "cpu_reference.json").read_text())
+    assert len(reference) == 1 + gpu_bench.FRAMES_PER_CLIP * len(VIDEOS)
+    assert any(r["boxes"] for r in reference)
+
+    out = tmp_path / "out"
+    argv = ["run", "--data", str(data), "--out-dir", str(out), "--device", "cpu"]
+    argv += ["--streams", "2", "--fps", "4", "--seconds", "2", "--engine-seconds", "0.2"]
+    argv += ["--max-batch", "2", "--workers", "1"]
+    assert gpu_bench.main(argv) == 0
+
+    (written,) = out.glob("*-cpu-gpu.json")
+    report = json.loads(written.read_text(), parse_constant=lambda c: c)  # NaN would stay a str
+    assert not REPORT_KEYS - report.keys(), REPORT_KEYS - report.keys()
+    assert report["boxes_match_cpu"] is True, report["parity_problems"]
+    assert report["parity_same_decoded_pixels"] is True
+    assert set(report["engine_infer_img_s"]) == {"1", "2"}
+    assert report["engine_img_s"] > 0 and report["e2e_img_s"] > 0
+    assert report["errors"] == 0 and report["pool_batches"] > 0
+    assert report["gpu_busy_pct"] is None and "NVML unavailable" in report["gpu_busy_note"]
+    assert isinstance(report["frame_latency_p99_ms"], float)
+    assert report["targets_met"]["boxes_match_cpu"] is True
