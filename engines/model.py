@@ -1,5 +1,12 @@
-"""Model files: an Ultralytics ``.pt`` is exported once to ONNX (cached by content hash),
-an ``.onnx`` is used as is; either way the metadata (names, imgsz, stride) comes from the ONNX."""
+"""Model files: an Ultralytics ``.pt`` or ``.torchscript`` export is converted once to ONNX
+(cached by content hash), an ``.onnx`` is used as is; either way the metadata (names, imgsz,
+stride) comes from the ONNX.
+
+A ``.torchscript`` (Ultralytics' TorchScript export) needs only PyTorch to load, so it serves
+machines without Ultralytics. Its trace holds the anchor grid of one input size (640x640 for
+the shared model): its ONNX has a dynamic batch axis but a fixed height and width, and every
+backend letterboxes to that square instead of the rectangle a 16:9 frame would take.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +18,19 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engines.types import ModelError, ModelInfo
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 EXPORT_VERSION = "1"  # bump when the export recipe changes, to invalidate the cache
+MODEL_SUFFIXES = (".pt", ".torchscript", ".onnx")
+# Ultralytics' TorchScript metadata entries copied into the ONNX, as its ONNX export writes them.
+TORCHSCRIPT_META_KEYS = ("description", "author", "version", "license", "docs", "stride", "task")
 
 
 def file_sha256(path: Path) -> str:
@@ -86,10 +100,10 @@ def resolve_onnx(model: str, cache_dir: Path, imgsz: int) -> Path:
     """
     path = Path(model).expanduser()
     suffix = path.suffix.lower()
-    if suffix not in {".pt", ".onnx"}:
+    if suffix not in MODEL_SUFFIXES:
         raise ModelError(
-            f"model {model}: expected an Ultralytics .pt checkpoint or an .onnx file"
-            " (setting STREAMDET_MODEL / --model)"
+            f"model {model}: expected an Ultralytics .pt checkpoint, a .torchscript export or an"
+            " .onnx file (setting STREAMDET_MODEL / --model)"
         )
     if not path.exists():
         if suffix == ".pt" and path.parent == Path("."):
@@ -104,8 +118,108 @@ def resolve_onnx(model: str, cache_dir: Path, imgsz: int) -> Path:
     if cached.exists():
         log.info("model %s: using cached export %s", model, cached)
         return cached
+    if suffix == ".torchscript":
+        log.info("model %s: converting the TorchScript trace to ONNX into %s", model, cached)
+        return torchscript_to_onnx(path, cached, imgsz)
     log.info("model %s: exporting to ONNX (imgsz %d) into %s", model, imgsz, cached)
     return export_onnx(path, cached, imgsz)
+
+
+def load_torchscript(
+    path: Path, device: torch.device | str = "cpu"
+) -> tuple[torch.jit.ScriptModule, dict[str, Any]]:
+    """An Ultralytics TorchScript export on ``device`` in eval mode, and its metadata
+    (``config.txt``: names, imgsz, stride, task; empty for a trace made elsewhere).
+
+    Raises:
+        ModelError: not a loadable TorchScript file.
+    """
+    import json
+
+    import torch
+
+    files = {"config.txt": ""}
+    try:
+        with warnings.catch_warnings():  # torch.jit.load is deprecated, and says so
+            warnings.simplefilter("ignore")
+            module = torch.jit.load(  # type: ignore[no-untyped-call]
+                str(path), _extra_files=files, map_location=device
+            )
+    except Exception as exc:
+        raise ModelError(f"model {path}: not a loadable TorchScript file: {exc}") from exc
+    try:
+        meta = json.loads(files["config.txt"]) if files["config.txt"] else {}
+    except ValueError as exc:
+        raise ModelError(f"model {path}: unreadable Ultralytics metadata (config.txt)") from exc
+    if not isinstance(meta, dict):
+        raise ModelError(f"model {path}: unreadable Ultralytics metadata (config.txt)")
+    task = meta.get("task", "detect")
+    if task != "detect":
+        raise ModelError(f"model {path}: is a {task!r} model; streamdet serves 'detect' models")
+    module.eval()
+    return module, meta
+
+
+def torchscript_input_size(meta: dict[str, Any], imgsz: int) -> tuple[int, int]:
+    """The (height, width) a TorchScript export was traced at: its metadata's, else ``imgsz``."""
+    size = meta.get("imgsz", imgsz)
+    height, width = (size, size) if isinstance(size, int) else (size[0], size[1])
+    return int(height), int(width)
+
+
+def torchscript_to_onnx(ts_path: Path, out_path: Path, imgsz: int) -> Path:
+    """Convert an Ultralytics TorchScript export to ONNX: dynamic batch, the traced height and
+    width, and the export's names, stride and size as ONNX metadata.
+
+    Raises:
+        ModelError: not a TorchScript detection model, or it does not run at its input size.
+    """
+    import onnx
+    import torch
+
+    module, meta = load_torchscript(ts_path)
+    height, width = torchscript_input_size(meta, imgsz)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".export-") as tmp:
+        staged = Path(tmp) / "model.onnx"
+        try:
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore")  # the TorchScript exporter is deprecated
+                torch.onnx.export(
+                    module,
+                    (torch.zeros(1, 3, height, width),),
+                    str(staged),
+                    dynamo=False,  # a ScriptModule: only the TorchScript exporter takes it
+                    input_names=["images"],
+                    output_names=["output0"],
+                    dynamic_axes={"images": {0: "batch"}, "output0": {0: "batch"}},
+                    opset_version=17,
+                )
+        except Exception as exc:
+            hint = "" if "imgsz" in meta else f" (no metadata: tried --imgsz {imgsz})"
+            raise ModelError(
+                f"model {ts_path}: the TorchScript trace does not run at its input size"
+                f" {height}x{width}{hint}: {exc}"
+            ) from exc
+        proto = onnx.load(str(staged))
+        with torch.inference_mode():
+            out_shape = tuple(module(torch.zeros(1, 3, height, width)).shape)
+        # The exporter may leave the output's dims symbolic; the class count is read from them.
+        dims = proto.graph.output[0].type.tensor_type.shape.dim
+        if len(dims) == len(out_shape) == 3:
+            for dim, size in zip(dims[1:], out_shape[1:], strict=True):
+                dim.dim_value = size
+        props = {k: str(meta[k]) for k in TORCHSCRIPT_META_KEYS if k in meta}
+        if isinstance(meta.get("names"), dict):
+            props["names"] = str({int(k): str(v) for k, v in meta["names"].items()})
+        props["imgsz"] = str([height, width])
+        props["streamdet_source"] = "torchscript"
+        del proto.metadata_props[:]
+        for key, value in props.items():
+            proto.metadata_props.add(key=key, value=value)
+        onnx.save(proto, str(staged))
+        os.replace(staged, out_path)
+    return out_path
 
 
 def _fetch_and_export(name: str, cache_dir: Path, imgsz: int) -> Path:

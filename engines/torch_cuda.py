@@ -1,11 +1,14 @@
-"""PyTorch backend: the Ultralytics ``.pt`` model run by PyTorch, FP16 on CUDA.
+"""PyTorch backend: the Ultralytics ``.pt`` model run by PyTorch, FP16 on CUDA; or its
+``.torchscript`` export, where Ultralytics is not installed.
 
-Why the ``.pt`` and not the ONNX or the TorchScript trace: PyTorch cannot run an ONNX graph,
-and Ultralytics' TorchScript export traces the anchor grid of one input size (640x640), so a
-16:9 camera frame would have to run square. Loaded through Ultralytics' own modules the model
-takes any stride-multiple input, so this engine letterboxes to the same rectangular shapes as
-the CPU engine and its boxes match it. The ONNX export of the same file still provides the
-names and stride (``EngineConfig.model``), like for every backend.
+Why the ``.pt`` first and not the ONNX or the TorchScript trace: PyTorch cannot run an ONNX
+graph, and Ultralytics' TorchScript export traces the anchor grid of one input size (640x640),
+so a 16:9 camera frame has to run square (1.67x the pixels of its 640x384 letterbox). Loaded
+through Ultralytics' own modules the model takes any stride-multiple input, so this engine
+letterboxes to the same rectangular shapes as the CPU engine and its boxes match it. A
+``.torchscript`` loads with plain ``torch.jit.load``: it runs at its traced square size, and the
+CPU engine, given the same file, does too (see :mod:`engines.model`). The ONNX export of the
+same file still provides the names and stride (``EngineConfig.model``), like for every backend.
 
 ``device="cpu"`` also works (FP32, no stream, no graphs): it is how the parity suite checks this
 engine's device-side letterbox and NMS on a machine without a GPU.
@@ -21,10 +24,12 @@ from pathlib import Path
 import torch
 
 from engines.gpu import Forward, GpuDetector
+from engines.model import load_torchscript, torchscript_input_size
 from engines.registry import EngineConfig
 from engines.types import EngineError, ModelError, ModelInfo
 
 log = logging.getLogger(__name__)
+TORCH_SUFFIXES = (".pt", ".torchscript")
 
 
 def find_checkpoint(config: EngineConfig) -> Path:
@@ -34,10 +39,11 @@ def find_checkpoint(config: EngineConfig) -> Path:
         ModelError: the model was given as ONNX or the checkpoint cannot be found.
     """
     source = config.source
-    if source is None or source.suffix.lower() != ".pt":
+    if source is None or source.suffix.lower() not in TORCH_SUFFIXES:
         raise ModelError(
-            f"backend torch runs an Ultralytics .pt checkpoint, got {source or config.model.path};"
-            " pass --model file.pt, or pick --backend tensorrt / onnxruntime for an .onnx model"
+            "backend torch runs an Ultralytics .pt checkpoint or .torchscript export, got"
+            f" {source or config.model.path}; pass --model file.pt, or pick --backend"
+            " tensorrt / onnxruntime for an .onnx model"
         )
     for candidate in (source.expanduser(), config.cache_dir / "weights" / source.name):
         if candidate.is_file():
@@ -82,8 +88,18 @@ def load_detection_model(path: Path, device: torch.device) -> torch.nn.Module:
 
 
 def checkpoint_info(path: Path, imgsz: int = 640) -> ModelInfo:
-    """Names and stride straight from a ``.pt`` (no ONNX export): for machines with PyTorch and
-    Ultralytics but no exporter, such as the GPU check."""
+    """Names and stride straight from a ``.pt`` or ``.torchscript`` (no ONNX export): for
+    machines with PyTorch but no exporter, such as the GPU check."""
+    if path.suffix.lower() == ".torchscript":
+        _, meta = load_torchscript(path)
+        return ModelInfo(
+            path=str(path),
+            names={int(k): str(v) for k, v in meta.get("names", {}).items()},
+            imgsz=torchscript_input_size(meta, imgsz),
+            stride=int(meta.get("stride", 32)),
+            dynamic_hw=False,
+            precision="fp16",
+        )
     model = load_detection_model(path, torch.device("cpu"))
     names = {int(k): str(v) for k, v in getattr(model, "names", {}).items()}
     stride = int(getattr(model, "stride", torch.tensor([32])).max())
@@ -97,6 +113,24 @@ def checkpoint_info(path: Path, imgsz: int = 640) -> ModelInfo:
     )
 
 
+def _load(path: Path, device: torch.device, dtype: torch.dtype) -> Forward:
+    """The model's forward pass on ``device`` in ``dtype``, from a ``.pt`` or ``.torchscript``."""
+    if path.suffix.lower() != ".torchscript":
+        module: Forward = load_detection_model(path, device).to(dtype)
+        return module
+    traced = load_torchscript(path, device)[0].to(dtype)
+
+    def run_traced(x: torch.Tensor) -> torch.Tensor:
+        # The plain interpreter (a thread-local switch): the profiling executor would
+        # re-optimize, and compile fused kernels, during the first calls, and one of those
+        # may be a CUDA graph capture.
+        with torch.jit.optimized_execution(False):  # type: ignore[attr-defined]
+            out: torch.Tensor = traced(x)
+        return out
+
+    return run_traced
+
+
 class TorchEngine(GpuDetector):
     """The Ultralytics model on PyTorch: FP16 with CUDA graphs on a GPU, FP32 eager on CPU.
 
@@ -107,9 +141,8 @@ class TorchEngine(GpuDetector):
 
     def _open(self, device: torch.device) -> tuple[Forward, torch.dtype]:
         path = find_checkpoint(self._config)
-        model = load_detection_model(path, device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        model = model.to(dtype)
+        model = _load(path, device, dtype)
         log.info(
             "torch engine: %s on %s (%s, graphs %s)",
             path,

@@ -31,7 +31,7 @@ if [ "${1:-run}" = prepare ]; then
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
-  install -m 0644 "$SHARED/models/yolov8n.pt" .gpu/models/
+  install -m 0644 "$SHARED/models/yolov8n.pt" "$SHARED/models/yolov8n.torchscript" .gpu/models/
   install -m 0644 "$SHARED"/videos/*.mp4 .gpu/videos/
   "$PY" -m benchmarks.gpu_bench prepare --data .gpu
   rm -rf .gpu/cache  # the ONNX export only served the reference; it need not travel

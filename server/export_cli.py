@@ -76,7 +76,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_export_parsers(sub: Any) -> None:
     """Register ``export`` and ``evaluate`` on the ``streamdet`` subcommand parser."""
     exp = sub.add_parser("export", help="write an FP32 / FP16 / INT8 ONNX artifact (and check it)")
-    exp.add_argument("--model", required=True, help="Ultralytics .pt checkpoint or FP32 .onnx")
+    exp.add_argument(
+        "--model", required=True, help="Ultralytics .pt checkpoint, .torchscript or FP32 .onnx"
+    )
     exp.add_argument("--precision", choices=PRECISIONS, default="fp32")
     exp.add_argument("--out", type=Path, required=True, help="ONNX file to write")
     exp.add_argument(
@@ -136,7 +138,7 @@ def add_export_parsers(sub: Any) -> None:
     _common(exp)
     ev = sub.add_parser("evaluate", help="compare an ONNX artifact with FP32 on held-out frames")
     ev.add_argument("--model", required=True, help="the artifact (.onnx) to check")
-    ev.add_argument("--reference", required=True, help="the FP32 model: .pt checkpoint or .onnx")
+    ev.add_argument("--reference", required=True, help="the FP32 model: .pt, .torchscript or .onnx")
     ev.add_argument(
         "--frames",
         nargs="+",

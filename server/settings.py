@@ -31,7 +31,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STREAMDET_", extra="ignore", frozen=True)
 
     # Model and engine
-    model: str = Field("yolov8n.pt", description="Ultralytics .pt checkpoint or .onnx file")
+    model: str = Field(
+        "yolov8n.pt", description="Ultralytics .pt checkpoint, .torchscript export or .onnx file"
+    )
     backend: str = Field("onnxruntime", description="onnxruntime | torch | tensorrt")
     device: str = Field("cpu", description="cpu, cuda or cuda:N (GPU backends)")
     imgsz: int = Field(640, ge=32, le=4096, description="engine input size in pixels")

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from engines.registry import EngineConfig, load_backend, prepare_model
 from engines.types import Engine, EngineError, ModelInfo
-from tests.helpers import CACHE_DIR, MODEL_PT
+from tests.helpers import CACHE_DIR, MODEL_PT, MODEL_TS
 
 os.environ.setdefault("YOLO_OFFLINE", "true")
 os.environ.setdefault("YOLO_AUTOINSTALL", "false")
@@ -16,6 +17,7 @@ os.environ.setdefault("YOLO_VERBOSE", "false")
 # Every backend is tried; the ones that cannot load here (no GPU, no TensorRT) are skipped
 # with the reason their load gave.
 BACKEND_NAMES = ["onnxruntime", "torch", "tensorrt"]
+MODEL_FILES = [MODEL_PT, MODEL_TS]
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +41,7 @@ def backend_device(backend: str) -> str:
     return os.environ.get("STREAMDET_TEST_DEVICE", "cuda")
 
 
-def make_engine(name: str, model: ModelInfo, max_batch: int = 8) -> Engine:
+def make_engine(name: str, model: ModelInfo, max_batch: int = 8, source: Path = MODEL_PT) -> Engine:
     factory = load_backend(name)
     config = EngineConfig(
         model=model,
@@ -48,18 +50,28 @@ def make_engine(name: str, model: ModelInfo, max_batch: int = 8) -> Engine:
         threads=2,
         device=backend_device(name),
         cache_dir=CACHE_DIR,
-        source=MODEL_PT,
+        source=source,
     )
     engine = factory(config)
     engine.load()
     return engine
 
 
-@pytest.fixture(scope="session", params=BACKEND_NAMES)
+@pytest.fixture(
+    scope="session",
+    params=[(b, m) for m in MODEL_FILES for b in BACKEND_NAMES],
+    ids=[f"{b}-{m.suffix[1:]}" for m in MODEL_FILES for b in BACKEND_NAMES],
+)
 def engine(request: pytest.FixtureRequest, model_info: ModelInfo) -> Iterator[Engine]:
+    """Every backend on every form of the shared model: the ``.pt`` (rectangular letterbox)
+    and its TorchScript trace (square 640x640, converted to ONNX for ONNX Runtime)."""
+    backend, source = request.param
+    if not source.exists():
+        pytest.fail(f"shared model missing: {source} (set STREAMDET_SHARED_DIR)")
+    info = model_info if source == MODEL_PT else prepare_model(str(source), CACHE_DIR, 640)
     try:
-        eng = make_engine(request.param, model_info)
+        eng = make_engine(backend, info, source=source)
     except EngineError as exc:
-        pytest.skip(f"backend {request.param} cannot load here: {exc}")
+        pytest.skip(f"backend {backend} cannot load here: {exc}")
     yield eng
     eng.close()

@@ -15,6 +15,7 @@ from engines.types import Detections, Engine, ModelInfo
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).resolve()
 MODEL_PT = SHARED / "models" / "yolov8n.pt"
+MODEL_TS = SHARED / "models" / "yolov8n.torchscript"  # the same weights, traced at 640x640
 VIDEOS = sorted((SHARED / "videos").glob("*.mp4"))
 CACHE_DIR = REPO / ".cache" / "streamdet"
 # The keys of one WebSocket frame message (``/ws/streams/{id}``).

@@ -1,7 +1,9 @@
-"""Every backend that loads here against Ultralytics' own predictor on the same images."""
+"""Every backend that loads here against Ultralytics' own predictor on the same images and
+the same model file (``.pt`` or ``.torchscript``)."""
 
 from __future__ import annotations
 
+import warnings
 from functools import cache
 from typing import Any
 
@@ -10,22 +12,26 @@ import pytest
 
 from engines.types import DetectParams, Engine
 from streams.files import load_image, sample_video_frames
-from tests.helpers import MODEL_PT, VIDEOS, match_reference, ultralytics_assets
+from tests.helpers import SHARED, VIDEOS, match_reference, ultralytics_assets
 
 CONF = 0.25
 
 
 @cache
-def reference_model() -> Any:
+def reference_model(name: str) -> Any:
     from ultralytics import YOLO
 
-    return YOLO(str(MODEL_PT))
+    return YOLO(str(SHARED / "models" / name), task="detect")
 
 
-def reference(image_rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    result = reference_model().predict(
-        np.ascontiguousarray(image_rgb[..., ::-1]), conf=CONF, verbose=False
-    )[0]
+def reference(engine: Engine, image_rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ultralytics' predictor on the file ``engine`` serves (a TorchScript runs square, there
+    too), ``conf`` 0.25."""
+    with warnings.catch_warnings():  # its first call loads the file: torch.jit.load warns
+        warnings.simplefilter("ignore", FutureWarning)
+        result = reference_model(engine.model_name).predict(
+            np.ascontiguousarray(image_rgb[..., ::-1]), conf=CONF, verbose=False
+        )[0]
     boxes = result.boxes
     return (
         boxes.xyxy.cpu().numpy(),
@@ -49,7 +55,7 @@ def test_assets_match_ultralytics(engine: Engine, name: str) -> None:
     image = load_image(ultralytics_assets() / name)
     (det,) = engine.infer([image], [DetectParams(conf=CONF)])
     assert len(det) > 0
-    problems = match_reference(det, *reference(image), edge_conf=CONF + 0.02)
+    problems = match_reference(det, *reference(engine, image), edge_conf=CONF + 0.02)
     assert not problems, problems
 
 
@@ -60,7 +66,7 @@ def test_video_frames_match_ultralytics(engine: Engine, video: Any) -> None:
     total = 0
     for frame, det in zip(frames, results, strict=True):
         assert (det.height, det.width) == frame.shape[:2]
-        problems = match_reference(det, *reference(frame), edge_conf=CONF + 0.02)
+        problems = match_reference(det, *reference(engine, frame), edge_conf=CONF + 0.02)
         assert not problems, problems
         total += len(det)
     assert total > 0, "the clips show cars and bottles; some must be found"

@@ -1,5 +1,6 @@
 """On a CUDA device: the torch engine (FP16, streams, CUDA graphs) against itself on the CPU,
-graphs against eager, device-resident frames against host frames, and NVDEC decode.
+graphs against eager, device-resident frames against host frames (each for the ``.pt`` and its
+``.torchscript`` trace), and NVDEC decode.
 
 Skipped where no GPU is visible; ``scripts/gpu_check.sh`` runs them on the GPU machine.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,14 @@ from engines.registry import EngineConfig
 from engines.torch_cuda import TorchEngine, checkpoint_info
 from engines.types import Detections, DetectParams
 from streams.files import iter_video_frames, load_image, sample_video_frames
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, match_reference, ultralytics_assets
+from tests.helpers import (
+    CACHE_DIR,
+    MODEL_PT,
+    MODEL_TS,
+    VIDEOS,
+    match_reference,
+    ultralytics_assets,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,24 +35,33 @@ pytestmark = [
 ]
 
 
-def _engine(device: str, use_graphs: bool = True) -> TorchEngine:
+def _engine(device: str, model: Path, use_graphs: bool = True) -> TorchEngine:
     config = EngineConfig(
-        model=checkpoint_info(MODEL_PT),
+        model=checkpoint_info(model),
         imgsz=640,
         max_batch=8,
         threads=1,
         device=device,
         cache_dir=CACHE_DIR,
-        source=MODEL_PT,
+        source=model,
     )
     engine = TorchEngine(config, use_graphs=use_graphs)
     engine.load()
     return engine
 
 
+@pytest.fixture(scope="module", params=[MODEL_PT, MODEL_TS], ids=["pt", "torchscript"])
+def model(request: pytest.FixtureRequest) -> Path:
+    """The checkpoint (run through Ultralytics' modules) and its TorchScript trace."""
+    path: Path = request.param
+    if not path.exists():
+        pytest.fail(f"model missing: {path} (scripts/gpu_check.sh prepare copies it)")
+    return path
+
+
 @pytest.fixture(scope="module")
-def cuda_engine() -> Iterator[TorchEngine]:
-    engine = _engine("cuda")
+def cuda_engine(model: Path) -> Iterator[TorchEngine]:
+    engine = _engine("cuda", model)
     engine.warmup()
     yield engine
     engine.close()
@@ -56,8 +74,8 @@ def frames() -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def cpu_results(frames: list[np.ndarray]) -> list[Detections]:
-    engine = _engine("cpu")
+def cpu_results(model: Path, frames: list[np.ndarray]) -> list[Detections]:
+    engine = _engine("cpu", model)
     return engine.infer(frames, [DetectParams()] * len(frames))
 
 
@@ -83,8 +101,10 @@ def test_fp16_cuda_matches_fp32_cpu(
     _assert_match(ours, cpu_results, conf_tol=0.03)
 
 
-def test_graph_replay_equals_eager(cuda_engine: TorchEngine, frames: list[np.ndarray]) -> None:
-    eager = _engine("cuda", use_graphs=False)
+def test_graph_replay_equals_eager(
+    cuda_engine: TorchEngine, model: Path, frames: list[np.ndarray]
+) -> None:
+    eager = _engine("cuda", model, use_graphs=False)
     want = eager.infer(frames[:5], [DetectParams()] * 5)
     got = cuda_engine.infer(frames[:5], [DetectParams()] * 5)
     assert cuda_engine._runner is not None and cuda_engine._runner.captured > 0
@@ -94,7 +114,7 @@ def test_graph_replay_equals_eager(cuda_engine: TorchEngine, frames: list[np.nda
 def test_device_frames_equal_host_frames(
     cuda_engine: TorchEngine, frames: list[np.ndarray]
 ) -> None:
-    on_device = [torch.from_numpy(f).cuda() for f in frames[:4]]
+    on_device = [torch.from_numpy(f.copy()).cuda() for f in frames[:4]]  # decoded: read-only
     _assert_match(
         cuda_engine.infer(on_device, [DetectParams()] * 4),
         cuda_engine.infer(frames[:4], [DetectParams()] * 4),

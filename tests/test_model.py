@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 from engines.model import read_model_info, resolve_onnx
 from engines.types import ModelError, ModelInfo
-from tests.helpers import CACHE_DIR, MODEL_PT, REPO
+from tests.helpers import CACHE_DIR, MODEL_PT, MODEL_TS, REPO
 
 
 def test_pt_export_is_cached_by_content_hash(model_info: ModelInfo) -> None:
@@ -46,6 +49,57 @@ def test_corrupt_pt_fails_with_its_name(tmp_path: Path) -> None:
     bad.write_bytes(b"this is not a checkpoint")
     with pytest.raises(ModelError, match=r"broken\.pt: cannot load"):
         resolve_onnx(str(bad), tmp_path / "cache", 640)
+
+
+def test_torchscript_export_converts_to_a_square_onnx_with_its_metadata() -> None:
+    info = read_model_info(resolve_onnx(str(MODEL_TS), CACHE_DIR, 320))
+    assert info.names[0] == "person" and len(info.names) == 80
+    # The trace fixes the size: --imgsz 320 cannot change it, and the ONNX says so.
+    assert info.imgsz == (640, 640) and not info.dynamic_hw and info.stride == 32
+    assert info.extra["streamdet_source"] == "torchscript"
+    assert resolve_onnx(str(MODEL_TS), CACHE_DIR, 320) == Path(info.path)  # cached
+
+
+class _TinyDetector(torch.nn.Module):
+    """A YOLOv8-shaped head for two classes: (B, 3, H, W) -> (B, 4 + 2, anchors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 8, stride=8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.conv(x).flatten(2)
+        return out
+
+
+def _save_trace(path: Path, size: int, config: dict[str, object] | None) -> None:
+    extra = {"config.txt": json.dumps(config)} if config is not None else {}
+    with warnings.catch_warnings():  # torch.jit is deprecated, and says so
+        warnings.simplefilter("ignore", FutureWarning)
+        traced = torch.jit.trace(  # type: ignore[no-untyped-call]
+            _TinyDetector().eval(), torch.zeros(1, 3, size, size)
+        )
+        torch.jit.save(traced, str(path), _extra_files=extra)
+
+
+def test_torchscript_without_metadata_runs_at_the_requested_size(tmp_path: Path) -> None:
+    _save_trace(tmp_path / "plain.torchscript", 64, None)
+    info = read_model_info(resolve_onnx(str(tmp_path / "plain.torchscript"), tmp_path, 64))
+    assert info.names == {0: "class0", 1: "class1"}
+    assert info.imgsz == (64, 64) and not info.dynamic_hw
+
+
+def test_torchscript_of_another_task_is_refused(tmp_path: Path) -> None:
+    _save_trace(tmp_path / "seg.torchscript", 64, {"task": "segment", "imgsz": [64, 64]})
+    with pytest.raises(ModelError, match=r"seg\.torchscript: is a 'segment' model"):
+        resolve_onnx(str(tmp_path / "seg.torchscript"), tmp_path, 64)
+
+
+def test_corrupt_torchscript_fails_with_its_name(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.torchscript"
+    bad.write_bytes(b"this is not a zip archive")
+    with pytest.raises(ModelError, match=r"broken\.torchscript: not a loadable TorchScript"):
+        resolve_onnx(str(bad), tmp_path, 640)
 
 
 def test_corrupt_onnx_fails_with_its_name(tmp_path: Path) -> None:
