@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -44,6 +44,52 @@ class DetectParams:
             raise ValueError(f"iou must be within [0, 1], got {self.iou}")
         if not 1 <= self.max_det <= 10_000:
             raise ValueError(f"max_det must be within [1, 10000], got {self.max_det}")
+
+    def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """JSON form, classes by name (a stream keeps them across a change of model)."""
+        classes = None if self.classes is None else [names[c] for c in sorted(self.classes)]
+        return {"conf": self.conf, "iou": self.iou, "classes": classes, "max_det": self.max_det}
+
+    @classmethod
+    def from_description(cls, data: Mapping[str, Any], names: Mapping[int, str]) -> DetectParams:
+        """Inverse of :meth:`describe`; missing keys take the defaults.
+
+        Raises:
+            ValueError: a value out of range or a class this model does not have.
+        """
+        classes = data.get("classes")
+        return cls(
+            conf=float(data.get("conf", 0.25)),
+            iou=float(data.get("iou", 0.7)),
+            classes=None if classes is None else class_ids(classes, names),
+            max_det=int(data.get("max_det", 300)),
+        )
+
+
+def class_ids(tokens: Iterable[str | int], names: Mapping[int, str]) -> frozenset[int]:
+    """Class ids from ids or names (``["0", "car", 5]``, names case-insensitive).
+
+    Raises:
+        ValueError: an id or name the model does not have; the message names it.
+    """
+    by_name = {name.lower(): cid for cid, name in names.items()}
+    ids: set[int] = set()
+    for token in tokens:
+        text = str(token).strip()
+        if not text:
+            continue
+        if text.lstrip("-").isdigit():
+            cid = int(text)
+            if cid not in names:
+                raise ValueError(
+                    f"classes: unknown class id {cid}; this model has ids 0..{len(names) - 1}"
+                )
+            ids.add(cid)
+        elif text.lower() in by_name:
+            ids.add(by_name[text.lower()])
+        else:
+            raise ValueError(f"classes: unknown class name {text!r}; see GET /model")
+    return frozenset(ids)
 
 
 @dataclass(frozen=True, slots=True)

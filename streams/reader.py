@@ -54,12 +54,14 @@ class StreamConfig:
         spec: the validated source.
         name: display name.
         max_fps: sample at most this many frames per second (``None``: every frame).
+        params: detection parameters of its first frames (``StreamReader.params`` from then on).
     """
 
     id: str
     spec: SourceSpec
     name: str = ""
     max_fps: float | None = None
+    params: DetectParams = field(default_factory=DetectParams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +75,6 @@ class ReaderOptions:
     max_attempts: int = 0
     frame_deadline_ms: float = 1000.0
     max_pixels: int = 50_000_000
-    params: DetectParams = field(default_factory=DetectParams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,8 @@ class StreamReader:
         self._fps_in = RateMeter()
         self._fps_out = RateMeter()
         self._frame_no = 0
+        self.params = config.params
+        """Parameters of the next frames; one reference swap, read by the decode thread."""
 
     # ---- control -----------------------------------------------------------------------
     def start(self) -> None:
@@ -329,7 +332,7 @@ class StreamReader:
         done = functools.partial(self._on_done, pending)
         item = WorkItem(
             image,
-            self._opt.params,
+            self.params,
             deadline=decoded_mono + self._opt.frame_deadline_ms / 1000.0,
             on_done=done,
             request_id=f"{sid}:{self._frame_no}",

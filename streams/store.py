@@ -17,9 +17,12 @@ CREATE TABLE IF NOT EXISTS streams (
     max_fps REAL,
     transport TEXT NOT NULL DEFAULT 'tcp',
     loop INTEGER NOT NULL DEFAULT 1,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    detect TEXT NOT NULL DEFAULT '{}'
 )
 """
+# Columns added after the first release, with their definitions: an older file gains them.
+_ADDED_COLUMNS = {"detect": "TEXT NOT NULL DEFAULT '{}'"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,8 @@ class StreamRecord:
     transport: str
     loop: bool
     created_at: float
+    detect: str = "{}"
+    """Detection parameters as JSON (:meth:`engines.types.DetectParams.describe`)."""
 
 
 class StreamStore:
@@ -47,6 +52,10 @@ class StreamStore:
         self.path = data_dir / "streams.sqlite3"
         with closing(self._connect()) as db, db:
             db.execute(_SCHEMA)
+            have = {row[1] for row in db.execute("PRAGMA table_info(streams)")}
+            for column, definition in _ADDED_COLUMNS.items():
+                if column not in have:
+                    db.execute(f"ALTER TABLE streams ADD COLUMN {column} {definition}")
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=10.0)
@@ -54,8 +63,8 @@ class StreamStore:
     def add(self, record: StreamRecord) -> None:
         with closing(self._connect()) as db, db:
             db.execute(
-                "INSERT INTO streams (id, url, name, max_fps, transport, loop, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO streams (id, url, name, max_fps, transport, loop, created_at, detect)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.id,
                     record.url,
@@ -64,8 +73,15 @@ class StreamStore:
                     record.transport,
                     int(record.loop),
                     record.created_at,
+                    record.detect,
                 ),
             )
+
+    def set_detect(self, stream_id: str, detect: str) -> bool:
+        """Replace a stream's detection parameters; False if it is unknown."""
+        with closing(self._connect()) as db, db:
+            cursor = db.execute("UPDATE streams SET detect = ? WHERE id = ?", (detect, stream_id))
+            return cursor.rowcount > 0
 
     def remove(self, stream_id: str) -> bool:
         with closing(self._connect()) as db, db:
@@ -74,13 +90,20 @@ class StreamStore:
     def load(self) -> list[StreamRecord]:
         with closing(self._connect()) as db:
             rows = db.execute(
-                "SELECT id, url, name, max_fps, transport, loop, created_at FROM streams"
+                "SELECT id, url, name, max_fps, transport, loop, created_at, detect FROM streams"
                 " ORDER BY created_at"
             ).fetchall()
-        return [StreamRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6]) for r in rows]
+        return [StreamRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], r[7]) for r in rows]
 
 
 def new_record(
-    stream_id: str, url: str, *, name: str, max_fps: float | None, transport: str, loop: bool
+    stream_id: str,
+    url: str,
+    *,
+    name: str,
+    max_fps: float | None,
+    transport: str,
+    loop: bool,
+    detect: str = "{}",
 ) -> StreamRecord:
-    return StreamRecord(stream_id, url, name, max_fps, transport, loop, time.time())
+    return StreamRecord(stream_id, url, name, max_fps, transport, loop, time.time(), detect)

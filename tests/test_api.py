@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from PIL import Image as PILImage
 
 from server.app import create_app
 from server.settings import Settings
-from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, ultralytics_assets
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +185,50 @@ def test_full_queue_answers_429_with_retry_after() -> None:
     assert statuses <= {200, 429}
     assert 200 in statuses and 429 in statuses
     assert all(ra is not None and int(ra) >= 1 for s, ra in results if s == 429)
+
+
+def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -> None:
+    settings = Settings(
+        model=str(MODEL_PT),
+        cache_dir=CACHE_DIR,
+        data_dir=tmp_path / "data",
+        allowed_file_dir=VIDEOS[0].parent,
+        admission_deadline_ms=0,
+    )
+    url = f"file://{VIDEOS[0]}"
+    with TestClient(create_app(settings)) as c:
+        for bad, expected in (
+            ({"classes": ["bottle", "unicorn"]}, "unknown class name 'unicorn'"),
+            ({"classes": "0,99"}, "unknown class id 99"),
+            ({"conf": 1.5}, "conf"),
+            ({"max_det": 0}, "max_det"),
+            ({"clases": ["bottle"]}, "clases"),  # misspelt: refused, not ignored
+        ):
+            resp = c.post("/streams", json={"url": url, **bad})
+            assert resp.status_code == 422, resp.text
+            assert expected in resp.text, resp.text
+        assert c.get("/streams").json()["streams"] == []  # nothing was added by a bad call
+
+        resp = c.post("/streams", json={"url": url, "classes": "Bottle, 0", "conf": 0.5})
+        assert resp.status_code == 201, resp.text
+        sid = resp.json()["id"]
+        detect = {"conf": 0.5, "iou": 0.7, "classes": ["person", "bottle"], "max_det": 300}
+        assert resp.json()["detect"] == detect
+
+        resp = c.patch(f"/streams/{sid}", json={"max_det": 5})  # only what is given changes
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["detect"] == {**detect, "max_det": 5}
+        resp = c.patch(f"/streams/{sid}", json={"classes": None})
+        assert resp.json()["detect"] == {**detect, "max_det": 5, "classes": None}
+        assert c.get(f"/streams/{sid}").json()["detect"]["classes"] is None
+        for bad, expected in (
+            ({"url": "rtsp://127.0.0.1/x"}, "url"),  # the source cannot change: delete and add
+            ({"classes": ["unicorn"]}, "unicorn"),
+            ({"iou": -0.1}, "iou"),
+        ):
+            resp = c.patch(f"/streams/{sid}", json=bad)
+            assert resp.status_code == 422, resp.text
+            assert expected in resp.text, resp.text
+        resp = c.patch("/streams/nope", json={"conf": 0.3})
+        assert resp.status_code == 404 and "nope" in resp.text
+        assert c.delete(f"/streams/{sid}").status_code == 204

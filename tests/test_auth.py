@@ -90,7 +90,11 @@ def test_readonly_key_reads_and_detects_but_cannot_change_streams(http: httpx.Cl
     assert http.get("/streams", headers=ro).status_code == 200
     resp = http.post("/detect", content=bus(), headers={**ro, "content-type": "image/jpeg"})
     assert resp.status_code == 200
-    for method, path in [("POST", "/streams"), ("DELETE", "/streams/abc")]:
+    for method, path in [
+        ("POST", "/streams"),
+        ("PATCH", "/streams/abc"),
+        ("DELETE", "/streams/abc"),
+    ]:
         resp = http.request(method, path, headers=ro, json={"url": "rtsp://127.0.0.1:1/x"})
         assert resp.status_code == 403, resp.text
         assert "read-only" in resp.json()["detail"]

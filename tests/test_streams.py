@@ -4,15 +4,18 @@ through the real engine pool."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engines.pool import EnginePool
-from engines.types import Detections, ModelInfo
+from engines.types import Detections, DetectParams, ModelInfo
 from streams.fanout import Closed, ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
@@ -118,6 +121,24 @@ def test_store_keeps_streams_across_instances(tmp_path: Path) -> None:
     assert (only.id, only.url, only.max_fps, only.transport) == ("b2", "rtsp://cam/2", None, "tcp")
 
 
+def test_store_adds_new_columns_to_an_older_file(tmp_path: Path) -> None:
+    # The table as the first release wrote it, with one stream in it.
+    (tmp_path / "data").mkdir()
+    with closing(sqlite3.connect(tmp_path / "data" / "streams.sqlite3")) as db, db:
+        db.execute(
+            "CREATE TABLE streams (id TEXT PRIMARY KEY, url TEXT NOT NULL, name TEXT NOT NULL"
+            " DEFAULT '', max_fps REAL, transport TEXT NOT NULL DEFAULT 'tcp', loop INTEGER NOT"
+            " NULL DEFAULT 1, created_at REAL NOT NULL)"
+        )
+        db.execute("INSERT INTO streams VALUES ('old1', 'rtsp://cam/1', 'gate', 2, 'tcp', 1, 1)")
+    store = StreamStore(tmp_path / "data")
+    (old,) = store.load()
+    assert (old.id, old.name, old.max_fps, old.detect) == ("old1", "gate", 2.0, "{}")
+    assert store.set_detect("old1", '{"conf": 0.5}')
+    assert not store.set_detect("nope", "{}")
+    assert StreamStore(tmp_path / "data").load()[0].detect == '{"conf": 0.5}'
+
+
 def _frame(n: int) -> ProcessedFrame:
     det = Detections.empty({0: "person"}, 64, 48)
     return ProcessedFrame("s1", n, n / 10, 1.0, 0.0, np.zeros((48, 64, 3), np.uint8), det, 1)
@@ -188,3 +209,78 @@ async def test_file_stream_is_sampled_at_max_fps_and_published(
     assert file_manager.latest(info["id"]) is not None
     assert await file_manager.remove(info["id"])
     assert file_manager.describe(info["id"]) is None
+
+
+async def _frames_from(
+    manager: StreamManager, stream_id: str, after: int, n: int
+) -> list[ProcessedFrame]:
+    """The next ``n`` processed frames numbered above ``after``."""
+    sub = manager.subscribe(stream_id)
+    assert sub is not None
+    frames: list[ProcessedFrame] = []
+    while len(frames) < n:
+        item = await asyncio.wait_for(sub.get(), 60)
+        assert isinstance(item, ProcessedFrame)
+        if item.frame > after:
+            frames.append(item)
+    manager.unsubscribe(sub)
+    return frames
+
+
+async def test_each_stream_has_its_own_detection_parameters(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5), allowed_file_dir=VIDEOS[0].parent
+    )
+    clip = next(v for v in VIDEOS if v.name.startswith("bottle"))  # bottles and people
+    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await manager.start()
+    try:
+        bottles = DetectParams(conf=0.4, classes=frozenset({39}))
+        info = await manager.add(f"file://{clip}", max_fps=6.0, params=bottles)
+        sid = info["id"]
+        want = {"conf": 0.4, "iou": 0.7, "classes": ["bottle"], "max_det": 300}
+        assert info["detect"] == want
+        frames = await _frames_from(manager, sid, 0, 6)
+        dets = [d for f in frames for d in f.detections.to_json()]
+        assert dets, "the clip shows bottles"
+        assert {d["class_name"] for d in dets} == {"bottle"}
+        assert min(d["confidence"] for d in dets) >= 0.4
+
+        # Changed while it runs, without reopening the source: later frames follow.
+        one = DetectParams(conf=0.25, max_det=1)
+        changed = await manager.set_params(sid, one)
+        assert changed is not None and changed["detect"]["max_det"] == 1
+        assert changed["reconnects"] == 0
+        last = frames[-1].frame + 3  # frames already queued may carry the old parameters
+        later = await _frames_from(manager, sid, last, 4)
+        assert all(len(f.detections) <= 1 for f in later)
+        assert any(len(f.detections) == 1 for f in later)
+        assert await manager.set_params("nope", one) is None
+    finally:
+        await manager.stop(10)
+
+    # Persisted, classes by name: a restart keeps them; a model without the class shows why
+    # the stream cannot start, and a PATCH with parameters that fit starts it.
+    again = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await again.start()
+    try:
+        (listed,) = again.list()
+        assert listed["detect"]["max_det"] == 1
+        await again.set_params(sid, bottles)
+    finally:
+        await again.stop(10)
+    store = StreamStore(tmp_path / "data")
+    store.set_detect(sid, json.dumps({"classes": ["unicorn"]}))
+    third = StreamManager(pool, store, options)
+    await third.start()
+    try:
+        (failed,) = third.list()
+        assert failed["state"] == StreamState.FAILED
+        assert "unknown class name 'unicorn'" in failed["last_error"]
+        await third.set_params(sid, bottles)
+        assert await third.wait_state(sid, {StreamState.LIVE}, 30)
+        assert (await _frames_from(third, sid, 0, 1))[0].detections is not None
+    finally:
+        await third.stop(10)

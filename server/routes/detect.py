@@ -12,7 +12,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from starlette.datastructures import UploadFile
 
 from engines.batching import DeadlineExceeded, PoolClosed, QueueFull
-from engines.types import DetectParams
+from engines.types import DetectParams, class_ids
 from server.admission import AdmissionTicket
 from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_image
 from server.metrics import get_metrics
@@ -26,23 +26,10 @@ def parse_classes(raw: str | None, names: Mapping[int, str]) -> frozenset[int] |
     """``"0,car,5"`` to class ids; raises HTTP 422 naming the unknown entry."""
     if raw is None or not raw.strip():
         return None
-    by_name = {name.lower(): cid for cid, name in names.items()}
-    ids: set[int] = set()
-    for token in (t.strip() for t in raw.split(",")):
-        if not token:
-            continue
-        if token.lstrip("-").isdigit():
-            cid = int(token)
-            if cid not in names:
-                raise HTTPException(
-                    422, f"classes: unknown class id {cid}; this model has ids 0..{len(names) - 1}"
-                )
-            ids.add(cid)
-        elif token.lower() in by_name:
-            ids.add(by_name[token.lower()])
-        else:
-            raise HTTPException(422, f"classes: unknown class name {token!r}; see GET /model")
-    return frozenset(ids)
+    try:
+        return class_ids(raw.split(","), names)
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
 
 
 async def read_body_capped(request: Request, limit: int) -> bytes:

@@ -1,4 +1,8 @@
-"""Stream control API (DESIGN §4): ``POST/GET /streams``, ``GET/DELETE /streams/{id}``.
+"""Stream control API (DESIGN §4): ``POST/GET /streams``, ``GET/PATCH/DELETE /streams/{id}``.
+
+Each stream carries its own detection parameters (``conf``, ``iou``, ``classes``,
+``max_det``: those of ``POST /detect``), set when it is added and changed by ``PATCH``
+without reopening the camera; they are persisted with the stream, classes by name.
 
 An unreachable camera is accepted (it shows up as ``reconnecting`` with its last error);
 a malformed URL or a source that is not allowed is a 422.
@@ -7,13 +11,14 @@ a malformed URL or a source that is not allowed is a 422.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from engines.pool import EnginePool
+from engines.types import DetectParams, class_ids
 from server.settings import Settings
 from server.state import get_state
 from streams.manager import ManagerClosed, ManagerOptions, StreamLimitError, StreamManager
@@ -28,7 +33,38 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-class StreamIn(BaseModel):
+class DetectIn(BaseModel):
+    """A stream's detection parameters: those of ``POST /detect``'s query, same defaults."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, not ignored
+
+    conf: Annotated[float, Field(ge=0.0, le=1.0, description="minimum confidence")] = 0.25
+    iou: Annotated[float, Field(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7
+    classes: Annotated[
+        list[int | str] | str | None,
+        Field(description="class ids or names, a list or a comma string; null: every class"),
+    ] = None
+    max_det: Annotated[int, Field(ge=1, le=1000, description="most detections")] = 300
+
+    def params(self, names: Mapping[int, str], current: DetectParams) -> DetectParams:
+        """``current`` with the fields this body set; HTTP 422 for a class the model lacks."""
+        given = self.model_fields_set
+        classes = current.classes
+        if "classes" in given:
+            raw = self.classes.split(",") if isinstance(self.classes, str) else self.classes
+            try:
+                classes = None if raw is None else class_ids(raw, names)
+            except ValueError as exc:
+                raise HTTPException(422, str(exc)) from None
+        return DetectParams(
+            conf=self.conf if "conf" in given else current.conf,
+            iou=self.iou if "iou" in given else current.iou,
+            classes=classes,
+            max_det=self.max_det if "max_det" in given else current.max_det,
+        )
+
+
+class StreamIn(DetectIn):
     """Body of ``POST /streams``."""
 
     url: Annotated[
@@ -57,8 +93,11 @@ def get_manager(request: Request) -> StreamManager:
 @router.post("/streams", status_code=201)
 async def add_stream(body: StreamIn, request: Request) -> dict[str, Any]:
     manager = get_manager(request)
+    params = body.params(get_state(request).pool.engine.names, DetectParams())
     try:
-        return await manager.add(body.url, body.name, body.max_fps, body.transport, body.loop)
+        return await manager.add(
+            body.url, body.name, body.max_fps, body.transport, body.loop, params=params
+        )
     except SourceError as exc:
         raise HTTPException(422, f"url: {exc}") from None
     except StreamLimitError as exc:
@@ -76,6 +115,20 @@ async def list_streams(request: Request) -> dict[str, Any]:
 async def get_stream(stream_id: str, request: Request) -> dict[str, Any]:
     info = get_manager(request).describe(stream_id)
     if info is None:
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    return info
+
+
+@router.patch("/streams/{stream_id}")
+async def update_stream(stream_id: str, body: DetectIn, request: Request) -> dict[str, Any]:
+    """Change a stream's detection parameters (only the fields given) from its next frame."""
+    manager = get_manager(request)
+    current = manager.params(stream_id)
+    if current is None:
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    params = body.params(get_state(request).pool.engine.names, current)
+    info = await manager.set_params(stream_id, params)
+    if info is None:  # removed meanwhile
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
     return info
 
