@@ -254,12 +254,13 @@ def live_server(
     srv.stop()
 
 
-def add_stream_in_page(pg: Page, url: str, name: str) -> str:
-    """Adds a stream with the page's form; returns its id from the row that appears."""
-    pg.fill('#add-stream input[name="url"]', url)
-    pg.fill('#add-stream input[name="name"]', name)
+def add_stream_in_page(pg: Page, url: str, name: str, **fields: str) -> str:
+    """Adds a stream with the page's form (optional ``fields`` such as ``classes``); returns
+    its id from the row that appears."""
+    for field, value in {"url": url, "name": name, **fields}.items():
+        pg.fill(f'#add-stream input[name="{field}"]', value)
     pg.click('#add-stream button[type="submit"]')
-    row = pg.locator("#stream-rows tr", has=pg.locator("td.name", has_text=name))
+    row = pg.locator("#stream-rows tr", has=pg.locator(".name", has_text=name))
     expect(row).to_have_count(1)
     stream_id = row.get_attribute("data-id")
     assert stream_id
@@ -310,9 +311,23 @@ def test_live_stream_boxes_errors_grid_and_reconnect(
         path=artifacts / "viewer-live-tile.png"
     )
 
-    # A broken camera: accepted, shown with its error in the list and the page.
+    expect(car_row.locator(".objects")).to_have_text("all ≥ 0.25")
+
+    # A class the model lacks: the server's 422 is shown, nothing is added.
     dead_url = f"rtsp://127.0.0.1:{free_port()}/nothing"
-    broken = add_stream_in_page(pg, dead_url, "broken")
+    pg.fill('#add-stream input[name="url"]', dead_url)
+    pg.fill('#add-stream input[name="classes"]', "car,unicorn")
+    pg.click('#add-stream button[type="submit"]')
+    expect(pg.locator('#errors [data-key="add"]')).to_contain_text("unknown class name 'unicorn'")
+    expect(pg.locator("#stream-rows tr")).to_have_count(1)
+
+    # A broken camera: accepted, shown with its error in the list and the page; its own
+    # classes and confidence, from the form, in the list.
+    broken = add_stream_in_page(pg, dead_url, "broken", classes="truck, Car", conf="0.4")
+    expect(pg.locator('#errors [data-key="add"]')).to_have_count(0)
+    expect(pg.locator(f'#stream-rows tr[data-id="{broken}"] .objects')).to_have_text(
+        "car, truck ≥ 0.40"
+    )
     broken_error = pg.locator(f'#errors [data-key="stream:{broken}"]')
     expect(broken_error).to_contain_text("Stream broken: reconnecting")
     expect(pg.locator(f'#stream-rows tr[data-id="{broken}"]')).to_have_attribute(

@@ -402,6 +402,13 @@ function streamProblem(stream) {
   return `${stream.state ?? "error"}: ${error}`;
 }
 
+function streamObjects(stream) {
+  const detect = stream.detect;
+  if (!detect) return "–";
+  const classes = detect.classes === null ? "all" : detect.classes.join(", ");
+  return `${classes} ≥ ${Number(detect.conf).toFixed(2)}`;
+}
+
 function renderStreams(list) {
   const rows = $("#stream-rows");
   const seen = new Set();
@@ -412,7 +419,8 @@ function renderStreams(list) {
     if (!row) {
       row = document.createElement("tr");
       row.dataset.id = stream.id;
-      row.innerHTML = `<td><input type="checkbox" class="watch"></td><td class="name"></td>
+      row.innerHTML = `<td><input type="checkbox" class="watch"></td>
+        <td><span class="name"></span><small class="objects muted"></small></td>
         <td class="state"></td><td class="fps"></td>
         <td><button type="button" class="remove">Remove</button></td>`;
       $(".watch", row).addEventListener("change", (e) => setWatched(stream.id, e.target.checked));
@@ -427,6 +435,8 @@ function renderStreams(list) {
     $(".remove", row).setAttribute("aria-label", `remove ${name}`);
     $(".state", row).textContent = stream.state ?? "?";
     $(".fps", row).textContent = streamFps(stream);
+    $(".objects", row).textContent = streamObjects(stream);
+    $(".objects", row).title = "classes and minimum confidence detected on this stream";
     const problem = streamProblem(stream);
     if (problem) {
       row.dataset.error = problem;
@@ -504,6 +514,10 @@ async function addStream(event) {
   if (name) body.name = name;
   const maxFps = String(data.get("max_fps") ?? "").trim();
   if (maxFps) body.max_fps = Number(maxFps);
+  const classes = String(data.get("classes") ?? "").trim();
+  if (classes) body.classes = classes;
+  const conf = String(data.get("conf") ?? "").trim();
+  if (conf) body.conf = Number(conf);
   try {
     const resp = await api("/streams", {
       method: "POST",
