@@ -57,12 +57,12 @@ class DetectParams:
         Raises:
             ValueError: a value out of range or a class this model does not have.
         """
-        classes = data.get("classes")
+        classes, default = data.get("classes"), cls()
         return cls(
-            conf=float(data.get("conf", 0.25)),
-            iou=float(data.get("iou", 0.7)),
+            conf=float(data.get("conf", default.conf)),
+            iou=float(data.get("iou", default.iou)),
             classes=None if classes is None else class_ids(classes, names),
-            max_det=int(data.get("max_det", 300)),
+            max_det=int(data.get("max_det", default.max_det)),
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-def parse_classes(raw: str | None, names: Mapping[int, str]) -> frozenset[int] | None:
-    """``"0,car,5"`` to class ids; raises HTTP 422 naming the unknown entry."""
-    if raw is None or not raw.strip():
+def parse_classes(
+    raw: str | Sequence[str | int] | None, names: Mapping[int, str]
+) -> frozenset[int] | None:
+    """``"0,car,5"`` (or a list of ids and names) to class ids, None (every class) for None or a
+    blank string; raises HTTP 422 naming the unknown entry."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
         return None
     try:
-        return class_ids(raw.split(","), names)
+        return class_ids(raw.split(",") if isinstance(raw, str) else raw, names)
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
 

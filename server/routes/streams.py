@@ -18,7 +18,8 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from engines.pool import EnginePool
-from engines.types import DetectParams, class_ids
+from engines.types import DetectParams
+from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
 from streams.manager import ManagerClosed, ManagerOptions, StreamLimitError, StreamManager
@@ -49,17 +50,10 @@ class DetectIn(BaseModel):
     def params(self, names: Mapping[int, str], current: DetectParams) -> DetectParams:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks."""
         given = self.model_fields_set
-        classes = current.classes
-        if "classes" in given:
-            raw = self.classes.split(",") if isinstance(self.classes, str) else self.classes
-            try:
-                classes = None if raw is None else class_ids(raw, names)
-            except ValueError as exc:
-                raise HTTPException(422, str(exc)) from None
         return DetectParams(
             conf=self.conf if "conf" in given else current.conf,
             iou=self.iou if "iou" in given else current.iou,
-            classes=classes,
+            classes=parse_classes(self.classes, names) if "classes" in given else current.classes,
             max_det=self.max_det if "max_det" in given else current.max_det,
         )
 
