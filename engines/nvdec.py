@@ -75,46 +75,34 @@ def nv12_to_rgb(luma: Any, chroma: Any, colorspace: int = 0) -> Any:
     return rgb.round_().clamp_(0, 255).to(torch.uint8)
 
 
-class VideoDecoder:
-    """Decode a video file or URL into RGB frames, on the GPU when asked and possible.
-
-    Iterating yields numpy ``(H, W, 3)`` uint8 arrays (CPU decode) or torch ``(H, W, 3)``
-    uint8 tensors on the GPU (NVDEC). Engines accept both.
+class GpuDecode:
+    """How one source decodes: the ``hwaccel`` to open it with, and decoded frames to images.
 
     Args:
-        source: path or URL PyAV can open.
         device: ``cuda``/``cuda:N`` to try NVDEC, ``cpu`` to decode on the CPU.
-        options: FFmpeg options for ``av.open`` (e.g. ``rtsp_transport``).
+
+    Attributes:
+        on_gpu: NVDEC is used; frames become ``(H, W, 3)`` uint8 torch tensors on the GPU.
+        reason: why not, when ``on_gpu`` is false.
     """
 
-    def __init__(
-        self, source: str | Path, device: str = "cpu", options: dict[str, str] | None = None
-    ) -> None:
-        self.source = str(source)
-        self._options = options or {}
+    def __init__(self, device: str = "cpu") -> None:
         self.reason = "CPU decode requested" if device == "cpu" else nvdec_unavailable(device)
         self.on_gpu = self.reason is None
         self._device_index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+
+    def hwaccel(self) -> Any | None:
+        """The ``hwaccel`` argument of ``av.open``: None on the CPU."""
         if not self.on_gpu:
-            log.info("video %s: decoding on the CPU (%s)", self.source, self.reason)
+            return None
+        from av.codec.hwaccel import HWAccel
 
-    def __iter__(self) -> Iterator[Image | Any]:
-        import av
+        return HWAccel(
+            "cuda", device=self._device_index, allow_software_fallback=True, is_hw_owned=True
+        )
 
-        hwaccel = None
-        if self.on_gpu:
-            from av.codec.hwaccel import HWAccel
-
-            hwaccel = HWAccel(
-                "cuda", device=self._device_index, allow_software_fallback=True, is_hw_owned=True
-            )
-        with av.open(self.source, options=self._options, hwaccel=hwaccel) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            for frame in container.decode(stream):
-                yield self._convert(frame)
-
-    def _convert(self, frame: Any) -> Image | Any:
+    def convert(self, frame: Any) -> Image | Any:
+        """A decoded ``av.VideoFrame`` as RGB: a numpy array, or a GPU tensor from NVDEC."""
         if self.on_gpu and frame.format.name == "cuda":
             import torch
             from torch.utils.dlpack import from_dlpack
@@ -132,3 +120,37 @@ class VideoDecoder:
             return on_device
         rgb: Image = np.ascontiguousarray(frame.to_ndarray(format="rgb24"))
         return rgb
+
+
+class VideoDecoder:
+    """Decode a video file or URL into RGB frames, on the GPU when asked and possible.
+
+    Iterating yields numpy ``(H, W, 3)`` uint8 arrays (CPU decode) or torch ``(H, W, 3)``
+    uint8 tensors on the GPU (NVDEC). Engines accept both.
+
+    Args:
+        source: path or URL PyAV can open.
+        device: ``cuda``/``cuda:N`` to try NVDEC, ``cpu`` to decode on the CPU.
+        options: FFmpeg options for ``av.open`` (e.g. ``rtsp_transport``).
+    """
+
+    def __init__(
+        self, source: str | Path, device: str = "cpu", options: dict[str, str] | None = None
+    ) -> None:
+        self.source = str(source)
+        self._options = options or {}
+        self._decode = GpuDecode(device)
+        self.reason = self._decode.reason
+        self.on_gpu = self._decode.on_gpu
+        if not self.on_gpu:
+            log.info("video %s: decoding on the CPU (%s)", self.source, self.reason)
+
+    def __iter__(self) -> Iterator[Image | Any]:
+        import av
+
+        hwaccel = self._decode.hwaccel()
+        with av.open(self.source, options=self._options, hwaccel=hwaccel) as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for frame in container.decode(stream):
+                yield self._decode.convert(frame)

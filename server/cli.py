@@ -148,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            print(f"streamdet: --{loc.replace('_', '-')}: {err['msg']}", file=sys.stderr)
+            where = f"--{loc.replace('_', '-')}: " if loc else ""  # a rule across settings
+            print(f"streamdet: {where}{err['msg']}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     if args.command == "serve":

@@ -36,6 +36,11 @@ class Settings(BaseSettings):
     )
     backend: str = Field("onnxruntime", description="onnxruntime | torch | tensorrt")
     device: str = Field("cpu", description="cpu, cuda or cuda:N (GPU backends)")
+    decode: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="stream video decode: cpu, or cuda (NVDEC on --device, frames stay on the"
+        " GPU; GPU backends only; falls back to cpu where NVDEC is unavailable)",
+    )
     imgsz: int = Field(640, ge=32, le=4096, description="engine input size in pixels")
     max_batch: int = Field(
         0,
@@ -138,6 +143,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _backend_batch(self) -> Settings:
+        if self.decode == "cuda" and (
+            self.backend == "onnxruntime" or not self.device.startswith("cuda")
+        ):
+            raise ValueError(
+                "decode cuda keeps frames on the GPU for a GPU engine: it needs --backend torch"
+                " or tensorrt with --device cuda[:N] (setting STREAMDET_DECODE / --decode)"
+            )
         # On a CPU a batch buys no throughput for single-thread workers (yolov8n, 2 cores,
         # 2 workers x 1 thread, 8 clients: 21.15 img/s at batch 1, 20.9 at 2) but couples
         # latencies: the first image of a batch of 2 waits for the second (idle 98 ms with

@@ -31,7 +31,7 @@ class ProcessedFrame:
         pts: presentation time in seconds from the source, if it has one.
         captured_at: wall-clock time (epoch seconds) when the frame was decoded.
         decoded_mono: ``time.monotonic()`` at decode, for latency.
-        image: the RGB frame that was run.
+        image: the RGB frame that was run (a torch tensor on the GPU when NVDEC decoded it).
         detections: its detections.
         batch_size: size of the engine batch it ran in.
         latency_ms: decode to publication, set when published.

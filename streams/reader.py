@@ -18,12 +18,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
 from engines.types import DetectParams, Image
 from streams.fanout import ProcessedFrame
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
+
+if TYPE_CHECKING:
+    from engines.nvdec import GpuDecode
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ class ReaderOptions:
     max_attempts: int = 0
     frame_deadline_ms: float = 1000.0
     max_pixels: int = 50_000_000
+    decode_device: str = "cpu"
+    """``cuda``/``cuda:N``: NVDEC, frames stay on the GPU (GPU backends only); else CPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,15 @@ class StreamReader:
         self._frame_no = 0
         self.params = config.params
         """Parameters of the next frames; one reference swap, read by the decode thread."""
+        self._gpu_decode: GpuDecode | None = None  # CPU decode imports no GPU code
+        if options.decode_device != "cpu":
+            from engines.nvdec import GpuDecode
+
+            self._gpu_decode = GpuDecode(options.decode_device)
+            if not self._gpu_decode.on_gpu:
+                log.warning(
+                    "stream %s: decoding on the CPU: %s", config.id, self._gpu_decode.reason
+                )
 
     # ---- control -----------------------------------------------------------------------
     def start(self) -> None:
@@ -192,6 +206,7 @@ class StreamReader:
                 else round(self.last_latency_ms, 2),
                 "width": self.width,
                 "height": self.height,
+                "decode": "cuda" if self._gpu_decode and self._gpu_decode.on_gpu else "cpu",
             }
 
     # ---- thread ------------------------------------------------------------------------
@@ -266,6 +281,7 @@ class StreamReader:
             spec.target,
             options=open_options(spec),
             timeout=(self._opt.open_timeout_s, self._opt.read_timeout_s),
+            hwaccel=self._gpu_decode.hwaccel() if self._gpu_decode else None,
         )
         try:
             if not container.streams.video:
@@ -315,7 +331,10 @@ class StreamReader:
                         self.skipped += 1
                     continue
                 last_sent = now
-                self._offer(frame.to_ndarray(format="rgb24"), pts, now)
+                if self._gpu_decode is None:
+                    self._offer(frame.to_ndarray(format="rgb24"), pts, now)
+                else:
+                    self._offer(self._gpu_decode.convert(frame), pts, now)
         return got
 
     def _count_in(self, now: float, width: int, height: int) -> None:

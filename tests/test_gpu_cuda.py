@@ -7,6 +7,7 @@ Skipped where no GPU is visible; ``scripts/gpu_check.sh`` runs them on the GPU m
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,11 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from engines.nvdec import VideoDecoder
+from engines.nvdec import VideoDecoder, nvdec_unavailable
+from engines.pool import EnginePool
 from engines.registry import EngineConfig
 from engines.torch_cuda import TorchEngine, checkpoint_info
 from engines.types import Detections, DetectParams
+from server.routes.viewer import encode_jpeg
+from streams.fanout import ProcessedFrame
 from streams.files import iter_video_frames, load_image, sample_video_frames
+from streams.manager import ManagerOptions, StreamManager
+from streams.reader import ReaderOptions
+from streams.store import StreamStore
 from tests.helpers import (
     CACHE_DIR,
     MODEL_PT,
@@ -35,8 +42,8 @@ pytestmark = [
 ]
 
 
-def _engine(device: str, model: Path, use_graphs: bool = True) -> TorchEngine:
-    config = EngineConfig(
+def _config(device: str, model: Path) -> EngineConfig:
+    return EngineConfig(
         model=checkpoint_info(model),
         imgsz=640,
         max_batch=8,
@@ -45,7 +52,10 @@ def _engine(device: str, model: Path, use_graphs: bool = True) -> TorchEngine:
         cache_dir=CACHE_DIR,
         source=model,
     )
-    engine = TorchEngine(config, use_graphs=use_graphs)
+
+
+def _engine(device: str, model: Path, use_graphs: bool = True) -> TorchEngine:
+    engine = TorchEngine(_config(device, model), use_graphs=use_graphs)
     engine.load()
     return engine
 
@@ -132,3 +142,46 @@ def test_nvdec_frames_match_cpu_decode() -> None:
         assert isinstance(g, torch.Tensor) and g.is_cuda
         diff = np.abs(g.cpu().numpy().astype(int) - w.astype(int))
         assert diff.mean() < 2.0, diff.mean()
+
+
+def test_live_stream_decodes_on_nvdec_into_the_torch_engine(model: Path, tmp_path: Path) -> None:
+    """``streamdet serve --decode cuda``: a stream's frames stay on the GPU from NVDEC to
+    the engine; detections come back and a JPEG preview still encodes. (Sync, running its own
+    loop: the GPU image's pytest has no asyncio plugin.)"""
+    if (reason := nvdec_unavailable()) is not None:
+        pytest.skip(f"NVDEC not usable here: {reason}")
+    config = _config("cuda", model)
+    pool = EnginePool(
+        lambda: TorchEngine(config), workers=1, max_batch=8, max_wait_ms=2, max_queue=8
+    )
+    pool.start()
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5, decode_device="cuda"),
+        allowed_file_dir=VIDEOS[0].parent,
+    )
+
+    async def run() -> tuple[list[ProcessedFrame], str]:
+        manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+        await manager.start()
+        try:
+            info = await manager.add(f"file://{VIDEOS[0]}")
+            sub = manager.subscribe(info["id"])
+            assert sub is not None
+            frames: list[ProcessedFrame] = []
+            while len(frames) < 10:
+                item = await asyncio.wait_for(sub.get(), 60)
+                assert isinstance(item, ProcessedFrame), item
+                frames.append(item)
+            return frames, (manager.describe(info["id"]) or {}).get("decode", "")
+        finally:
+            await manager.stop(10)
+
+    try:
+        frames, decode = asyncio.run(run())
+    finally:
+        pool.stop(5)
+    assert decode == "cuda"
+    assert all(isinstance(f.image, torch.Tensor) and f.image.is_cuda for f in frames)
+    assert sum(len(f.detections) for f in frames) > 0
+    jpeg, width, _ = encode_jpeg(frames[-1].image, 640, 70)
+    assert jpeg[:2] == b"\xff\xd8" and width == 640

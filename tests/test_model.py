@@ -155,3 +155,8 @@ def test_serve_rejects_bad_flags() -> None:
     proc = run_serve("--backend", "magic")
     assert proc.returncode == 2
     assert "unknown backend 'magic'" in proc.stderr
+    for flags in (("--decode", "cuda"), ("--decode", "cuda", "--backend", "torch")):
+        proc = run_serve(*flags)
+        assert proc.returncode == 2
+        assert "needs --backend torch or tensorrt with --device cuda" in proc.stderr
+        assert "STREAMDET_DECODE" in proc.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engines.nvdec import nvdec_unavailable
 from engines.pool import EnginePool
 from engines.types import Detections, DetectParams, ModelInfo
 from streams.fanout import Closed, ProcessedFrame, Subscriber
@@ -284,3 +285,23 @@ async def test_each_stream_has_its_own_detection_parameters(
         assert (await _frames_from(third, sid, 0, 1))[0].detections is not None
     finally:
         await third.stop(10)
+
+
+@pytest.mark.skipif(nvdec_unavailable() is None, reason="NVDEC here: tests/test_gpu_cuda.py")
+async def test_gpu_decode_falls_back_to_the_cpu_where_nvdec_is_missing(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5, decode_device="cuda"),
+        allowed_file_dir=VIDEOS[0].parent,
+    )
+    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await manager.start()
+    try:
+        info = await manager.add(f"file://{VIDEOS[0]}", max_fps=5.0)
+        (frame,) = await _frames_from(manager, info["id"], 0, 1)
+        assert isinstance(frame.image, np.ndarray)  # decoded on the CPU, run all the same
+        described = manager.describe(info["id"])
+        assert described is not None and described["decode"] == "cpu"
+    finally:
+        await manager.stop(10)

@@ -160,6 +160,7 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         max_attempts=settings.reconnect_max_attempts,
         frame_deadline_ms=settings.stream_frame_deadline_ms,
         max_pixels=settings.max_image_pixels,
+        decode_device=settings.device if settings.decode == "cuda" else "cpu",
     )
     options = ManagerOptions(
         reader=reader,

@@ -150,6 +150,8 @@ def encode_jpeg(image: Image, max_width: int, quality: int) -> tuple[bytes, int,
     Runs in a worker thread (OpenCV releases the GIL). Returns the bytes and the JPEG's
     width and height.
     """
+    if not isinstance(image, np.ndarray):  # NVDEC's GPU tensor: a preview needs host pixels
+        image = np.ascontiguousarray(image.cpu().numpy())
     height, width = image.shape[:2]
     if width > max_width:
         height = max(1, round(height * max_width / width))
