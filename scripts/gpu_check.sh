@@ -12,11 +12,14 @@
 # benchmarks/results/. The GPU image is assumed to hold Python 3.12, torch (CUDA), numpy,
 # opencv, pillow, pyyaml, nvidia-ml-py and pytest; PyAV and Ultralytics travel as wheels.
 #
-# CI runs the bench harness on the CPU (tests/test_gpu_bench.py: prepare, then run --device cpu).
-# Rehearsed 2026-11-30 in a venv holding only the GPU image's packages (torch, numpy, opencv,
-# pillow, pyyaml, matplotlib, scipy, requests, psutil, pytest, nvidia-ml-py; no polars, no
-# ultralytics-thop, no pydantic) plus the carried wheels: the CUDA tests collect (and skip
-# there), and `gpu_bench run --device cpu` writes a full report.
+#   bash scripts/gpu_check.sh rehearse  # here, before spending device time: the same run on the
+#                                       # CPU, in a venv holding only the GPU image's packages
+#                                       # (its list: the device tool's KINDS.md) with this
+#                                       # checkout's torch linked in: a module the image lacks
+#                                       # (fastapi, pydantic, polars, ...) fails here, not there
+#
+# CI runs the bench harness on the CPU too (tests/test_gpu_bench.py). What travels (.whl, .gpu
+# and the checkout) is about 61 MB of the device tool's 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${STREAMDET_SHARED_DIR:-../shared}
@@ -39,23 +42,54 @@ if [ "${1:-run}" = prepare ]; then
   exit 0
 fi
 
+if [ "${1:-run}" = rehearse ]; then
+  PY=${PY:-.venv/bin/python}
+  [ -f .gpu/cpu_reference.json ] && [ -d .whl ] || bash "$0" prepare
+  venv=${REHEARSE_VENV:-/tmp/streamdet-rehearse}
+  if [ ! -x "$venv/bin/python" ]; then
+    base=$("$PY" -c 'import sys; print(sys._base_executable)')
+    "$base" -m venv "$venv"
+    site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    mkdir -p "$venv/torch-farm"
+    # The packages and their metadata (Ultralytics reads torchvision's version from it).
+    for entry in "$site"/{torch,torchvision,torchgen,functorch,nvidia,cuda,triton,sympy,mpmath} \
+      "$site"/{networkx,jinja2,markupsafe,filelock,fsspec,typing_extensions}* \
+      "$site"/{torch,torchvision,triton,sympy,mpmath}-*.dist-info \
+      "$site"/nvidia_[cn]*.dist-info "$site"/cuda_*.dist-info; do
+      [ -e "$entry" ] && ln -sfn "$entry" "$venv/torch-farm/"
+    done
+    echo "$venv/torch-farm" >"$own/torch-farm.pth"
+    "$venv/bin/python" -m pip install -q numpy opencv-python-headless pillow pyyaml matplotlib \
+      scipy requests psutil pytest nvidia-ml-py
+  fi
+  PATH="$venv/bin:$PATH" GPU_CHECK_DEVICE=cpu GPU_CHECK_SITE=/tmp/streamdet-rehearse-site \
+    OUT=${OUT:-/tmp/streamdet-rehearse-out} \
+    GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4" \
+    bash "$0" run
+  exit $?
+fi
+
+device=${GPU_CHECK_DEVICE:-cuda}
+site_dir=${GPU_CHECK_SITE:-/tmp/streamdet-site}
 start=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/streamdet-site .whl/*.whl
-export PYTHONPATH="/tmp/streamdet-site:$PWD" PYTHONUNBUFFERED=1
+  --target "$site_dir" .whl/*.whl
+export PYTHONPATH="$site_dir:$PWD" PYTHONUNBUFFERED=1 STREAMDET_GPU_TEST_DEVICE=$device
 export STREAMDET_SHARED_DIR="$PWD/.gpu" YOLO_OFFLINE=true YOLO_AUTOINSTALL=false
 out_dir=${OUT:-benchmarks/results}
 mkdir -p "$out_dir"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import torch, av; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'gpu', torch.cuda.get_device_name(0), 'pyav', av.__version__)"
+'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(0), 'pyav', av.__version__)"
 # -c /dev/null: the project's pytest config names plugins (pytest-asyncio) the GPU image lacks.
 set +e
 timeout 150 python3 -m pytest -q -c /dev/null -p no:cacheprovider --rootdir . \
   tests/test_gpu_cuda.py 2>&1 | tee "$out_dir/gpu-pytest.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
-timeout 200 python3 -m benchmarks.gpu_bench run --data .gpu --out-dir "$out_dir" \
-  --streams 32 --fps 30 --seconds 15 --engine-seconds 3
+# shellcheck disable=SC2086  # GPU_CHECK_BENCH is a list of flags
+timeout 200 python3 -m benchmarks.gpu_bench run --data .gpu --out-dir "$out_dir" --device "$device" \
+  ${GPU_CHECK_BENCH:---streams 32 --fps 30 --seconds 15 --engine-seconds 3}
 echo "gpu tests exit $tests_rc; total $(( $(date +%s) - start )) s"
 exit "$tests_rc"

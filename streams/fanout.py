@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from engines.types import Detections, Image
 
 WS_NORMAL = 1000
@@ -60,6 +62,13 @@ class ProcessedFrame:
             "detections": self.detections.to_json(),
             "latency_ms": round(self.latency_ms, 2),
         }
+
+    def host_image(self) -> Image:
+        """``image`` as a host array: a GPU frame (NVDEC) is copied down, e.g. for a JPEG."""
+        if isinstance(self.image, np.ndarray):
+            return self.image
+        host: Image = np.ascontiguousarray(self.image.cpu().numpy())
+        return host
 
     def json_text(self) -> str:
         """The message as JSON text, built once and shared by every subscriber."""

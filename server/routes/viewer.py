@@ -119,7 +119,7 @@ class JpegFrames:
     async def send(self, websocket: WebSocket, frame: ProcessedFrame) -> None:
         """Send ``frame``'s JSON (with a ``"jpeg"`` member) and then its JPEG."""
         jpeg, width, height = await asyncio.to_thread(
-            encode_jpeg, frame.image, self.max_width, self.quality
+            encode_jpeg, frame.host_image(), self.max_width, self.quality
         )
         message = frame.to_message()
         message["jpeg"] = {"width": width, "height": height, "bytes": len(jpeg)}
@@ -150,8 +150,6 @@ def encode_jpeg(image: Image, max_width: int, quality: int) -> tuple[bytes, int,
     Runs in a worker thread (OpenCV releases the GIL). Returns the bytes and the JPEG's
     width and height.
     """
-    if not isinstance(image, np.ndarray):  # NVDEC's GPU tensor: a preview needs host pixels
-        image = np.ascontiguousarray(image.cpu().numpy())
     height, width = image.shape[:2]
     if width > max_width:
         height = max(1, round(height * max_width / width))
