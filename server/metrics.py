@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Request, Response
@@ -79,6 +79,9 @@ class StreamSample:
         frames_processed: frames run through the engine since the stream was added.
         drops: frames replaced by a newer one before the engine took them.
         reconnects: times the source was reopened after a failure.
+        frames_failed: frames the engine failed on (each also logged).
+        detections: detections since the stream was added, by class name.
+        objects: detections in the last processed frame, by class name.
     """
 
     stream_id: str
@@ -88,6 +91,9 @@ class StreamSample:
     frames_processed: int
     drops: int
     reconnects: int
+    frames_failed: int = 0
+    detections: Mapping[str, int] = field(default_factory=dict)
+    objects: Mapping[str, int] = field(default_factory=dict)
 
 
 StreamSource = Callable[[], Iterable[StreamSample]]
@@ -210,7 +216,22 @@ class _ScrapeCollector(Collector):
                 "Times the source was reopened after a failure",
                 labels=["stream"],
             ),
+            "frames_failed": CounterMetricFamily(
+                "streamdet_stream_frames_failed",
+                "Frames the engine failed on",
+                labels=["stream"],
+            ),
         }
+        detections = CounterMetricFamily(
+            "streamdet_stream_detections",
+            "Detections per stream and class since the stream was added",
+            labels=["stream", "class"],
+        )
+        objects = GaugeMetricFamily(
+            "streamdet_stream_objects",
+            "Detections per stream and class in its last processed frame (classes seen so far)",
+            labels=["stream", "class"],
+        )
         for s in samples:
             fps.add_metric([s.stream_id, "in"], s.fps_in)
             fps.add_metric([s.stream_id, "processed"], s.fps_processed)
@@ -218,8 +239,14 @@ class _ScrapeCollector(Collector):
             counters["frames_processed"].add_metric([s.stream_id], s.frames_processed)
             counters["frames_dropped"].add_metric([s.stream_id], s.drops)
             counters["reconnects"].add_metric([s.stream_id], s.reconnects)
+            counters["frames_failed"].add_metric([s.stream_id], s.frames_failed)
+            for name, count in s.detections.items():
+                detections.add_metric([s.stream_id, name], count)
+                objects.add_metric([s.stream_id, name], s.objects.get(name, 0))
         yield fps
         yield from counters.values()
+        yield detections
+        yield objects
 
 
 class Metrics:

@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -145,6 +145,9 @@ class StreamReader:
         self.drops = 0
         self.skipped = 0
         self.reconnects = 0
+        self.failed = 0
+        self._detections: Counter[str] = Counter()  # by class name, since added
+        self._objects: dict[str, int] = {}  # by class name, in the last processed frame
         self.width = 0
         self.height = 0
         self.last_latency_ms: float | None = None
@@ -200,6 +203,9 @@ class StreamReader:
                 "drops": self.drops,
                 "skipped": self.skipped,
                 "reconnects": self.reconnects,
+                "frames_failed": self.failed,
+                "detections": dict(self._detections),
+                "objects": dict(self._objects),
                 "last_frame_age_s": None if age is None else round(age, 3),
                 "last_latency_ms": None
                 if self.last_latency_ms is None
@@ -369,13 +375,19 @@ class StreamReader:
                 with self._lock:
                     self.drops += 1
             elif not isinstance(result.error, PoolClosed):
+                with self._lock:
+                    self.failed += 1
                 log.warning(
                     "stream %s: frame %d failed: %s", self.config.id, pending.frame_no, result.error
                 )
             return
+        names = result.detections.names
+        objects = Counter(names.get(int(c), str(c)) for c in result.detections.class_ids)
         with self._lock:
             self.processed += 1
             self._fps_out.tick(time.monotonic())
+            self._detections.update(objects)
+            self._objects = dict(objects)
         if self._stop.is_set():
             return
         self._publish(

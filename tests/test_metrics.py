@@ -120,6 +120,9 @@ def test_stream_source_hook(client: TestClient) -> None:
                 frames_processed=100,
                 drops=150,
                 reconnects=2,
+                frames_failed=3,
+                detections={"car": 40, "person": 7},
+                objects={"car": 2},
             ),
         ]
     )
@@ -133,6 +136,12 @@ def test_stream_source_hook(client: TestClient) -> None:
     assert value(samples, "streamdet_stream_frames_processed_total", stream="cam1") == 100
     assert value(samples, "streamdet_stream_frames_dropped_total", stream="cam1") == 150
     assert value(samples, "streamdet_stream_reconnects_total", stream="cam1") == 2
+    assert value(samples, "streamdet_stream_frames_failed_total", stream="cam1") == 3
+    detections = "streamdet_stream_detections_total"
+    assert value(samples, detections, stream="cam1", **{"class": "car"}) == 40
+    assert value(samples, detections, stream="cam1", **{"class": "person"}) == 7
+    assert value(samples, "streamdet_stream_objects", stream="cam1", **{"class": "car"}) == 2
+    assert value(samples, "streamdet_stream_objects", stream="cam1", **{"class": "person"}) == 0
 
 
 def test_failing_stream_source_does_not_break_scrape(client: TestClient) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import closing
 from pathlib import Path
@@ -14,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engines.batching import WorkItem, WorkResult
 from engines.nvdec import nvdec_unavailable
 from engines.pool import EnginePool
 from engines.types import Detections, DetectParams, ModelInfo
 from streams.fanout import Closed, ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
-from streams.reader import ReaderOptions, StreamState
+from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
 from streams.store import StreamStore, new_record
 from tests.helpers import MESSAGE_KEYS, VIDEOS, start_ort_pool
@@ -248,6 +250,11 @@ async def test_each_stream_has_its_own_detection_parameters(
         assert dets, "the clip shows bottles"
         assert {d["class_name"] for d in dets} == {"bottle"}
         assert min(d["confidence"] for d in dets) >= 0.4
+        counted = manager.describe(sid)
+        assert counted is not None and counted["frames_failed"] == 0
+        assert set(counted["detections"]) == {"bottle"}  # counted by class, filter applied
+        assert counted["detections"]["bottle"] >= len(dets)
+        assert set(counted["objects"]) <= {"bottle"}
 
         # Changed while it runs, without reopening the source: later frames follow.
         one = DetectParams(conf=0.25, max_det=1)
@@ -305,3 +312,29 @@ async def test_gpu_decode_falls_back_to_the_cpu_where_nvdec_is_missing(
         assert described is not None and described["decode"] == "cpu"
     finally:
         await manager.stop(10)
+
+
+def test_frames_the_engine_fails_on_are_counted_and_the_stream_goes_on(tmp_path: Path) -> None:
+    failures: list[str] = []
+
+    def failing_engine(stream_id: str, item: WorkItem) -> None:
+        failures.append(item.request_id)
+        item.on_done(WorkResult(None, RuntimeError("engine fault"), 0.0, 0.0, 1))
+
+    spec = parse_source(f"file://{VIDEOS[0]}", VIDEOS[0].parent)
+    reader = StreamReader(
+        StreamConfig("s1", spec, max_fps=10.0), ReaderOptions(), failing_engine, lambda f: None
+    )
+    reader.start()
+    try:
+        assert reader.wait_state({StreamState.LIVE}, 30)
+        deadline = time.monotonic() + 30
+        while reader.snapshot()["frames_failed"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        snap = reader.snapshot()
+        assert snap["frames_failed"] >= 3 and snap["frames_processed"] == 0
+        assert snap["state"] == StreamState.LIVE  # a failing engine does not stop the stream
+        assert len(failures) >= snap["frames_failed"]
+    finally:
+        reader.stop()
+        assert reader.join(10)

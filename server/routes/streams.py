@@ -147,6 +147,9 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             frames_processed=info["frames_processed"],
             drops=info["drops"],
             reconnects=info["reconnects"],
+            frames_failed=info["frames_failed"],
+            detections=info["detections"],
+            objects=info["objects"],
         )
 
 
