@@ -1,16 +1,23 @@
-"""The JPEG frames the viewer asks for on ``WS /ws/streams/{id}?frames=jpeg`` (no browser)."""
+"""The JPEG frames the viewer asks for on ``WS /ws/streams/{id}?frames=jpeg``, and a stream's
+``latest.jpg`` (no browser)."""
 
 from __future__ import annotations
 
 import io
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
+from server.app import create_app
 from server.routes.viewer import JpegFrames, encode_jpeg
+from server.settings import Settings
 from streams.fanout import ProcessedFrame
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
 
 SOURCE_FPS = 12.5  # car-detection.mp4
 
@@ -97,3 +104,47 @@ def test_encode_scales_down_and_keeps_the_picture() -> None:
     small, w, h = encode_jpeg(frame.image, 1920, 80)
     assert (w, h) == (768, 432)  # never scaled up
     assert small[:2] == b"\xff\xd8"
+
+
+def _decode(data: bytes) -> np.ndarray:
+    return np.asarray(PILImage.open(io.BytesIO(data)).convert("RGB"), np.int16)
+
+
+def test_encode_draws_the_boxes_scaled_to_the_picture() -> None:
+    frame = frame_at(0.0)  # box 10,20 - 110,220 in a 768x432 frame
+    plain, _, _ = encode_jpeg(frame.image, 384, 90)
+    boxed, width, height = encode_jpeg(frame.image, 384, 90, frame.detections)
+    assert (width, height) == (384, 216)
+    diff = np.abs(_decode(boxed) - _decode(plain)).sum(axis=2)
+    changed = np.argwhere(diff > 60)
+    # Drawn at half scale: the box 5,10 - 55,110, its label just above it, nothing elsewhere.
+    ys, xs = changed[:, 0], changed[:, 1]
+    assert xs.min() >= 3 and xs.max() <= 80 and ys.min() >= 0 and ys.max() <= 112
+    assert diff[60, 54:57].max() > 60 and diff[60, 20:40].max() < 60  # right edge, not inside
+
+
+def test_latest_jpeg_of_a_stream(tmp_path: Path) -> None:
+    settings = Settings(
+        model=str(MODEL_PT),
+        cache_dir=CACHE_DIR,
+        data_dir=tmp_path / "data",
+        allowed_file_dir=VIDEOS[0].parent,
+        admission_deadline_ms=0,
+    )
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/streams/nope/latest.jpg").status_code == 404
+        sid = c.post("/streams", json={"url": f"file://{VIDEOS[0]}", "max_fps": 5}).json()["id"]
+        deadline = time.monotonic() + 60
+        while (resp := c.get(f"/streams/{sid}/latest.jpg")).status_code == 503:
+            assert resp.headers["retry-after"] == "1" and "no processed frame" in resp.text
+            assert time.monotonic() < deadline, resp.text
+            time.sleep(0.1)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["content-type"] == "image/jpeg"
+        assert resp.headers["cache-control"] == "no-store"
+        assert int(resp.headers["x-frame"]) >= 1 and int(resp.headers["x-detections"]) >= 0
+        assert _decode(resp.content).shape == (360, 640, 3)  # the clip's size, under 1920
+        small = c.get(f"/streams/{sid}/latest.jpg?max_width=320&boxes=false&quality=50")
+        assert small.status_code == 200 and _decode(small.content).shape == (180, 320, 3)
+        bad = c.get(f"/streams/{sid}/latest.jpg?max_width=10")
+        assert bad.status_code == 422 and "max_width" in bad.text

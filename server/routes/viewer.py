@@ -1,5 +1,7 @@
-"""``GET /``: the viewer page, the static files it loads from ``/static``, and the JPEG
-frames it asks for beside the JSON on ``WS /ws/streams/{id}?frames=jpeg`` (:class:`JpegFrames`).
+"""``GET /``: the viewer page, the static files it loads from ``/static``, the JPEG frames it
+asks for beside the JSON on ``WS /ws/streams/{id}?frames=jpeg`` (:class:`JpegFrames`), and
+``GET /streams/{id}/latest.jpg``: a stream's last processed frame with its boxes drawn (for
+dashboards, thumbnails and home-automation camera cards that poll a picture).
 
 The page is plain HTML, CSS and an ES module in ``server/static`` (shipped as package data), so
 it needs no build step and no internet: everything it loads comes from this server.
@@ -12,14 +14,16 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import cv2
 import numpy as np
-from fastapi import APIRouter, WebSocket
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, HTTPException, Query, Request, WebSocket
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from engines.types import Image
+from engines.types import Detections, Image
+from server.routes.streams import get_manager
 from streams.fanout import ProcessedFrame
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -144,8 +148,75 @@ def _number(
     return value
 
 
-def encode_jpeg(image: Image, max_width: int, quality: int) -> tuple[bytes, int, int]:
-    """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes.
+@router.get(
+    "/streams/{stream_id}/latest.jpg",
+    response_class=Response,
+    responses={200: {"content": {"image/jpeg": {}}}},
+)
+async def latest_jpeg(
+    stream_id: str,
+    request: Request,
+    *,
+    boxes: Annotated[bool, Query(description="draw the detections on the frame")] = True,
+    max_width: Annotated[int, Query(ge=32, le=3840, description="scale down wider frames")] = 1920,
+    quality: Annotated[int, Query(ge=10, le=95, description="JPEG quality")] = 80,
+) -> Response:
+    """The stream's last processed frame as a JPEG; its number, capture time and detection
+    count in ``X-Frame``, ``X-Captured-At`` and ``X-Detections``. ``503`` until the stream has
+    processed a frame (with its state), ``404`` for an unknown stream."""
+    manager = get_manager(request)
+    info = manager.describe(stream_id)
+    if info is None:
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    frame = manager.latest(stream_id)
+    if frame is None:
+        raise HTTPException(
+            503,
+            f"stream {stream_id!r} has no processed frame yet (state {info['state']})",
+            headers={"Retry-After": "1"},
+        )
+    detections = frame.detections if boxes else None
+    jpeg, _, _ = await asyncio.to_thread(
+        encode_jpeg, frame.host_image(), max_width, quality, detections
+    )
+    headers = {
+        "Cache-Control": "no-store",
+        "X-Frame": str(frame.frame),
+        "X-Captured-At": f"{frame.captured_at:.6f}",
+        "X-Detections": str(len(frame.detections)),
+    }
+    return Response(jpeg, media_type="image/jpeg", headers=headers)
+
+
+def _color(class_id: int) -> tuple[int, int, int]:
+    """A fixed, distinct BGR colour per class."""
+    hue = (class_id * 47) % 180
+    hsv = np.array([[[hue, 200, 255]]], np.uint8)
+    b, g, r = (int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)[0, 0])
+    return b, g, r
+
+
+def draw_detections(bgr: Image, detections: Detections, scale: float) -> None:
+    """Draw each box with its class name and confidence onto ``bgr`` (in place), boxes given in
+    source pixels and scaled by ``scale`` to the image."""
+    for box, score, cid in zip(
+        detections.boxes, detections.scores, detections.class_ids, strict=True
+    ):
+        x1, y1, x2, y2 = (round(float(v) * scale) for v in box)
+        color = _color(int(cid))
+        cv2.rectangle(bgr, (x1, y1), (x2, y2), color, 2)
+        label = f"{detections.names.get(int(cid), str(int(cid)))} {float(score):.2f}"
+        (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, 0.5, 1)
+        top = max(y1 - th - base - 2, 0)
+        cv2.rectangle(bgr, (x1, top), (x1 + tw + 4, top + th + base + 2), color, -1)
+        cv2.putText(bgr, label, (x1 + 2, top + th + 1), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1)
+
+
+def encode_jpeg(
+    image: Image, max_width: int, quality: int, detections: Detections | None = None
+) -> tuple[bytes, int, int]:
+    """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes, with
+    ``detections`` drawn on it when given.
 
     Runs in a worker thread (OpenCV releases the GIL). Returns the bytes and the JPEG's
     width and height.
@@ -160,7 +231,9 @@ def encode_jpeg(image: Image, max_width: int, quality: int) -> tuple[bytes, int,
         image = np.ascontiguousarray(
             cv2.resize(image, (width, height), interpolation=interpolation), dtype=np.uint8
         )
-    bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR)
+    bgr: Image = np.asarray(cv2.cvtColor(image, cv2.COLOR_RGB2BGR), np.uint8)
+    if detections is not None:
+        draw_detections(bgr, detections, width / detections.width if detections.width else 1.0)
     ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, quality])
     if not ok:
         raise RuntimeError(f"JPEG encoding failed for a {width}x{height} frame")
