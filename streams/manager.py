@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.pool import EnginePool
-from engines.types import DetectParams
+from streams.detect import StreamDetect
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
@@ -75,7 +75,7 @@ class StreamManager:
         self._latest: dict[str, ProcessedFrame] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        self._bad_params: set[str] = set()  # streams held back by stored parameters
+        self._bad_detect: set[str] = set()  # streams held back by stored settings
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -128,7 +128,7 @@ class StreamManager:
         transport: Transport = "tcp",
         loop: bool = True,
         *,
-        params: DetectParams | None = None,
+        detect: StreamDetect | None = None,
     ) -> dict[str, Any]:
         """Validate, persist and open a stream; returns its description.
 
@@ -152,35 +152,35 @@ class StreamManager:
             max_fps=max_fps,
             transport=transport,
             loop=spec.loop,
-            detect=self._encode(params or DetectParams()),
+            detect=self._encode(detect or StreamDetect()),
         )
         await asyncio.to_thread(self._store.add, record)
         self._launch(record, spec)
         log.info("stream %s: added %s", sid, redact(url))
         return self._describe(record)
 
-    def params(self, stream_id: str) -> DetectParams | None:
-        """A stream's current detection parameters; None if unknown."""
+    def detect(self, stream_id: str) -> StreamDetect | None:
+        """What a stream detects now; None if unknown."""
         reader = self._readers.get(stream_id)
-        return None if reader is None else reader.params
+        return None if reader is None else reader.detect
 
-    async def set_params(self, stream_id: str, params: DetectParams) -> dict[str, Any] | None:
-        """Change a stream's detection parameters from its next frame on, without reopening
-        it, and persist them; returns its description, None if unknown. A stream that could
-        not start because its stored parameters no longer fit the model starts now."""
+    async def set_detect(self, stream_id: str, detect: StreamDetect) -> dict[str, Any] | None:
+        """Change what a stream detects from its next frame on, without reopening it, and
+        persist it; returns its description, None if unknown. A stream that could not start
+        because its stored settings no longer fit the model starts now."""
         record = self._records.get(stream_id)
         if record is None:
             return None
-        record = dataclasses.replace(record, detect=self._encode(params))
+        record = dataclasses.replace(record, detect=self._encode(detect))
         await asyncio.to_thread(self._store.set_detect, stream_id, record.detect)
         self._records[stream_id] = record
-        self._readers[stream_id].params = params
-        if stream_id in self._bad_params:
+        self._readers[stream_id].detect = detect
+        if stream_id in self._bad_detect:
             try:
                 self._launch(record, self._spec(record))
             except SourceError as exc:
                 self._launch(record, None, error=str(exc))
-        log.info("stream %s: detection parameters %s", stream_id, record.detect)
+        log.info("stream %s: detection settings %s", stream_id, record.detect)
         return self._describe(record)
 
     async def remove(self, stream_id: str) -> bool:
@@ -217,7 +217,7 @@ class StreamManager:
             "max_fps": record.max_fps,
             "transport": record.transport,
             "created_at": record.created_at,
-            "detect": self._readers[record.id].params.describe(self._pool.engine.names),
+            "detect": self._readers[record.id].detect.describe(self._pool.engine.names),
             **self._readers[record.id].snapshot(),
             "subscribers": len(self._subs.get(record.id, ())),
         }
@@ -281,23 +281,23 @@ class StreamManager:
         transport: Transport = "udp" if record.transport == "udp" else "tcp"
         return parse_source(record.url, self._opt.allowed_file_dir, transport, record.loop)
 
-    def _encode(self, params: DetectParams) -> str:
-        return json.dumps(params.describe(self._pool.engine.names))
+    def _encode(self, detect: StreamDetect) -> str:
+        return json.dumps(detect.describe(self._pool.engine.names))
 
     def _launch(self, record: StreamRecord, spec: SourceSpec | None, error: str = "") -> None:
         placeholder = SourceSpec(record.url, "invalid")
-        self._bad_params.discard(record.id)
+        self._bad_detect.discard(record.id)
         try:
-            params = DetectParams.from_description(
+            detect = StreamDetect.from_description(
                 json.loads(record.detect), self._pool.engine.names
             )
         except (ValueError, TypeError, AttributeError) as exc:
             # Stored with another model (classes by name): shown, fixed by PATCH /streams/{id}.
-            params, spec = DetectParams(), None
-            error = f"detect parameters {record.detect} do not fit this model: {exc}"
-            self._bad_params.add(record.id)
+            detect, spec = StreamDetect(), None
+            error = f"detect settings {record.detect} do not fit this model: {exc}"
+            self._bad_detect.add(record.id)
             log.error("stream %s: %s", record.id, error)
-        config = StreamConfig(record.id, spec or placeholder, record.name, record.max_fps, params)
+        config = StreamConfig(record.id, spec or placeholder, record.name, record.max_fps, detect)
         reader = StreamReader(
             config, self._opt.reader, self._pool.submit_latest, self._publish_threadsafe
         )

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
-from engines.types import DetectParams, Image
+from engines.types import Image
+from streams.detect import Roi, StreamDetect
 from streams.fanout import ProcessedFrame
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
 
@@ -57,14 +58,14 @@ class StreamConfig:
         spec: the validated source.
         name: display name.
         max_fps: sample at most this many frames per second (``None``: every frame).
-        params: detection parameters of its first frames (``StreamReader.params`` from then on).
+        detect: what its first frames detect (``StreamReader.detect`` from then on).
     """
 
     id: str
     spec: SourceSpec
     name: str = ""
     max_fps: float | None = None
-    params: DetectParams = field(default_factory=DetectParams)
+    detect: StreamDetect = field(default_factory=StreamDetect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ class _Pending:
     captured_at: float
     decoded_mono: float
     image: Image
+    roi: Roi | None
 
 
 class RateMeter:
@@ -155,8 +157,8 @@ class StreamReader:
         self._fps_in = RateMeter()
         self._fps_out = RateMeter()
         self._frame_no = 0
-        self.params = config.params
-        """Parameters of the next frames; one reference swap, read by the decode thread."""
+        self.detect = config.detect
+        """What the next frames detect; one reference swap, read by the decode thread."""
         self._gpu_decode: GpuDecode | None = None  # CPU decode imports no GPU code
         if options.decode_device != "cpu":
             from engines.nvdec import GpuDecode
@@ -353,11 +355,12 @@ class StreamReader:
     def _offer(self, image: Image, pts: float | None, decoded_mono: float) -> None:
         self._frame_no += 1
         sid = self.config.id
-        pending = _Pending(self._frame_no, pts, time.time(), decoded_mono, image)
+        detect = self.detect
+        pending = _Pending(self._frame_no, pts, time.time(), decoded_mono, image, detect.roi)
         done = functools.partial(self._on_done, pending)
         item = WorkItem(
             image,
-            self.params,
+            detect.params,
             deadline=decoded_mono + self._opt.frame_deadline_ms / 1000.0,
             on_done=done,
             request_id=f"{sid}:{self._frame_no}",
@@ -381,8 +384,11 @@ class StreamReader:
                     "stream %s: frame %d failed: %s", self.config.id, pending.frame_no, result.error
                 )
             return
-        names = result.detections.names
-        objects = Counter(names.get(int(c), str(c)) for c in result.detections.class_ids)
+        detections = result.detections
+        if pending.roi is not None:
+            detections = pending.roi.filter(detections)
+        names = detections.names
+        objects = Counter(names.get(int(c), str(c)) for c in detections.class_ids)
         with self._lock:
             self.processed += 1
             self._fps_out.tick(time.monotonic())
@@ -398,7 +404,7 @@ class StreamReader:
                 captured_at=pending.captured_at,
                 decoded_mono=pending.decoded_mono,
                 image=pending.image,
-                detections=result.detections,
+                detections=detections,
                 batch_size=result.batch_size,
             )
         )

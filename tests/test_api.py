@@ -203,6 +203,9 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             ({"conf": 1.5}, "conf"),
             ({"max_det": 0}, "max_det"),
             ({"clases": ["bottle"]}, "clases"),  # misspelt: refused, not ignored
+            ({"roi": [[0, 0], [1, 1]]}, "roi: 2 points"),
+            ({"roi": [[0, 0], [1, 0], [1.2, 1]]}, "outside [0, 1]"),
+            ({"roi": [[0, 0], [1, 0], [1]]}, "roi"),
         ):
             resp = c.post("/streams", json={"url": url, **bad})
             assert resp.status_code == 422, resp.text
@@ -212,7 +215,13 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         resp = c.post("/streams", json={"url": url, "classes": "Bottle, 0", "conf": 0.5})
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
-        detect = {"conf": 0.5, "iou": 0.7, "classes": ["person", "bottle"], "max_det": 300}
+        detect = {
+            "conf": 0.5,
+            "iou": 0.7,
+            "classes": ["person", "bottle"],
+            "max_det": 300,
+            "roi": None,
+        }
         assert resp.json()["detect"] == detect
 
         resp = c.patch(f"/streams/{sid}", json={"max_det": 5})  # only what is given changes
@@ -221,6 +230,11 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         resp = c.patch(f"/streams/{sid}", json={"classes": None})
         assert resp.json()["detect"] == {**detect, "max_det": 5, "classes": None}
         assert c.get(f"/streams/{sid}").json()["detect"]["classes"] is None
+        triangle = [[0.0, 1.0], [0.5, 0.0], [1.0, 1.0]]
+        resp = c.patch(f"/streams/{sid}", json={"roi": triangle})
+        assert resp.status_code == 200 and resp.json()["detect"]["roi"] == triangle
+        assert resp.json()["detect"]["max_det"] == 5  # the rest stays
+        assert c.patch(f"/streams/{sid}", json={"roi": None}).json()["detect"]["roi"] is None
         for bad, expected in (
             ({"url": "rtsp://127.0.0.1/x"}, "url"),  # the source cannot change: delete and add
             ({"classes": ["unicorn"]}, "unicorn"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +20,7 @@ from engines.batching import WorkItem, WorkResult
 from engines.nvdec import nvdec_unavailable
 from engines.pool import EnginePool
 from engines.types import Detections, DetectParams, ModelInfo
+from streams.detect import Roi, StreamDetect
 from streams.fanout import Closed, ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
@@ -240,10 +242,10 @@ async def test_each_stream_has_its_own_detection_parameters(
     manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
     await manager.start()
     try:
-        bottles = DetectParams(conf=0.4, classes=frozenset({39}))
-        info = await manager.add(f"file://{clip}", max_fps=6.0, params=bottles)
+        bottles = StreamDetect(DetectParams(conf=0.4, classes=frozenset({39})))
+        info = await manager.add(f"file://{clip}", max_fps=6.0, detect=bottles)
         sid = info["id"]
-        want = {"conf": 0.4, "iou": 0.7, "classes": ["bottle"], "max_det": 300}
+        want = {"conf": 0.4, "iou": 0.7, "classes": ["bottle"], "max_det": 300, "roi": None}
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)
         dets = [d for f in frames for d in f.detections.to_json()]
@@ -257,15 +259,28 @@ async def test_each_stream_has_its_own_detection_parameters(
         assert set(counted["objects"]) <= {"bottle"}
 
         # Changed while it runs, without reopening the source: later frames follow.
-        one = DetectParams(conf=0.25, max_det=1)
-        changed = await manager.set_params(sid, one)
+        one = StreamDetect(DetectParams(conf=0.25, max_det=1))
+        changed = await manager.set_detect(sid, one)
         assert changed is not None and changed["detect"]["max_det"] == 1
         assert changed["reconnects"] == 0
         last = frames[-1].frame + 3  # frames already queued may carry the old parameters
         later = await _frames_from(manager, sid, last, 4)
         assert all(len(f.detections) <= 1 for f in later)
         assert any(len(f.detections) == 1 for f in later)
-        assert await manager.set_params("nope", one) is None
+        assert await manager.set_detect("nope", one) is None
+
+        # A region: the right 40% of the frame, where one of the three bottles stands.
+        right = Roi(((0.6, 0.0), (1.0, 0.0), (1.0, 1.0), (0.6, 1.0)))
+        changed = await manager.set_detect(sid, StreamDetect(bottles.params, right))
+        assert changed is not None and changed["detect"]["roi"] == [
+            [0.6, 0],
+            [1, 0],
+            [1, 1],
+            [0.6, 1],
+        ]
+        later = await _frames_from(manager, sid, later[-1].frame + 3, 4)
+        kept = [d for f in later for d in f.detections.to_json()]
+        assert kept and all((d["box"][0] + d["box"][2]) / 2 >= 0.6 * 640 for d in kept)
     finally:
         await manager.stop(10)
 
@@ -275,8 +290,8 @@ async def test_each_stream_has_its_own_detection_parameters(
     await again.start()
     try:
         (listed,) = again.list()
-        assert listed["detect"]["max_det"] == 1
-        await again.set_params(sid, bottles)
+        assert listed["detect"]["roi"] == [[0.6, 0], [1, 0], [1, 1], [0.6, 1]]
+        await again.set_detect(sid, bottles)
     finally:
         await again.stop(10)
     store = StreamStore(tmp_path / "data")
@@ -287,7 +302,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         (failed,) = third.list()
         assert failed["state"] == StreamState.FAILED
         assert "unknown class name 'unicorn'" in failed["last_error"]
-        await third.set_params(sid, bottles)
+        await third.set_detect(sid, bottles)
         assert await third.wait_state(sid, {StreamState.LIVE}, 30)
         assert (await _frames_from(third, sid, 0, 1))[0].detections is not None
     finally:
@@ -338,3 +353,47 @@ def test_frames_the_engine_fails_on_are_counted_and_the_stream_goes_on(tmp_path:
     finally:
         reader.stop()
         assert reader.join(10)
+
+
+# ---- regions of interest -------------------------------------------------------------------
+
+
+def test_roi_keeps_boxes_whose_bottom_centre_is_inside() -> None:
+    # A concave "L": the left column and the bottom row of a 2x2 grid.
+    ell = Roi(((0.0, 0.0), (0.5, 0.0), (0.5, 0.5), (1.0, 0.5), (1.0, 1.0), (0.0, 1.0)))
+    boxes = np.array(
+        [
+            [10, 10, 30, 40],  # anchor (20, 40) of 100x100: top-left cell, inside
+            [60, 10, 80, 40],  # anchor (70, 40): top-right cell, outside
+            [60, 60, 80, 90],  # anchor (70, 90): bottom-right cell, inside
+            [40, 0, 100, 45],  # box mostly outside, anchor (70, 45): outside
+        ],
+        np.float32,
+    )
+    dets = Detections(
+        boxes,
+        np.array([0.9, 0.8, 0.7, 0.6], np.float32),
+        np.array([0, 1, 2, 3], np.int32),
+        {0: "a", 1: "b", 2: "c", 3: "d"},
+        100,
+        100,
+    )
+    kept = ell.filter(dets)
+    assert list(kept.class_ids) == [0, 2] and list(kept.scores) == pytest.approx([0.9, 0.7])
+    assert (kept.width, kept.height) == (100, 100)
+    whole = Roi(((0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0)))
+    assert whole.filter(dets) is dets  # nothing dropped: the same object
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([[0, 0], [1, 1]], "2 points"),
+        ([[0, 0], [1, 0], [1.5, 1]], "outside [0, 1]"),
+        ([[0, 0], [1, 0], [1]], "list of [x, y]"),
+        ([[0, 0], [1, 0], ["a", 1]], "list of [x, y]"),
+    ],
+)
+def test_bad_regions_are_refused_with_the_reason(raw: list[list[object]], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Roi.parse(raw)  # type: ignore[arg-type]

@@ -1,8 +1,9 @@
 """Stream control API (DESIGN §4): ``POST/GET /streams``, ``GET/PATCH/DELETE /streams/{id}``.
 
 Each stream carries its own detection parameters (``conf``, ``iou``, ``classes``,
-``max_det``: those of ``POST /detect``), set when it is added and changed by ``PATCH``
-without reopening the camera; they are persisted with the stream, classes by name.
+``max_det``: those of ``POST /detect``) and an optional region of interest (``roi``), set when
+it is added and changed by ``PATCH`` without reopening the camera; they are persisted with the
+stream, classes by name.
 
 An unreachable camera is accepted (it shows up as ``reconnecting`` with its last error);
 a malformed URL or a source that is not allowed is a 422.
@@ -22,6 +23,7 @@ from engines.types import DetectParams
 from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
+from streams.detect import Roi, StreamDetect
 from streams.manager import ManagerClosed, ManagerOptions, StreamLimitError, StreamManager
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
@@ -46,16 +48,31 @@ class DetectIn(BaseModel):
         Field(description="class ids or names, a list or a comma string; null: every class"),
     ] = None
     max_det: Annotated[int, Field(ge=1, le=1000, description="most detections")] = 300
+    roi: Annotated[
+        list[tuple[float, float]] | None,
+        Field(
+            description="region of interest: [[x, y], ...] in 0..1 of the frame, 3 to 64 points;"
+            " detections whose box's bottom centre is outside are dropped; null: whole frame"
+        ),
+    ] = None
 
-    def params(self, names: Mapping[int, str], current: DetectParams) -> DetectParams:
-        """``current`` with the fields this body set; HTTP 422 for a class the model lacks."""
-        given = self.model_fields_set
-        return DetectParams(
-            conf=self.conf if "conf" in given else current.conf,
-            iou=self.iou if "iou" in given else current.iou,
-            classes=parse_classes(self.classes, names) if "classes" in given else current.classes,
-            max_det=self.max_det if "max_det" in given else current.max_det,
+    def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
+        """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
+        a bad region."""
+        given, now = self.model_fields_set, current.params
+        params = DetectParams(
+            conf=self.conf if "conf" in given else now.conf,
+            iou=self.iou if "iou" in given else now.iou,
+            classes=parse_classes(self.classes, names) if "classes" in given else now.classes,
+            max_det=self.max_det if "max_det" in given else now.max_det,
         )
+        roi = current.roi
+        if "roi" in given:
+            try:
+                roi = None if self.roi is None else Roi(tuple(self.roi))
+            except ValueError as exc:
+                raise HTTPException(422, str(exc)) from None
+        return StreamDetect(params, roi)
 
 
 class StreamIn(DetectIn):
@@ -87,10 +104,10 @@ def get_manager(request: Request) -> StreamManager:
 @router.post("/streams", status_code=201)
 async def add_stream(body: StreamIn, request: Request) -> dict[str, Any]:
     manager = get_manager(request)
-    params = body.params(get_state(request).pool.engine.names, DetectParams())
+    detect = body.detect(get_state(request).pool.engine.names, StreamDetect())
     try:
         return await manager.add(
-            body.url, body.name, body.max_fps, body.transport, body.loop, params=params
+            body.url, body.name, body.max_fps, body.transport, body.loop, detect=detect
         )
     except SourceError as exc:
         raise HTTPException(422, f"url: {exc}") from None
@@ -115,13 +132,13 @@ async def get_stream(stream_id: str, request: Request) -> dict[str, Any]:
 
 @router.patch("/streams/{stream_id}")
 async def update_stream(stream_id: str, body: DetectIn, request: Request) -> dict[str, Any]:
-    """Change a stream's detection parameters (only the fields given) from its next frame."""
+    """Change what a stream detects (only the fields given) from its next frame."""
     manager = get_manager(request)
-    current = manager.params(stream_id)
+    current = manager.detect(stream_id)
     if current is None:
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
-    params = body.params(get_state(request).pool.engine.names, current)
-    info = await manager.set_params(stream_id, params)
+    detect = body.detect(get_state(request).pool.engine.names, current)
+    info = await manager.set_detect(stream_id, detect)
     if info is None:  # removed meanwhile
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
     return info

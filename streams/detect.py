@@ -1,0 +1,123 @@
+"""What a stream detects: the engine's parameters (:class:`engines.types.DetectParams`) and an
+optional region of interest (:class:`Roi`).
+
+The region is a polygon in frame-relative coordinates; detections whose anchor (the bottom
+centre of the box, where an object stands on the ground, as Frigate's zones use) lies outside
+it are dropped before they are counted or published. Relative coordinates (0..1 of the width
+and height) keep a region valid when a camera's resolution changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.types import Detections, DetectParams
+
+MIN_POINTS = 3
+MAX_POINTS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Roi:
+    """A simple polygon, ``(x, y)`` vertices in [0, 1] of the frame.
+
+    Raises:
+        ValueError: fewer than 3 or more than 64 vertices, or a coordinate outside [0, 1].
+    """
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        if not MIN_POINTS <= len(self.points) <= MAX_POINTS:
+            raise ValueError(
+                f"roi: {len(self.points)} points; a polygon needs {MIN_POINTS} to {MAX_POINTS}"
+            )
+        for x, y in self.points:
+            if not (0.0 <= x <= 1.0 and 0.0 <= y <= 1.0):
+                raise ValueError(f"roi: point ({x:g}, {y:g}) is outside [0, 1] of the frame")
+
+    @classmethod
+    def parse(cls, raw: Sequence[Sequence[float]]) -> Roi:
+        """From ``[[x, y], ...]`` (JSON).
+
+        Raises:
+            ValueError: not a list of ``[x, y]`` pairs, or see :class:`Roi`.
+        """
+        try:
+            points = tuple((float(p[0]), float(p[1])) for p in raw if len(p) == 2)
+        except (TypeError, ValueError, IndexError):
+            raise ValueError("roi: expected a list of [x, y] points") from None
+        if len(points) != len(raw):
+            raise ValueError("roi: expected a list of [x, y] points")
+        return cls(points)
+
+    def to_json(self) -> list[list[float]]:
+        return [[x, y] for x, y in self.points]
+
+    def contains(
+        self, xs: npt.NDArray[np.float64], ys: npt.NDArray[np.float64]
+    ) -> npt.NDArray[np.bool_]:
+        """Which relative points lie inside (even-odd rule; a point on an edge may go either
+        way)."""
+        inside = np.zeros(xs.shape, bool)
+        n = len(self.points)
+        for i in range(n):
+            x1, y1 = self.points[i]
+            x2, y2 = self.points[(i + 1) % n]
+            if y1 == y2:
+                continue  # a horizontal edge never crosses a horizontal ray
+            crosses = (y1 > ys) != (y2 > ys)
+            x_at = x1 + (ys - y1) * (x2 - x1) / (y2 - y1)
+            inside ^= crosses & (xs < x_at)
+        return inside
+
+    def filter(self, detections: Detections) -> Detections:
+        """The detections whose bottom-centre anchor is inside the region."""
+        if len(detections) == 0 or not detections.width or not detections.height:
+            return detections
+        boxes = detections.boxes.astype(np.float64)
+        xs = (boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width
+        ys = boxes[:, 3] / detections.height
+        keep = self.contains(xs, ys)
+        if keep.all():
+            return detections
+        return Detections(
+            boxes=detections.boxes[keep],
+            scores=detections.scores[keep],
+            class_ids=detections.class_ids[keep],
+            names=detections.names,
+            width=detections.width,
+            height=detections.height,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDetect:
+    """A stream's detection settings, swapped as one reference while the stream runs."""
+
+    params: DetectParams = field(default_factory=DetectParams)
+    roi: Roi | None = None
+
+    def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """JSON form: the parameters (classes by name) and ``roi`` (``null``: whole frame)."""
+        return {
+            **self.params.describe(names),
+            "roi": None if self.roi is None else self.roi.to_json(),
+        }
+
+    @classmethod
+    def from_description(cls, data: Mapping[str, Any], names: Mapping[int, str]) -> StreamDetect:
+        """Inverse of :meth:`describe`.
+
+        Raises:
+            ValueError: a value out of range, a class the model lacks, or a bad region.
+        """
+        roi = data.get("roi")
+        return cls(
+            DetectParams.from_description(data, names), None if roi is None else Roi.parse(roi)
+        )
