@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engines.pool import EnginePool
 from engines.registry import EngineConfig
 from engines.types import Detections, Engine, ModelInfo
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).resolve()
@@ -126,3 +130,21 @@ def start_ort_pool(
     )
     pool.start()
     return pool
+
+
+def file_stream_app(tmp_path: Path) -> FastAPI:
+    """The real app on the shared model, its stream list under ``tmp_path``, ``file://``
+    sources of the shared clips allowed, admission's latency target off. (Imports the server
+    only when called: the GPU check imports this module where FastAPI is not installed.)"""
+    from server.app import create_app
+    from server.settings import Settings
+
+    return create_app(
+        Settings(
+            model=str(MODEL_PT),
+            cache_dir=CACHE_DIR,
+            data_dir=tmp_path / "data",
+            allowed_file_dir=VIDEOS[0].parent,
+            admission_deadline_ms=0,
+        )
+    )

@@ -13,7 +13,7 @@ from PIL import Image as PILImage
 
 from server.app import create_app
 from server.settings import Settings
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, ultralytics_assets
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, file_stream_app, ultralytics_assets
 
 
 @pytest.fixture(scope="module")
@@ -188,15 +188,8 @@ def test_full_queue_answers_429_with_retry_after() -> None:
 
 
 def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -> None:
-    settings = Settings(
-        model=str(MODEL_PT),
-        cache_dir=CACHE_DIR,
-        data_dir=tmp_path / "data",
-        allowed_file_dir=VIDEOS[0].parent,
-        admission_deadline_ms=0,
-    )
     url = f"file://{VIDEOS[0]}"
-    with TestClient(create_app(settings)) as c:
+    with TestClient(file_stream_app(tmp_path)) as c:
         for bad, expected in (
             ({"classes": ["bottle", "unicorn"]}, "unknown class name 'unicorn'"),
             ({"classes": "0,99"}, "unknown class id 99"),

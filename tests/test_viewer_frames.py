@@ -13,11 +13,9 @@ from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
-from server.app import create_app
 from server.routes.viewer import JpegFrames, encode_jpeg
-from server.settings import Settings
 from streams.fanout import ProcessedFrame
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
+from tests.helpers import VIDEOS, file_stream_app
 
 SOURCE_FPS = 12.5  # car-detection.mp4
 
@@ -124,14 +122,7 @@ def test_encode_draws_the_boxes_scaled_to_the_picture() -> None:
 
 
 def test_latest_jpeg_of_a_stream(tmp_path: Path) -> None:
-    settings = Settings(
-        model=str(MODEL_PT),
-        cache_dir=CACHE_DIR,
-        data_dir=tmp_path / "data",
-        allowed_file_dir=VIDEOS[0].parent,
-        admission_deadline_ms=0,
-    )
-    with TestClient(create_app(settings)) as c:
+    with TestClient(file_stream_app(tmp_path)) as c:
         assert c.get("/streams/nope/latest.jpg").status_code == 404
         sid = c.post("/streams", json={"url": f"file://{VIDEOS[0]}", "max_fps": 5}).json()["id"]
         deadline = time.monotonic() + 60
