@@ -14,6 +14,7 @@ from PIL import Image as PILImage
 
 from engines.types import Detections
 from server.routes.viewer import JpegFrames, encode_jpeg
+from streams.detect import Roi
 from streams.fanout import ProcessedFrame
 from tests.helpers import VIDEOS, file_stream_app
 
@@ -137,5 +138,22 @@ def test_latest_jpeg_of_a_stream(tmp_path: Path) -> None:
         assert _decode(resp.content).shape == (360, 640, 3)  # the clip's size, under 1920
         small = c.get(f"/streams/{sid}/latest.jpg?max_width=320&boxes=false&quality=50")
         assert small.status_code == 200 and _decode(small.content).shape == (180, 320, 3)
+        region = [[0.0, 0.0], [0.5, 0.0], [0.5, 1.0], [0.0, 1.0]]
+        assert c.patch(f"/streams/{sid}", json={"roi": region}).status_code == 200
+        outlined = _decode(c.get(f"/streams/{sid}/latest.jpg").content)
+        edge = outlined[150:210, 318:322].reshape(-1, 3).mean(axis=0)  # x = 0.5 of 640
+        assert edge[0] > 150 and edge[1] < 120 and edge[2] > 150  # the region's magenta edge
         bad = c.get(f"/streams/{sid}/latest.jpg?max_width=10")
         assert bad.status_code == 422 and "max_width" in bad.text
+
+
+def test_encode_outlines_the_region_of_interest() -> None:
+    image = np.zeros((200, 400, 3), np.uint8)
+    right_half = Roi(((0.5, 0.0), (1.0, 0.0), (1.0, 1.0), (0.5, 1.0)))
+    plain, _, _ = encode_jpeg(image, 400, 95)
+    outlined, _, _ = encode_jpeg(image, 400, 95, region=right_half)
+    diff = np.abs(_decode(outlined) - _decode(plain)).sum(axis=2)
+    assert diff[100, 198:202].max() > 200  # the left edge, at x = 0.5 of 400
+    assert diff[100, 300] < 30 and diff[100, 100] < 30  # inside and outside stay as they were
+    picture = _decode(outlined)[100, 199:201].mean(axis=0)
+    assert picture[0] > 150 and picture[1] < 100 and picture[2] > 150  # magenta

@@ -24,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 
 from engines.types import Detections, Image
 from server.routes.streams import get_manager
+from streams.detect import Roi
 from streams.fanout import ProcessedFrame
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -157,7 +158,9 @@ async def latest_jpeg(
     stream_id: str,
     request: Request,
     *,
-    boxes: Annotated[bool, Query(description="draw the detections on the frame")] = True,
+    boxes: Annotated[
+        bool, Query(description="draw the detections and the stream's region of interest")
+    ] = True,
     max_width: Annotated[int, Query(ge=32, le=3840, description="scale down wider frames")] = 1920,
     quality: Annotated[int, Query(ge=10, le=95, description="JPEG quality")] = 80,
 ) -> Response:
@@ -175,9 +178,11 @@ async def latest_jpeg(
             f"stream {stream_id!r} has no processed frame yet (state {info['state']})",
             headers={"Retry-After": "1"},
         )
+    detect = manager.detect(stream_id)
+    region = detect.roi if boxes and detect is not None else None
     detections = frame.detections if boxes else None
     jpeg, _, _ = await asyncio.to_thread(
-        encode_jpeg, frame.host_image(), max_width, quality, detections
+        encode_jpeg, frame.host_image(), max_width, quality, detections, region
     )
     headers = {
         "Cache-Control": "no-store",
@@ -186,6 +191,9 @@ async def latest_jpeg(
         "X-Detections": str(len(frame.detections)),
     }
     return Response(jpeg, media_type="image/jpeg", headers=headers)
+
+
+REGION_BGR = (255, 0, 255)  # the outline of a stream's region of interest: magenta
 
 
 def _color(class_id: int) -> tuple[int, int, int]:
@@ -213,10 +221,14 @@ def draw_detections(bgr: Image, detections: Detections, scale: float) -> None:
 
 
 def encode_jpeg(
-    image: Image, max_width: int, quality: int, detections: Detections | None = None
+    image: Image,
+    max_width: int,
+    quality: int,
+    detections: Detections | None = None,
+    region: Roi | None = None,
 ) -> tuple[bytes, int, int]:
     """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes, with
-    ``detections`` drawn on it when given.
+    ``region``'s outline and ``detections`` drawn on it when given.
 
     Runs in a worker thread (OpenCV releases the GIL). Returns the bytes and the JPEG's
     width and height.
@@ -232,6 +244,9 @@ def encode_jpeg(
             cv2.resize(image, (width, height), interpolation=interpolation), dtype=np.uint8
         )
     bgr: Image = np.asarray(cv2.cvtColor(image, cv2.COLOR_RGB2BGR), np.uint8)
+    if region is not None:
+        corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in region.points])
+        cv2.polylines(bgr, [corners.round().astype(np.int32)], True, REGION_BGR, 2)
     if detections is not None:
         draw_detections(bgr, detections, width / detections.width if detections.width else 1.0)
     ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, quality])
