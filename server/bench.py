@@ -113,10 +113,11 @@ def engine_ceiling(settings: Settings, frame: Image, seconds: float, rect: bool 
     engine = load_backend("onnxruntime")(config)
     engine.load()
     engine.warmup()
-    shape = (settings.imgsz, settings.imgsz)
-    if rect:
-        shape = rect_shape(frame.shape[0], frame.shape[1], settings.imgsz, model.stride)
-    blob, _ = preprocess([frame], settings.imgsz, shape)
+    size = engine.input_size  # a fixed-shape model (a TorchScript export) dictates its own
+    shape = (size, size)
+    if rect and model.dynamic_hw:  # else the frame runs square too
+        shape = rect_shape(frame.shape[0], frame.shape[1], size, model.stride)
+    blob, _ = preprocess([frame], size, shape)
     run = engine.run_raw  # type: ignore[attr-defined]
     for _ in range(3):
         run(blob)
@@ -157,6 +158,8 @@ def run_bench(settings: Settings, args: argparse.Namespace) -> int:
 
     figures: dict[str, Any] = {
         "machine_cores": os.cpu_count(),
+        "model": Path(settings.model).name,
+        "backend": settings.backend,
         "clients": args.clients,
         "seconds": args.seconds,
         "engine_ceiling_img_s": round(ceiling, 3),
