@@ -136,7 +136,8 @@ class ExportRequest:
     """What to export.
 
     Attributes:
-        model: an Ultralytics ``.pt`` checkpoint or an FP32 ``.onnx`` file.
+        model: an Ultralytics ``.pt`` checkpoint, a ``.torchscript`` (not for INT8) or an FP32
+            ``.onnx`` file.
         out: the ONNX file to write.
         precision: ``fp32``, ``fp16`` or ``int8``.
         imgsz: inference size the artifact is made (and calibrated) for.
@@ -241,6 +242,12 @@ def export_model(request: ExportRequest) -> ExportResult:
         raise ExportError(
             f"model {request.model}: is already {info.precision};"
             " export from the .pt or the FP32 .onnx"
+        )
+    if request.precision == "int8" and info.extra.get("streamdet_source") == "torchscript":
+        # Its graph has no module names (/model.22/dfl/...) to find the Detect head by.
+        raise ExportError(
+            f"model {request.model}: INT8 needs the module names a TorchScript trace lost;"
+            " export INT8 from the .pt checkpoint or its ONNX export"
         )
     request.out.parent.mkdir(parents=True, exist_ok=True)
     extra: dict[str, str] = {

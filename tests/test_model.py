@@ -13,9 +13,10 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from engines.export import ExportError, ExportRequest, export_model
 from engines.model import read_model_info, resolve_onnx
 from engines.types import ModelError, ModelInfo
-from tests.helpers import CACHE_DIR, MODEL_PT, MODEL_TS, REPO
+from tests.helpers import CACHE_DIR, MODEL_PT, MODEL_TS, REPO, VIDEOS
 
 
 def test_pt_export_is_cached_by_content_hash(model_info: ModelInfo) -> None:
@@ -58,6 +59,19 @@ def test_torchscript_export_converts_to_a_square_onnx_with_its_metadata() -> Non
     assert info.imgsz == (640, 640) and not info.dynamic_hw and info.stride == 32
     assert info.extra["streamdet_source"] == "torchscript"
     assert resolve_onnx(str(MODEL_TS), CACHE_DIR, 320) == Path(info.path)  # cached
+
+
+def test_int8_from_a_torchscript_says_what_to_export_from(tmp_path: Path) -> None:
+    request = ExportRequest(
+        model=str(MODEL_TS),
+        precision="int8",
+        out=tmp_path / "int8.onnx",
+        cache_dir=CACHE_DIR,
+        calib=(str(VIDEOS[0]),),
+    )
+    with pytest.raises(ExportError, match=r"export INT8 from the \.pt checkpoint"):
+        export_model(request)
+    assert not (tmp_path / "int8.onnx").exists()
 
 
 class _TinyDetector(torch.nn.Module):
