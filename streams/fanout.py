@@ -20,6 +20,15 @@ WS_NORMAL = 1000
 WS_GOING_AWAY = 1001
 
 
+def host_array(image: Image | Any) -> Image:
+    """A frame as a host array; a torch tensor (NVDEC decodes into GPU memory) is copied down,
+    which waits for the GPU: call it off the event loop."""
+    if isinstance(image, np.ndarray):
+        return image
+    host: Image = np.ascontiguousarray(image.cpu().numpy())
+    return host
+
+
 @dataclass(slots=True)
 class ProcessedFrame:
     """One frame of a stream with its detections, as published.
@@ -65,10 +74,7 @@ class ProcessedFrame:
 
     def host_image(self) -> Image:
         """``image`` as a host array: a GPU frame (NVDEC) is copied down, e.g. for a JPEG."""
-        if isinstance(self.image, np.ndarray):
-            return self.image
-        host: Image = np.ascontiguousarray(self.image.cpu().numpy())
-        return host
+        return host_array(self.image)
 
     def json_text(self) -> str:
         """The message as JSON text, built once and shared by every subscriber."""

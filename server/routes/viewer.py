@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import cv2
 import numpy as np
@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from engines.types import Detections, Image
 from server.routes.streams import get_manager
 from streams.detect import Roi
-from streams.fanout import ProcessedFrame
+from streams.fanout import ProcessedFrame, host_array
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
@@ -124,7 +124,7 @@ class JpegFrames:
     async def send(self, websocket: WebSocket, frame: ProcessedFrame) -> None:
         """Send ``frame``'s JSON (with a ``"jpeg"`` member) and then its JPEG."""
         jpeg, width, height = await asyncio.to_thread(
-            encode_jpeg, frame.host_image(), self.max_width, self.quality
+            encode_jpeg, frame.image, self.max_width, self.quality
         )
         message = frame.to_message()
         message["jpeg"] = {"width": width, "height": height, "bytes": len(jpeg)}
@@ -182,7 +182,7 @@ async def latest_jpeg(
     region = detect.roi if boxes and detect is not None else None
     detections = frame.detections if boxes else None
     jpeg, _, _ = await asyncio.to_thread(
-        encode_jpeg, frame.host_image(), max_width, quality, detections, region
+        encode_jpeg, frame.image, max_width, quality, detections, region
     )
     headers = {
         "Cache-Control": "no-store",
@@ -221,7 +221,7 @@ def draw_detections(bgr: Image, detections: Detections, scale: float) -> None:
 
 
 def encode_jpeg(
-    image: Image,
+    image: Image | Any,
     max_width: int,
     quality: int,
     detections: Detections | None = None,
@@ -230,9 +230,10 @@ def encode_jpeg(
     """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes, with
     ``region``'s outline and ``detections`` drawn on it when given.
 
-    Runs in a worker thread (OpenCV releases the GIL). Returns the bytes and the JPEG's
-    width and height.
+    Runs in a worker thread (OpenCV releases the GIL; a GPU frame is copied down here, not
+    on the event loop). Returns the bytes and the JPEG's width and height.
     """
+    image = host_array(image)
     height, width = image.shape[:2]
     if width > max_width:
         height = max(1, round(height * max_width / width))
