@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from engines.pool import EnginePool
 from streams.detect import StreamDetect
@@ -54,6 +54,14 @@ class ManagerOptions:
     ws_queue_size: int = 4
     max_streams: int = 64
     stop_timeout_s: float = 10.0
+
+
+class StreamChanges(TypedDict, total=False):
+    """What ``PATCH /streams/{id}`` may change while a stream runs; absent keys stay."""
+
+    name: str
+    max_fps: float | None
+    detect: StreamDetect
 
 
 class StreamManager:
@@ -164,23 +172,30 @@ class StreamManager:
         reader = self._readers.get(stream_id)
         return None if reader is None else reader.detect
 
-    async def set_detect(self, stream_id: str, detect: StreamDetect) -> dict[str, Any] | None:
-        """Change what a stream detects from its next frame on, without reopening it, and
-        persist it; returns its description, None if unknown. A stream that could not start
-        because its stored settings no longer fit the model starts now."""
+    async def update(self, stream_id: str, changes: StreamChanges) -> dict[str, Any] | None:
+        """Apply ``changes`` from the stream's next frame on, without reopening its source,
+        and persist them; returns its description, None if unknown. A stream that could not
+        start because its stored settings no longer fit the model starts now."""
         record = self._records.get(stream_id)
         if record is None:
             return None
-        record = dataclasses.replace(record, detect=self._encode(detect))
-        await asyncio.to_thread(self._store.set_detect, stream_id, record.detect)
+        reader = self._readers[stream_id]
+        detect = changes.get("detect", reader.detect)
+        record = dataclasses.replace(
+            record,
+            name=changes.get("name", record.name),
+            max_fps=changes.get("max_fps", record.max_fps),
+            detect=self._encode(detect),
+        )
+        await asyncio.to_thread(self._store.update, record)
         self._records[stream_id] = record
-        self._readers[stream_id].detect = detect
+        reader.detect, reader.max_fps = detect, record.max_fps
         if stream_id in self._bad_detect:
             try:
                 self._launch(record, self._spec(record))
             except SourceError as exc:
                 self._launch(record, None, error=str(exc))
-        log.info("stream %s: detection settings %s", stream_id, record.detect)
+        log.info("stream %s: updated %s", stream_id, sorted(changes))
         return self._describe(record)
 
     async def remove(self, stream_id: str) -> bool:

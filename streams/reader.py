@@ -57,7 +57,8 @@ class StreamConfig:
         id: stream id.
         spec: the validated source.
         name: display name.
-        max_fps: sample at most this many frames per second (``None``: every frame).
+        max_fps: sample at most this many frames per second (``None``: every frame; then
+            ``StreamReader.max_fps``).
         detect: what its first frames detect (``StreamReader.detect`` from then on).
     """
 
@@ -159,6 +160,8 @@ class StreamReader:
         self._frame_no = 0
         self.detect = config.detect
         """What the next frames detect; one reference swap, read by the decode thread."""
+        self.max_fps = config.max_fps
+        """Sampling rate of the next frames (``None``: every frame); read per frame."""
         self._gpu_decode: GpuDecode | None = None  # CPU decode imports no GPU code
         if options.decode_device != "cpu":
             from engines.nvdec import GpuDecode
@@ -304,7 +307,6 @@ class StreamReader:
 
         got = False
         pace_base: tuple[float, float] | None = None  # (monotonic, pts) of the first frame
-        min_gap = 1.0 / self.config.max_fps if self.config.max_fps else 0.0
         last_sent = -1e9
         for packet in container.demux(stream):
             if self._stop.is_set():
@@ -334,7 +336,8 @@ class StreamReader:
                         f"frames of {frame.width}x{frame.height} exceed"
                         f" {self._opt.max_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
                     )
-                if min_gap and now - last_sent < min_gap * 0.95:
+                max_fps = self.max_fps
+                if max_fps and now - last_sent < 0.95 / max_fps:
                     with self._lock:
                         self.skipped += 1
                     continue

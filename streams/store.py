@@ -77,10 +77,14 @@ class StreamStore:
                 ),
             )
 
-    def set_detect(self, stream_id: str, detect: str) -> bool:
-        """Replace a stream's detection parameters; False if it is unknown."""
+    def update(self, record: StreamRecord) -> bool:
+        """Save what may change while a stream runs (name, max_fps, detect); False if the
+        stream is unknown."""
         with closing(self._connect()) as db, db:
-            cursor = db.execute("UPDATE streams SET detect = ? WHERE id = ?", (detect, stream_id))
+            cursor = db.execute(
+                "UPDATE streams SET name = ?, max_fps = ?, detect = ? WHERE id = ?",
+                (record.name, record.max_fps, record.detect, record.id),
+            )
             return cursor.rowcount > 0
 
     def remove(self, stream_id: str) -> bool:

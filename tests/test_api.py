@@ -228,10 +228,16 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         assert resp.status_code == 200 and resp.json()["detect"]["roi"] == triangle
         assert resp.json()["detect"]["max_det"] == 5  # the rest stays
         assert c.patch(f"/streams/{sid}", json={"roi": None}).json()["detect"]["roi"] is None
+        resp = c.patch(f"/streams/{sid}", json={"name": "shelf", "max_fps": 3})
+        assert (resp.json()["name"], resp.json()["max_fps"]) == ("shelf", 3.0)
+        assert resp.json()["detect"]["max_det"] == 5
+        assert c.patch(f"/streams/{sid}", json={"max_fps": None}).json()["max_fps"] is None
         for bad, expected in (
             ({"url": "rtsp://127.0.0.1/x"}, "url"),  # the source cannot change: delete and add
             ({"classes": ["unicorn"]}, "unicorn"),
             ({"iou": -0.1}, "iou"),
+            ({"max_fps": 0}, "max_fps"),
+            ({"name": "x" * 201}, "name"),
         ):
             resp = c.patch(f"/streams/{sid}", json=bad)
             assert resp.status_code == 422, resp.text

@@ -4,6 +4,7 @@ through the real engine pool."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import re
@@ -139,9 +140,10 @@ def test_store_adds_new_columns_to_an_older_file(tmp_path: Path) -> None:
     store = StreamStore(tmp_path / "data")
     (old,) = store.load()
     assert (old.id, old.name, old.max_fps, old.detect) == ("old1", "gate", 2.0, "{}")
-    assert store.set_detect("old1", '{"conf": 0.5}')
-    assert not store.set_detect("nope", "{}")
-    assert StreamStore(tmp_path / "data").load()[0].detect == '{"conf": 0.5}'
+    assert store.update(dataclasses.replace(old, name="gate 2", detect='{"conf": 0.5}'))
+    assert not store.update(dataclasses.replace(old, id="nope"))
+    (again,) = StreamStore(tmp_path / "data").load()
+    assert (again.name, again.max_fps, again.detect) == ("gate 2", 2.0, '{"conf": 0.5}')
 
 
 def _frame(n: int) -> ProcessedFrame:
@@ -260,18 +262,18 @@ async def test_each_stream_has_its_own_detection_parameters(
 
         # Changed while it runs, without reopening the source: later frames follow.
         one = StreamDetect(DetectParams(conf=0.25, max_det=1))
-        changed = await manager.set_detect(sid, one)
+        changed = await manager.update(sid, {"detect": one})
         assert changed is not None and changed["detect"]["max_det"] == 1
         assert changed["reconnects"] == 0
         last = frames[-1].frame + 3  # frames already queued may carry the old parameters
         later = await _frames_from(manager, sid, last, 4)
         assert all(len(f.detections) <= 1 for f in later)
         assert any(len(f.detections) == 1 for f in later)
-        assert await manager.set_detect("nope", one) is None
+        assert await manager.update("nope", {"detect": one}) is None
 
         # A region: the right 40% of the frame, where one of the three bottles stands.
         right = Roi(((0.6, 0.0), (1.0, 0.0), (1.0, 1.0), (0.6, 1.0)))
-        changed = await manager.set_detect(sid, StreamDetect(bottles.params, right))
+        changed = await manager.update(sid, {"detect": StreamDetect(bottles.params, right)})
         assert changed is not None and changed["detect"]["roi"] == [
             [0.6, 0],
             [1, 0],
@@ -281,6 +283,14 @@ async def test_each_stream_has_its_own_detection_parameters(
         later = await _frames_from(manager, sid, later[-1].frame + 3, 4)
         kept = [d for f in later for d in f.detections.to_json()]
         assert kept and all((d["box"][0] + d["box"][2]) / 2 >= 0.6 * 640 for d in kept)
+
+        # Rate and name, also live: frames now come at most 2 a second.
+        changed = await manager.update(sid, {"max_fps": 2.0, "name": "shelf"})
+        assert changed is not None and (changed["name"], changed["max_fps"]) == ("shelf", 2.0)
+        assert changed["detect"]["roi"] is not None  # what was not given stays
+        later = await _frames_from(manager, sid, later[-1].frame + 3, 3)
+        gaps = np.diff([f.captured_at for f in later])
+        assert gaps.min() >= 0.4, gaps  # 0.5 s apart, give or take the sampler's 5%
     finally:
         await manager.stop(10)
 
@@ -290,19 +300,21 @@ async def test_each_stream_has_its_own_detection_parameters(
     await again.start()
     try:
         (listed,) = again.list()
+        assert (listed["name"], listed["max_fps"]) == ("shelf", 2.0)
         assert listed["detect"]["roi"] == [[0.6, 0], [1, 0], [1, 1], [0.6, 1]]
-        await again.set_detect(sid, bottles)
+        await again.update(sid, {"detect": bottles})
     finally:
         await again.stop(10)
     store = StreamStore(tmp_path / "data")
-    store.set_detect(sid, json.dumps({"classes": ["unicorn"]}))
+    (stored,) = store.load()
+    store.update(dataclasses.replace(stored, detect=json.dumps({"classes": ["unicorn"]})))
     third = StreamManager(pool, store, options)
     await third.start()
     try:
         (failed,) = third.list()
         assert failed["state"] == StreamState.FAILED
         assert "unknown class name 'unicorn'" in failed["last_error"]
-        await third.set_detect(sid, bottles)
+        await third.update(sid, {"detect": bottles})
         assert await third.wait_state(sid, {StreamState.LIVE}, 30)
         assert (await _frames_from(third, sid, 0, 1))[0].detections is not None
     finally:

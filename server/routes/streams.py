@@ -2,8 +2,8 @@
 
 Each stream carries its own detection parameters (``conf``, ``iou``, ``classes``,
 ``max_det``: those of ``POST /detect``) and an optional region of interest (``roi``), set when
-it is added and changed by ``PATCH`` without reopening the camera; they are persisted with the
-stream, classes by name.
+it is added; ``PATCH`` changes them, the name and ``max_fps`` without reopening the camera.
+All are persisted with the stream, classes by name.
 
 An unreachable camera is accepted (it shows up as ``reconnecting`` with its last error);
 a malformed URL or a source that is not allowed is a 422.
@@ -24,7 +24,13 @@ from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
 from streams.detect import Roi, StreamDetect
-from streams.manager import ManagerClosed, ManagerOptions, StreamLimitError, StreamManager
+from streams.manager import (
+    ManagerClosed,
+    ManagerOptions,
+    StreamChanges,
+    StreamLimitError,
+    StreamManager,
+)
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
 from streams.store import StreamStore
@@ -75,7 +81,29 @@ class DetectIn(BaseModel):
         return StreamDetect(params, roi)
 
 
-class StreamIn(DetectIn):
+class StreamPatch(DetectIn):
+    """Body of ``PATCH /streams/{id}``: what may change while a stream runs."""
+
+    name: Annotated[str, Field(max_length=200)] = ""
+    max_fps: Annotated[
+        float | None,
+        Field(gt=0, le=1000, description="sample at most this many frames/s; null: every frame"),
+    ] = None
+
+    def changes(self, names: Mapping[int, str], current: StreamDetect) -> StreamChanges:
+        """The fields this body set, as the manager applies them."""
+        given = self.model_fields_set
+        changes: StreamChanges = {}
+        if "name" in given:
+            changes["name"] = self.name
+        if "max_fps" in given:
+            changes["max_fps"] = self.max_fps
+        if given & DetectIn.model_fields.keys():
+            changes["detect"] = self.detect(names, current)
+        return changes
+
+
+class StreamIn(StreamPatch):
     """Body of ``POST /streams``."""
 
     url: Annotated[
@@ -86,10 +114,6 @@ class StreamIn(DetectIn):
             description="rtsp://, rtsps://, http(s):// or file:// URL",
         ),
     ]
-    name: Annotated[str, Field(max_length=200)] = ""
-    max_fps: Annotated[
-        float | None, Field(gt=0, le=1000, description="sample at most this many frames/s")
-    ] = None
     transport: Transport = "tcp"
     loop: bool = True
 
@@ -131,14 +155,16 @@ async def get_stream(stream_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.patch("/streams/{stream_id}")
-async def update_stream(stream_id: str, body: DetectIn, request: Request) -> dict[str, Any]:
-    """Change what a stream detects (only the fields given) from its next frame."""
+async def update_stream(stream_id: str, body: StreamPatch, request: Request) -> dict[str, Any]:
+    """Change a stream's name, rate or what it detects (only the fields given) from its next
+    frame, without reopening its source."""
     manager = get_manager(request)
     current = manager.detect(stream_id)
     if current is None:
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
-    detect = body.detect(get_state(request).pool.engine.names, current)
-    info = await manager.set_detect(stream_id, detect)
+    info = await manager.update(
+        stream_id, body.changes(get_state(request).pool.engine.names, current)
+    )
     if info is None:  # removed meanwhile
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
     return info
