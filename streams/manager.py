@@ -180,17 +180,20 @@ class StreamManager:
         if record is None:
             return None
         reader = self._readers[stream_id]
-        detect = changes.get("detect", reader.detect)
+        detect = changes.get("detect")
         record = dataclasses.replace(
             record,
             name=changes.get("name", record.name),
             max_fps=changes.get("max_fps", record.max_fps),
-            detect=self._encode(detect),
+            # Stored settings that did not fit the model stay stored until replaced.
+            detect=record.detect if detect is None else self._encode(detect),
         )
         await asyncio.to_thread(self._store.update, record)
         self._records[stream_id] = record
-        reader.detect, reader.max_fps = detect, record.max_fps
-        if stream_id in self._bad_detect:
+        reader.max_fps = record.max_fps
+        if detect is not None:
+            reader.detect = detect
+        if detect is not None and stream_id in self._bad_detect:
             try:
                 self._launch(record, self._spec(record))
             except SourceError as exc:

@@ -314,6 +314,9 @@ async def test_each_stream_has_its_own_detection_parameters(
         (failed,) = third.list()
         assert failed["state"] == StreamState.FAILED
         assert "unknown class name 'unicorn'" in failed["last_error"]
+        renamed = await third.update(sid, {"name": "kept"})  # the stored classes stay stored
+        assert renamed is not None and renamed["state"] == StreamState.FAILED
+        assert "unicorn" in StreamStore(tmp_path / "data").load()[0].detect
         await third.update(sid, {"detect": bottles})
         assert await third.wait_state(sid, {StreamState.LIVE}, 30)
         assert (await _frames_from(third, sid, 0, 1))[0].detections is not None
