@@ -57,8 +57,8 @@ class StreamConfig:
         id: stream id.
         spec: the validated source.
         name: display name.
-        max_fps: sample at most this many frames per second (``None``: every frame; then
-            ``StreamReader.max_fps``).
+        max_fps: sample at most this many frames per second (``None``: every frame), at
+            first; ``StreamReader.max_fps`` from then on.
         detect: what its first frames detect (``StreamReader.detect`` from then on).
     """
 
