@@ -115,6 +115,10 @@ class Detections:
     def __len__(self) -> int:
         return int(self.scores.shape[0])
 
+    def name_of(self, class_id: int) -> str:
+        """A class id's name; the id itself where the model names no such class."""
+        return self.names.get(int(class_id), str(int(class_id)))
+
     def to_json(self) -> list[dict[str, Any]]:
         """The API form: one dict per detection (DESIGN §4)."""
         return [
@@ -122,7 +126,7 @@ class Detections:
                 "box": [round(float(v), 2) for v in box],
                 "confidence": round(float(score), 4),
                 "class_id": int(cid),
-                "class_name": self.names.get(int(cid), str(int(cid))),
+                "class_name": self.name_of(cid),
             }
             for box, score, cid in zip(self.boxes, self.scores, self.class_ids, strict=True)
         ]

@@ -390,8 +390,7 @@ class StreamReader:
         detections = result.detections
         if pending.roi is not None:
             detections = pending.roi.filter(detections)
-        names = detections.names
-        objects = Counter(names.get(int(c), str(c)) for c in detections.class_ids)
+        objects = Counter(detections.name_of(c) for c in detections.class_ids)
         with self._lock:
             self.processed += 1
             self._fps_out.tick(time.monotonic())

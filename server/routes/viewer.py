@@ -213,7 +213,7 @@ def draw_detections(bgr: Image, detections: Detections, scale: float) -> None:
         x1, y1, x2, y2 = (round(float(v) * scale) for v in box)
         color = _color(int(cid))
         cv2.rectangle(bgr, (x1, y1), (x2, y2), color, 2)
-        label = f"{detections.names.get(int(cid), str(int(cid)))} {float(score):.2f}"
+        label = f"{detections.name_of(cid)} {float(score):.2f}"
         (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, 0.5, 1)
         top = max(y1 - th - base - 2, 0)
         cv2.rectangle(bgr, (x1, top), (x1 + tw + 4, top + th + base + 2), color, -1)
