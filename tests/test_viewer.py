@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -359,6 +360,119 @@ def test_live_stream_boxes_errors_grid_and_reconnect(
     expect(pg.locator('#errors [data-key="server"]')).to_have_count(0)
     expect(pg.locator(f'figure[data-stream-id="{car}"] .tile-error')).to_be_hidden()
     pg.screenshot(path=artifacts / "viewer-reconnected.png", full_page=True)
+    assert errors.errors == []
+
+
+# Which drawn detections stand (bottom centre of the box) in the left half of the frame, and
+# how many pixels along the region's right edge (x = LEFT_HALF_X) are painted magenta.
+REGION_JS = """
+([canvasId, edgeX]) => {
+  const record = window.streamdet.drawn[canvasId];
+  const [w] = record.size;
+  const anchorsLeft = record.detections.map((d) => (d.box[0] + d.box[2]) / 2 / w <= edgeX);
+  const canvas = document.getElementById(canvasId);
+  const ctx = canvas.getContext("2d");
+  const { data, width, height } = ctx.getImageData(0, 0, canvas.width, canvas.height);
+  // The edge is antialiased across two or three columns: any of them may carry the colour.
+  const x0 = Math.floor(edgeX * width);
+  const magentaAt = (x, y) => {
+    const i = (y * width + Math.min(width - 1, Math.max(0, x))) * 4;
+    return data[i] > 180 && data[i + 1] < 100 && data[i + 2] > 180;
+  };
+  let magenta = 0, total = 0;
+  for (let k = 1; k < 40; k++) {
+    const y = Math.floor((0.05 + 0.9 * k / 40) * height);
+    total += 1;
+    if ([-2, -1, 0, 1, 2].some((dx) => magentaAt(x0 + dx, y))) magenta += 1;
+  }
+  return { frame: record.frame, anchorsLeft, magenta, total, region: record.region };
+}
+"""
+LEFT_HALF_X = 0.5
+LEFT_HALF = [(0.02, 0.02), (LEFT_HALF_X, 0.02), (LEFT_HALF_X, 0.98), (0.02, 0.98)]
+
+
+def region_state(pg: Page, canvas_id: str) -> dict[str, Any]:
+    state: dict[str, Any] = pg.evaluate(REGION_JS, [canvas_id, LEFT_HALF_X])
+    return state
+
+
+@pytest.mark.rtsp
+def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
+    live_server: ServerProcess,
+    camera: RtspCamera,
+    page: tuple[Page, PageErrors],
+    artifacts: Path,
+) -> None:
+    pg, errors = page
+    pg.goto(live_server.base_url + "/")
+    stream_id = add_stream_in_page(pg, camera.url("car"), "car-region")
+    canvas_id = f"tile-{stream_id}"
+    figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
+    frame = wait_for_boxes(pg, canvas_id)
+    # Without a region, cars are drawn in both halves of the frame (the clip's traffic runs
+    # through both), so the filter below has something to drop.
+    seen_right = False
+    while not seen_right:
+        frame = wait_for_boxes(pg, canvas_id, frame)
+        seen_right = not all(region_state(pg, canvas_id)["anchorsLeft"])
+    assert region_state(pg, canvas_id)["region"] is None
+
+    figure.locator("button.tile-region").click()
+    expect(figure.locator(".tile-region-bar")).to_be_visible()
+    canvas = figure.locator("canvas")
+    size = canvas.bounding_box()
+    assert size is not None
+
+    def click(x: float, y: float) -> None:
+        canvas.click(position={"x": x * size["width"], "y": y * size["height"]})
+
+    # Two points are not a region: said in the tile, nothing saved.
+    click(*LEFT_HALF[0])
+    click(*LEFT_HALF[1])
+    figure.locator("button.region-save").click()
+    expect(figure.locator(".region-hint")).to_contain_text("at least 3 points")
+    # Undo drops the last point; the left half of the frame, drawn while being edited.
+    figure.locator("button.region-undo").click()
+    for x, y in LEFT_HALF[1:]:
+        click(x, y)
+    expect(figure.locator(".region-hint")).to_contain_text("4 points")
+    assert pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].editing") is True
+    figure.screenshot(path=artifacts / "viewer-region-editing.png")
+    figure.locator("button.region-save").click()
+    expect(figure.locator(".tile-region-bar")).to_be_hidden()
+
+    # Saved on the server, within a pixel of where the clicks landed.
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as client:
+        roi = client.get(f"/streams/{stream_id}").json()["detect"]["roi"]
+    assert len(roi) == len(LEFT_HALF)
+    for got, want in zip(roi, LEFT_HALF, strict=True):
+        assert got == pytest.approx(want, abs=2 / size["width"])
+
+    # In frames captured from then on (earlier ones may still be in the engine with the old
+    # settings), only cars standing in the left half are sent and drawn, and the region's
+    # dashed magenta outline is painted under the boxes.
+    saved_at = time.time()
+    pg.wait_for_function(
+        "([id, t]) => window.streamdet.drawn[id].capturedAt > t", arg=[canvas_id, saved_at]
+    )
+    frame = pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].frame") - 1
+    for _ in range(5):
+        frame = wait_for_boxes(pg, canvas_id, frame)
+        state = region_state(pg, canvas_id)
+        assert state["region"] == roi
+        assert all(state["anchorsLeft"]), state
+        assert state["magenta"] >= state["total"] // 4, state
+    figure.screenshot(path=artifacts / "viewer-region-saved.png")
+
+    # "Whole frame" removes it.
+    figure.locator("button.tile-region").click()
+    figure.locator("button.region-clear").click()
+    expect(figure.locator(".tile-region-bar")).to_be_hidden()
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as client:
+        assert client.get(f"/streams/{stream_id}").json()["detect"]["roi"] is None
+    pg.wait_for_function("(id) => window.streamdet.drawn[id].region === null", arg=canvas_id)
+    expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []
 
 

@@ -191,6 +191,40 @@ function drawDetections(ctx, detections, sx, sy) {
   return shapes;
 }
 
+// The magenta of the outline on GET /streams/{id}/latest.jpg.
+const REGION_COLOR = "#FF00FF";
+const REGION_MIN_POINTS = 3;
+const REGION_MAX_POINTS = 64;
+
+// Draws a stream's region of interest ([[x, y], ...] in 0..1 of the frame) as a dashed outline
+// with a faint fill; while it is being edited, also its vertices (and left open below three).
+function drawRegion(ctx, points, editing) {
+  if (!points?.length) return;
+  const { width, height } = ctx.canvas;
+  const xy = points.map(([x, y]) => [x * width, y * height]);
+  ctx.save();
+  ctx.lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
+  ctx.strokeStyle = REGION_COLOR;
+  ctx.setLineDash([8, 6]);
+  ctx.beginPath();
+  xy.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
+  if (xy.length >= REGION_MIN_POINTS) {
+    ctx.closePath();
+    ctx.fillStyle = "rgba(255, 0, 255, 0.08)";
+    ctx.fill();
+  }
+  ctx.stroke();
+  if (editing) {
+    ctx.fillStyle = REGION_COLOR;
+    for (const [x, y] of xy) {
+      ctx.beginPath();
+      ctx.arc(x, y, ctx.lineWidth * 2, 0, 2 * Math.PI);
+      ctx.fill();
+    }
+  }
+  ctx.restore();
+}
+
 // ---------------------------------------------------------------- live tiles
 
 function viewFps() {
@@ -208,11 +242,15 @@ class Tile {
     this.meta = null; // JSON of the frame whose JPEG comes next
     this.drawing = false;
     this.queued = null; // newest pair that arrived while drawing; older ones are skipped
+    this.current = null; // the pair on the canvas (its bitmap kept to redraw the overlay)
+    this.region = null; // the stream's saved region of interest, from GET /streams
+    this.editing = null; // the points of a region being drawn, or null
     this.shownAt = [];
     this.backoffMs = RECONNECT_MIN_MS;
     this.retryTimer = null;
     this.closed = false;
     this.update(stream);
+    this.setUpRegionEditor();
     $("#grid").append(this.element);
     this.connect();
   }
@@ -224,6 +262,90 @@ class Tile {
     badge.dataset.state = stream.state ?? "";
     this.streamError = streamProblem(stream);
     this.renderError();
+    const region = stream.detect?.roi ?? null;
+    if (JSON.stringify(region) !== JSON.stringify(this.region)) {
+      this.region = region;
+      this.paint();
+    }
+  }
+
+  // ---- region of interest: click points on the picture, then save them with PATCH
+  setUpRegionEditor() {
+    $(".tile-region", this.element).addEventListener("click", () => this.startEditing());
+    $(".region-undo", this.element).addEventListener("click", () => {
+      this.editing?.pop();
+      this.editChanged();
+    });
+    $(".region-save", this.element).addEventListener("click", () => {
+      if (this.editing.length < REGION_MIN_POINTS) {
+        this.editHint(`A region needs at least ${REGION_MIN_POINTS} points: click on the picture.`);
+        return;
+      }
+      this.saveRegion(this.editing);
+    });
+    $(".region-clear", this.element).addEventListener("click", () => this.saveRegion(null));
+    $(".region-cancel", this.element).addEventListener("click", () => this.stopEditing());
+    this.canvas.addEventListener("click", (event) => this.addPoint(event));
+  }
+
+  startEditing() {
+    this.editing = this.region ? this.region.map(([x, y]) => [x, y]) : [];
+    this.element.dataset.editing = "";
+    $(".tile-region-bar", this.element).hidden = false;
+    $(".tile-region", this.element).disabled = true;
+    this.editChanged();
+  }
+
+  stopEditing() {
+    this.editing = null;
+    delete this.element.dataset.editing;
+    $(".tile-region-bar", this.element).hidden = true;
+    $(".tile-region", this.element).disabled = !this.current;
+    this.paint();
+  }
+
+  addPoint(event) {
+    if (!this.editing) return;
+    if (this.editing.length >= REGION_MAX_POINTS) {
+      this.editHint(`A region has at most ${REGION_MAX_POINTS} points.`);
+      return;
+    }
+    // The canvas is scaled by CSS: positions are taken relative to its box on the page.
+    const box = this.canvas.getBoundingClientRect();
+    const rel = (v) => Math.round(Math.min(1, Math.max(0, v)) * 10000) / 10000;
+    this.editing.push([rel((event.clientX - box.left) / box.width), rel((event.clientY - box.top) / box.height)]);
+    this.editChanged();
+  }
+
+  editChanged() {
+    const n = this.editing.length;
+    this.editHint(n === 0
+      ? "Click on the picture to place the region's corners; objects standing outside it are not detected."
+      : `${n} point${n === 1 ? "" : "s"}; objects whose box's bottom centre is outside are dropped.`);
+    $(".region-undo", this.element).disabled = n === 0;
+    this.paint();
+  }
+
+  editHint(text) {
+    $(".region-hint", this.element).textContent = text;
+  }
+
+  async saveRegion(roi) {
+    const name = $(".tile-name", this.element).textContent;
+    try {
+      const resp = await api(`/streams/${encodeURIComponent(this.id)}`, {
+        method: "PATCH",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ roi }),
+      });
+      const stream = await resp.json();
+      clearError(`region:${this.id}`);
+      this.region = stream.detect?.roi ?? roi;
+      this.stopEditing();
+      refreshStreams();
+    } catch (err) {
+      showError(`region:${this.id}`, `Saving the region of ${name} failed: ${err.message}`);
+    }
   }
 
   url() {
@@ -288,18 +410,15 @@ class Tile {
     this.drawing = true;
     try {
       const bitmap = await createImageBitmap(pair.blob);
-      if (this.closed) return;
-      const { meta } = pair;
-      this.canvas.width = bitmap.width;
-      this.canvas.height = bitmap.height;
-      const ctx = this.canvas.getContext("2d");
-      ctx.drawImage(bitmap, 0, 0);
-      bitmap.close();
-      const shapes = drawDetections(
-        ctx, meta.detections ?? [], this.canvas.width / meta.width, this.canvas.height / meta.height,
-      );
-      debug.drawn[this.canvas.id] = { frame: meta.frame, shapes };
-      this.countFrame(meta);
+      if (this.closed) {
+        bitmap.close();
+        return;
+      }
+      this.current?.bitmap.close();
+      this.current = { meta: pair.meta, bitmap };
+      if (!this.editing) $(".tile-region", this.element).disabled = false;
+      this.paint();
+      this.countFrame(pair.meta);
     } catch (err) {
       this.connError = `cannot show frame: ${err.message}`;
       this.renderError();
@@ -309,6 +428,26 @@ class Tile {
     const next = this.queued;
     this.queued = null;
     if (next && !this.closed) this.show(next);
+  }
+
+  // Draws the current frame, the region (the one being edited, else the saved one) under the
+  // boxes, and the boxes.
+  paint() {
+    if (!this.current || this.closed) return;
+    const { meta, bitmap } = this.current;
+    this.canvas.width = bitmap.width;
+    this.canvas.height = bitmap.height;
+    const ctx = this.canvas.getContext("2d");
+    ctx.drawImage(bitmap, 0, 0);
+    const region = this.editing ?? this.region;
+    drawRegion(ctx, region, this.editing !== null);
+    const shapes = drawDetections(
+      ctx, meta.detections ?? [], this.canvas.width / meta.width, this.canvas.height / meta.height,
+    );
+    debug.drawn[this.canvas.id] = {
+      frame: meta.frame, capturedAt: meta.captured_at, shapes, detections: meta.detections ?? [],
+      size: [meta.width, meta.height], region, editing: this.editing !== null,
+    };
   }
 
   countFrame(meta) {
@@ -374,6 +513,8 @@ class Tile {
 
   close() {
     this.closed = true;
+    this.current?.bitmap.close();
+    this.current = null;
     clearTimeout(this.retryTimer);
     this.ws?.close(1000, "viewer closed the tile");
     this.element.remove();
@@ -462,6 +603,7 @@ function forgetStream(id) {
   streams.delete(id);
   $(`#stream-rows tr[data-id="${CSS.escape(id)}"]`)?.remove();
   clearError(`stream:${id}`);
+  clearError(`region:${id}`);
   watched.delete(id);
   saveWatched();
   syncTiles();
