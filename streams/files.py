@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,9 +57,18 @@ def sample_video_frames(path: Path | str, count: int, offset: int = 0) -> list[I
 
 
 def encode_jpeg(image: Image, quality: int = 90) -> bytes:
-    buf = io.BytesIO()
-    PILImage.fromarray(image).save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
+    """An RGB image as JPEG bytes (OpenCV's libjpeg-turbo, which releases the GIL).
+
+    Raises:
+        RuntimeError: the encoder refused the image.
+    """
+    import cv2
+
+    bgr = cv2.cvtColor(np.ascontiguousarray(image, dtype=np.uint8), cv2.COLOR_RGB2BGR)
+    ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise RuntimeError(f"JPEG encoding failed for a {image.shape[1]}x{image.shape[0]} image")
+    return bytes(buf.tobytes())
 
 
 def load_image(path: Path | str) -> Image:

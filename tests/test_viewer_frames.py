@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
-from server.routes.viewer import JpegFrames, encode_jpeg
+from server.routes.viewer import JpegFrames, render_jpeg
 from streams.detect import Roi
 from streams.fanout import ProcessedFrame
 from tests.helpers import VIDEOS, file_stream_app
@@ -93,14 +93,14 @@ def test_no_burst_after_a_gap() -> None:
 
 def test_encode_scales_down_and_keeps_the_picture() -> None:
     frame = frame_at(0.0)
-    data, width, height = encode_jpeg(frame.image, 640, 80)
+    data, width, height = render_jpeg(frame.image, 640, 80)
     assert (width, height) == (640, 360)
     decoded = np.asarray(PILImage.open(io.BytesIO(data)).convert("RGB"))
     assert decoded.shape == (360, 640, 3)
     left, right = decoded[:, :300].mean(axis=(0, 1)), decoded[:, 340:].mean(axis=(0, 1))
     assert np.allclose(left, (200, 30, 30), atol=8), left
     assert np.allclose(right, (0, 0, 0), atol=8), right
-    small, w, h = encode_jpeg(frame.image, 1920, 80)
+    small, w, h = render_jpeg(frame.image, 1920, 80)
     assert (w, h) == (768, 432)  # never scaled up
     assert small[:2] == b"\xff\xd8"
 
@@ -111,8 +111,8 @@ def _decode(data: bytes) -> np.ndarray:
 
 def test_encode_draws_the_boxes_scaled_to_the_picture() -> None:
     frame = frame_at(0.0)  # box 10,20 - 110,220 in a 768x432 frame
-    plain, _, _ = encode_jpeg(frame.image, 384, 90)
-    boxed, width, height = encode_jpeg(frame.image, 384, 90, frame.detections)
+    plain, _, _ = render_jpeg(frame.image, 384, 90)
+    boxed, width, height = render_jpeg(frame.image, 384, 90, frame.detections)
     assert (width, height) == (384, 216)
     diff = np.abs(_decode(boxed) - _decode(plain)).sum(axis=2)
     changed = np.argwhere(diff > 60)
@@ -150,8 +150,8 @@ def test_latest_jpeg_of_a_stream(tmp_path: Path) -> None:
 def test_encode_outlines_the_region_of_interest() -> None:
     image = np.zeros((200, 400, 3), np.uint8)
     right_half = Roi(((0.5, 0.0), (1.0, 0.0), (1.0, 1.0), (0.5, 1.0)))
-    plain, _, _ = encode_jpeg(image, 400, 95)
-    outlined, _, _ = encode_jpeg(image, 400, 95, region=right_half)
+    plain, _, _ = render_jpeg(image, 400, 95)
+    outlined, _, _ = render_jpeg(image, 400, 95, region=right_half)
     diff = np.abs(_decode(outlined) - _decode(plain)).sum(axis=2)
     assert diff[100, 198:202].max() > 200  # the left edge, at x = 0.5 of 400
     assert diff[100, 300] < 30 and diff[100, 100] < 30  # inside and outside stay as they were

@@ -26,6 +26,7 @@ from engines.types import Detections, Image
 from server.routes.streams import get_manager
 from streams.detect import Roi
 from streams.fanout import ProcessedFrame, host_array
+from streams.files import encode_jpeg
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
@@ -124,7 +125,7 @@ class JpegFrames:
     async def send(self, websocket: WebSocket, frame: ProcessedFrame) -> None:
         """Send ``frame``'s JSON (with a ``"jpeg"`` member) and then its JPEG."""
         jpeg, width, height = await asyncio.to_thread(
-            encode_jpeg, frame.image, self.max_width, self.quality
+            render_jpeg, frame.image, self.max_width, self.quality
         )
         message = frame.to_message()
         message["jpeg"] = {"width": width, "height": height, "bytes": len(jpeg)}
@@ -182,7 +183,7 @@ async def latest_jpeg(
     region = detect.roi if boxes and detect is not None else None
     detections = frame.detections if boxes else None
     jpeg, _, _ = await asyncio.to_thread(
-        encode_jpeg, frame.image, max_width, quality, detections, region
+        render_jpeg, frame.image, max_width, quality, detections, region
     )
     headers = {
         "Cache-Control": "no-store",
@@ -193,34 +194,34 @@ async def latest_jpeg(
     return Response(jpeg, media_type="image/jpeg", headers=headers)
 
 
-REGION_BGR = (255, 0, 255)  # the outline of a stream's region of interest: magenta
+REGION_RGB = (255, 0, 255)  # the outline of a stream's region of interest: magenta
 
 
 def _color(class_id: int) -> tuple[int, int, int]:
-    """A fixed, distinct BGR colour per class."""
+    """A fixed, distinct RGB colour per class."""
     hue = (class_id * 47) % 180
     hsv = np.array([[[hue, 200, 255]]], np.uint8)
-    b, g, r = (int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)[0, 0])
-    return b, g, r
+    r, g, b = (int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)[0, 0])
+    return r, g, b
 
 
-def draw_detections(bgr: Image, detections: Detections, scale: float) -> None:
-    """Draw each box with its class name and confidence onto ``bgr`` (in place), boxes given in
+def draw_detections(rgb: Image, detections: Detections, scale: float) -> None:
+    """Draw each box with its class name and confidence onto ``rgb`` (in place), boxes given in
     source pixels and scaled by ``scale`` to the image."""
     for box, score, cid in zip(
         detections.boxes, detections.scores, detections.class_ids, strict=True
     ):
         x1, y1, x2, y2 = (round(float(v) * scale) for v in box)
         color = _color(int(cid))
-        cv2.rectangle(bgr, (x1, y1), (x2, y2), color, 2)
+        cv2.rectangle(rgb, (x1, y1), (x2, y2), color, 2)
         label = f"{detections.name_of(cid)} {float(score):.2f}"
         (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, 0.5, 1)
         top = max(y1 - th - base - 2, 0)
-        cv2.rectangle(bgr, (x1, top), (x1 + tw + 4, top + th + base + 2), color, -1)
-        cv2.putText(bgr, label, (x1 + 2, top + th + 1), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1)
+        cv2.rectangle(rgb, (x1, top), (x1 + tw + 4, top + th + base + 2), color, -1)
+        cv2.putText(rgb, label, (x1 + 2, top + th + 1), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1)
 
 
-def encode_jpeg(
+def render_jpeg(
     image: Image | Any,
     max_width: int,
     quality: int,
@@ -233,7 +234,7 @@ def encode_jpeg(
     Runs in a worker thread (OpenCV releases the GIL; a GPU frame is copied down here, not
     on the event loop). Returns the bytes and the JPEG's width and height.
     """
-    image = host_array(image)
+    image = source = host_array(image)
     height, width = image.shape[:2]
     if width > max_width:
         height = max(1, round(height * max_width / width))
@@ -244,13 +245,11 @@ def encode_jpeg(
         image = np.ascontiguousarray(
             cv2.resize(image, (width, height), interpolation=interpolation), dtype=np.uint8
         )
-    bgr: Image = np.asarray(cv2.cvtColor(image, cv2.COLOR_RGB2BGR), np.uint8)
+    if image is source and (region is not None or detections is not None):
+        image = image.copy()  # drawn on: never the frame that other viewers share
     if region is not None:
         corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in region.points])
-        cv2.polylines(bgr, [corners.round().astype(np.int32)], True, REGION_BGR, 2)
+        cv2.polylines(image, [corners.round().astype(np.int32)], True, REGION_RGB, 2)
     if detections is not None:
-        draw_detections(bgr, detections, width / detections.width if detections.width else 1.0)
-    ok, buf = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, quality])
-    if not ok:
-        raise RuntimeError(f"JPEG encoding failed for a {width}x{height} frame")
-    return buf.tobytes(), width, height
+        draw_detections(image, detections, width / detections.width if detections.width else 1.0)
+    return encode_jpeg(image, quality), width, height
