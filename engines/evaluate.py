@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from engines.calibration import FrameSample, parse_sources, sample_frames
 from engines.model import read_model_info
 from engines.registry import EngineConfig
 from engines.types import Detections, DetectParams, Engine, Image
+from engines.yolo import box_iou
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +140,6 @@ class EvalReport:
             f" {self.precision_label} {self.candidate_ms:.1f} ms, speed-up x{self.speedup:.2f}"
         )
         return "\n".join(lines)
-
-
-def box_iou(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """Pairwise IoU of ``(N, 4)`` and ``(M, 4)`` xyxy boxes."""
-    lt = np.maximum(a[:, None, :2], b[None, :, :2])
-    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = np.prod((rb - lt).clip(0), axis=2)
-    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
-    area_b = np.prod(b[:, 2:] - b[:, :2], axis=1)
-    return np.asarray(inter / (area_a[:, None] + area_b[None, :] - inter + 1e-9), np.float32)
 
 
 def match(reference: Detections, candidate: Detections, stats: dict[int, ClassStats]) -> None:

@@ -103,6 +103,8 @@ class Detections:
         names: class id to name, shared by all results of a model.
         width: source image width in pixels.
         height: source image height in pixels.
+        track_ids: ``(N,)`` int64 ids of the objects across a stream's frames, where the
+            stream tracks (:mod:`streams.track`); ``None`` otherwise.
     """
 
     boxes: npt.NDArray[np.float32]
@@ -111,17 +113,31 @@ class Detections:
     names: Mapping[int, str]
     width: int
     height: int
+    track_ids: npt.NDArray[np.int64] | None = None
 
     def __len__(self) -> int:
         return int(self.scores.shape[0])
+
+    def select(self, keep: npt.NDArray[np.bool_]) -> Detections:
+        """The detections where ``keep`` is true, in order."""
+        return Detections(
+            boxes=self.boxes[keep],
+            scores=self.scores[keep],
+            class_ids=self.class_ids[keep],
+            names=self.names,
+            width=self.width,
+            height=self.height,
+            track_ids=None if self.track_ids is None else self.track_ids[keep],
+        )
 
     def name_of(self, class_id: int) -> str:
         """A class id's name; the id itself where the model names no such class."""
         return self.names.get(int(class_id), str(int(class_id)))
 
     def to_json(self) -> list[dict[str, Any]]:
-        """The API form: one dict per detection (DESIGN §4)."""
-        return [
+        """The API form: one dict per detection (DESIGN §4), with ``track_id`` where the
+        detections are tracked."""
+        out = [
             {
                 "box": [round(float(v), 2) for v in box],
                 "confidence": round(float(score), 4),
@@ -130,6 +146,10 @@ class Detections:
             }
             for box, score, cid in zip(self.boxes, self.scores, self.class_ids, strict=True)
         ]
+        if self.track_ids is not None:
+            for item, track_id in zip(out, self.track_ids, strict=True):
+                item["track_id"] = int(track_id)
+        return out
 
     @classmethod
     def empty(cls, names: Mapping[int, str], width: int, height: int) -> Detections:

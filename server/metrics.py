@@ -82,6 +82,7 @@ class StreamSample:
         frames_failed: frames the engine failed on (each also logged).
         detections: detections since the stream was added, by class name.
         objects: detections in the last processed frame, by class name.
+        tracked: objects counted once each by the stream's tracker, by class name.
     """
 
     stream_id: str
@@ -94,6 +95,7 @@ class StreamSample:
     frames_failed: int = 0
     detections: Mapping[str, int] = field(default_factory=dict)
     objects: Mapping[str, int] = field(default_factory=dict)
+    tracked: Mapping[str, int] = field(default_factory=dict)
 
 
 StreamSource = Callable[[], Iterable[StreamSample]]
@@ -232,6 +234,12 @@ class _ScrapeCollector(Collector):
             "Detections per stream and class in its last processed frame (classes seen so far)",
             labels=["stream", "class"],
         )
+        tracked = CounterMetricFamily(
+            "streamdet_stream_tracked_objects",
+            "Objects per stream and class, each counted once by the stream's tracker (streams"
+            " with track on)",
+            labels=["stream", "class"],
+        )
         for s in samples:
             fps.add_metric([s.stream_id, "in"], s.fps_in)
             fps.add_metric([s.stream_id, "processed"], s.fps_processed)
@@ -243,10 +251,13 @@ class _ScrapeCollector(Collector):
             for name, count in s.detections.items():
                 detections.add_metric([s.stream_id, name], count)
                 objects.add_metric([s.stream_id, name], s.objects.get(name, 0))
+            for name, count in s.tracked.items():
+                tracked.add_metric([s.stream_id, name], count)
         yield fps
         yield from counters.values()
         yield detections
         yield objects
+        yield tracked
 
 
 class Metrics:

@@ -84,16 +84,7 @@ class Roi:
         xs = (boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width
         ys = boxes[:, 3] / detections.height
         keep = self.contains(xs, ys)
-        if keep.all():
-            return detections
-        return Detections(
-            boxes=detections.boxes[keep],
-            scores=detections.scores[keep],
-            class_ids=detections.class_ids[keep],
-            names=detections.names,
-            width=detections.width,
-            height=detections.height,
-        )
+        return detections if keep.all() else detections.select(keep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +93,17 @@ class StreamDetect:
 
     params: DetectParams = field(default_factory=DetectParams)
     roi: Roi | None = None
+    track: bool = False
+    """Give detections a ``track_id`` across frames and count objects once
+    (:mod:`streams.track`)."""
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
-        """JSON form: the parameters (classes by name) and ``roi`` (``null``: whole frame)."""
+        """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame) and
+        ``track``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
+            "track": self.track,
         }
 
     @classmethod
@@ -118,6 +114,11 @@ class StreamDetect:
             ValueError: a value out of range, a class the model lacks, or a bad region.
         """
         roi = data.get("roi")
+        track = data.get("track", False)  # absent in streams stored before tracking existed
+        if not isinstance(track, bool):
+            raise ValueError(f"track: expected true or false, got {track!r}")
         return cls(
-            DetectParams.from_description(data, names), None if roi is None else Roi.parse(roi)
+            DetectParams.from_description(data, names),
+            None if roi is None else Roi.parse(roi),
+            track,
         )

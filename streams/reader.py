@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
 from engines.types import Image
-from streams.detect import Roi, StreamDetect
+from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
+from streams.track import Tracker
 
 if TYPE_CHECKING:
     from engines.nvdec import GpuDecode
@@ -93,7 +94,7 @@ class _Pending:
     captured_at: float
     decoded_mono: float
     image: Image
-    roi: Roi | None
+    detect: StreamDetect
 
 
 class RateMeter:
@@ -151,6 +152,12 @@ class StreamReader:
         self.failed = 0
         self._detections: Counter[str] = Counter()  # by class name, since added
         self._objects: dict[str, int] = {}  # by class name, in the last processed frame
+        self._tracked: Counter[str] = Counter()  # objects (tracks) by class name, since added
+        # Results come back on engine worker threads, possibly out of order (two workers, one
+        # stream): this lock puts them through the tracker and out one at a time, in order.
+        self._result_lock = threading.Lock()
+        self._last_result_frame = 0
+        self._tracker = Tracker()
         self.width = 0
         self.height = 0
         self.last_latency_ms: float | None = None
@@ -211,6 +218,7 @@ class StreamReader:
                 "frames_failed": self.failed,
                 "detections": dict(self._detections),
                 "objects": dict(self._objects),
+                "tracked": dict(self._tracked),
                 "last_frame_age_s": None if age is None else round(age, 3),
                 "last_latency_ms": None
                 if self.last_latency_ms is None
@@ -359,7 +367,7 @@ class StreamReader:
         self._frame_no += 1
         sid = self.config.id
         detect = self.detect
-        pending = _Pending(self._frame_no, pts, time.time(), decoded_mono, image, detect.roi)
+        pending = _Pending(self._frame_no, pts, time.time(), decoded_mono, image, detect)
         done = functools.partial(self._on_done, pending)
         item = WorkItem(
             image,
@@ -388,25 +396,41 @@ class StreamReader:
                 )
             return
         detections = result.detections
-        if pending.roi is not None:
-            detections = pending.roi.filter(detections)
-        objects = Counter(detections.name_of(c) for c in detections.class_ids)
-        with self._lock:
-            self.processed += 1
-            self._fps_out.tick(time.monotonic())
-            self._detections.update(objects)
-            self._objects = dict(objects)
-        if self._stop.is_set():
-            return
-        self._publish(
-            ProcessedFrame(
-                stream_id=self.config.id,
-                frame=pending.frame_no,
-                pts=pending.pts,
-                captured_at=pending.captured_at,
-                decoded_mono=pending.decoded_mono,
-                image=pending.image,
-                detections=detections,
-                batch_size=result.batch_size,
+        detect = pending.detect
+        if detect.roi is not None:
+            detections = detect.roi.filter(detections)
+        with self._result_lock:
+            if pending.frame_no < self._last_result_frame:
+                # A newer frame finished first on another worker: a live stream never goes
+                # back in time (nor would its tracks), so this one counts as dropped.
+                with self._lock:
+                    self.drops += 1
+                return
+            self._last_result_frame = pending.frame_no
+            new_objects: list[int] = []
+            if detect.track:
+                tracked = self._tracker.update(detections, pending.decoded_mono)
+                detections, new_objects = tracked.detections, tracked.new_objects
+            else:
+                self._tracker.clear()
+            objects = Counter(detections.name_of(c) for c in detections.class_ids)
+            with self._lock:
+                self.processed += 1
+                self._fps_out.tick(time.monotonic())
+                self._detections.update(objects)
+                self._objects = dict(objects)
+                self._tracked.update(detections.name_of(c) for c in new_objects)
+            if self._stop.is_set():
+                return
+            self._publish(
+                ProcessedFrame(
+                    stream_id=self.config.id,
+                    frame=pending.frame_no,
+                    pts=pending.pts,
+                    captured_at=pending.captured_at,
+                    decoded_mono=pending.decoded_mono,
+                    image=pending.image,
+                    detections=detections,
+                    batch_size=result.batch_size,
+                )
             )
-        )

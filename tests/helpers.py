@@ -12,6 +12,7 @@ import numpy as np
 from engines.pool import EnginePool
 from engines.registry import EngineConfig
 from engines.types import Detections, Engine, ModelInfo
+from engines.yolo import box_iou
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -42,16 +43,6 @@ def ultralytics_assets() -> Path:
     from ultralytics.utils import ASSETS
 
     return Path(ASSETS)
-
-
-def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Pairwise IoU of ``(N, 4)`` and ``(M, 4)`` xyxy boxes."""
-    lt = np.maximum(a[:, None, :2], b[None, :, :2])
-    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = np.prod((rb - lt).clip(0), axis=2)
-    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
-    area_b = np.prod(b[:, 2:] - b[:, :2], axis=1)
-    return np.asarray(inter / (area_a[:, None] + area_b[None, :] - inter + 1e-9))
 
 
 def match_reference(

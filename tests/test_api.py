@@ -214,6 +214,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "classes": ["person", "bottle"],
             "max_det": 300,
             "roi": None,
+            "track": False,
         }
         assert resp.json()["detect"] == detect
 
@@ -228,6 +229,8 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         assert resp.status_code == 200 and resp.json()["detect"]["roi"] == triangle
         assert resp.json()["detect"]["max_det"] == 5  # the rest stays
         assert c.patch(f"/streams/{sid}", json={"roi": None}).json()["detect"]["roi"] is None
+        resp = c.patch(f"/streams/{sid}", json={"track": True})
+        assert resp.json()["detect"] == {**detect, "max_det": 5, "classes": None, "track": True}
         resp = c.patch(f"/streams/{sid}", json={"name": "shelf", "max_fps": 3})
         assert (resp.json()["name"], resp.json()["max_fps"]) == ("shelf", 3.0)
         assert resp.json()["detect"]["max_det"] == 5
@@ -238,6 +241,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             ({"iou": -0.1}, "iou"),
             ({"max_fps": 0}, "max_fps"),
             ({"name": "x" * 201}, "name"),
+            ({"track": "sometimes"}, "track"),
         ):
             resp = c.patch(f"/streams/{sid}", json=bad)
             assert resp.status_code == 422, resp.text

@@ -123,6 +123,7 @@ def test_stream_source_hook(client: TestClient) -> None:
                 frames_failed=3,
                 detections={"car": 40, "person": 7},
                 objects={"car": 2},
+                tracked={"car": 5},
             ),
         ]
     )
@@ -142,6 +143,8 @@ def test_stream_source_hook(client: TestClient) -> None:
     assert value(samples, detections, stream="cam1", **{"class": "person"}) == 7
     assert value(samples, "streamdet_stream_objects", stream="cam1", **{"class": "car"}) == 2
     assert value(samples, "streamdet_stream_objects", stream="cam1", **{"class": "person"}) == 0
+    tracked = "streamdet_stream_tracked_objects_total"
+    assert value(samples, tracked, stream="cam1", **{"class": "car"}) == 5
 
 
 def test_failing_stream_source_does_not_break_scrape(client: TestClient) -> None:

@@ -9,6 +9,7 @@ import json
 import random
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import closing
@@ -247,7 +248,14 @@ async def test_each_stream_has_its_own_detection_parameters(
         bottles = StreamDetect(DetectParams(conf=0.4, classes=frozenset({39})))
         info = await manager.add(f"file://{clip}", max_fps=6.0, detect=bottles)
         sid = info["id"]
-        want = {"conf": 0.4, "iou": 0.7, "classes": ["bottle"], "max_det": 300, "roi": None}
+        want = {
+            "conf": 0.4,
+            "iou": 0.7,
+            "classes": ["bottle"],
+            "max_det": 300,
+            "roi": None,
+            "track": False,
+        }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)
         dets = [d for f in frames for d in f.detections.to_json()]
@@ -325,6 +333,33 @@ async def test_each_stream_has_its_own_detection_parameters(
 
 
 @pytest.mark.skipif(nvdec_unavailable() is None, reason="NVDEC here: tests/test_gpu_cuda.py")
+async def test_tracked_stream_gives_steady_ids_and_counts_each_object_once(
+    file_manager: StreamManager,
+) -> None:
+    clip = next(v for v in VIDEOS if v.name.startswith("bottle"))  # three bottles stand still
+    detect = StreamDetect(DetectParams(classes=frozenset({39})), track=True)
+    info = await file_manager.add(f"file://{clip}", max_fps=6.0, detect=detect)
+    sid = info["id"]
+    assert info["detect"]["track"] is True
+    frames = await _frames_from(file_manager, sid, 0, 8)
+    per_frame = [f.detections.to_json() for f in frames]
+    assert all("track_id" in d for dets in per_frame for d in dets)
+    # The bottles do not move: each keeps one id, so a few ids cover every frame's bottles.
+    ids = {d["track_id"] for dets in per_frame for d in dets}
+    most = max(len(dets) for dets in per_frame)
+    assert most >= 2 and len(ids) <= most + 1, per_frame
+    stats = file_manager.describe(sid)
+    assert stats is not None
+    assert 1 <= stats["tracked"]["bottle"] <= len(ids)  # objects, not detections
+    assert stats["detections"]["bottle"] > stats["tracked"]["bottle"]
+
+    # Off again, live: later frames carry no ids, and the counts stay.
+    changed = await file_manager.update(sid, {"detect": StreamDetect(detect.params)})
+    assert changed is not None and changed["detect"]["track"] is False
+    later = await _frames_from(file_manager, sid, frames[-1].frame + 3, 3)
+    assert all("track_id" not in d for f in later for d in f.detections.to_json())
+
+
 async def test_gpu_decode_falls_back_to_the_cpu_where_nvdec_is_missing(
     pool: EnginePool, tmp_path: Path
 ) -> None:
@@ -365,6 +400,51 @@ def test_frames_the_engine_fails_on_are_counted_and_the_stream_goes_on(tmp_path:
         assert snap["frames_failed"] >= 3 and snap["frames_processed"] == 0
         assert snap["state"] == StreamState.LIVE  # a failing engine does not stop the stream
         assert len(failures) >= snap["frames_failed"]
+    finally:
+        reader.stop()
+        assert reader.join(10)
+
+
+def test_results_that_come_back_out_of_order_never_go_back_in_time() -> None:
+    """Two workers can finish one stream's frames out of order: the older one is dropped, so
+    subscribers (and the tracker) only ever see a stream move forward."""
+    held: list[WorkItem] = []
+    four = threading.Event()
+
+    def holding_engine(stream_id: str, item: WorkItem) -> None:
+        if len(held) < 4:
+            held.append(item)
+            if len(held) == 4:
+                four.set()
+
+    published: list[ProcessedFrame] = []
+    spec = parse_source(f"file://{VIDEOS[0]}", VIDEOS[0].parent)
+    detect = StreamDetect(track=True)
+    reader = StreamReader(
+        StreamConfig("s1", spec, max_fps=10.0, detect=detect),
+        ReaderOptions(),
+        holding_engine,
+        published.append,
+    )
+    reader.start()
+    try:
+        assert four.wait(30)
+        numbers = [int(item.request_id.rsplit(":", 1)[1]) for item in held]
+        assert numbers == sorted(numbers)
+        person = Detections(
+            boxes=np.array([[10, 10, 50, 90]], np.float32),
+            scores=np.array([0.9], np.float32),
+            class_ids=np.array([0], np.int32),
+            names={0: "person"},
+            width=640,
+            height=360,
+        )
+        for i in (1, 0, 3, 2):  # the second frame finishes before the first, and so on
+            held[i].on_done(WorkResult(person, None, 0.0, 1.0, 1))
+        assert [f.frame for f in published] == [numbers[1], numbers[3]]
+        assert [f.detections.to_json()[0]["track_id"] for f in published] == [1, 1]
+        snap = reader.snapshot()
+        assert snap["frames_processed"] == 2 and snap["drops"] >= 2
     finally:
         reader.stop()
         assert reader.join(10)

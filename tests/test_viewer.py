@@ -255,11 +255,15 @@ def live_server(
     srv.stop()
 
 
-def add_stream_in_page(pg: Page, url: str, name: str, **fields: str) -> str:
-    """Adds a stream with the page's form (optional ``fields`` such as ``classes``); returns
-    its id from the row that appears."""
+def add_stream_in_page(pg: Page, url: str, name: str, **fields: str | bool) -> str:
+    """Adds a stream with the page's form (optional ``fields`` such as ``classes``, or
+    ``track=True`` to tick a box); returns its id from the row that appears."""
     for field, value in {"url": url, "name": name, **fields}.items():
-        pg.fill(f'#add-stream input[name="{field}"]', value)
+        box = pg.locator(f'#add-stream input[name="{field}"]')
+        if isinstance(value, bool):
+            box.set_checked(value)
+        else:
+            box.fill(value)
     pg.click('#add-stream button[type="submit"]')
     row = pg.locator("#stream-rows tr", has=pg.locator(".name", has_text=name))
     expect(row).to_have_count(1)
@@ -406,7 +410,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
 ) -> None:
     pg, errors = page
     pg.goto(live_server.base_url + "/")
-    stream_id = add_stream_in_page(pg, camera.url("car"), "car-region")
+    stream_id = add_stream_in_page(pg, camera.url("car"), "car-region", track=True)
     canvas_id = f"tile-{stream_id}"
     figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
     frame = wait_for_boxes(pg, canvas_id)
@@ -417,6 +421,11 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
         frame = wait_for_boxes(pg, canvas_id, frame)
         seen_right = not all(region_state(pg, canvas_id)["anchorsLeft"])
     assert region_state(pg, canvas_id)["region"] is None
+    # Tracked: each box's label carries its object's id, and the list counts objects.
+    labels = pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].shapes.map(s => s.label)")
+    assert all(re.fullmatch(r"[a-z ]+ #\d+ [01]\.\d\d", label) for label in labels), labels
+    row = pg.locator(f'#stream-rows tr[data-id="{stream_id}"] .objects')
+    expect(row).to_have_text(re.compile(r"all ≥ 0\.25 · tracked: \d+ [a-z ]+"))
 
     figure.locator("button.tile-region").click()
     expect(figure.locator(".tile-region-bar")).to_be_visible()
@@ -464,6 +473,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
         assert all(state["anchorsLeft"]), state
         assert state["magenta"] >= state["total"] // 4, state
     figure.screenshot(path=artifacts / "viewer-region-saved.png")
+    expect(row).to_contain_text("· region · tracked")
 
     # "Whole frame" removes it.
     figure.locator("button.tile-region").click()

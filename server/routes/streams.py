@@ -61,6 +61,13 @@ class DetectIn(BaseModel):
             " detections whose box's bottom centre is outside are dropped; null: whole frame"
         ),
     ] = None
+    track: Annotated[
+        bool,
+        Field(
+            description="give each detection a track_id that follows its object across frames,"
+            " and count objects once in the stream's 'tracked' counts"
+        ),
+    ] = False
 
     def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
@@ -78,7 +85,7 @@ class DetectIn(BaseModel):
                 roi = None if self.roi is None else Roi(tuple(self.roi))
             except ValueError as exc:
                 raise HTTPException(422, str(exc)) from None
-        return StreamDetect(params, roi)
+        return StreamDetect(params, roi, self.track if "track" in given else current.track)
 
 
 class StreamPatch(DetectIn):
@@ -193,6 +200,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             frames_failed=info["frames_failed"],
             detections=info["detections"],
             objects=info["objects"],
+            tracked=info["tracked"],
         )
 
 

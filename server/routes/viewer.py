@@ -208,13 +208,15 @@ def _color(class_id: int) -> tuple[int, int, int]:
 def draw_detections(rgb: Image, detections: Detections, scale: float) -> None:
     """Draw each box with its class name and confidence onto ``rgb`` (in place), boxes given in
     source pixels and scaled by ``scale`` to the image."""
-    for box, score, cid in zip(
-        detections.boxes, detections.scores, detections.class_ids, strict=True
+    tracks = detections.track_ids
+    for i, (box, score, cid) in enumerate(
+        zip(detections.boxes, detections.scores, detections.class_ids, strict=True)
     ):
         x1, y1, x2, y2 = (round(float(v) * scale) for v in box)
         color = _color(int(cid))
         cv2.rectangle(rgb, (x1, y1), (x2, y2), color, 2)
-        label = f"{detections.name_of(cid)} {float(score):.2f}"
+        track = "" if tracks is None else f" #{int(tracks[i])}"
+        label = f"{detections.name_of(cid)}{track} {float(score):.2f}"
         (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, 0.5, 1)
         top = max(y1 - th - base - 2, 0)
         cv2.rectangle(rgb, (x1, top), (x1 + tw + 4, top + th + base + 2), color, -1)

@@ -176,7 +176,9 @@ function drawDetections(ctx, detections, sx, sy) {
     const [x1, y1, x2, y2] = [det.box[0] * sx, det.box[1] * sy, det.box[2] * sx, det.box[3] * sy];
     ctx.strokeStyle = color;
     ctx.strokeRect(x1, y1, x2 - x1, y2 - y1);
-    const label = `${det.class_name} ${det.confidence.toFixed(2)}`;
+    // A tracked stream's detections carry the id that follows their object across frames.
+    const track = det.track_id != null ? ` #${det.track_id}` : "";
+    const label = `${det.class_name}${track} ${det.confidence.toFixed(2)}`;
     const labelHeight = fontSize + 4;
     const labelWidth = ctx.measureText(label).width + 6;
     const labelTop = y1 - labelHeight >= 0 ? y1 - labelHeight : y1;
@@ -547,7 +549,13 @@ function streamObjects(stream) {
   const detect = stream.detect;
   if (!detect) return "–";
   const classes = detect.classes === null ? "all" : detect.classes.join(", ");
-  return `${classes} ≥ ${Number(detect.conf).toFixed(2)}`;
+  let text = `${classes} ≥ ${Number(detect.conf).toFixed(2)}`;
+  if (detect.roi) text += " · region";
+  if (detect.track) {
+    const counted = Object.entries(stream.tracked ?? {}).map(([name, n]) => `${n} ${name}`);
+    text += ` · tracked${counted.length ? `: ${counted.join(", ")}` : ""}`;
+  }
+  return text;
 }
 
 function renderStreams(list) {
@@ -660,6 +668,7 @@ async function addStream(event) {
   if (classes) body.classes = classes;
   const conf = String(data.get("conf") ?? "").trim();
   if (conf) body.conf = Number(conf);
+  if (data.get("track")) body.track = true;
   try {
     const resp = await api("/streams", {
       method: "POST",

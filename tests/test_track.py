@@ -1,0 +1,181 @@
+"""Tracking (``streams.track``): ids that follow objects across frames, objects counted once;
+on synthetic boxes with known motion, and on the real model's detections of a real clip."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from engines.types import Detections, DetectParams, Engine, ModelInfo
+from engines.yolo import box_iou
+from streams.files import iter_video_frames
+from streams.track import MAX_AGE_S, MIN_HITS, Tracker
+from tests.helpers import VIDEOS, ort_factory
+
+NAMES = {0: "person", 2: "car", 7: "truck"}
+
+
+def dets(boxes: Sequence[Sequence[float]], classes: Sequence[int] | None = None) -> Detections:
+    n = len(boxes)
+    return Detections(
+        boxes=np.asarray(boxes, np.float32).reshape(n, 4),
+        scores=np.linspace(0.9, 0.5, n).astype(np.float32),
+        class_ids=np.asarray(classes if classes is not None else [2] * n, np.int32),
+        names=NAMES,
+        width=1000,
+        height=1000,
+    )
+
+
+def ids(tracker: Tracker, d: Detections, t: float) -> list[int]:
+    out = tracker.update(d, t).detections.track_ids
+    assert out is not None
+    return [int(i) for i in out]
+
+
+def test_a_moving_object_keeps_its_id_and_is_counted_once() -> None:
+    tracker = Tracker()
+    seen, counted = set(), []
+    for k in range(10):
+        x = 100 + 30 * k  # 300 px/s, frames 0.1 s apart
+        result = tracker.update(dets([[x, 100, x + 100, 200]]), 0.1 * k)
+        assert result.detections.track_ids is not None
+        seen.update(result.detections.track_ids.tolist())
+        counted += result.new_objects
+    assert seen == {1}
+    assert counted == [2]  # one car, counted when it had been seen MIN_HITS times
+
+
+def test_velocity_carries_a_fast_object_across_frames_it_does_not_overlap() -> None:
+    # 150 px a frame with a 100 px box: consecutive boxes never overlap, the prediction does.
+    tracker = Tracker()
+    got = [ids(tracker, dets([[150 * k, 0, 150 * k + 100, 100]]), 0.1 * k) for k in range(2)]
+    assert got == [[1], [2]]  # without a velocity yet, the second frame starts a track
+    tracker = Tracker()
+    ids(tracker, dets([[0, 0, 100, 100]]), 0.0)
+    ids(tracker, dets([[50, 0, 150, 100]]), 0.1)  # overlaps: paired, velocity 500 px/s
+    assert ids(tracker, dets([[200, 0, 300, 100]]), 0.4) == [1]  # 3 frames dropped, predicted
+
+
+def test_two_objects_passing_each_other_keep_their_ids() -> None:
+    tracker = Tracker()
+    for k in range(8):
+        left = [50 + 40 * k, 100, 150 + 40 * k, 200]  # moving right
+        right = [450 - 40 * k, 130, 550 - 40 * k, 230]  # moving left, a little lower
+        swap = k % 2 == 1  # the order detections come in must not matter
+        got = ids(tracker, dets([right, left] if swap else [left, right]), 0.1 * k)
+        assert (got[::-1] if swap else got) == [1, 2], k
+
+
+def test_tracks_end_after_max_age_and_ids_are_never_reused() -> None:
+    tracker = Tracker()
+    box = [[100, 100, 200, 200]]
+    assert ids(tracker, dets(box), 0.0) == [1]
+    assert ids(tracker, dets([]), 0.5) == []
+    assert ids(tracker, dets(box), 0.5 + MAX_AGE_S / 2) == [1]  # unseen for less: same id
+    assert ids(tracker, dets(box), 2.0 + MAX_AGE_S) == [2]  # gone too long: a new object
+    tracker.clear()
+    assert len(tracker) == 0
+    assert ids(tracker, dets(box), 10.0) == [3]
+
+
+def test_flicker_and_class_flips_are_not_counted_twice() -> None:
+    tracker = Tracker()
+    counted: list[int] = []
+    vehicle = [300, 300, 400, 400]
+    for k in range(6):
+        boxes = [vehicle]
+        classes = [2 if k % 2 else 7]  # car, truck, car, ...: one vehicle
+        if k == 2:
+            boxes.append([800, 800, 850, 850])  # one frame only: a false positive
+            classes.append(0)
+        if k == 3:
+            boxes.append([301, 300, 401, 401])  # class-aware NMS kept a second box on it
+            classes.append(7)
+        result = tracker.update(dets(boxes, classes), 0.1 * k)
+        assert result.detections.track_ids is not None
+        assert result.detections.track_ids[0] == 1
+        if k == 3:
+            assert result.detections.track_ids.tolist() == [1, 1]  # the same object
+        counted += result.new_objects
+    assert counted == [2 if MIN_HITS % 2 == 0 else 7]  # once, with its class at the time
+
+
+def test_bad_settings_are_refused() -> None:
+    for kwargs, message in (
+        ({"iou_match": 0.0}, "iou_match"),
+        ({"max_age_s": 0.0}, "max_age_s"),
+        ({"min_hits": 0}, "min_hits"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Tracker(**kwargs)
+
+
+def test_json_carries_track_ids_only_when_tracked() -> None:
+    plain = dets([[0, 0, 10, 10]])
+    assert "track_id" not in plain.to_json()[0]
+    tracked = Tracker().update(plain, 0.0).detections
+    assert tracked.to_json()[0]["track_id"] == 1
+    assert tracked.select(np.array([False])).track_ids is not None
+
+
+# ---- the real model on a real clip ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ort(model_info: ModelInfo) -> Engine:
+    engine = ort_factory(model_info)()
+    engine.load()
+    return engine
+
+
+@pytest.mark.parametrize(("clip", "step"), [("bottle", 3), ("car", 3), ("car", 6)])
+def test_real_detections_keep_their_ids_from_frame_to_frame(
+    ort: Engine, clip: str, step: int
+) -> None:
+    """Every object that barely moved between two processed frames (its boxes overlap with
+    IoU >= 0.5, each the other's best) keeps its id, on clips sampled at 8 and 4 fps."""
+    video = next(v for v in VIDEOS if v.name.startswith(clip))
+    frames = list(iter_video_frames(video, step=step, limit=48))
+    results: list[Detections] = []
+    for i in range(0, len(frames), 4):
+        batch = frames[i : i + 4]
+        results += ort.infer(batch, [DetectParams()] * len(batch))
+    tracker = Tracker()
+    tracked = [tracker.update(d, k * step / 25.0).detections for k, d in enumerate(results)]
+    pairs = 0
+    for before, after in itertools.pairwise(tracked):
+        if not len(before) or not len(after):
+            continue
+        assert before.track_ids is not None and after.track_ids is not None
+        iou = box_iou(before.boxes, after.boxes)
+        for a in range(len(before)):
+            b = int(iou[a].argmax())
+            if iou[a, b] >= 0.5 and int(iou[:, b].argmax()) == a:
+                pairs += 1
+                assert before.track_ids[a] == after.track_ids[b], (a, b, iou)
+    assert pairs >= 10  # the check saw objects to follow
+    lengths = np.unique(
+        np.concatenate([t.track_ids for t in tracked if t.track_ids is not None]),
+        return_counts=True,
+    )[1]
+    assert lengths.max() >= 5  # some object followed over 5 processed frames or more
+
+
+def test_track_bench_reports_per_frame_cost_and_keeps_every_track(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import track_bench
+
+    monkeypatch.setattr("sys.argv", ["track_bench", "--objects", "5", "40", "--frames", "30"])
+    track_bench.main()
+    report = json.loads(capsys.readouterr().out)
+    assert [r["objects"] for r in report] == [5, 40]
+    for row in report:
+        assert row["p99_ms"] >= row["p50_ms"] > 0
+        # Constant-velocity objects: one track each, none lost and restarted.
+        assert row["tracks"] == row["objects"]
