@@ -284,16 +284,23 @@ def wait_for_boxes(pg: Page, canvas_id: str, after_frame: int = -1) -> int:
     return frame
 
 
+@pytest.fixture
+def live_page(live_server: ServerProcess, page: tuple[Page, PageErrors]) -> tuple[Page, PageErrors]:
+    """The viewer of ``live_server``, open and connected."""
+    pg, _ = page
+    pg.goto(live_server.base_url + "/")
+    expect(pg.locator("#server-status")).to_have_text("connected")
+    return page
+
+
 @pytest.mark.rtsp
 def test_live_stream_boxes_errors_grid_and_reconnect(
     live_server: ServerProcess,
     camera: RtspCamera,
-    page: tuple[Page, PageErrors],
+    live_page: tuple[Page, PageErrors],
     artifacts: Path,
 ) -> None:
-    pg, errors = page
-    pg.goto(live_server.base_url + "/")
-    expect(pg.locator("#server-status")).to_have_text("connected")
+    pg, errors = live_page
 
     # A real camera: listed, live, and its frames drawn with their boxes.
     car = add_stream_in_page(pg, camera.url("car"), "car")
@@ -403,13 +410,10 @@ def region_state(pg: Page, canvas_id: str) -> dict[str, Any]:
 
 @pytest.mark.rtsp
 def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
-    live_server: ServerProcess,
-    camera: RtspCamera,
-    page: tuple[Page, PageErrors],
-    artifacts: Path,
+    camera: RtspCamera, live_page: tuple[Page, PageErrors], artifacts: Path
 ) -> None:
-    pg, errors = page
-    pg.goto(live_server.base_url + "/")
+    pg, errors = live_page
+    api = httpx.Client(base_url=pg.url, timeout=30)  # the viewer's own server
     stream_id = add_stream_in_page(pg, camera.url("car"), "car-region", track=True)
     canvas_id = f"tile-{stream_id}"
     figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
@@ -452,8 +456,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     expect(figure.locator(".tile-region-bar")).to_be_hidden()
 
     # Saved on the server, within a pixel of where the clicks landed.
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as client:
-        roi = client.get(f"/streams/{stream_id}").json()["detect"]["roi"]
+    roi = api.get(f"/streams/{stream_id}").json()["detect"]["roi"]
     assert len(roi) == len(LEFT_HALF)
     for got, want in zip(roi, LEFT_HALF, strict=True):
         assert got == pytest.approx(want, abs=2 / size["width"])
@@ -479,8 +482,8 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     figure.locator("button.tile-region").click()
     figure.locator("button.region-clear").click()
     expect(figure.locator(".tile-region-bar")).to_be_hidden()
-    with httpx.Client(base_url=live_server.base_url, timeout=30) as client:
-        assert client.get(f"/streams/{stream_id}").json()["detect"]["roi"] is None
+    assert api.get(f"/streams/{stream_id}").json()["detect"]["roi"] is None
+    api.close()
     pg.wait_for_function("(id) => window.streamdet.drawn[id].region === null", arg=canvas_id)
     expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []
