@@ -83,6 +83,8 @@ class StreamSample:
         detections: detections since the stream was added, by class name.
         objects: detections in the last processed frame, by class name.
         tracked: objects counted once each by the stream's tracker, by class name.
+        crossings: objects that crossed the stream's counting lines, by ``(line, direction,
+            class name)``.
     """
 
     stream_id: str
@@ -96,6 +98,7 @@ class StreamSample:
     detections: Mapping[str, int] = field(default_factory=dict)
     objects: Mapping[str, int] = field(default_factory=dict)
     tracked: Mapping[str, int] = field(default_factory=dict)
+    crossings: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
 
 
 StreamSource = Callable[[], Iterable[StreamSample]]
@@ -240,6 +243,11 @@ class _ScrapeCollector(Collector):
             " with track on)",
             labels=["stream", "class"],
         )
+        crossings = CounterMetricFamily(
+            "streamdet_stream_line_crossings",
+            "Tracked objects that crossed a stream's counting line, by line, direction and class",
+            labels=["stream", "line", "direction", "class"],
+        )
         for s in samples:
             fps.add_metric([s.stream_id, "in"], s.fps_in)
             fps.add_metric([s.stream_id, "processed"], s.fps_processed)
@@ -253,11 +261,14 @@ class _ScrapeCollector(Collector):
                 objects.add_metric([s.stream_id, name], s.objects.get(name, 0))
             for name, count in s.tracked.items():
                 tracked.add_metric([s.stream_id, name], count)
+            for (line, direction, name), count in s.crossings.items():
+                crossings.add_metric([s.stream_id, line, direction, name], count)
         yield fps
         yield from counters.values()
         yield detections
         yield objects
         yield tracked
+        yield crossings
 
 
 class Metrics:

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.types import Detections, DetectParams
+from streams.lines import Line, parse_lines
 
 MIN_POINTS = 3
 MAX_POINTS = 64
@@ -96,14 +97,24 @@ class StreamDetect:
     track: bool = False
     """Give detections a ``track_id`` across frames and count objects once
     (:mod:`streams.track`)."""
+    lines: tuple[Line, ...] = ()
+    """Counting lines (:mod:`streams.lines`); they need ``track``."""
+
+    def __post_init__(self) -> None:
+        if self.lines and not self.track:
+            raise ValueError(
+                "lines: counting lines need track set to true (crossings are counted per"
+                " tracked object)"
+            )
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
-        """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame) and
-        ``track``."""
+        """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
+        ``track`` and ``lines``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
             "track": self.track,
+            "lines": [line.to_json() for line in self.lines],
         }
 
     @classmethod
@@ -121,4 +132,5 @@ class StreamDetect:
             DetectParams.from_description(data, names),
             None if roi is None else Roi.parse(roi),
             track,
+            parse_lines(data.get("lines") or ()),
         )

@@ -24,6 +24,7 @@ from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
 from engines.types import Image
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
+from streams.lines import LineCounter
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
 from streams.track import Tracker
 
@@ -158,6 +159,9 @@ class StreamReader:
         self._result_lock = threading.Lock()
         self._last_result_frame = 0
         self._tracker = Tracker()
+        self._line_counter = LineCounter()
+        # (line, direction, class name) -> objects that crossed, since added
+        self._crossings: Counter[tuple[str, str, str]] = Counter()
         self.width = 0
         self.height = 0
         self.last_latency_ms: float | None = None
@@ -219,6 +223,7 @@ class StreamReader:
                 "detections": dict(self._detections),
                 "objects": dict(self._objects),
                 "tracked": dict(self._tracked),
+                "crossings": self._crossings_json(),
                 "last_frame_age_s": None if age is None else round(age, 3),
                 "last_latency_ms": None
                 if self.last_latency_ms is None
@@ -227,6 +232,13 @@ class StreamReader:
                 "height": self.height,
                 "decode": "cuda" if self._gpu_decode and self._gpu_decode.on_gpu else "cpu",
             }
+
+    def _crossings_json(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{line: {"in": {class: n}, "out": {...}}}``; call with the lock held."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (line, direction, name), n in sorted(self._crossings.items()):
+            out.setdefault(line, {"in": {}, "out": {}})[direction][name] = n
+        return out
 
     # ---- thread ------------------------------------------------------------------------
     def wait_state(self, states: set[StreamState], timeout_s: float) -> bool:
@@ -408,11 +420,20 @@ class StreamReader:
                 return
             self._last_result_frame = pending.frame_no
             new_objects: list[int] = []
+            crossed: list[tuple[str, str, str]] = []
             if detect.track:
                 tracked = self._tracker.update(detections, pending.decoded_mono)
                 detections, new_objects = tracked.detections, tracked.new_objects
             else:
                 self._tracker.clear()
+            if detect.lines:
+                live = self._tracker.live_ids()
+                crossed = [
+                    (c.line, c.direction, detections.name_of(c.class_id))
+                    for c in self._line_counter.update(detections, detect.lines, live)
+                ]
+            else:
+                self._line_counter.clear()
             objects = Counter(detections.name_of(c) for c in detections.class_ids)
             with self._lock:
                 self.processed += 1
@@ -420,6 +441,7 @@ class StreamReader:
                 self._detections.update(objects)
                 self._objects = dict(objects)
                 self._tracked.update(detections.name_of(c) for c in new_objects)
+                self._crossings.update(crossed)
             if self._stop.is_set():
                 return
             self._publish(

@@ -98,6 +98,11 @@ class Tracker:
         """Live tracks."""
         return int(self._ids.shape[0])
 
+    def live_ids(self) -> list[int]:
+        """The ids of the live tracks, seen in this frame or recently."""
+        ids: list[int] = self._ids.tolist()
+        return ids
+
     def clear(self) -> None:
         """End every track (ids are not reused: a later track gets a new one)."""
         self._keep(np.zeros(len(self), bool))

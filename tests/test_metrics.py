@@ -124,6 +124,7 @@ def test_stream_source_hook(client: TestClient) -> None:
                 detections={"car": 40, "person": 7},
                 objects={"car": 2},
                 tracked={"car": 5},
+                crossings={("gate", "in", "car"): 3, ("gate", "out", "car"): 1},
             ),
         ]
     )
@@ -145,6 +146,10 @@ def test_stream_source_hook(client: TestClient) -> None:
     assert value(samples, "streamdet_stream_objects", stream="cam1", **{"class": "person"}) == 0
     tracked = "streamdet_stream_tracked_objects_total"
     assert value(samples, tracked, stream="cam1", **{"class": "car"}) == 5
+    crossings = "streamdet_stream_line_crossings_total"
+    gate = {"stream": "cam1", "line": "gate", "class": "car"}
+    assert value(samples, crossings, direction="in", **gate) == 3
+    assert value(samples, crossings, direction="out", **gate) == 1
 
 
 def test_failing_stream_source_does_not_break_scrape(client: TestClient) -> None:

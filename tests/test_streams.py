@@ -255,6 +255,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             "max_det": 300,
             "roi": None,
             "track": False,
+            "lines": [],
         }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)

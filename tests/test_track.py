@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from engines.types import Detections, DetectParams, Engine, ModelInfo
 from engines.yolo import box_iou
+from streams.detect import StreamDetect
 from streams.files import iter_video_frames
+from streams.lines import Crossing, Line, LineCounter, parse_lines
 from streams.track import MAX_AGE_S, MIN_HITS, Tracker
 from tests.helpers import VIDEOS, ort_factory
 
@@ -123,6 +128,14 @@ def test_json_carries_track_ids_only_when_tracked() -> None:
     assert tracked.select(np.array([False])).track_ids is not None
 
 
+def av_rate(video: Path) -> float:
+    """The clip's frame rate (the tracker works in seconds)."""
+    import av
+
+    with av.open(str(video)) as container:
+        return float(container.streams.video[0].average_rate or 25)
+
+
 # ---- the real model on a real clip ----------------------------------------------------------
 
 
@@ -138,7 +151,7 @@ def test_real_detections_keep_their_ids_from_frame_to_frame(
     ort: Engine, clip: str, step: int
 ) -> None:
     """Every object that barely moved between two processed frames (its boxes overlap with
-    IoU >= 0.5, each the other's best) keeps its id, on clips sampled at 8 and 4 fps."""
+    IoU >= 0.5, each the other's best) keeps its id, on clips sampled at 2 to 10 fps."""
     video = next(v for v in VIDEOS if v.name.startswith(clip))
     frames = list(iter_video_frames(video, step=step, limit=48))
     results: list[Detections] = []
@@ -146,7 +159,8 @@ def test_real_detections_keep_their_ids_from_frame_to_frame(
         batch = frames[i : i + 4]
         results += ort.infer(batch, [DetectParams()] * len(batch))
     tracker = Tracker()
-    tracked = [tracker.update(d, k * step / 25.0).detections for k, d in enumerate(results)]
+    fps = float(av_rate(video))
+    tracked = [tracker.update(d, k * step / fps).detections for k, d in enumerate(results)]
     pairs = 0
     for before, after in itertools.pairwise(tracked):
         if not len(before) or not len(after):
@@ -179,3 +193,79 @@ def test_track_bench_reports_per_frame_cost_and_keeps_every_track(
         assert row["p99_ms"] >= row["p50_ms"] > 0
         # Constant-velocity objects: one track each, none lost and restarted.
         assert row["tracks"] == row["objects"]
+
+
+# ---- counting lines ---------------------------------------------------------------------------
+
+ACROSS = Line("across", (0.0, 0.5), (1.0, 0.5))  # drawn left to right: "in" is moving down
+
+
+def test_a_line_is_crossed_in_or_out_only_between_its_ends() -> None:
+    assert ACROSS.crossing((0.3, 0.4), (0.3, 0.6)) == "in"
+    assert ACROSS.crossing((0.3, 0.6), (0.35, 0.4)) == "out"
+    assert ACROSS.crossing((0.3, 0.4), (0.9, 0.45)) is None  # stayed above
+    short = Line("short", (0.2, 0.5), (0.4, 0.5))
+    assert short.crossing((0.3, 0.4), (0.3, 0.6)) == "in"
+    assert short.crossing((0.6, 0.4), (0.6, 0.6)) is None  # passed beside its end
+    # Reversing the line's points swaps the directions.
+    backwards = Line("back", (1.0, 0.5), (0.0, 0.5))
+    assert backwards.crossing((0.3, 0.4), (0.3, 0.6)) == "out"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([{"name": "", "points": [[0, 0], [1, 1]]}], "name"),
+        ([{"name": "a", "points": [[0, 0]]}], "points"),
+        ([{"name": "a", "points": [[0, 0], [1, 2]]}], "outside [0, 1]"),
+        ([{"name": "a", "points": [[0.5, 0.5], [0.5, 0.5]]}], "same"),
+        ([{"name": "a", "points": [[0, 0], [1, 1]]}] * 2, "same name"),
+        ([{"name": f"l{i}", "points": [[0, 0], [1, 1]]} for i in range(17)], "at most 16"),
+    ],
+)
+def test_bad_lines_are_refused_with_the_reason(raw: list[dict[str, Any]], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_lines(raw)
+
+
+def test_lines_need_tracking() -> None:
+    with pytest.raises(ValueError, match="track set to true"):
+        StreamDetect(lines=(ACROSS,))
+    assert StreamDetect(track=True, lines=(ACROSS,)).lines == (ACROSS,)
+
+
+def test_each_object_counts_once_per_crossing() -> None:
+    tracker, counter = Tracker(), LineCounter()
+    crossings = []
+    for k in range(8):  # one car driving down through the line at y = 500 of 1000
+        y = 300 + 60 * k
+        boxes = [[400, y - 100, 500, y]]
+        classes = [2]
+        if k == 4:  # a second class on the same car: not a second crossing
+            boxes.append([401, y - 100, 501, y])
+            classes.append(7)
+        frame = tracker.update(dets(boxes, classes), 0.1 * k).detections
+        crossings += counter.update(frame, [ACROSS], tracker.live_ids())
+    assert crossings == [Crossing("across", "in", 1, 2)]
+    # Gone longer than a track lives, then back on the other side: a new object, and no
+    # crossing made up from where the old one was last seen.
+    frame = tracker.update(dets([[400, 100, 500, 200]]), 5.0).detections
+    assert counter.update(frame, [ACROSS], tracker.live_ids()) == []
+    assert frame.track_ids is not None and frame.track_ids.tolist() == [2]
+
+
+def test_real_cars_crossing_a_line_are_counted(ort: Engine) -> None:
+    """The car clip at a third of its 12.5 fps: cars drive up and down through the middle of
+    the picture."""
+    video = next(v for v in VIDEOS if v.name.startswith("car"))
+    fps = float(av_rate(video))
+    tracker, counter = Tracker(), LineCounter()
+    crossings: list[Crossing] = []
+    frames = list(iter_video_frames(video, step=3, limit=120))
+    for i in range(0, len(frames), 4):
+        batch = frames[i : i + 4]
+        for k, found in enumerate(ort.infer(batch, [DetectParams()] * len(batch))):
+            tracked = tracker.update(found, (i + k) * 3 / fps).detections
+            crossings += counter.update(tracked, [ACROSS], tracker.live_ids())
+    assert {c.direction for c in crossings} == {"in", "out"}, crossings
+    assert len({c.track_id for c in crossings}) == len(crossings)  # each car once

@@ -483,8 +483,29 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     figure.locator("button.region-clear").click()
     expect(figure.locator(".tile-region-bar")).to_be_hidden()
     assert api.get(f"/streams/{stream_id}").json()["detect"]["roi"] is None
-    api.close()
     pg.wait_for_function("(id) => window.streamdet.drawn[id].region === null", arg=canvas_id)
+
+    # A counting line (set with the API): drawn in cyan with its counts, listed with them.
+    gate = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
+    assert api.patch(f"/streams/{stream_id}", json={"lines": [gate]}).status_code == 200
+    api.close()
+    pg.wait_for_function("(id) => window.streamdet.drawn[id].lines.length === 1", arg=canvas_id)
+    expect(row).to_contain_text(re.compile(r"gate \d+ in / \d+ out"))
+    cyan = pg.evaluate(
+        """(id) => {
+          const canvas = document.getElementById(id);
+          const y = Math.round(canvas.height / 2);
+          const { data } = canvas.getContext("2d").getImageData(0, y - 1, canvas.width, 3);
+          let n = 0;
+          for (let i = 0; i < data.length; i += 4) {
+            if (data[i] < 80 && data[i + 1] > 200 && data[i + 2] > 200) n += 1;
+          }
+          return n / (data.length / 4);
+        }""",
+        canvas_id,
+    )
+    assert cyan > 0.2, cyan  # a 2-3 px line across the picture, in 3 rows, under some boxes
+    figure.screenshot(path=artifacts / "viewer-line.png")
     expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []
 

@@ -13,9 +13,10 @@ from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
-from server.routes.viewer import JpegFrames, render_jpeg
+from server.routes.viewer import JpegFrames, line_label, render_jpeg
 from streams.detect import Roi
 from streams.fanout import ProcessedFrame
+from streams.lines import Line
 from tests.helpers import VIDEOS, file_stream_app
 
 SOURCE_FPS = 12.5  # car-detection.mp4
@@ -112,7 +113,7 @@ def _decode(data: bytes) -> np.ndarray:
 def test_encode_draws_the_boxes_scaled_to_the_picture() -> None:
     frame = frame_at(0.0)  # box 10,20 - 110,220 in a 768x432 frame
     plain, _, _ = render_jpeg(frame.image, 384, 90)
-    boxed, width, height = render_jpeg(frame.image, 384, 90, frame.detections)
+    boxed, width, height = render_jpeg(frame.image, 384, 90, detections=frame.detections)
     assert (width, height) == (384, 216)
     diff = np.abs(_decode(boxed) - _decode(plain)).sum(axis=2)
     changed = np.argwhere(diff > 60)
@@ -157,3 +158,16 @@ def test_encode_outlines_the_region_of_interest() -> None:
     assert diff[100, 300] < 30 and diff[100, 100] < 30  # inside and outside stay as they were
     picture = _decode(outlined)[100, 199:201].mean(axis=0)
     assert picture[0] > 150 and picture[1] < 100 and picture[2] > 150  # magenta
+
+
+def test_encode_draws_counting_lines_with_their_counts() -> None:
+    image = np.zeros((200, 400, 3), np.uint8)
+    gate = Line("gate", (0.0, 0.75), (1.0, 0.75))
+    label = line_label("gate", {"gate": {"in": {"car": 3, "truck": 1}, "out": {"car": 2}}})
+    assert label == "gate: 4 in, 2 out"
+    drawn = _decode(render_jpeg(image, 400, 95, lines=[(gate, label)])[0])
+    row = round(0.75 * 199)
+    cyan = drawn[row - 1 : row + 2, 300:380].reshape(-1, 3).mean(axis=0)  # right of the label
+    assert cyan[0] < 100 and cyan[1] > 150 and cyan[2] > 150
+    assert drawn[row + 5 : row + 20, 2:60].max(axis=(0, 1))[1] > 150  # the label's text
+    assert drawn[40:100].max() < 30  # nothing drawn far from the line

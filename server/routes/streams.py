@@ -24,6 +24,7 @@ from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
 from streams.detect import Roi, StreamDetect
+from streams.lines import MAX_LINES, MAX_NAME, parse_lines
 from streams.manager import (
     ManagerClosed,
     ManagerOptions,
@@ -40,6 +41,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+
+
+class LineIn(BaseModel):
+    """A counting line: a name and two points in 0..1 of the frame."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+    points: Annotated[list[tuple[float, float]], Field(min_length=2, max_length=2)]
 
 
 class DetectIn(BaseModel):
@@ -68,6 +78,14 @@ class DetectIn(BaseModel):
             " and count objects once in the stream's 'tracked' counts"
         ),
     ] = False
+    lines: Annotated[
+        list[LineIn] | None,
+        Field(
+            max_length=MAX_LINES,
+            description="counting lines (need track): [{name, points: [[x, y], [x, y]]}];"
+            " crossings of tracked objects are counted per line, direction and class",
+        ),
+    ] = None
 
     def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
@@ -85,7 +103,15 @@ class DetectIn(BaseModel):
                 roi = None if self.roi is None else Roi(tuple(self.roi))
             except ValueError as exc:
                 raise HTTPException(422, str(exc)) from None
-        return StreamDetect(params, roi, self.track if "track" in given else current.track)
+        lines = current.lines
+        try:
+            if "lines" in given:
+                lines = parse_lines([line.model_dump() for line in self.lines or ()])
+            return StreamDetect(
+                params, roi, self.track if "track" in given else current.track, lines
+            )
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
 
 
 class StreamPatch(DetectIn):
@@ -201,6 +227,12 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             detections=info["detections"],
             objects=info["objects"],
             tracked=info["tracked"],
+            crossings={
+                (line, direction, name): n
+                for line, ways in info["crossings"].items()
+                for direction, by_class in ways.items()
+                for name, n in by_class.items()
+            },
         )
 
 

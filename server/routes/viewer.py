@@ -10,8 +10,9 @@ it needs no build step and no internet: everything it loads comes from this serv
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,6 +28,7 @@ from server.routes.streams import get_manager
 from streams.detect import Roi
 from streams.fanout import ProcessedFrame, host_array
 from streams.files import encode_jpeg
+from streams.lines import Line
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
@@ -160,7 +162,11 @@ async def latest_jpeg(
     request: Request,
     *,
     boxes: Annotated[
-        bool, Query(description="draw the detections and the stream's region of interest")
+        bool,
+        Query(
+            description="draw the detections, the stream's region of interest and its counting"
+            " lines with their counts"
+        ),
     ] = True,
     max_width: Annotated[int, Query(ge=32, le=3840, description="scale down wider frames")] = 1920,
     quality: Annotated[int, Query(ge=10, le=95, description="JPEG quality")] = 80,
@@ -182,9 +188,12 @@ async def latest_jpeg(
     detect = manager.detect(stream_id)
     region = detect.roi if boxes and detect is not None else None
     detections = frame.detections if boxes else None
-    jpeg, _, _ = await asyncio.to_thread(
-        render_jpeg, frame.image, max_width, quality, detections, region
-    )
+    lines = [
+        (line, line_label(line.name, info["crossings"]))
+        for line in (detect.lines if boxes and detect is not None else ())
+    ]
+    render = functools.partial(render_jpeg, detections=detections, region=region, lines=lines)
+    jpeg, _, _ = await asyncio.to_thread(render, frame.image, max_width, quality)
     headers = {
         "Cache-Control": "no-store",
         "X-Frame": str(frame.frame),
@@ -195,6 +204,15 @@ async def latest_jpeg(
 
 
 REGION_RGB = (255, 0, 255)  # the outline of a stream's region of interest: magenta
+LINE_RGB = (0, 255, 255)  # counting lines: cyan, as on the viewer page
+
+
+def line_label(name: str, crossings: Mapping[str, Mapping[str, Mapping[str, int]]]) -> str:
+    """``gate: 3 in, 1 out``: a line's crossings each way, summed over classes (ASCII: OpenCV's
+    Hershey fonts have nothing else)."""
+    ways = crossings.get(name, {})
+    n_in, n_out = (sum(ways.get(way, {}).values()) for way in ("in", "out"))
+    return f"{name}: {n_in} in, {n_out} out"
 
 
 def _color(class_id: int) -> tuple[int, int, int]:
@@ -205,9 +223,30 @@ def _color(class_id: int) -> tuple[int, int, int]:
     return r, g, b
 
 
+def _label(
+    rgb: Image,
+    text: str,
+    at: tuple[int, int],
+    colors: tuple[tuple[int, int, int], tuple[int, int, int]],
+    *,
+    above: bool = False,
+) -> None:
+    """``text`` on a filled box (``colors``: box, text) with its top left corner at ``at``
+    (its bottom left, ``above``), kept inside the image."""
+    height, width = rgb.shape[:2]
+    (tw, th), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, 0.5, 1)
+    left, top = at
+    if above:
+        top -= th + base + 2
+    left = min(max(left, 0), max(width - tw - 4, 0))
+    top = min(max(top, 0), max(height - th - base - 2, 0))
+    cv2.rectangle(rgb, (left, top), (left + tw + 4, top + th + base + 2), colors[0], -1)
+    cv2.putText(rgb, text, (left + 2, top + th + 1), cv2.FONT_HERSHEY_SIMPLEX, 0.5, colors[1], 1)
+
+
 def draw_detections(rgb: Image, detections: Detections, scale: float) -> None:
-    """Draw each box with its class name and confidence onto ``rgb`` (in place), boxes given in
-    source pixels and scaled by ``scale`` to the image."""
+    """Draw each box with its class name, track id (if tracked) and confidence onto ``rgb``
+    (in place), boxes given in source pixels and scaled by ``scale`` to the image."""
     tracks = detections.track_ids
     for i, (box, score, cid) in enumerate(
         zip(detections.boxes, detections.scores, detections.class_ids, strict=True)
@@ -217,21 +256,31 @@ def draw_detections(rgb: Image, detections: Detections, scale: float) -> None:
         cv2.rectangle(rgb, (x1, y1), (x2, y2), color, 2)
         track = "" if tracks is None else f" #{int(tracks[i])}"
         label = f"{detections.name_of(cid)}{track} {float(score):.2f}"
-        (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, 0.5, 1)
-        top = max(y1 - th - base - 2, 0)
-        cv2.rectangle(rgb, (x1, top), (x1 + tw + 4, top + th + base + 2), color, -1)
-        cv2.putText(rgb, label, (x1 + 2, top + th + 1), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1)
+        _label(rgb, label, (x1, y1), (color, (0, 0, 0)), above=True)
+
+
+def draw_line(rgb: Image, line: Line, label: str) -> None:
+    """Draw a counting line, its label under its first point, onto ``rgb`` (in place)."""
+    height, width = rgb.shape[:2]
+    (ax, ay), (bx, by) = (
+        (round(x * (width - 1)), round(y * (height - 1))) for x, y in (line.a, line.b)
+    )
+    cv2.line(rgb, (ax, ay), (bx, by), LINE_RGB, 2)
+    _label(rgb, label, (ax, ay + 3), ((0, 0, 0), LINE_RGB))
 
 
 def render_jpeg(
     image: Image | Any,
     max_width: int,
     quality: int,
+    *,
     detections: Detections | None = None,
     region: Roi | None = None,
+    lines: Sequence[tuple[Line, str]] = (),
 ) -> tuple[bytes, int, int]:
     """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes, with
-    ``region``'s outline and ``detections`` drawn on it when given.
+    ``region``'s outline, counting ``lines`` (each with its label) and ``detections`` drawn on
+    it when given.
 
     Runs in a worker thread (OpenCV releases the GIL; a GPU frame is copied down here, not
     on the event loop). Returns the bytes and the JPEG's width and height.
@@ -247,11 +296,13 @@ def render_jpeg(
         image = np.ascontiguousarray(
             cv2.resize(image, (width, height), interpolation=interpolation), dtype=np.uint8
         )
-    if image is source and (region is not None or detections is not None):
+    if image is source and (region is not None or detections is not None or lines):
         image = image.copy()  # drawn on: never the frame that other viewers share
     if region is not None:
         corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in region.points])
         cv2.polylines(image, [corners.round().astype(np.int32)], True, REGION_RGB, 2)
+    for line, label in lines:
+        draw_line(image, line, label)
     if detections is not None:
         draw_detections(image, detections, width / detections.width if detections.width else 1.0)
     return encode_jpeg(image, quality), width, height

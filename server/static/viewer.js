@@ -227,6 +227,44 @@ function drawRegion(ctx, points, editing) {
   ctx.restore();
 }
 
+const LINE_COLOR = "#00FFFF";
+
+// Objects that crossed a counting line, each way, summed over classes.
+function lineCounts(crossings, name) {
+  const sum = (byClass) => Object.values(byClass ?? {}).reduce((a, b) => a + b, 0);
+  return { in: sum(crossings?.[name]?.in), out: sum(crossings?.[name]?.out) };
+}
+
+// Draws a stream's counting lines ({name, points: [[x, y], [x, y]]} in 0..1 of the frame),
+// each labelled with its name and how many objects crossed it each way.
+function drawLines(ctx, lines, crossings) {
+  const { width, height } = ctx.canvas;
+  const lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
+  const fontSize = Math.max(14, lineWidth * 6);
+  ctx.save();
+  ctx.lineWidth = lineWidth;
+  ctx.font = `${fontSize}px sans-serif`;
+  ctx.textBaseline = "top";
+  for (const line of lines ?? []) {
+    const [[ax, ay], [bx, by]] = line.points.map(([x, y]) => [x * width, y * height]);
+    ctx.strokeStyle = LINE_COLOR;
+    ctx.beginPath();
+    ctx.moveTo(ax, ay);
+    ctx.lineTo(bx, by);
+    ctx.stroke();
+    const counts = lineCounts(crossings, line.name);
+    const label = `${line.name}: ${counts.in} in · ${counts.out} out`;
+    const labelWidth = ctx.measureText(label).width + 6;
+    const left = Math.max(0, Math.min(ax, width - labelWidth));
+    const top = Math.max(0, Math.min(ay + lineWidth, height - fontSize - 4));
+    ctx.fillStyle = "rgba(0, 0, 0, 0.6)";
+    ctx.fillRect(left, top, labelWidth, fontSize + 4);
+    ctx.fillStyle = LINE_COLOR;
+    ctx.fillText(label, left + 3, top + 2);
+  }
+  ctx.restore();
+}
+
 // ---------------------------------------------------------------- live tiles
 
 function viewFps() {
@@ -247,6 +285,8 @@ class Tile {
     this.current = null; // the pair on the canvas (its bitmap kept to redraw the overlay)
     this.region = null; // the stream's saved region of interest, from GET /streams
     this.editing = null; // the points of a region being drawn, or null
+    this.lines = []; // the stream's counting lines and their counts, from GET /streams
+    this.crossings = {};
     this.shownAt = [];
     this.backoffMs = RECONNECT_MIN_MS;
     this.retryTimer = null;
@@ -265,10 +305,14 @@ class Tile {
     this.streamError = streamProblem(stream);
     this.renderError();
     const region = stream.detect?.roi ?? null;
-    if (JSON.stringify(region) !== JSON.stringify(this.region)) {
-      this.region = region;
-      this.paint();
-    }
+    const lines = stream.detect?.lines ?? [];
+    const crossings = stream.crossings ?? {};
+    const changed = JSON.stringify([region, lines, crossings]) !==
+      JSON.stringify([this.region, this.lines, this.crossings]);
+    this.region = region;
+    this.lines = lines;
+    this.crossings = crossings;
+    if (changed) this.paint();
   }
 
   // ---- region of interest: click points on the picture, then save them with PATCH
@@ -443,12 +487,13 @@ class Tile {
     ctx.drawImage(bitmap, 0, 0);
     const region = this.editing ?? this.region;
     drawRegion(ctx, region, this.editing !== null);
+    drawLines(ctx, this.lines, this.crossings);
     const shapes = drawDetections(
       ctx, meta.detections ?? [], this.canvas.width / meta.width, this.canvas.height / meta.height,
     );
     debug.drawn[this.canvas.id] = {
       frame: meta.frame, capturedAt: meta.captured_at, shapes, detections: meta.detections ?? [],
-      size: [meta.width, meta.height], region, editing: this.editing !== null,
+      size: [meta.width, meta.height], region, editing: this.editing !== null, lines: this.lines,
     };
   }
 
@@ -551,6 +596,10 @@ function streamObjects(stream) {
   const classes = detect.classes === null ? "all" : detect.classes.join(", ");
   let text = `${classes} ≥ ${Number(detect.conf).toFixed(2)}`;
   if (detect.roi) text += " · region";
+  for (const line of detect.lines ?? []) {
+    const counts = lineCounts(stream.crossings, line.name);
+    text += ` · ${line.name} ${counts.in} in / ${counts.out} out`;
+  }
   if (detect.track) {
     const counted = Object.entries(stream.tracked ?? {}).map(([name, n]) => `${n} ${name}`);
     text += ` · tracked${counted.length ? `: ${counted.join(", ")}` : ""}`;

@@ -1,0 +1,152 @@
+"""Counting lines: how many tracked objects crossed a line drawn on a stream's picture, and
+which way (DeepStream's nvdsanalytics and Roboflow's ``LineZone`` do the same).
+
+A line is a segment between two points in 0..1 of the frame. An object crosses it when the
+anchor of its box (the bottom centre, where it stands, as regions use) moves from one side of
+the segment to the other between two frames in which its track was seen, and the move passes
+between the segment's ends. Standing at ``a`` and looking at ``b`` in the picture, a crossing
+towards the right-hand side is ``in``, towards the left ``out``: for a line drawn left to right
+across the picture, ``in`` is moving down it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from engines.types import Detections
+
+MAX_LINES = 16
+MAX_NAME = 64
+Direction = Literal["in", "out"]
+Point = tuple[float, float]
+
+
+def _side(a: Point, b: Point, p: Point) -> float:
+    """> 0 when ``p`` is on the right of ``a -> b`` in the picture (y grows downwards)."""
+    return (b[0] - a[0]) * (p[1] - a[1]) - (b[1] - a[1]) * (p[0] - a[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """A named counting line from ``a`` to ``b``, points in [0, 1] of the frame.
+
+    Raises:
+        ValueError: an empty or over-long name, a point outside [0, 1], or ``a == b``.
+    """
+
+    name: str
+    a: Point
+    b: Point
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.name) <= MAX_NAME:
+            raise ValueError(f"lines: a line needs a name of 1 to {MAX_NAME} characters")
+        for x, y in (self.a, self.b):
+            if not (0.0 <= x <= 1.0 and 0.0 <= y <= 1.0):
+                raise ValueError(
+                    f"lines: {self.name!r}: point ({x:g}, {y:g}) is outside [0, 1] of the frame"
+                )
+        if self.a == self.b:
+            raise ValueError(f"lines: {self.name!r}: its two points are the same")
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Line:
+        """From ``{"name": s, "points": [[x, y], [x, y]]}`` (JSON).
+
+        Raises:
+            ValueError: another shape, or see :class:`Line`.
+        """
+        points = raw.get("points")
+        try:
+            (ax, ay), (bx, by) = points  # type: ignore[misc]
+            a, b = (float(ax), float(ay)), (float(bx), float(by))
+        except (TypeError, ValueError):
+            raise ValueError(
+                'lines: each line is {"name": ..., "points": [[x, y], [x, y]]}'
+            ) from None
+        return cls(str(raw.get("name", "")), a, b)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "points": [list(self.a), list(self.b)]}
+
+    def crossing(self, before: Point, after: Point) -> Direction | None:
+        """Which way a move from ``before`` to ``after`` crosses the line, if it does."""
+        s0, s1 = _side(self.a, self.b, before), _side(self.a, self.b, after)
+        if (s0 < 0) == (s1 < 0):
+            return None
+        # The move's own line must separate the segment's ends, or it passed beside it.
+        t0, t1 = _side(before, after, self.a), _side(before, after, self.b)
+        if (t0 < 0) == (t1 < 0) and t0 != 0 and t1 != 0:
+            return None
+        return "in" if s1 >= 0 else "out"
+
+
+def parse_lines(raw: Sequence[Mapping[str, Any]]) -> tuple[Line, ...]:
+    """A stream's lines from JSON.
+
+    Raises:
+        ValueError: more than :data:`MAX_LINES`, two with one name, or a bad line.
+    """
+    lines = tuple(Line.parse(item) for item in raw)
+    if len(lines) > MAX_LINES:
+        raise ValueError(f"lines: {len(lines)} lines; a stream has at most {MAX_LINES}")
+    names = [line.name for line in lines]
+    if len(set(names)) != len(names):
+        raise ValueError("lines: two lines have the same name")
+    return lines
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    """One object crossing one line."""
+
+    line: str
+    direction: Direction
+    track_id: int
+    class_id: int
+
+
+class LineCounter:
+    """Where each tracked object stood when last seen, and the crossings since. Not
+    thread-safe: its stream calls it in frame order, after the tracker."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, Point] = {}
+
+    def clear(self) -> None:
+        self._last.clear()
+
+    def update(
+        self, detections: Detections, lines: Sequence[Line], live: Iterable[int]
+    ) -> list[Crossing]:
+        """The crossings in one tracked frame; ``live`` are the tracker's live track ids (an
+        object unseen for a frame or two keeps its last place)."""
+        ids = detections.track_ids
+        if ids is None or not detections.width or not detections.height:
+            return []
+        boxes = detections.boxes.astype(np.float64)
+        xs = ((boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width).tolist()
+        ys = (boxes[:, 3] / detections.height).tolist()
+        crossings: list[Crossing] = []
+        now: dict[int, Point] = {}
+        for i, track_id in enumerate(ids.tolist()):
+            if track_id in now:
+                continue  # a second class on the same object: one crossing
+            now[track_id] = (xs[i], ys[i])
+            before = self._last.get(track_id)
+            if before is None:
+                continue
+            for line in lines:
+                direction = line.crossing(before, now[track_id])
+                if direction is not None:
+                    crossings.append(
+                        Crossing(line.name, direction, track_id, int(detections.class_ids[i]))
+                    )
+        alive = set(live)
+        self._last = {k: v for k, v in self._last.items() if k in alive}
+        self._last.update(now)
+        return crossings
