@@ -432,7 +432,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     expect(row).to_have_text(re.compile(r"all ≥ 0\.25 · tracked: \d+ [a-z ]+"))
 
     figure.locator("button.tile-region").click()
-    expect(figure.locator(".tile-region-bar")).to_be_visible()
+    expect(figure.locator(".tile-edit-bar")).to_be_visible()
     canvas = figure.locator("canvas")
     size = canvas.bounding_box()
     assert size is not None
@@ -443,17 +443,17 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     # Two points are not a region: said in the tile, nothing saved.
     click(*LEFT_HALF[0])
     click(*LEFT_HALF[1])
-    figure.locator("button.region-save").click()
-    expect(figure.locator(".region-hint")).to_contain_text("at least 3 points")
+    figure.locator("button.edit-save").click()
+    expect(figure.locator(".edit-hint")).to_contain_text("at least 3 points")
     # Undo drops the last point; the left half of the frame, drawn while being edited.
-    figure.locator("button.region-undo").click()
+    figure.locator("button.edit-undo").click()
     for x, y in LEFT_HALF[1:]:
         click(x, y)
-    expect(figure.locator(".region-hint")).to_contain_text("4 points")
-    assert pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].editing") is True
+    expect(figure.locator(".edit-hint")).to_contain_text("4 points")
+    assert pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].editing") == "region"
     figure.screenshot(path=artifacts / "viewer-region-editing.png")
-    figure.locator("button.region-save").click()
-    expect(figure.locator(".tile-region-bar")).to_be_hidden()
+    figure.locator("button.edit-save").click()
+    expect(figure.locator(".tile-edit-bar")).to_be_hidden()
 
     # Saved on the server, within a pixel of where the clicks landed.
     roi = api.get(f"/streams/{stream_id}").json()["detect"]["roi"]
@@ -480,15 +480,30 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
 
     # "Whole frame" removes it.
     figure.locator("button.tile-region").click()
-    figure.locator("button.region-clear").click()
-    expect(figure.locator(".tile-region-bar")).to_be_hidden()
+    figure.locator("button.edit-clear").click()
+    expect(figure.locator(".tile-edit-bar")).to_be_hidden()
     assert api.get(f"/streams/{stream_id}").json()["detect"]["roi"] is None
     pg.wait_for_function("(id) => window.streamdet.drawn[id].region === null", arg=canvas_id)
 
-    # A counting line (set with the API): drawn in cyan with its counts, listed with them.
-    gate = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
-    assert api.patch(f"/streams/{stream_id}", json={"lines": [gate]}).status_code == 200
+    # A counting line across the middle, drawn on the picture and named: saved on the server
+    # (tracking stays on), drawn in cyan with its counts, listed with them.
+    figure.locator("button.tile-line").click()
+    expect(figure.locator("input.line-name")).to_be_visible()
+    click(0.02, 0.5)
+    click(0.98, 0.5)
+    click(0.5, 0.9)  # a third point is refused
+    expect(figure.locator(".edit-hint")).to_contain_text("two points")
+    figure.locator("input.line-name").fill("gate")
+    figure.screenshot(path=artifacts / "viewer-line-editing.png")
+    figure.locator("button.edit-save").click()
+    expect(figure.locator(".tile-edit-bar")).to_be_hidden()
+    detect = api.get(f"/streams/{stream_id}").json()["detect"]
     api.close()
+    assert detect["track"] is True
+    [gate] = detect["lines"]
+    assert gate["name"] == "gate"
+    for got, want in zip(gate["points"], [(0.02, 0.5), (0.98, 0.5)], strict=True):
+        assert got == pytest.approx(want, abs=2 / size["width"])
     pg.wait_for_function("(id) => window.streamdet.drawn[id].lines.length === 1", arg=canvas_id)
     expect(row).to_contain_text(re.compile(r"gate \d+ in / \d+ out"))
     cyan = pg.evaluate(
@@ -504,7 +519,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
         }""",
         canvas_id,
     )
-    assert cyan > 0.2, cyan  # a 2-3 px line across the picture, in 3 rows, under some boxes
+    assert cyan > 0.2, cyan  # a 2-3 px line across most of the picture, under some boxes
     figure.screenshot(path=artifacts / "viewer-line.png")
     expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []

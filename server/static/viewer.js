@@ -265,6 +265,29 @@ function drawLines(ctx, lines, crossings) {
   ctx.restore();
 }
 
+// A counting line being drawn: its ends so far, joined once there are two.
+function drawLineEdit(ctx, points) {
+  const { width, height } = ctx.canvas;
+  const xy = points.map(([x, y]) => [x * width, y * height]);
+  ctx.save();
+  ctx.lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
+  ctx.strokeStyle = LINE_COLOR;
+  ctx.fillStyle = LINE_COLOR;
+  ctx.setLineDash([8, 6]);
+  if (xy.length === 2) {
+    ctx.beginPath();
+    ctx.moveTo(...xy[0]);
+    ctx.lineTo(...xy[1]);
+    ctx.stroke();
+  }
+  for (const [x, y] of xy) {
+    ctx.beginPath();
+    ctx.arc(x, y, ctx.lineWidth * 2, 0, 2 * Math.PI);
+    ctx.fill();
+  }
+  ctx.restore();
+}
+
 // ---------------------------------------------------------------- live tiles
 
 function viewFps() {
@@ -284,7 +307,8 @@ class Tile {
     this.queued = null; // newest pair that arrived while drawing; older ones are skipped
     this.current = null; // the pair on the canvas (its bitmap kept to redraw the overlay)
     this.region = null; // the stream's saved region of interest, from GET /streams
-    this.editing = null; // the points of a region being drawn, or null
+    this.editing = null; // the points of a region or line being drawn, or null
+    this.editMode = null; // "region" or "line" while editing
     this.lines = []; // the stream's counting lines and their counts, from GET /streams
     this.crossings = {};
     this.shownAt = [];
@@ -292,7 +316,7 @@ class Tile {
     this.retryTimer = null;
     this.closed = false;
     this.update(stream);
-    this.setUpRegionEditor();
+    this.setUpEditor();
     $("#grid").append(this.element);
     this.connect();
   }
@@ -315,45 +339,55 @@ class Tile {
     if (changed) this.paint();
   }
 
-  // ---- region of interest: click points on the picture, then save them with PATCH
-  setUpRegionEditor() {
-    $(".tile-region", this.element).addEventListener("click", () => this.startEditing());
-    $(".region-undo", this.element).addEventListener("click", () => {
+  // ---- region of interest and counting lines: click points on the picture, save with PATCH
+  setUpEditor() {
+    $(".tile-region", this.element).addEventListener("click", () => this.startEditing("region"));
+    $(".tile-line", this.element).addEventListener("click", () => this.startEditing("line"));
+    $(".edit-undo", this.element).addEventListener("click", () => {
       this.editing?.pop();
       this.editChanged();
     });
-    $(".region-save", this.element).addEventListener("click", () => {
-      if (this.editing.length < REGION_MIN_POINTS) {
-        this.editHint(`A region needs at least ${REGION_MIN_POINTS} points: click on the picture.`);
-        return;
-      }
-      this.saveRegion(this.editing);
+    $(".edit-save", this.element).addEventListener("click", () => this.saveEdit());
+    $(".edit-clear", this.element).addEventListener("click", () => {
+      this.patch(this.editMode === "region" ? { roi: null } : { lines: [] });
     });
-    $(".region-clear", this.element).addEventListener("click", () => this.saveRegion(null));
-    $(".region-cancel", this.element).addEventListener("click", () => this.stopEditing());
+    $(".edit-cancel", this.element).addEventListener("click", () => this.stopEditing());
     this.canvas.addEventListener("click", (event) => this.addPoint(event));
   }
 
-  startEditing() {
-    this.editing = this.region ? this.region.map(([x, y]) => [x, y]) : [];
-    this.element.dataset.editing = "";
-    $(".tile-region-bar", this.element).hidden = false;
-    $(".tile-region", this.element).disabled = true;
+  startEditing(mode) {
+    this.editMode = mode;
+    this.editing = mode === "region" && this.region ? this.region.map(([x, y]) => [x, y]) : [];
+    this.element.dataset.editing = mode;
+    const region = mode === "region";
+    $(".edit-save", this.element).textContent = region ? "Save region" : "Add line";
+    $(".edit-clear", this.element).textContent = region ? "Whole frame" : "Remove all lines";
+    const name = $(".line-name", this.element);
+    name.hidden = region;
+    name.value = `line ${this.lines.length + 1}`;
+    $(".tile-edit-bar", this.element).hidden = false;
+    for (const button of this.element.querySelectorAll(".tile-region, .tile-line")) button.disabled = true;
     this.editChanged();
   }
 
   stopEditing() {
     this.editing = null;
+    this.editMode = null;
     delete this.element.dataset.editing;
-    $(".tile-region-bar", this.element).hidden = true;
-    $(".tile-region", this.element).disabled = !this.current;
+    $(".tile-edit-bar", this.element).hidden = true;
+    for (const button of this.element.querySelectorAll(".tile-region, .tile-line")) {
+      button.disabled = !this.current;
+    }
     this.paint();
   }
 
   addPoint(event) {
     if (!this.editing) return;
-    if (this.editing.length >= REGION_MAX_POINTS) {
-      this.editHint(`A region has at most ${REGION_MAX_POINTS} points.`);
+    const most = this.editMode === "region" ? REGION_MAX_POINTS : 2;
+    if (this.editing.length >= most) {
+      this.editHint(this.editMode === "region"
+        ? `A region has at most ${REGION_MAX_POINTS} points.`
+        : "A line has two points: undo one to move it.");
       return;
     }
     // The canvas is scaled by CSS: positions are taken relative to its box on the page.
@@ -365,32 +399,57 @@ class Tile {
 
   editChanged() {
     const n = this.editing.length;
-    this.editHint(n === 0
-      ? "Click on the picture to place the region's corners; objects standing outside it are not detected."
-      : `${n} point${n === 1 ? "" : "s"}; objects whose box's bottom centre is outside are dropped.`);
-    $(".region-undo", this.element).disabled = n === 0;
+    const points = `${n} point${n === 1 ? "" : "s"}`;
+    if (this.editMode === "region") {
+      this.editHint(n === 0
+        ? "Click on the picture to place the region's corners; objects standing outside it are not detected."
+        : `${points}; objects whose box's bottom centre is outside are dropped.`);
+    } else {
+      this.editHint(n < 2
+        ? `${points}: click the line's two ends; crossing it towards your right as you look from the first to the second counts as "in".`
+        : "Name the line and add it; tracked objects crossing it are counted each way.");
+    }
+    $(".edit-undo", this.element).disabled = n === 0;
     this.paint();
   }
 
   editHint(text) {
-    $(".region-hint", this.element).textContent = text;
+    $(".edit-hint", this.element).textContent = text;
   }
 
-  async saveRegion(roi) {
+  saveEdit() {
+    if (this.editMode === "region") {
+      if (this.editing.length < REGION_MIN_POINTS) {
+        this.editHint(`A region needs at least ${REGION_MIN_POINTS} points: click on the picture.`);
+        return;
+      }
+      this.patch({ roi: this.editing });
+      return;
+    }
+    const name = $(".line-name", this.element).value.trim();
+    if (this.editing.length !== 2 || !name) {
+      this.editHint("A line needs two points and a name.");
+      return;
+    }
+    // Crossings are counted per tracked object: adding a line switches tracking on.
+    this.patch({ track: true, lines: [...this.lines, { name, points: this.editing }] });
+  }
+
+  async patch(changes) {
     const name = $(".tile-name", this.element).textContent;
     try {
       const resp = await api(`/streams/${encodeURIComponent(this.id)}`, {
         method: "PATCH",
         headers: { "Content-Type": "application/json" },
-        body: JSON.stringify({ roi }),
+        body: JSON.stringify(changes),
       });
       const stream = await resp.json();
-      clearError(`region:${this.id}`);
-      this.region = stream.detect?.roi ?? roi;
+      clearError(`edit:${this.id}`);
       this.stopEditing();
+      this.update(stream);
       refreshStreams();
     } catch (err) {
-      showError(`region:${this.id}`, `Saving the region of ${name} failed: ${err.message}`);
+      showError(`edit:${this.id}`, `Changing stream ${name} failed: ${err.message}`);
     }
   }
 
@@ -462,7 +521,9 @@ class Tile {
       }
       this.current?.bitmap.close();
       this.current = { meta: pair.meta, bitmap };
-      if (!this.editing) $(".tile-region", this.element).disabled = false;
+      if (!this.editing) {
+        for (const b of this.element.querySelectorAll(".tile-region, .tile-line")) b.disabled = false;
+      }
       this.paint();
       this.countFrame(pair.meta);
     } catch (err) {
@@ -485,15 +546,16 @@ class Tile {
     this.canvas.height = bitmap.height;
     const ctx = this.canvas.getContext("2d");
     ctx.drawImage(bitmap, 0, 0);
-    const region = this.editing ?? this.region;
-    drawRegion(ctx, region, this.editing !== null);
+    const region = this.editMode === "region" ? this.editing : this.region;
+    drawRegion(ctx, region, this.editMode === "region");
     drawLines(ctx, this.lines, this.crossings);
+    if (this.editMode === "line") drawLineEdit(ctx, this.editing);
     const shapes = drawDetections(
       ctx, meta.detections ?? [], this.canvas.width / meta.width, this.canvas.height / meta.height,
     );
     debug.drawn[this.canvas.id] = {
       frame: meta.frame, capturedAt: meta.captured_at, shapes, detections: meta.detections ?? [],
-      size: [meta.width, meta.height], region, editing: this.editing !== null, lines: this.lines,
+      size: [meta.width, meta.height], region, editing: this.editMode, lines: this.lines,
     };
   }
 
@@ -660,7 +722,7 @@ function forgetStream(id) {
   streams.delete(id);
   $(`#stream-rows tr[data-id="${CSS.escape(id)}"]`)?.remove();
   clearError(`stream:${id}`);
-  clearError(`region:${id}`);
+  clearError(`edit:${id}`);
   watched.delete(id);
   saveWatched();
   syncTiles();
