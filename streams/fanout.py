@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from engines.types import Detections, Image
+from streams.lines import Crossing
 
 WS_NORMAL = 1000
 WS_GOING_AWAY = 1001
@@ -45,6 +46,7 @@ class ProcessedFrame:
         image: the RGB frame that was run (a torch tensor on the GPU when NVDEC decoded it).
         detections: its detections.
         batch_size: size of the engine batch it ran in.
+        crossings: tracked objects that crossed a counting line in this frame.
         latency_ms: decode to publication, set when published.
     """
 
@@ -56,12 +58,14 @@ class ProcessedFrame:
     image: Image
     detections: Detections
     batch_size: int
+    crossings: tuple[Crossing, ...] = ()
     latency_ms: float = 0.0
     _json: str | None = field(default=None, repr=False)
 
     def to_message(self) -> dict[str, Any]:
-        """The WebSocket message (DESIGN §4)."""
-        return {
+        """The WebSocket message (DESIGN §4); a frame in which objects crossed a counting line
+        also carries them as ``crossings``."""
+        message = {
             "stream_id": self.stream_id,
             "frame": self.frame,
             "pts": None if self.pts is None else round(self.pts, 4),
@@ -71,6 +75,18 @@ class ProcessedFrame:
             "detections": self.detections.to_json(),
             "latency_ms": round(self.latency_ms, 2),
         }
+        if self.crossings:
+            message["crossings"] = [
+                {
+                    "line": c.line,
+                    "direction": c.direction,
+                    "track_id": c.track_id,
+                    "class_id": c.class_id,
+                    "class_name": self.detections.name_of(c.class_id),
+                }
+                for c in self.crossings
+            ]
+        return message
 
     def host_image(self) -> Image:
         """``image`` as a host array: a GPU frame (NVDEC) is copied down, e.g. for a JPEG."""

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
-from engines.types import Image
+from engines.types import Detections, Image
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
-from streams.lines import LineCounter
+from streams.lines import Crossing, LineCounter
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
 from streams.track import Tracker
 
@@ -419,21 +419,7 @@ class StreamReader:
                     self.drops += 1
                 return
             self._last_result_frame = pending.frame_no
-            new_objects: list[int] = []
-            crossed: list[tuple[str, str, str]] = []
-            if detect.track:
-                tracked = self._tracker.update(detections, pending.decoded_mono)
-                detections, new_objects = tracked.detections, tracked.new_objects
-            else:
-                self._tracker.clear()
-            if detect.lines:
-                live = self._tracker.live_ids()
-                crossed = [
-                    (c.line, c.direction, detections.name_of(c.class_id))
-                    for c in self._line_counter.update(detections, detect.lines, live)
-                ]
-            else:
-                self._line_counter.clear()
+            detections, new_objects, crossings = self._follow(detections, detect, pending)
             objects = Counter(detections.name_of(c) for c in detections.class_ids)
             with self._lock:
                 self.processed += 1
@@ -441,7 +427,9 @@ class StreamReader:
                 self._detections.update(objects)
                 self._objects = dict(objects)
                 self._tracked.update(detections.name_of(c) for c in new_objects)
-                self._crossings.update(crossed)
+                self._crossings.update(
+                    (c.line, c.direction, detections.name_of(c.class_id)) for c in crossings
+                )
             if self._stop.is_set():
                 return
             self._publish(
@@ -454,5 +442,25 @@ class StreamReader:
                     image=pending.image,
                     detections=detections,
                     batch_size=result.batch_size,
+                    crossings=tuple(crossings),
                 )
             )
+
+    def _follow(
+        self, detections: Detections, detect: StreamDetect, pending: _Pending
+    ) -> tuple[Detections, list[int], list[Crossing]]:
+        """Tracking and counting lines, where the frame's settings ask for them: the
+        detections with their track ids, classes of the objects newly counted, crossings."""
+        new_objects: list[int] = []
+        crossings: list[Crossing] = []
+        if detect.track:
+            tracked = self._tracker.update(detections, pending.decoded_mono)
+            detections, new_objects = tracked.detections, tracked.new_objects
+        else:
+            self._tracker.clear()
+        if detect.lines:
+            live = self._tracker.live_ids()
+            crossings = self._line_counter.update(detections, detect.lines, live)
+        else:
+            self._line_counter.clear()
+        return detections, new_objects, crossings
