@@ -15,7 +15,7 @@ import pytest
 
 from engines.types import Detections, DetectParams, Engine, ModelInfo
 from engines.yolo import box_iou
-from streams.detect import StreamDetect
+from streams.detect import Roi, StreamDetect
 from streams.files import iter_video_frames
 from streams.lines import Crossing, Line, LineCounter, parse_lines
 from streams.track import MAX_AGE_S, MIN_HITS, Tracker
@@ -269,3 +269,20 @@ def test_real_cars_crossing_a_line_are_counted(ort: Engine) -> None:
             crossings += counter.update(tracked, [ACROSS], tracker.live_ids())
     assert {c.direction for c in crossings} == {"in", "out"}, crossings
     assert len({c.track_id for c in crossings}) == len(crossings)  # each car once
+
+
+def test_settings_round_trip_and_older_descriptions_still_load() -> None:
+    names = {0: "person", 2: "car"}
+    full = StreamDetect(
+        DetectParams(conf=0.4, classes=frozenset({2})),
+        Roi(((0.0, 0.0), (1.0, 0.0), (1.0, 1.0))),
+        track=True,
+        lines=(ACROSS, Line("side", (0.5, 0.0), (0.5, 1.0))),
+    )
+    assert StreamDetect.from_description(full.describe(names), names) == full
+    # Stored before tracking and lines existed: neither is on.
+    older = {"conf": 0.4, "iou": 0.7, "classes": ["car"], "max_det": 300, "roi": None}
+    loaded = StreamDetect.from_description(older, names)
+    assert (loaded.track, loaded.lines) == (False, ())
+    with pytest.raises(ValueError, match="track"):
+        StreamDetect.from_description({**older, "track": "yes"}, names)
