@@ -68,7 +68,8 @@ def streams_api_present(client: httpx.Client) -> bool:
 
 
 def add_streams(client: httpx.Client, profile: Profile) -> list[str]:
-    """Add ``live_streams`` looping file streams of the shared clips; their ids.
+    """Add ``live_streams`` looping file streams of the shared clips, tracked and with a
+    counting line; their ids.
 
     Raises:
         RuntimeError: the server refused a stream; the message has its answer.
@@ -84,6 +85,9 @@ def add_streams(client: httpx.Client, profile: Profile) -> list[str]:
             "name": f"loadtest-{i}",
             "max_fps": profile.live_max_fps,
             "loop": True,
+            # Tracked, with a counting line: the frame latency targets hold with both on.
+            "track": True,
+            "lines": [{"name": "middle", "points": [[0.0, 0.5], [1.0, 0.5]]}],
         }
         resp = client.post("/streams", json=body)
         if resp.status_code != 201:
