@@ -8,7 +8,9 @@ the stream or the other viewers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +48,8 @@ class ProcessedFrame:
         image: the RGB frame that was run (a torch tensor on the GPU when NVDEC decoded it).
         detections: its detections.
         batch_size: size of the engine batch it ran in.
-        crossings: tracked objects that crossed a counting line in this frame.
+        crossings: tracked objects that crossed a counting line in this frame (and, on the way
+            to one viewer, in earlier frames that viewer did not get).
         latency_ms: decode to publication, set when published.
     """
 
@@ -83,10 +86,15 @@ class ProcessedFrame:
                     "track_id": c.track_id,
                     "class_id": c.class_id,
                     "class_name": self.detections.name_of(c.class_id),
+                    "frame": c.frame,
                 }
                 for c in self.crossings
             ]
         return message
+
+    def with_crossings(self, earlier: Sequence[Crossing]) -> ProcessedFrame:
+        """This frame carrying ``earlier`` crossings (of frames a viewer did not get) too."""
+        return dataclasses.replace(self, crossings=(*earlier, *self.crossings), _json=None)
 
     def host_image(self) -> Image:
         """``image`` as a host array: a GPU frame (NVDEC) is copied down, e.g. for a JPEG."""
@@ -124,6 +132,9 @@ class Subscriber:
         self.dropped = 0
         self.closed: Closed | None = None
         self._queue: asyncio.Queue[ProcessedFrame | Closed] = asyncio.Queue(maxsize)
+        # Crossing events of frames this viewer will not get, handed on with the next one:
+        # a viewer may miss pictures, never a count.
+        self._carried: list[Crossing] = []
 
     def offer(self, frame: ProcessedFrame) -> None:
         """Queue ``frame``, dropping the oldest waiting one if the queue is full."""
@@ -142,13 +153,23 @@ class Subscriber:
 
     def _put(self, item: ProcessedFrame | Closed) -> None:
         if self._queue.full():
-            self._queue.get_nowait()
+            old = self._queue.get_nowait()
+            if isinstance(old, ProcessedFrame):
+                self.carry(old)
             self.dropped += 1
         self._queue.put_nowait(item)
 
+    def carry(self, skipped: ProcessedFrame) -> None:
+        """``skipped`` will not be sent: its crossing events go with the next frame."""
+        self._carried += skipped.crossings
+
     async def get(self) -> ProcessedFrame | Closed:
-        """The next frame, or :class:`Closed` once the subscription ended."""
-        return await self._queue.get()
+        """The next frame (with the crossing events of frames skipped before it), or
+        :class:`Closed` once the subscription ended."""
+        item = await self._queue.get()
+        if isinstance(item, ProcessedFrame) and self._carried:
+            item, self._carried = item.with_crossings(self._carried), []
+        return item
 
     def qsize(self) -> int:
         return self._queue.qsize()

@@ -102,12 +102,13 @@ def parse_lines(raw: Sequence[Mapping[str, Any]]) -> tuple[Line, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Crossing:
-    """One object crossing one line."""
+    """One object crossing one line, in the stream's frame number ``frame``."""
 
     line: str
     direction: Direction
     track_id: int
     class_id: int
+    frame: int
 
 
 class LineCounter:
@@ -121,10 +122,10 @@ class LineCounter:
         self._last.clear()
 
     def update(
-        self, detections: Detections, lines: Sequence[Line], live: Iterable[int]
+        self, detections: Detections, lines: Sequence[Line], live: Iterable[int], frame: int
     ) -> list[Crossing]:
-        """The crossings in one tracked frame; ``live`` are the tracker's live track ids (an
-        object unseen for a frame or two keeps its last place)."""
+        """The crossings in one tracked frame (number ``frame``); ``live`` are the tracker's
+        live track ids (an object unseen for a frame or two keeps its last place)."""
         ids = detections.track_ids
         if ids is None or not detections.width or not detections.height:
             return []
@@ -143,9 +144,8 @@ class LineCounter:
             for line in lines:
                 direction = line.crossing(before, now[track_id])
                 if direction is not None:
-                    crossings.append(
-                        Crossing(line.name, direction, track_id, int(detections.class_ids[i]))
-                    )
+                    class_id = int(detections.class_ids[i])
+                    crossings.append(Crossing(line.name, direction, track_id, class_id, frame))
         alive = set(live)
         self._last = {k: v for k, v in self._last.items() if k in alive}
         self._last.update(now)

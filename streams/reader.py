@@ -460,7 +460,7 @@ class StreamReader:
             self._tracker.clear()
         if detect.lines:
             live = self._tracker.live_ids()
-            crossings = self._line_counter.update(detections, detect.lines, live)
+            crossings = self._line_counter.update(detections, detect.lines, live, pending.frame_no)
         else:
             self._line_counter.clear()
         return detections, new_objects, crossings

@@ -24,6 +24,7 @@ from engines.pool import EnginePool
 from engines.types import Detections, DetectParams, ModelInfo
 from streams.detect import Roi, StreamDetect
 from streams.fanout import Closed, ProcessedFrame, Subscriber
+from streams.lines import Crossing
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
@@ -160,6 +161,30 @@ async def test_slow_subscriber_keeps_only_the_newest_messages() -> None:
     assert sub.dropped == 7
     got = [await sub.get() for _ in range(3)]
     assert [f.frame for f in got if isinstance(f, ProcessedFrame)] == [8, 9, 10]
+
+
+async def test_crossings_of_frames_a_viewer_loses_come_with_the_next_frame() -> None:
+    sub = Subscriber("s1", maxsize=3)
+    for n in range(1, 11):
+        crossing = Crossing("gate", "in" if n % 2 else "out", track_id=n, class_id=0, frame=n)
+        sub.offer(dataclasses.replace(_frame(n), crossings=(crossing,)))
+    got = [await sub.get() for _ in range(3)]
+    frames = [f for f in got if isinstance(f, ProcessedFrame)]
+    # Frames 1-7 were dropped for this slow viewer; their events ride on frame 8.
+    assert [f.frame for f in frames] == [8, 9, 10]
+    assert [c.frame for c in frames[0].crossings] == list(range(1, 9))
+    assert [c.frame for c in frames[1].crossings] == [9]
+    events = frames[0].to_message()["crossings"]
+    assert [e["frame"] for e in events] == list(range(1, 9))
+    assert events[0] == {
+        "line": "gate",
+        "direction": "in",
+        "track_id": 1,
+        "class_id": 0,
+        "class_name": "person",
+        "frame": 1,
+    }
+    assert "crossings" not in _frame(1).to_message()  # absent where nothing crossed
 
 
 async def test_closing_a_subscriber_delivers_the_close_code_next() -> None:

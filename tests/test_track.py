@@ -245,12 +245,12 @@ def test_each_object_counts_once_per_crossing() -> None:
             boxes.append([401, y - 100, 501, y])
             classes.append(7)
         frame = tracker.update(dets(boxes, classes), 0.1 * k).detections
-        crossings += counter.update(frame, [ACROSS], tracker.live_ids())
-    assert crossings == [Crossing("across", "in", 1, 2)]
+        crossings += counter.update(frame, [ACROSS], tracker.live_ids(), k)
+    assert crossings == [Crossing("across", "in", 1, 2, 4)]  # from y = 480 to 540 in frame 4
     # Gone longer than a track lives, then back on the other side: a new object, and no
     # crossing made up from where the old one was last seen.
     frame = tracker.update(dets([[400, 100, 500, 200]]), 5.0).detections
-    assert counter.update(frame, [ACROSS], tracker.live_ids()) == []
+    assert counter.update(frame, [ACROSS], tracker.live_ids(), 9) == []
     assert frame.track_ids is not None and frame.track_ids.tolist() == [2]
 
 
@@ -266,7 +266,7 @@ def test_real_cars_crossing_a_line_are_counted(ort: Engine) -> None:
         batch = frames[i : i + 4]
         for k, found in enumerate(ort.infer(batch, [DetectParams()] * len(batch))):
             tracked = tracker.update(found, (i + k) * 3 / fps).detections
-            crossings += counter.update(tracked, [ACROSS], tracker.live_ids())
+            crossings += counter.update(tracked, [ACROSS], tracker.live_ids(), i + k)
     assert {c.direction for c in crossings} == {"in", "out"}, crossings
     assert len({c.track_id for c in crossings}) == len(crossings)  # each car once
 

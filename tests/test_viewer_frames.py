@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,9 +17,10 @@ from PIL import Image as PILImage
 
 from engines.types import Detections
 from server.routes.viewer import JpegFrames, line_label, render_jpeg
+from server.routes.ws import _send
 from streams.detect import Roi
-from streams.fanout import ProcessedFrame
-from streams.lines import Line
+from streams.fanout import ProcessedFrame, Subscriber
+from streams.lines import Crossing, Line
 from tests.helpers import VIDEOS, file_stream_app
 
 SOURCE_FPS = 12.5  # car-detection.mp4
@@ -171,3 +175,54 @@ def test_encode_draws_counting_lines_with_their_counts() -> None:
     assert cyan[0] < 100 and cyan[1] > 150 and cyan[2] > 150
     assert drawn[row + 5 : row + 20, 2:60].max(axis=(0, 1))[1] > 150  # the label's text
     assert drawn[40:100].max() < 30  # nothing drawn far from the line
+
+
+class _Socket:
+    """What ``_send`` needs of a WebSocket: the messages it was sent."""
+
+    def __init__(self) -> None:
+        self.texts: list[dict[str, Any]] = []
+        self.binaries = 0
+        self.closed: tuple[int, str] | None = None
+
+    async def send_text(self, text: str) -> None:
+        self.texts.append(json.loads(text))
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.binaries += 1
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed = (code, reason)
+
+
+async def test_a_viewer_at_a_lower_rate_still_gets_every_crossing_event() -> None:
+    """Frames at 20 fps to a viewer that asked for 5: it is sent one in four, and the crossing
+    events of the frames it skips come with the next one it is sent."""
+    sub = Subscriber("s1", maxsize=4)
+    socket = _Socket()
+    sender = asyncio.create_task(_send(socket, sub, JpegFrames(max_fps=5)))  # type: ignore[arg-type]
+    image = np.zeros((48, 64, 3), np.uint8)
+    for n in range(1, 14):
+        crossing = Crossing("gate", "in", track_id=n, class_id=0, frame=n)
+        sub.offer(
+            ProcessedFrame(
+                "s1",
+                n,
+                None,
+                0.0,
+                n * 0.05,
+                image,
+                Detections.empty({0: "person"}, 64, 48),
+                1,
+                crossings=(crossing,),
+            )
+        )
+        await asyncio.sleep(0.05)  # the sender takes each frame before the next comes
+    sub.close(1000, "done")
+    await asyncio.wait_for(sender, 10)
+    assert socket.closed == (1000, "done")
+    sent = [m["frame"] for m in socket.texts]
+    assert 3 <= len(sent) <= 5 and socket.binaries == len(sent), sent  # ~5 of 20 fps
+    events = [e["frame"] for m in socket.texts for e in m.get("crossings", [])]
+    # Every crossing up to the last frame sent arrived, once, in order; none from the future.
+    assert events == list(range(1, sent[-1] + 1)), (sent, events)

@@ -74,6 +74,8 @@ async def _send(websocket: WebSocket, sub: Subscriber, jpeg: JpegFrames | None =
             await _send_frame(websocket, item, sub)
         elif jpeg.due(item, newer_waiting=sub.qsize() > 0):
             await jpeg.send(websocket, item)
+        else:
+            sub.carry(item)
 
 
 async def _send_frame(websocket: WebSocket, frame: ProcessedFrame, sub: Subscriber) -> None:
