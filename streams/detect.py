@@ -17,10 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.types import Detections, DetectParams
+from streams.geometry import Point, anchors, check_polygon, parse_points, polygon_contains
 from streams.lines import Line, parse_lines
-
-MIN_POINTS = 3
-MAX_POINTS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +29,10 @@ class Roi:
         ValueError: fewer than 3 or more than 64 vertices, or a coordinate outside [0, 1].
     """
 
-    points: tuple[tuple[float, float], ...]
+    points: tuple[Point, ...]
 
     def __post_init__(self) -> None:
-        if not MIN_POINTS <= len(self.points) <= MAX_POINTS:
-            raise ValueError(
-                f"roi: {len(self.points)} points; a polygon needs {MIN_POINTS} to {MAX_POINTS}"
-            )
-        for x, y in self.points:
-            if not (0.0 <= x <= 1.0 and 0.0 <= y <= 1.0):
-                raise ValueError(f"roi: point ({x:g}, {y:g}) is outside [0, 1] of the frame")
+        check_polygon(self.points, "roi")
 
     @classmethod
     def parse(cls, raw: Sequence[Sequence[float]]) -> Roi:
@@ -49,13 +41,7 @@ class Roi:
         Raises:
             ValueError: not a list of ``[x, y]`` pairs, or see :class:`Roi`.
         """
-        try:
-            points = tuple((float(p[0]), float(p[1])) for p in raw if len(p) == 2)
-        except (TypeError, ValueError, IndexError):
-            raise ValueError("roi: expected a list of [x, y] points") from None
-        if len(points) != len(raw):
-            raise ValueError("roi: expected a list of [x, y] points")
-        return cls(points)
+        return cls(parse_points(raw, "roi"))
 
     def to_json(self) -> list[list[float]]:
         return [[x, y] for x, y in self.points]
@@ -65,25 +51,15 @@ class Roi:
     ) -> npt.NDArray[np.bool_]:
         """Which relative points lie inside (even-odd rule; a point on an edge may go either
         way)."""
-        inside = np.zeros(xs.shape, bool)
-        n = len(self.points)
-        for i in range(n):
-            x1, y1 = self.points[i]
-            x2, y2 = self.points[(i + 1) % n]
-            if y1 == y2:
-                continue  # a horizontal edge never crosses a horizontal ray
-            crosses = (y1 > ys) != (y2 > ys)
-            x_at = x1 + (ys - y1) * (x2 - x1) / (y2 - y1)
-            inside ^= crosses & (xs < x_at)
-        return inside
+        return polygon_contains(self.points, xs, ys)
 
     def filter(self, detections: Detections) -> Detections:
         """The detections whose bottom-centre anchor is inside the region."""
-        if len(detections) == 0 or not detections.width or not detections.height:
+        if len(detections) == 0:
             return detections
-        boxes = detections.boxes.astype(np.float64)
-        xs = (boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width
-        ys = boxes[:, 3] / detections.height
+        xs, ys = anchors(detections)
+        if len(xs) == 0:
+            return detections
         keep = self.contains(xs, ys)
         return detections if keep.all() else detections.select(keep)
 

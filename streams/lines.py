@@ -15,14 +15,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-
 from engines.types import Detections
+from streams.geometry import Point, anchors, check_point
 
 MAX_LINES = 16
 MAX_NAME = 64
 Direction = Literal["in", "out"]
-Point = tuple[float, float]
 
 
 def _side(a: Point, b: Point, p: Point) -> float:
@@ -45,11 +43,8 @@ class Line:
     def __post_init__(self) -> None:
         if not 1 <= len(self.name) <= MAX_NAME:
             raise ValueError(f"lines: a line needs a name of 1 to {MAX_NAME} characters")
-        for x, y in (self.a, self.b):
-            if not (0.0 <= x <= 1.0 and 0.0 <= y <= 1.0):
-                raise ValueError(
-                    f"lines: {self.name!r}: point ({x:g}, {y:g}) is outside [0, 1] of the frame"
-                )
+        for point in (self.a, self.b):
+            check_point(point, f"lines: {self.name!r}")
         if self.a == self.b:
             raise ValueError(f"lines: {self.name!r}: its two points are the same")
 
@@ -127,11 +122,9 @@ class LineCounter:
         """The crossings in one tracked frame (number ``frame``); ``live`` are the tracker's
         live track ids (an object unseen for a frame or two keeps its last place)."""
         ids = detections.track_ids
-        if ids is None or not detections.width or not detections.height:
+        xs, ys = (a.tolist() for a in anchors(detections))
+        if ids is None or len(xs) != len(ids):
             return []
-        boxes = detections.boxes.astype(np.float64)
-        xs = ((boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width).tolist()
-        ys = (boxes[:, 3] / detections.height).tolist()
         crossings: list[Crossing] = []
         now: dict[int, Point] = {}
         for i, track_id in enumerate(ids.tolist()):

@@ -1,0 +1,73 @@
+"""Shapes drawn on a stream's picture (regions, zones, lines): points in 0..1 of the frame, so
+they survive a change of resolution, and the anchor they are tested against: the bottom
+centre of a box, where an object stands on the ground (as Frigate's zones use)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.types import Detections
+
+MIN_POINTS = 3
+MAX_POINTS = 64
+Point = tuple[float, float]
+
+
+def check_point(point: Point, what: str) -> None:
+    """Raises ValueError, naming ``what``, for a point outside [0, 1] of the frame."""
+    x, y = point
+    if not (0.0 <= x <= 1.0 and 0.0 <= y <= 1.0):
+        raise ValueError(f"{what}: point ({x:g}, {y:g}) is outside [0, 1] of the frame")
+
+
+def check_polygon(points: Sequence[Point], what: str) -> None:
+    """Raises ValueError, naming ``what``, for a polygon of fewer than 3 or more than 64
+    points or a point outside [0, 1]."""
+    if not MIN_POINTS <= len(points) <= MAX_POINTS:
+        raise ValueError(
+            f"{what}: {len(points)} points; a polygon needs {MIN_POINTS} to {MAX_POINTS}"
+        )
+    for point in points:
+        check_point(point, what)
+
+
+def parse_points(raw: Sequence[Sequence[float]], what: str) -> tuple[Point, ...]:
+    """``[[x, y], ...]`` (JSON) as points; ValueError naming ``what`` for another shape."""
+    try:
+        points = tuple((float(p[0]), float(p[1])) for p in raw if len(p) == 2)
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"{what}: expected a list of [x, y] points") from None
+    if len(points) != len(raw):
+        raise ValueError(f"{what}: expected a list of [x, y] points")
+    return points
+
+
+def polygon_contains(
+    points: Sequence[Point], xs: npt.NDArray[np.float64], ys: npt.NDArray[np.float64]
+) -> npt.NDArray[np.bool_]:
+    """Which relative points lie inside the polygon (even-odd rule; a point on an edge may go
+    either way)."""
+    inside = np.zeros(xs.shape, bool)
+    n = len(points)
+    for i in range(n):
+        x1, y1 = points[i]
+        x2, y2 = points[(i + 1) % n]
+        if y1 == y2:
+            continue  # a horizontal edge never crosses a horizontal ray
+        crosses = (y1 > ys) != (y2 > ys)
+        x_at = x1 + (ys - y1) * (x2 - x1) / (y2 - y1)
+        inside ^= crosses & (xs < x_at)
+    return inside
+
+
+def anchors(detections: Detections) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Each box's bottom centre, in 0..1 of the frame (empty for an unsized frame)."""
+    if not detections.width or not detections.height:
+        return np.zeros(0), np.zeros(0)
+    boxes = detections.boxes.astype(np.float64)
+    xs = (boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width
+    ys = boxes[:, 3] / detections.height
+    return xs, ys
