@@ -85,6 +85,9 @@ class StreamSample:
         tracked: objects counted once each by the stream's tracker, by class name.
         crossings: objects that crossed the stream's counting lines, by ``(line, direction,
             class name)``.
+        zone_objects: detections standing in each zone in the last frame, by ``(zone, class
+            name)``.
+        zone_entries: tracked objects that entered each zone, by ``(zone, class name)``.
     """
 
     stream_id: str
@@ -99,6 +102,8 @@ class StreamSample:
     objects: Mapping[str, int] = field(default_factory=dict)
     tracked: Mapping[str, int] = field(default_factory=dict)
     crossings: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    zone_objects: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    zone_entries: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
 
 StreamSource = Callable[[], Iterable[StreamSample]]
@@ -248,6 +253,16 @@ class _ScrapeCollector(Collector):
             "Tracked objects that crossed a stream's counting line, by line, direction and class",
             labels=["stream", "line", "direction", "class"],
         )
+        zone_objects = GaugeMetricFamily(
+            "streamdet_stream_zone_objects",
+            "Detections standing in a stream's zone in its last processed frame, by class",
+            labels=["stream", "zone", "class"],
+        )
+        zone_entries = CounterMetricFamily(
+            "streamdet_stream_zone_entries",
+            "Tracked objects that entered a stream's zone, by class",
+            labels=["stream", "zone", "class"],
+        )
         for s in samples:
             fps.add_metric([s.stream_id, "in"], s.fps_in)
             fps.add_metric([s.stream_id, "processed"], s.fps_processed)
@@ -263,12 +278,18 @@ class _ScrapeCollector(Collector):
                 tracked.add_metric([s.stream_id, name], count)
             for (line, direction, name), count in s.crossings.items():
                 crossings.add_metric([s.stream_id, line, direction, name], count)
+            for (zone, name), count in s.zone_objects.items():
+                zone_objects.add_metric([s.stream_id, zone, name], count)
+            for (zone, name), count in s.zone_entries.items():
+                zone_entries.add_metric([s.stream_id, zone, name], count)
         yield fps
         yield from counters.values()
         yield detections
         yield objects
         yield tracked
         yield crossings
+        yield zone_objects
+        yield zone_entries
 
 
 class Metrics:

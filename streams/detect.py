@@ -19,6 +19,7 @@ import numpy.typing as npt
 from engines.types import Detections, DetectParams
 from streams.geometry import Point, anchors, check_polygon, parse_points, polygon_contains
 from streams.lines import Line, parse_lines
+from streams.zones import Zone, parse_zones
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,8 @@ class StreamDetect:
     (:mod:`streams.track`)."""
     lines: tuple[Line, ...] = ()
     """Counting lines (:mod:`streams.lines`); they need ``track``."""
+    zones: tuple[Zone, ...] = ()
+    """Zones that count what stands in them (:mod:`streams.zones`); entries need ``track``."""
 
     def __post_init__(self) -> None:
         if self.lines and not self.track:
@@ -85,12 +88,13 @@ class StreamDetect:
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
-        ``track`` and ``lines``."""
+        ``track``, ``lines`` and ``zones``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
             "track": self.track,
             "lines": [line.to_json() for line in self.lines],
+            "zones": [zone.to_json() for zone in self.zones],
         }
 
     @classmethod
@@ -109,4 +113,5 @@ class StreamDetect:
             None if roi is None else Roi.parse(roi),
             track,
             parse_lines(data.get("lines") or ()),
+            parse_zones(data.get("zones") or ()),
         )

@@ -50,6 +50,7 @@ class ProcessedFrame:
         batch_size: size of the engine batch it ran in.
         crossings: tracked objects that crossed a counting line in this frame (and, on the way
             to one viewer, in earlier frames that viewer did not get).
+        zones: per detection, the names of the zones it stands in (streams with zones).
         latency_ms: decode to publication, set when published.
     """
 
@@ -62,12 +63,18 @@ class ProcessedFrame:
     detections: Detections
     batch_size: int
     crossings: tuple[Crossing, ...] = ()
+    zones: list[list[str]] | None = None
     latency_ms: float = 0.0
     _json: str | None = field(default=None, repr=False)
 
     def to_message(self) -> dict[str, Any]:
         """The WebSocket message (DESIGN §4); a frame in which objects crossed a counting line
-        also carries them as ``crossings``."""
+        also carries them as ``crossings``, and on a stream with zones each detection lists
+        the ``zones`` it stands in."""
+        detections = self.detections.to_json()
+        if self.zones is not None:
+            for item, zones in zip(detections, self.zones, strict=True):
+                item["zones"] = zones
         message = {
             "stream_id": self.stream_id,
             "frame": self.frame,
@@ -75,7 +82,7 @@ class ProcessedFrame:
             "captured_at": round(self.captured_at, 6),
             "width": self.detections.width,
             "height": self.detections.height,
-            "detections": self.detections.to_json(),
+            "detections": detections,
             "latency_ms": round(self.latency_ms, 2),
         }
         if self.crossings:

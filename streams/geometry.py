@@ -4,7 +4,8 @@ centre of a box, where an object stands on the ground (as Frigate's zones use)."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -71,3 +72,31 @@ def anchors(detections: Detections) -> tuple[npt.NDArray[np.float64], npt.NDArra
     xs = (boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width
     ys = boxes[:, 3] / detections.height
     return xs, ys
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Shape = TypeVar("Shape", bound=_Named)
+
+
+def parse_named(
+    raw: Sequence[Mapping[str, Any]],
+    parse: Callable[[Mapping[str, Any]], Shape],
+    what: str,
+    most: int,
+) -> tuple[Shape, ...]:
+    """A stream's named shapes (``lines``, ``zones``) from JSON, each read by ``parse``.
+
+    Raises:
+        ValueError: more than ``most``, two with one name, or what ``parse`` raises.
+    """
+    shapes = tuple(parse(item) for item in raw)
+    if len(shapes) > most:
+        raise ValueError(f"{what}: {len(shapes)} {what}; a stream has at most {most}")
+    names = [shape.name for shape in shapes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what}: two {what} have the same name")
+    return shapes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engines.types import Detections
-from streams.geometry import Point, anchors, check_point
+from streams.geometry import Point, anchors, check_point, parse_named
 
 MAX_LINES = 16
 MAX_NAME = 64
@@ -86,13 +86,7 @@ def parse_lines(raw: Sequence[Mapping[str, Any]]) -> tuple[Line, ...]:
     Raises:
         ValueError: more than :data:`MAX_LINES`, two with one name, or a bad line.
     """
-    lines = tuple(Line.parse(item) for item in raw)
-    if len(lines) > MAX_LINES:
-        raise ValueError(f"lines: {len(lines)} lines; a stream has at most {MAX_LINES}")
-    names = [line.name for line in lines]
-    if len(set(names)) != len(names):
-        raise ValueError("lines: two lines have the same name")
-    return lines
+    return parse_named(raw, Line.parse, "lines", MAX_LINES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,18 +15,17 @@ import logging
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
-from engines.types import Detections, Image
+from engines.types import Image
+from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
-from streams.lines import Crossing, LineCounter
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
-from streams.track import Tracker
 
 if TYPE_CHECKING:
     from engines.nvdec import GpuDecode
@@ -151,17 +150,11 @@ class StreamReader:
         self.skipped = 0
         self.reconnects = 0
         self.failed = 0
-        self._detections: Counter[str] = Counter()  # by class name, since added
-        self._objects: dict[str, int] = {}  # by class name, in the last processed frame
-        self._tracked: Counter[str] = Counter()  # objects (tracks) by class name, since added
         # Results come back on engine worker threads, possibly out of order (two workers, one
-        # stream): this lock puts them through the tracker and out one at a time, in order.
+        # stream): this lock puts them through the analytics and out one at a time, in order.
         self._result_lock = threading.Lock()
         self._last_result_frame = 0
-        self._tracker = Tracker()
-        self._line_counter = LineCounter()
-        # (line, direction, class name) -> objects that crossed, since added
-        self._crossings: Counter[tuple[str, str, str]] = Counter()
+        self._analytics = StreamAnalytics()
         self.width = 0
         self.height = 0
         self.last_latency_ms: float | None = None
@@ -220,10 +213,7 @@ class StreamReader:
                 "skipped": self.skipped,
                 "reconnects": self.reconnects,
                 "frames_failed": self.failed,
-                "detections": dict(self._detections),
-                "objects": dict(self._objects),
-                "tracked": dict(self._tracked),
-                "crossings": self._crossings_json(),
+                **self._analytics.snapshot(),
                 "last_frame_age_s": None if age is None else round(age, 3),
                 "last_latency_ms": None
                 if self.last_latency_ms is None
@@ -232,13 +222,6 @@ class StreamReader:
                 "height": self.height,
                 "decode": "cuda" if self._gpu_decode and self._gpu_decode.on_gpu else "cpu",
             }
-
-    def _crossings_json(self) -> dict[str, dict[str, dict[str, int]]]:
-        """``{line: {"in": {class: n}, "out": {...}}}``; call with the lock held."""
-        out: dict[str, dict[str, dict[str, int]]] = {}
-        for (line, direction, name), n in sorted(self._crossings.items()):
-            out.setdefault(line, {"in": {}, "out": {}})[direction][name] = n
-        return out
 
     # ---- thread ------------------------------------------------------------------------
     def wait_state(self, states: set[StreamState], timeout_s: float) -> bool:
@@ -407,10 +390,6 @@ class StreamReader:
                     "stream %s: frame %d failed: %s", self.config.id, pending.frame_no, result.error
                 )
             return
-        detections = result.detections
-        detect = pending.detect
-        if detect.roi is not None:
-            detections = detect.roi.filter(detections)
         with self._result_lock:
             if pending.frame_no < self._last_result_frame:
                 # A newer frame finished first on another worker: a live stream never goes
@@ -419,17 +398,12 @@ class StreamReader:
                     self.drops += 1
                 return
             self._last_result_frame = pending.frame_no
-            detections, new_objects, crossings = self._follow(detections, detect, pending)
-            objects = Counter(detections.name_of(c) for c in detections.class_ids)
+            done = self._analytics.process(
+                result.detections, pending.detect, pending.decoded_mono, pending.frame_no
+            )
             with self._lock:
                 self.processed += 1
                 self._fps_out.tick(time.monotonic())
-                self._detections.update(objects)
-                self._objects = dict(objects)
-                self._tracked.update(detections.name_of(c) for c in new_objects)
-                self._crossings.update(
-                    (c.line, c.direction, detections.name_of(c.class_id)) for c in crossings
-                )
             if self._stop.is_set():
                 return
             self._publish(
@@ -440,27 +414,9 @@ class StreamReader:
                     captured_at=pending.captured_at,
                     decoded_mono=pending.decoded_mono,
                     image=pending.image,
-                    detections=detections,
+                    detections=done.detections,
                     batch_size=result.batch_size,
-                    crossings=tuple(crossings),
+                    crossings=done.crossings,
+                    zones=done.zones,
                 )
             )
-
-    def _follow(
-        self, detections: Detections, detect: StreamDetect, pending: _Pending
-    ) -> tuple[Detections, list[int], list[Crossing]]:
-        """Tracking and counting lines, where the frame's settings ask for them: the
-        detections with their track ids, classes of the objects newly counted, crossings."""
-        new_objects: list[int] = []
-        crossings: list[Crossing] = []
-        if detect.track:
-            tracked = self._tracker.update(detections, pending.decoded_mono)
-            detections, new_objects = tracked.detections, tracked.new_objects
-        else:
-            self._tracker.clear()
-        if detect.lines:
-            live = self._tracker.live_ids()
-            crossings = self._line_counter.update(detections, detect.lines, live, pending.frame_no)
-        else:
-            self._line_counter.clear()
-        return detections, new_objects, crossings

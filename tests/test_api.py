@@ -219,6 +219,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "roi": None,
             "track": False,
             "lines": [],
+            "zones": [],
         }
         assert resp.json()["detect"] == detect
 

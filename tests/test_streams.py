@@ -281,6 +281,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             "roi": None,
             "track": False,
             "lines": [],
+            "zones": [],
         }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)

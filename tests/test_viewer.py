@@ -488,12 +488,12 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     # A counting line across the middle, drawn on the picture and named: saved on the server
     # (tracking stays on), drawn in cyan with its counts, listed with them.
     figure.locator("button.tile-line").click()
-    expect(figure.locator("input.line-name")).to_be_visible()
+    expect(figure.locator("input.shape-name")).to_be_visible()
     click(0.02, 0.5)
     click(0.98, 0.5)
     click(0.5, 0.9)  # a third point is refused
     expect(figure.locator(".edit-hint")).to_contain_text("two points")
-    figure.locator("input.line-name").fill("gate")
+    figure.locator("input.shape-name").fill("gate")
     figure.screenshot(path=artifacts / "viewer-line-editing.png")
     figure.locator("button.edit-save").click()
     expect(figure.locator(".tile-edit-bar")).to_be_hidden()
@@ -521,6 +521,19 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     )
     assert cyan > 0.2, cyan  # a 2-3 px line across most of the picture, under some boxes
     figure.screenshot(path=artifacts / "viewer-line.png")
+
+    # A zone, the lower right quarter: drawn on the picture, named, counted in the list.
+    figure.locator("button.tile-zone").click()
+    for x, y in [(0.5, 0.5), (0.98, 0.5), (0.98, 0.98), (0.5, 0.98)]:
+        click(x, y)
+    figure.locator("input.shape-name").fill("lot")
+    figure.locator("button.edit-save").click()
+    expect(figure.locator(".tile-edit-bar")).to_be_hidden()
+    pg.wait_for_function("(id) => window.streamdet.drawn[id].zones.length === 1", arg=canvas_id)
+    zone = pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].zones[0]")
+    assert zone["name"] == "lot" and len(zone["points"]) == 4
+    expect(row).to_contain_text(re.compile(r"lot \d+ now / \d+ entered"))
+    figure.screenshot(path=artifacts / "viewer-zone.png")
     expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []
 

@@ -16,11 +16,12 @@ from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
-from server.routes.viewer import JpegFrames, line_label, render_jpeg
+from server.routes.viewer import JpegFrames, line_label, render_jpeg, zone_label
 from server.routes.ws import _send
 from streams.detect import Roi
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.lines import Crossing, Line
+from streams.zones import Zone
 from tests.helpers import VIDEOS, file_stream_app
 
 SOURCE_FPS = 12.5  # car-detection.mp4
@@ -226,3 +227,14 @@ async def test_a_viewer_at_a_lower_rate_still_gets_every_crossing_event() -> Non
     events = [e["frame"] for m in socket.texts for e in m.get("crossings", [])]
     # Every crossing up to the last frame sent arrived, once, in order; none from the future.
     assert events == list(range(1, sent[-1] + 1)), (sent, events)
+
+
+def test_encode_outlines_zones_with_what_stands_in_them() -> None:
+    image = np.zeros((200, 400, 3), np.uint8)
+    dock = Zone("dock", ((0.5, 0.5), (1.0, 0.5), (1.0, 1.0), (0.5, 1.0)))
+    label = zone_label("dock", {"dock": {"now": {"car": 2, "truck": 1}, "entered": {}}})
+    assert label == "dock: 3"
+    drawn = _decode(render_jpeg(image, 400, 95, zones=[(dock, label)])[0])
+    edge = drawn[150, 198:202].max(axis=0)  # its left side, at x = 0.5 of 400
+    assert edge[0] > 150 and edge[1] > 120 and edge[2] < 100  # yellow
+    assert drawn[40:80, 20:180].max() < 30  # nothing drawn outside it

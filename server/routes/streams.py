@@ -35,6 +35,8 @@ from streams.manager import (
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
 from streams.store import StreamStore
+from streams.zones import MAX_NAME as ZONE_NAME
+from streams.zones import MAX_ZONES, parse_zones
 
 if TYPE_CHECKING:
     from server.metrics import StreamSample
@@ -50,6 +52,15 @@ class LineIn(BaseModel):
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
     points: Annotated[list[tuple[float, float]], Field(min_length=2, max_length=2)]
+
+
+class ZoneIn(BaseModel):
+    """A zone: a name and a polygon of 3 to 64 points in 0..1 of the frame."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=ZONE_NAME)]
+    points: Annotated[list[tuple[float, float]], Field(min_length=3, max_length=64)]
 
 
 class DetectIn(BaseModel):
@@ -86,6 +97,14 @@ class DetectIn(BaseModel):
             " crossings of tracked objects are counted per line, direction and class",
         ),
     ] = None
+    zones: Annotated[
+        list[ZoneIn] | None,
+        Field(
+            max_length=MAX_ZONES,
+            description="zones: [{name, points: [[x, y], ...]}]; what stands in each is counted"
+            " by class (and, where the stream tracks, each object entering it once)",
+        ),
+    ] = None
 
     def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
@@ -103,13 +122,14 @@ class DetectIn(BaseModel):
                 roi = None if self.roi is None else Roi(tuple(self.roi))
             except ValueError as exc:
                 raise HTTPException(422, str(exc)) from None
-        lines = current.lines
+        lines, zones = current.lines, current.zones
         try:
             if "lines" in given:
                 lines = parse_lines([line.model_dump() for line in self.lines or ()])
-            return StreamDetect(
-                params, roi, self.track if "track" in given else current.track, lines
-            )
+            if "zones" in given:
+                zones = parse_zones([zone.model_dump() for zone in self.zones or ()])
+            track = self.track if "track" in given else current.track
+            return StreamDetect(params, roi, track, lines, zones)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
@@ -232,6 +252,16 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
                 for line, ways in info["crossings"].items()
                 for direction, by_class in ways.items()
                 for name, n in by_class.items()
+            },
+            zone_objects={
+                (zone, name): n
+                for zone, counts in info["zones"].items()
+                for name, n in counts["now"].items()
+            },
+            zone_entries={
+                (zone, name): n
+                for zone, counts in info["zones"].items()
+                for name, n in counts["entered"].items()
             },
         )
 

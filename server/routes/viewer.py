@@ -25,10 +25,11 @@ from fastapi.staticfiles import StaticFiles
 
 from engines.types import Detections, Image
 from server.routes.streams import get_manager
-from streams.detect import Roi
+from streams.detect import Roi, StreamDetect
 from streams.fanout import ProcessedFrame, host_array
 from streams.files import encode_jpeg
 from streams.lines import Line
+from streams.zones import Zone
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
@@ -188,11 +189,12 @@ async def latest_jpeg(
     detect = manager.detect(stream_id)
     region = detect.roi if boxes and detect is not None else None
     detections = frame.detections if boxes else None
-    lines = [
-        (line, line_label(line.name, info["crossings"]))
-        for line in (detect.lines if boxes and detect is not None else ())
-    ]
-    render = functools.partial(render_jpeg, detections=detections, region=region, lines=lines)
+    shown = detect if boxes and detect is not None else StreamDetect()
+    lines = [(line, line_label(line.name, info["crossings"])) for line in shown.lines]
+    zones = [(zone, zone_label(zone.name, info["zones"])) for zone in shown.zones]
+    render = functools.partial(
+        render_jpeg, detections=detections, region=region, lines=lines, zones=zones
+    )
     jpeg, _, _ = await asyncio.to_thread(render, frame.image, max_width, quality)
     headers = {
         "Cache-Control": "no-store",
@@ -205,6 +207,7 @@ async def latest_jpeg(
 
 REGION_RGB = (255, 0, 255)  # the outline of a stream's region of interest: magenta
 LINE_RGB = (0, 255, 255)  # counting lines: cyan, as on the viewer page
+ZONE_RGB = (255, 212, 0)  # zones: yellow, as on the viewer page
 
 
 def line_label(name: str, crossings: Mapping[str, Mapping[str, Mapping[str, int]]]) -> str:
@@ -213,6 +216,11 @@ def line_label(name: str, crossings: Mapping[str, Mapping[str, Mapping[str, int]
     ways = crossings.get(name, {})
     n_in, n_out = (sum(ways.get(way, {}).values()) for way in ("in", "out"))
     return f"{name}: {n_in} in, {n_out} out"
+
+
+def zone_label(name: str, zones: Mapping[str, Mapping[str, Mapping[str, int]]]) -> str:
+    """``dock: 2``: how many objects stand in a zone, summed over classes."""
+    return f"{name}: {sum(zones.get(name, {}).get('now', {}).values())}"
 
 
 def _color(class_id: int) -> tuple[int, int, int]:
@@ -277,10 +285,11 @@ def render_jpeg(
     detections: Detections | None = None,
     region: Roi | None = None,
     lines: Sequence[tuple[Line, str]] = (),
+    zones: Sequence[tuple[Zone, str]] = (),
 ) -> tuple[bytes, int, int]:
     """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes, with
-    ``region``'s outline, counting ``lines`` (each with its label) and ``detections`` drawn on
-    it when given.
+    ``region``'s outline, ``zones`` and counting ``lines`` (each with its label) and
+    ``detections`` drawn on it when given.
 
     Runs in a worker thread (OpenCV releases the GIL; a GPU frame is copied down here, not
     on the event loop). Returns the bytes and the JPEG's width and height.
@@ -296,11 +305,15 @@ def render_jpeg(
         image = np.ascontiguousarray(
             cv2.resize(image, (width, height), interpolation=interpolation), dtype=np.uint8
         )
-    if image is source and (region is not None or detections is not None or lines):
+    if image is source and (region is not None or detections is not None or lines or zones):
         image = image.copy()  # drawn on: never the frame that other viewers share
     if region is not None:
         corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in region.points])
         cv2.polylines(image, [corners.round().astype(np.int32)], True, REGION_RGB, 2)
+    for zone, label in zones:
+        corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in zone.points])
+        cv2.polylines(image, [corners.round().astype(np.int32)], True, ZONE_RGB, 2)
+        _label(image, label, (int(corners[0, 0]), int(corners[0, 1])), ((0, 0, 0), ZONE_RGB))
     for line, label in lines:
         draw_line(image, line, label)
     if detections is not None:

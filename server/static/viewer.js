@@ -161,15 +161,33 @@ function textColorOn(hex) {
   return 0.299 * r + 0.587 * g + 0.114 * b > 140 ? "#000000" : "#FFFFFF";
 }
 
-// Draws boxes, class names and confidences; detections are in source pixels, scaled by sx/sy.
-// Returns the shapes drawn, in canvas pixels.
-function drawDetections(ctx, detections, sx, sy) {
+// Line width and font for overlays, scaled to the canvas; set on ctx, and returned.
+function overlayStyle(ctx) {
   const { width, height } = ctx.canvas;
   const lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
   const fontSize = Math.max(14, lineWidth * 6);
   ctx.lineWidth = lineWidth;
   ctx.font = `${fontSize}px sans-serif`;
   ctx.textBaseline = "top";
+  return { width, height, lineWidth, fontSize };
+}
+
+// A shape's label: coloured text on a dark tag with its top left at (x, y), kept on the canvas.
+function drawTag(ctx, text, x, y, color, fontSize) {
+  const { width, height } = ctx.canvas;
+  const tagWidth = ctx.measureText(text).width + 6;
+  const left = Math.max(0, Math.min(x, width - tagWidth));
+  const top = Math.max(0, Math.min(y, height - fontSize - 4));
+  ctx.fillStyle = "rgba(0, 0, 0, 0.6)";
+  ctx.fillRect(left, top, tagWidth, fontSize + 4);
+  ctx.fillStyle = color;
+  ctx.fillText(text, left + 3, top + 2);
+}
+
+// Draws boxes, class names and confidences; detections are in source pixels, scaled by sx/sy.
+// Returns the shapes drawn, in canvas pixels.
+function drawDetections(ctx, detections, sx, sy) {
+  const { width, lineWidth, fontSize } = overlayStyle(ctx);
   const shapes = [];
   for (const det of detections) {
     const color = classColor(det.class_id);
@@ -228,6 +246,8 @@ function drawRegion(ctx, points, editing) {
 }
 
 const LINE_COLOR = "#00FFFF";
+// The tile buttons that open the shape editor.
+const EDIT_BUTTONS = ".tile-region, .tile-line, .tile-zone";
 
 // Objects that crossed a counting line, each way, summed over classes.
 function lineCounts(crossings, name) {
@@ -238,13 +258,8 @@ function lineCounts(crossings, name) {
 // Draws a stream's counting lines ({name, points: [[x, y], [x, y]]} in 0..1 of the frame),
 // each labelled with its name and how many objects crossed it each way.
 function drawLines(ctx, lines, crossings) {
-  const { width, height } = ctx.canvas;
-  const lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
-  const fontSize = Math.max(14, lineWidth * 6);
   ctx.save();
-  ctx.lineWidth = lineWidth;
-  ctx.font = `${fontSize}px sans-serif`;
-  ctx.textBaseline = "top";
+  const { width, height, lineWidth, fontSize } = overlayStyle(ctx);
   for (const line of lines ?? []) {
     const [[ax, ay], [bx, by]] = line.points.map(([x, y]) => [x * width, y * height]);
     ctx.strokeStyle = LINE_COLOR;
@@ -253,14 +268,44 @@ function drawLines(ctx, lines, crossings) {
     ctx.lineTo(bx, by);
     ctx.stroke();
     const counts = lineCounts(crossings, line.name);
-    const label = `${line.name}: ${counts.in} in · ${counts.out} out`;
-    const labelWidth = ctx.measureText(label).width + 6;
-    const left = Math.max(0, Math.min(ax, width - labelWidth));
-    const top = Math.max(0, Math.min(ay + lineWidth, height - fontSize - 4));
-    ctx.fillStyle = "rgba(0, 0, 0, 0.6)";
-    ctx.fillRect(left, top, labelWidth, fontSize + 4);
-    ctx.fillStyle = LINE_COLOR;
-    ctx.fillText(label, left + 3, top + 2);
+    drawTag(ctx, `${line.name}: ${counts.in} in · ${counts.out} out`, ax, ay + lineWidth, LINE_COLOR, fontSize);
+  }
+  ctx.restore();
+}
+
+const ZONE_COLOR = "#FFD400";
+
+// Objects in a zone now and entered so far, summed over classes.
+function zoneCounts(counts, name) {
+  const sum = (byClass) => Object.values(byClass ?? {}).reduce((a, b) => a + b, 0);
+  return { now: sum(counts?.[name]?.now), entered: sum(counts?.[name]?.entered) };
+}
+
+// Draws a stream's zones ({name, points} in 0..1 of the frame) as dashed yellow outlines, each
+// labelled with its name and how many objects stand in it; the one being drawn has vertices.
+function drawZones(ctx, zones, counts, editing = null) {
+  ctx.save();
+  const { width, height, lineWidth, fontSize } = overlayStyle(ctx);
+  ctx.strokeStyle = ZONE_COLOR;
+  ctx.setLineDash([4, 4]);
+  const all = editing ? [...zones, { name: "", points: editing, editing: true }] : zones;
+  for (const zone of all) {
+    const xy = zone.points.map(([x, y]) => [x * width, y * height]);
+    if (!xy.length) continue;
+    ctx.beginPath();
+    xy.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
+    if (xy.length >= REGION_MIN_POINTS) ctx.closePath();
+    ctx.stroke();
+    if (zone.editing) {
+      ctx.fillStyle = ZONE_COLOR;
+      for (const [x, y] of xy) {
+        ctx.beginPath();
+        ctx.arc(x, y, lineWidth * 2, 0, 2 * Math.PI);
+        ctx.fill();
+      }
+      continue;
+    }
+    drawTag(ctx, `${zone.name}: ${zoneCounts(counts, zone.name).now}`, ...xy[0], ZONE_COLOR, fontSize);
   }
   ctx.restore();
 }
@@ -311,6 +356,8 @@ class Tile {
     this.editMode = null; // "region" or "line" while editing
     this.lines = []; // the stream's counting lines and their counts, from GET /streams
     this.crossings = {};
+    this.zones = []; // the stream's zones and what stands in them, from GET /streams
+    this.zoneCounts = {};
     this.shownAt = [];
     this.backoffMs = RECONNECT_MIN_MS;
     this.retryTimer = null;
@@ -331,11 +378,11 @@ class Tile {
     const region = stream.detect?.roi ?? null;
     const lines = stream.detect?.lines ?? [];
     const crossings = stream.crossings ?? {};
-    const changed = JSON.stringify([region, lines, crossings]) !==
-      JSON.stringify([this.region, this.lines, this.crossings]);
-    this.region = region;
-    this.lines = lines;
-    this.crossings = crossings;
+    const zones = stream.detect?.zones ?? [];
+    const zoneCounts = stream.zones ?? {};
+    const changed = JSON.stringify([region, lines, crossings, zones, zoneCounts]) !==
+      JSON.stringify([this.region, this.lines, this.crossings, this.zones, this.zoneCounts]);
+    Object.assign(this, { region, lines, crossings, zones, zoneCounts });
     if (changed) this.paint();
   }
 
@@ -343,13 +390,14 @@ class Tile {
   setUpEditor() {
     $(".tile-region", this.element).addEventListener("click", () => this.startEditing("region"));
     $(".tile-line", this.element).addEventListener("click", () => this.startEditing("line"));
+    $(".tile-zone", this.element).addEventListener("click", () => this.startEditing("zone"));
     $(".edit-undo", this.element).addEventListener("click", () => {
       this.editing?.pop();
       this.editChanged();
     });
     $(".edit-save", this.element).addEventListener("click", () => this.saveEdit());
     $(".edit-clear", this.element).addEventListener("click", () => {
-      this.patch(this.editMode === "region" ? { roi: null } : { lines: [] });
+      this.patch({ region: { roi: null }, line: { lines: [] }, zone: { zones: [] } }[this.editMode]);
     });
     $(".edit-cancel", this.element).addEventListener("click", () => this.stopEditing());
     this.canvas.addEventListener("click", (event) => this.addPoint(event));
@@ -359,14 +407,18 @@ class Tile {
     this.editMode = mode;
     this.editing = mode === "region" && this.region ? this.region.map(([x, y]) => [x, y]) : [];
     this.element.dataset.editing = mode;
-    const region = mode === "region";
-    $(".edit-save", this.element).textContent = region ? "Save region" : "Add line";
-    $(".edit-clear", this.element).textContent = region ? "Whole frame" : "Remove all lines";
-    const name = $(".line-name", this.element);
-    name.hidden = region;
-    name.value = `line ${this.lines.length + 1}`;
+    const [save, clear] = {
+      region: ["Save region", "Whole frame"],
+      line: ["Add line", "Remove all lines"],
+      zone: ["Add zone", "Remove all zones"],
+    }[mode];
+    $(".edit-save", this.element).textContent = save;
+    $(".edit-clear", this.element).textContent = clear;
+    const name = $(".shape-name", this.element);
+    name.hidden = mode === "region";
+    name.value = mode === "line" ? `line ${this.lines.length + 1}` : `zone ${this.zones.length + 1}`;
     $(".tile-edit-bar", this.element).hidden = false;
-    for (const button of this.element.querySelectorAll(".tile-region, .tile-line")) button.disabled = true;
+    for (const button of this.element.querySelectorAll(EDIT_BUTTONS)) button.disabled = true;
     this.editChanged();
   }
 
@@ -375,7 +427,7 @@ class Tile {
     this.editMode = null;
     delete this.element.dataset.editing;
     $(".tile-edit-bar", this.element).hidden = true;
-    for (const button of this.element.querySelectorAll(".tile-region, .tile-line")) {
+    for (const button of this.element.querySelectorAll(EDIT_BUTTONS)) {
       button.disabled = !this.current;
     }
     this.paint();
@@ -383,11 +435,11 @@ class Tile {
 
   addPoint(event) {
     if (!this.editing) return;
-    const most = this.editMode === "region" ? REGION_MAX_POINTS : 2;
+    const most = this.editMode === "line" ? 2 : REGION_MAX_POINTS;
     if (this.editing.length >= most) {
-      this.editHint(this.editMode === "region"
-        ? `A region has at most ${REGION_MAX_POINTS} points.`
-        : "A line has two points: undo one to move it.");
+      this.editHint(this.editMode === "line"
+        ? "A line has two points: undo one to move it."
+        : `A ${this.editMode} has at most ${REGION_MAX_POINTS} points.`);
       return;
     }
     // The canvas is scaled by CSS: positions are taken relative to its box on the page.
@@ -404,6 +456,10 @@ class Tile {
       this.editHint(n === 0
         ? "Click on the picture to place the region's corners; objects standing outside it are not detected."
         : `${points}; objects whose box's bottom centre is outside are dropped.`);
+    } else if (this.editMode === "zone") {
+      this.editHint(n < REGION_MIN_POINTS
+        ? `${points}: click the zone's corners; objects standing in it are counted (and, tracked, each entry once).`
+        : `${points}; name the zone and add it.`);
     } else {
       this.editHint(n < 2
         ? `${points}: click the line's two ends; crossing it towards your right as you look from the first to the second counts as "in".`
@@ -426,7 +482,15 @@ class Tile {
       this.patch({ roi: this.editing });
       return;
     }
-    const name = $(".line-name", this.element).value.trim();
+    const name = $(".shape-name", this.element).value.trim();
+    if (this.editMode === "zone") {
+      if (this.editing.length < REGION_MIN_POINTS || !name) {
+        this.editHint(`A zone needs at least ${REGION_MIN_POINTS} points and a name.`);
+        return;
+      }
+      this.patch({ zones: [...this.zones, { name, points: this.editing }] });
+      return;
+    }
     if (this.editing.length !== 2 || !name) {
       this.editHint("A line needs two points and a name.");
       return;
@@ -522,7 +586,7 @@ class Tile {
       this.current?.bitmap.close();
       this.current = { meta: pair.meta, bitmap };
       if (!this.editing) {
-        for (const b of this.element.querySelectorAll(".tile-region, .tile-line")) b.disabled = false;
+        for (const b of this.element.querySelectorAll(EDIT_BUTTONS)) b.disabled = false;
       }
       this.paint();
       this.countFrame(pair.meta);
@@ -548,6 +612,7 @@ class Tile {
     ctx.drawImage(bitmap, 0, 0);
     const region = this.editMode === "region" ? this.editing : this.region;
     drawRegion(ctx, region, this.editMode === "region");
+    drawZones(ctx, this.zones, this.zoneCounts, this.editMode === "zone" ? this.editing : null);
     drawLines(ctx, this.lines, this.crossings);
     if (this.editMode === "line") drawLineEdit(ctx, this.editing);
     const shapes = drawDetections(
@@ -556,6 +621,7 @@ class Tile {
     debug.drawn[this.canvas.id] = {
       frame: meta.frame, capturedAt: meta.captured_at, shapes, detections: meta.detections ?? [],
       size: [meta.width, meta.height], region, editing: this.editMode, lines: this.lines,
+      zones: this.zones,
     };
   }
 
@@ -661,6 +727,11 @@ function streamObjects(stream) {
   for (const line of detect.lines ?? []) {
     const counts = lineCounts(stream.crossings, line.name);
     text += ` · ${line.name} ${counts.in} in / ${counts.out} out`;
+  }
+  for (const zone of detect.zones ?? []) {
+    const counts = zoneCounts(stream.zones, zone.name);
+    text += ` · ${zone.name} ${counts.now} now`;
+    if (detect.track) text += ` / ${counts.entered} entered`;
   }
   if (detect.track) {
     const counted = Object.entries(stream.tracked ?? {}).map(([name, n]) => `${n} ${name}`);

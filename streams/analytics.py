@@ -1,0 +1,114 @@
+"""What a stream makes of each frame's detections once they are back from the engine: the
+region of interest, tracking, counting lines and zones, and the counts they keep.
+
+One :class:`StreamAnalytics` per stream. Its reader calls :meth:`StreamAnalytics.process` for
+each frame, in frame order, from engine worker threads one at a time; the event loop reads
+the counts with :meth:`StreamAnalytics.snapshot` at any time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from engines.types import Detections
+from streams.detect import StreamDetect
+from streams.lines import Crossing, LineCounter
+from streams.track import Tracker
+from streams.zones import ZoneCounter
+
+
+@dataclass(frozen=True, slots=True)
+class Analysed:
+    """One frame after the stream's analytics.
+
+    Attributes:
+        detections: inside the region of interest, with track ids where the stream tracks.
+        crossings: tracked objects that crossed a counting line in this frame.
+        zones: per detection, the zones it stands in; ``None`` where the stream has no zones.
+    """
+
+    detections: Detections
+    crossings: tuple[Crossing, ...] = ()
+    zones: list[list[str]] | None = None
+
+
+class StreamAnalytics:
+    """A stream's tracker, line and zone counters, and everything they counted."""
+
+    def __init__(self) -> None:
+        self._tracker = Tracker()
+        self._lines = LineCounter()
+        self._zones = ZoneCounter()
+        self._lock = threading.Lock()  # the counts, read by the event loop
+        self._detections: Counter[str] = Counter()  # by class name, since added
+        self._objects: dict[str, int] = {}  # by class name, in the last frame
+        self._tracked: Counter[str] = Counter()  # objects (tracks) by class name
+        self._crossings: Counter[tuple[str, str, str]] = Counter()  # line, direction, class
+        self._zone_now: dict[str, dict[str, int]] = {}  # zone -> class -> in the last frame
+        self._zone_entered: Counter[tuple[str, str]] = Counter()  # zone, class
+
+    def process(
+        self, detections: Detections, detect: StreamDetect, t: float, frame: int
+    ) -> Analysed:
+        """One frame (number ``frame``, decoded at monotonic ``t``) through the settings it was
+        taken with; frames must come in order."""
+        if detect.roi is not None:
+            detections = detect.roi.filter(detections)
+        new_objects: list[int] = []
+        if detect.track:
+            tracked = self._tracker.update(detections, t)
+            detections, new_objects = tracked.detections, tracked.new_objects
+        else:
+            self._tracker.clear()
+        live = self._tracker.live_ids()
+        crossings: list[Crossing] = []
+        if detect.lines:
+            crossings = self._lines.update(detections, detect.lines, live, frame)
+        else:
+            self._lines.clear()
+        members = None
+        if detect.zones:
+            zoned = self._zones.update(detections, detect.zones, live)
+            members = zoned.members
+        else:
+            self._zones.clear()
+        name = detections.name_of
+        with self._lock:
+            objects = Counter(name(c) for c in detections.class_ids)
+            self._detections.update(objects)
+            self._objects = dict(objects)
+            self._tracked.update(name(c) for c in new_objects)
+            self._crossings.update((c.line, c.direction, name(c.class_id)) for c in crossings)
+            if detect.zones:
+                self._zone_now = {
+                    zone: {name(c): n for c, n in counts.items()}
+                    for zone, counts in zoned.occupancy.items()
+                }
+                self._zone_entered.update((zone, name(c)) for zone, c in zoned.entered)
+            else:
+                self._zone_now = {}
+        return Analysed(detections, tuple(crossings), members)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counts, as ``GET /streams/{id}`` shows them: ``detections`` and ``objects`` by
+        class; ``tracked`` objects by class; ``crossings`` as ``{line: {"in": {class: n},
+        "out": {...}}}``; ``zones`` as ``{zone: {"now": {class: n}, "entered": {...}}}``."""
+        with self._lock:
+            crossings: dict[str, dict[str, dict[str, int]]] = {}
+            for (line, direction, cls), n in sorted(self._crossings.items()):
+                crossings.setdefault(line, {"in": {}, "out": {}})[direction][cls] = n
+            zones: dict[str, dict[str, dict[str, int]]] = {
+                zone: {"now": dict(now), "entered": {}} for zone, now in self._zone_now.items()
+            }
+            for (zone, cls), n in sorted(self._zone_entered.items()):
+                zones.setdefault(zone, {"now": {}, "entered": {}})["entered"][cls] = n
+            return {
+                "detections": dict(self._detections),
+                "objects": dict(self._objects),
+                "tracked": dict(self._tracked),
+                "crossings": crossings,
+                "zones": zones,
+            }
