@@ -49,6 +49,7 @@ class StreamAnalytics:
         self._crossings: Counter[tuple[str, str, str]] = Counter()  # line, direction, class
         self._zone_now: dict[str, dict[str, int]] = {}  # zone -> class -> in the last frame
         self._zone_entered: Counter[tuple[str, str]] = Counter()  # zone, class
+        self._shapes: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
     def process(
         self, detections: Detections, detect: StreamDetect, t: float, frame: int
@@ -76,7 +77,21 @@ class StreamAnalytics:
         else:
             self._zones.clear()
         name = detections.name_of
+        shapes = (
+            frozenset(line.name for line in detect.lines),
+            frozenset(zone.name for zone in detect.zones),
+        )
         with self._lock:
+            if shapes != self._shapes:
+                # A line or zone removed (or renamed) takes its counts with it: they stay
+                # bounded, and so do the metric series built from them.
+                self._shapes = shapes
+                self._crossings = Counter(
+                    {k: n for k, n in self._crossings.items() if k[0] in shapes[0]}
+                )
+                self._zone_entered = Counter(
+                    {k: n for k, n in self._zone_entered.items() if k[0] in shapes[1]}
+                )
             objects = Counter(name(c) for c in detections.class_ids)
             self._detections.update(objects)
             self._objects = dict(objects)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -304,4 +305,10 @@ def test_cars_crossing_a_line_are_counted_by_the_api_and_metrics(tmp_path: Path)
                 ), line
         resp = c.patch(f"/streams/{sid}", json={"track": False, "lines": []})
         assert resp.status_code == 200, resp.text
-        assert resp.json()["detect"]["lines"] == [] and resp.json()["crossings"] == crossings
+        assert resp.json()["detect"]["lines"] == []
+        # From the next frame on, the removed line's counts are gone (and its metric series).
+        deadline = time.monotonic() + 30
+        while c.get(f"/streams/{sid}").json()["crossings"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.get(f"/streams/{sid}").json()["crossings"] == {}
+        assert "streamdet_stream_line_crossings_total{" not in c.get("/metrics").text

@@ -108,10 +108,12 @@ def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
     assert counts["crossings"] == {"gate": {"in": {"car": 1}, "out": {}}}
     assert counts["zones"] == {"bottom": {"now": {"car": 1}, "entered": {"car": 1}}}
     assert counts["tracked"] == {"car": 1} and counts["detections"] == {"car": 8}
-    # Zones taken away: nothing stands in any; what entered stays counted.
+    # Lines and zones taken away: their counts go with them (bounded counts and series).
     done = analytics.process(dets([[400, 700, 500, 800]]), StreamDetect(), 0.8, 8)
     assert done.zones is None and done.detections.track_ids is None
-    assert analytics.snapshot()["zones"] == {"bottom": {"now": {}, "entered": {"car": 1}}}
+    counts = analytics.snapshot()
+    assert counts["zones"] == {} and counts["crossings"] == {}
+    assert counts["tracked"] == {"car": 1}  # objects seen stay counted
 
 
 # ---- the real model on a real clip, and through the API --------------------------------------
