@@ -534,6 +534,15 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     assert zone["name"] == "lot" and len(zone["points"]) == 4
     expect(row).to_contain_text(re.compile(r"lot \d+ now / \d+ entered"))
     figure.screenshot(path=artifacts / "viewer-zone.png")
+
+    # One line removed from the line editor's list; the zone stays.
+    figure.locator("button.tile-line").click()
+    figure.locator("button.shape-remove", has_text="gate").click()
+    expect(figure.locator(".tile-edit-bar")).to_be_hidden()
+    pg.wait_for_function("(id) => window.streamdet.drawn[id].lines.length === 0", arg=canvas_id)
+    with httpx.Client(base_url=pg.url, timeout=30) as check:
+        detect = check.get(f"/streams/{stream_id}").json()["detect"]
+    assert detect["lines"] == [] and [z["name"] for z in detect["zones"]] == ["lot"]
     expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []
 

@@ -417,9 +417,29 @@ class Tile {
     const name = $(".shape-name", this.element);
     name.hidden = mode === "region";
     name.value = mode === "line" ? `line ${this.lines.length + 1}` : `zone ${this.zones.length + 1}`;
+    this.listShapes(mode);
     $(".tile-edit-bar", this.element).hidden = false;
     for (const button of this.element.querySelectorAll(EDIT_BUTTONS)) button.disabled = true;
     this.editChanged();
+  }
+
+  // In the line and zone editors, one button per existing shape removes just that one.
+  listShapes(mode) {
+    const list = $(".shape-list", this.element);
+    list.replaceChildren();
+    const key = { line: "lines", zone: "zones" }[mode];
+    if (!key) return;
+    for (const shape of this[key]) {
+      const button = document.createElement("button");
+      button.type = "button";
+      button.className = "shape-remove";
+      button.textContent = `× ${shape.name}`;
+      button.title = `remove ${mode} ${shape.name}`;
+      button.addEventListener("click", () => {
+        this.patch({ [key]: this[key].filter((other) => other.name !== shape.name) });
+      });
+      list.append(button);
+    }
   }
 
   stopEditing() {
