@@ -21,6 +21,9 @@ from streams.lines import Crossing
 
 WS_NORMAL = 1000
 WS_GOING_AWAY = 1001
+MAX_CARRIED = 1024
+"""Crossing events kept for a viewer that is not reading; the oldest go beyond this (a
+viewer that far behind is stalled, and the counts in ``GET /streams/{id}`` stay whole)."""
 
 
 def host_array(image: Image | Any) -> Image:
@@ -142,6 +145,7 @@ class Subscriber:
         # Crossing events of frames this viewer will not get, handed on with the next one:
         # a viewer may miss pictures, never a count.
         self._carried: list[Crossing] = []
+        self.dropped_events = 0
 
     def offer(self, frame: ProcessedFrame) -> None:
         """Queue ``frame``, dropping the oldest waiting one if the queue is full."""
@@ -169,6 +173,9 @@ class Subscriber:
     def carry(self, skipped: ProcessedFrame) -> None:
         """``skipped`` will not be sent: its crossing events go with the next frame."""
         self._carried += skipped.crossings
+        if len(self._carried) > MAX_CARRIED:
+            self.dropped_events += len(self._carried) - MAX_CARRIED
+            del self._carried[:-MAX_CARRIED]
 
     async def get(self) -> ProcessedFrame | Closed:
         """The next frame (with the crossing events of frames skipped before it), or

@@ -102,13 +102,14 @@ class ZoneCounter:
         """One frame's occupancy and members; entries where ``detections`` carry track ids
         (``live``: the tracker's live ids, whose membership is kept while unseen)."""
         xs, ys = anchors(detections)
-        members: list[list[str]] = [[] for _ in range(len(xs))]
+        members: list[list[str]] = [[] for _ in range(len(detections))]
         occupancy: dict[str, Counter[int]] = {}
         entered: list[tuple[str, int]] = []
         ids = detections.track_ids
         seen = set() if ids is None else set(ids.tolist())
         alive = set(live)
         for zone in zones:
+            # An unsized frame has no anchors: nothing is in any zone.
             inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else []
             counts: Counter[int] = Counter()
             was = self._inside.get(zone.name, set())

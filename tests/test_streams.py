@@ -23,7 +23,7 @@ from engines.nvdec import nvdec_unavailable
 from engines.pool import EnginePool
 from engines.types import Detections, DetectParams, ModelInfo
 from streams.detect import Roi, StreamDetect
-from streams.fanout import Closed, ProcessedFrame, Subscriber
+from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.lines import Crossing
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
@@ -185,6 +185,15 @@ async def test_crossings_of_frames_a_viewer_loses_come_with_the_next_frame() -> 
         "frame": 1,
     }
     assert "crossings" not in _frame(1).to_message()  # absent where nothing crossed
+    # A stalled viewer keeps a bounded number of them.
+    stalled = Subscriber("s1", maxsize=1)
+    many = tuple(Crossing("gate", "in", i, 0, 1) for i in range(MAX_CARRIED))
+    for n in range(3):
+        stalled.offer(dataclasses.replace(_frame(n), crossings=many))
+    last = await stalled.get()
+    assert isinstance(last, ProcessedFrame)
+    assert len(last.crossings) == MAX_CARRIED + len(many)  # the kept ones and its own
+    assert stalled.dropped_events == MAX_CARRIED
 
 
 async def test_closing_a_subscriber_delivers_the_close_code_next() -> None:

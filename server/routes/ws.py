@@ -60,7 +60,12 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
         for task in (sender, receiver):
             with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, RuntimeError):
                 await task
-        log.info("stream %s: viewer gone, %d message(s) dropped for it", stream_id, sub.dropped)
+        log.info(
+            "stream %s: viewer gone, %d message(s) and %d crossing event(s) dropped for it",
+            stream_id,
+            sub.dropped,
+            sub.dropped_events,
+        )
 
 
 async def _send(websocket: WebSocket, sub: Subscriber, jpeg: JpegFrames | None = None) -> None:
