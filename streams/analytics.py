@@ -28,11 +28,14 @@ class Analysed:
         detections: inside the region of interest, with track ids where the stream tracks.
         crossings: tracked objects that crossed a counting line in this frame.
         zones: per detection, the zones it stands in; ``None`` where the stream has no zones.
+        dwell: per detection, seconds its object has been in each of its zones (tracked
+            streams with zones; ``None`` otherwise).
     """
 
     detections: Detections
     crossings: tuple[Crossing, ...] = ()
     zones: list[list[str]] | None = None
+    dwell: list[dict[str, float]] | None = None
 
 
 class StreamAnalytics:
@@ -70,10 +73,10 @@ class StreamAnalytics:
             crossings = self._lines.update(detections, detect.lines, live, frame)
         else:
             self._lines.clear()
-        members = None
+        members = dwell = None
         if detect.zones:
-            zoned = self._zones.update(detections, detect.zones, live)
-            members = zoned.members
+            zoned = self._zones.update(detections, detect.zones, live, t)
+            members, dwell = zoned.members, zoned.dwell
         else:
             self._zones.clear()
         name = detections.name_of
@@ -105,7 +108,7 @@ class StreamAnalytics:
                 self._zone_entered.update((zone, name(c)) for zone, c in zoned.entered)
             else:
                 self._zone_now = {}
-        return Analysed(detections, tuple(crossings), members)
+        return Analysed(detections, tuple(crossings), members, dwell)
 
     def snapshot(self) -> dict[str, Any]:
         """The counts, as ``GET /streams/{id}`` shows them: ``detections`` and ``objects`` by

@@ -54,6 +54,8 @@ class ProcessedFrame:
         crossings: tracked objects that crossed a counting line in this frame (and, on the way
             to one viewer, in earlier frames that viewer did not get).
         zones: per detection, the names of the zones it stands in (streams with zones).
+        dwell: per detection, seconds its object has been in each of its zones (tracked
+            streams with zones).
         latency_ms: decode to publication, set when published.
     """
 
@@ -67,17 +69,21 @@ class ProcessedFrame:
     batch_size: int
     crossings: tuple[Crossing, ...] = ()
     zones: list[list[str]] | None = None
+    dwell: list[dict[str, float]] | None = None
     latency_ms: float = 0.0
     _json: str | None = field(default=None, repr=False)
 
     def to_message(self) -> dict[str, Any]:
         """The WebSocket message (DESIGN §4); a frame in which objects crossed a counting line
         also carries them as ``crossings``, and on a stream with zones each detection lists
-        the ``zones`` it stands in."""
+        the ``zones`` it stands in (and, tracked, its ``dwell_s`` in each)."""
         detections = self.detections.to_json()
         if self.zones is not None:
             for item, zones in zip(detections, self.zones, strict=True):
                 item["zones"] = zones
+        if self.dwell is not None:
+            for item, dwell in zip(detections, self.dwell, strict=True):
+                item["dwell_s"] = dwell
         message = {
             "stream_id": self.stream_id,
             "frame": self.frame,

@@ -418,5 +418,6 @@ class StreamReader:
                     batch_size=result.batch_size,
                     crossings=done.crossings,
                     zones=done.zones,
+                    dwell=done.dwell,
                 )
             )

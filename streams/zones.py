@@ -5,7 +5,8 @@ Each frame, every detection whose anchor (the bottom centre of its box) is insid
 counted in that zone's occupancy, by class, and lists the zone in its ``zones``. Where the
 stream tracks, an object entering a zone is counted once in the zone's ``entered`` counts: a
 tracked object that stays inside, or drops out of detection for a frame or two, is not
-counted again.
+counted again, and each tracked detection says how long it has been in each of its zones
+(Frigate's loitering time).
 """
 
 from __future__ import annotations
@@ -79,11 +80,14 @@ class ZoneFrame:
         members: per detection, the names of the zones it stands in.
         occupancy: per zone, detections inside by class id.
         entered: ``(zone, class id)`` of each tracked object that entered a zone this frame.
+        dwell: per detection, seconds since its object entered each of its zones (tracked
+            detections; ``None`` where the frame is not tracked).
     """
 
     members: list[list[str]]
     occupancy: dict[str, Counter[int]]
     entered: list[tuple[str, int]] = field(default_factory=list)
+    dwell: list[dict[str, float]] | None = None
 
 
 class ZoneCounter:
@@ -91,30 +95,38 @@ class ZoneCounter:
     order, after the tracker."""
 
     def __init__(self) -> None:
-        self._inside: dict[str, set[int]] = {}
+        self._inside: dict[str, dict[int, float]] = {}  # zone -> track id -> entered at
 
     def clear(self) -> None:
         self._inside.clear()
 
     def update(
-        self, detections: Detections, zones: Sequence[Zone], live: Iterable[int] = ()
+        self,
+        detections: Detections,
+        zones: Sequence[Zone],
+        live: Iterable[int] = (),
+        t: float = 0.0,
     ) -> ZoneFrame:
-        """One frame's occupancy and members; entries where ``detections`` carry track ids
-        (``live``: the tracker's live ids, whose membership is kept while unseen)."""
+        """One frame's (decoded at monotonic ``t``) occupancy and members; entries and dwell
+        times where ``detections`` carry track ids (``live``: the tracker's live ids, whose
+        membership is kept while unseen)."""
         xs, ys = anchors(detections)
         members: list[list[str]] = [[] for _ in range(len(detections))]
         occupancy: dict[str, Counter[int]] = {}
         entered: list[tuple[str, int]] = []
         ids = detections.track_ids
+        dwell: list[dict[str, float]] | None = (
+            None if ids is None else [{} for _ in range(len(detections))]
+        )
         seen = set() if ids is None else set(ids.tolist())
         alive = set(live)
         for zone in zones:
             # An unsized frame has no anchors: nothing is in any zone.
             inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else []
             counts: Counter[int] = Counter()
-            was = self._inside.get(zone.name, set())
+            was = self._inside.get(zone.name, {})
             # Tracked but not detected in this frame: stays where it was.
-            now = {i for i in was if i in alive and i not in seen}
+            now = {i: at for i, at in was.items() if i in alive and i not in seen}
             counted: set[int] = set()
             for i, hit in enumerate(inside):
                 if not hit:
@@ -125,15 +137,16 @@ class ZoneCounter:
                     counts[class_id] += 1
                     continue
                 track_id = int(ids[i])
-                if track_id in counted:
-                    continue  # a second class on the same object
-                counted.add(track_id)
-                counts[class_id] += 1
-                if track_id not in was and track_id not in now:
-                    entered.append((zone.name, class_id))
-                now.add(track_id)
+                if track_id not in counted:  # not a second class on the same object
+                    counted.add(track_id)
+                    counts[class_id] += 1
+                    if track_id not in was:
+                        entered.append((zone.name, class_id))
+                    now[track_id] = was.get(track_id, t)
+                if dwell is not None:
+                    dwell[i][zone.name] = round(t - now[track_id], 3)
             occupancy[zone.name] = counts
             self._inside[zone.name] = now
         for name in set(self._inside) - {zone.name for zone in zones}:
             del self._inside[name]  # a zone that was removed
-        return ZoneFrame(members, occupancy, entered)
+        return ZoneFrame(members, occupancy, entered, dwell)

@@ -45,7 +45,7 @@ def test_zones_count_what_stands_in_them_by_its_anchor() -> None:
     got = ZoneCounter().update(frame, [LEFT, BOTTOM])
     assert got.members == [["left"], ["bottom"], ["left", "bottom"]]
     assert got.occupancy == {"left": {0: 1, 2: 1}, "bottom": {2: 2}}
-    assert got.entered == []  # untracked: occupancy only
+    assert got.entered == [] and got.dwell is None  # untracked: occupancy only
 
 
 def test_a_tracked_object_entering_a_zone_is_counted_once() -> None:
@@ -64,9 +64,16 @@ def test_a_tracked_object_entering_a_zone_is_counted_once() -> None:
         frame = tracker.update(dets(boxes, classes), 0.1 * k).detections
         assert frame.track_ids is not None
         ids.update(frame.track_ids.tolist())
-        got = zones.update(frame, [LEFT], tracker.live_ids())
+        got = zones.update(frame, [LEFT], tracker.live_ids(), 0.1 * k)
         if k == 2:
             assert got.occupancy["left"] == {2: 1}  # one object, not two
+            assert got.dwell == [{"left": 0.2}, {"left": 0.2}]  # in since frame 0, both boxes
+        if k == 5:  # after the frame it was missed in: still in since frame 0
+            assert got.dwell == [{"left": 0.5}]
+        if x is not None and x >= 550:
+            assert got.dwell == [{}]  # outside: in no zone
+        if k == len(path) - 1:  # back in since the frame before: x = 500 is on the edge
+            assert got.dwell is not None and got.dwell[0]["left"] <= 0.1 + 1e-9
         entered += got.entered
     assert ids == {1}  # one object all along
     # Entered at the start; the missed frame, the twin and the class flip are no entries;
@@ -138,16 +145,19 @@ def test_the_bottle_standing_in_a_zone_is_counted_there_and_enters_once(ort: Eng
         DetectParams(classes=frozenset({39})), track=True, zones=parse_zones([SHELF])
     )
     inside: list[int] = []
+    dwell: list[float] = []
     for i in range(0, len(frames), 4):
         batch = frames[i : i + 4]
         for k, found in enumerate(
             ort.infer(batch, [DetectParams(classes=frozenset({39}))] * len(batch))
         ):
             done = analytics.process(found, settings, (i + k) * 0.1, i + k)
-            assert done.zones is not None
+            assert done.zones is not None and done.dwell is not None
             inside.append(sum("shelf" in z for z in done.zones))
+            dwell += [d["shelf"] for d in done.dwell if "shelf" in d]
     assert max(inside) == 1 and sum(inside) >= len(inside) - 2, inside  # one bottle, steadily
     assert analytics.snapshot()["zones"]["shelf"]["entered"] == {"bottle": 1}
+    assert dwell == sorted(dwell) and dwell[0] == 0.0 and dwell[-1] >= 2.0  # one long stay
 
 
 def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
@@ -170,6 +180,7 @@ def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
             messages: list[dict[str, Any]] = [ws.receive_json() for _ in range(4)]
         detections = [d for m in messages for d in m["detections"]]
         assert detections and all("zones" in d for d in detections)
+        assert not any("dwell_s" in d for d in detections)  # dwell needs tracking
         shelf = [d for d in detections if d["zones"] == ["shelf"]]
         assert shelf and all((d["box"][0] + d["box"][2]) / 2 >= 0.6 * 640 for d in shelf)
         zones = c.get(f"/streams/{sid}").json()["zones"]
