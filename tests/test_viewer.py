@@ -522,9 +522,9 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     assert cyan > 0.2, cyan  # a 2-3 px line across most of the picture, under some boxes
     figure.screenshot(path=artifacts / "viewer-line.png")
 
-    # A zone, the lower right quarter: drawn on the picture, named, counted in the list.
+    # A zone over nearly all the picture: drawn on it, named, counted in the list.
     figure.locator("button.tile-zone").click()
-    for x, y in [(0.5, 0.5), (0.98, 0.5), (0.98, 0.98), (0.5, 0.98)]:
+    for x, y in [(0.02, 0.02), (0.98, 0.02), (0.98, 0.98), (0.02, 0.98)]:
         click(x, y)
     figure.locator("input.shape-name").fill("lot")
     figure.locator("button.edit-save").click()
@@ -533,6 +533,14 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     zone = pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].zones[0]")
     assert zone["name"] == "lot" and len(zone["points"]) == 4
     expect(row).to_contain_text(re.compile(r"lot \d+ now / \d+ entered"))
+    # Cars in the zone are labelled with how long they have been there.
+    pg.wait_for_function(
+        "(id) => { const d = window.streamdet.drawn[id]; return d.shapes.length > 0"
+        " && d.detections.every((det) => det.zones?.includes('lot')); }",
+        arg=canvas_id,
+    )
+    labels = pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].shapes.map(s => s.label)")
+    assert all(re.fullmatch(r"[a-z ]+ #\d+ [01]\.\d\d \d+s", label) for label in labels), labels
     figure.screenshot(path=artifacts / "viewer-zone.png")
 
     # One line removed from the line editor's list; the zone stays.

@@ -196,7 +196,10 @@ function drawDetections(ctx, detections, sx, sy) {
     ctx.strokeRect(x1, y1, x2 - x1, y2 - y1);
     // A tracked stream's detections carry the id that follows their object across frames.
     const track = det.track_id != null ? ` #${det.track_id}` : "";
-    const label = `${det.class_name}${track} ${det.confidence.toFixed(2)}`;
+    // In a zone, a tracked object also shows how long it has been there (its longest stay).
+    const stays = Object.values(det.dwell_s ?? {});
+    const dwell = stays.length ? ` ${Math.floor(Math.max(...stays))}s` : "";
+    const label = `${det.class_name}${track} ${det.confidence.toFixed(2)}${dwell}`;
     const labelHeight = fontSize + 4;
     const labelWidth = ctx.measureText(label).width + 6;
     const labelTop = y1 - labelHeight >= 0 ? y1 - labelHeight : y1;
