@@ -67,7 +67,7 @@ class StreamAnalytics:
             detections, new_objects = tracked.detections, tracked.new_objects
         else:
             self._tracker.clear()
-        live = self._tracker.live_ids()
+        live = self._tracker.live_ids() if detect.lines or detect.zones else []
         crossings: list[Crossing] = []
         if detect.lines:
             crossings = self._lines.update(detections, detect.lines, live, frame)

@@ -14,7 +14,14 @@ from engines.types import Detections
 
 MIN_POINTS = 3
 MAX_POINTS = 64
+MAX_NAME = 64
 Point = tuple[float, float]
+
+
+def check_name(name: str, what: str) -> None:
+    """Raises ValueError, naming ``what``, for an empty or over-long shape name."""
+    if not 1 <= len(name) <= MAX_NAME:
+        raise ValueError(f"{what}: a name of 1 to {MAX_NAME} characters is needed")
 
 
 def check_point(point: Point, what: str) -> None:

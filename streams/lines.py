@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engines.types import Detections
-from streams.geometry import Point, anchors, check_point, parse_named
+from streams.geometry import Point, anchors, check_name, check_point, parse_named, parse_points
 
 MAX_LINES = 16
-MAX_NAME = 64
 Direction = Literal["in", "out"]
 
 
@@ -41,8 +40,7 @@ class Line:
     b: Point
 
     def __post_init__(self) -> None:
-        if not 1 <= len(self.name) <= MAX_NAME:
-            raise ValueError(f"lines: a line needs a name of 1 to {MAX_NAME} characters")
+        check_name(self.name, "lines")
         for point in (self.a, self.b):
             check_point(point, f"lines: {self.name!r}")
         if self.a == self.b:
@@ -55,15 +53,11 @@ class Line:
         Raises:
             ValueError: another shape, or see :class:`Line`.
         """
-        points = raw.get("points")
-        try:
-            (ax, ay), (bx, by) = points  # type: ignore[misc]
-            a, b = (float(ax), float(ay)), (float(bx), float(by))
-        except (TypeError, ValueError):
-            raise ValueError(
-                'lines: each line is {"name": ..., "points": [[x, y], [x, y]]}'
-            ) from None
-        return cls(str(raw.get("name", "")), a, b)
+        name = str(raw.get("name", ""))
+        points = parse_points(raw.get("points") or (), f"lines: {name!r}")
+        if len(points) != 2:
+            raise ValueError(f"lines: {name!r}: a line has 2 points, not {len(points)}")
+        return cls(name, *points)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "points": [list(self.a), list(self.b)]}

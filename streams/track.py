@@ -105,7 +105,8 @@ class Tracker:
 
     def clear(self) -> None:
         """End every track (ids are not reused: a later track gets a new one)."""
-        self._keep(np.zeros(len(self), bool))
+        if len(self):  # called for every frame of an untracked stream: nothing to do there
+            self._keep(np.zeros(len(self), bool))
 
     def update(self, detections: Detections, t: float) -> Tracked:
         """Pair ``detections`` (a frame decoded at ``t`` seconds, monotonic) with the tracks.

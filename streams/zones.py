@@ -20,6 +20,7 @@ from engines.types import Detections
 from streams.geometry import (
     Point,
     anchors,
+    check_name,
     check_polygon,
     parse_named,
     parse_points,
@@ -27,7 +28,6 @@ from streams.geometry import (
 )
 
 MAX_ZONES = 16
-MAX_NAME = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +42,7 @@ class Zone:
     points: tuple[Point, ...]
 
     def __post_init__(self) -> None:
-        if not 1 <= len(self.name) <= MAX_NAME:
-            raise ValueError(f"zones: a zone needs a name of 1 to {MAX_NAME} characters")
+        check_name(self.name, "zones")
         check_polygon(self.points, f"zones: {self.name!r}")
 
     @classmethod

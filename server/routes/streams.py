@@ -24,7 +24,8 @@ from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
 from streams.detect import Roi, StreamDetect
-from streams.lines import MAX_LINES, MAX_NAME, parse_lines
+from streams.geometry import MAX_NAME
+from streams.lines import MAX_LINES, parse_lines
 from streams.manager import (
     ManagerClosed,
     ManagerOptions,
@@ -35,7 +36,6 @@ from streams.manager import (
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
 from streams.store import StreamStore
-from streams.zones import MAX_NAME as ZONE_NAME
 from streams.zones import MAX_ZONES, parse_zones
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class ZoneIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Annotated[str, Field(min_length=1, max_length=ZONE_NAME)]
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
     points: Annotated[list[tuple[float, float]], Field(min_length=3, max_length=64)]
 
 
