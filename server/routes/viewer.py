@@ -165,8 +165,8 @@ async def latest_jpeg(
     boxes: Annotated[
         bool,
         Query(
-            description="draw the detections, the stream's region of interest and its counting"
-            " lines with their counts"
+            description="draw the detections, the stream's region of interest, and its zones"
+            " and counting lines with their counts"
         ),
     ] = True,
     max_width: Annotated[int, Query(ge=32, le=3840, description="scale down wider frames")] = 1920,
