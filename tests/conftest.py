@@ -75,3 +75,13 @@ def engine(request: pytest.FixtureRequest, model_info: ModelInfo) -> Iterator[En
         pytest.skip(f"backend {backend} cannot load here: {exc}")
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session")
+def ort_engine(model_info: ModelInfo) -> Engine:
+    """The ONNX Runtime engine, loaded once, for tests that need real detections of frames."""
+    from tests.helpers import ort_factory
+
+    engine = ort_factory(model_info)()
+    engine.load()
+    return engine

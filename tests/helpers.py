@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from engines.pool import EnginePool
 from engines.registry import EngineConfig
-from engines.types import Detections, Engine, ModelInfo
+from engines.types import Detections, DetectParams, Engine, Image, ModelInfo
 from engines.yolo import box_iou
 
 if TYPE_CHECKING:
@@ -139,3 +139,33 @@ def file_stream_app(tmp_path: Path) -> FastAPI:
             admission_deadline_ms=0,
         )
     )
+
+
+SYNTHETIC_NAMES = {0: "person", 2: "car", 7: "truck"}
+
+
+def synthetic_detections(
+    boxes: Sequence[Sequence[float]], classes: Sequence[int] | None = None
+) -> Detections:
+    """Detections of a 1000x1000 frame at ``boxes`` (xyxy), cars unless ``classes`` says
+    otherwise, confidences descending."""
+    n = len(boxes)
+    return Detections(
+        boxes=np.asarray(boxes, np.float32).reshape(n, 4),
+        scores=np.linspace(0.9, 0.5, n).astype(np.float32),
+        class_ids=np.asarray(classes if classes is not None else [2] * n, np.int32),
+        names=SYNTHETIC_NAMES,
+        width=1000,
+        height=1000,
+    )
+
+
+def infer_frames(
+    engine: Engine, frames: Sequence[Image], params: DetectParams, batch: int = 4
+) -> list[Detections]:
+    """``frames`` through ``engine`` in batches, their detections in order."""
+    out: list[Detections] = []
+    for i in range(0, len(frames), batch):
+        chunk = frames[i : i + batch]
+        out += engine.infer(chunk, [params] * len(chunk))
+    return out

@@ -6,34 +6,20 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from engines.types import Detections, DetectParams, Engine, ModelInfo
+from engines.types import Detections, DetectParams, Engine
 from engines.yolo import box_iou
 from streams.detect import Roi, StreamDetect
 from streams.files import iter_video_frames
 from streams.lines import Crossing, Line, LineCounter, parse_lines
 from streams.track import MAX_AGE_S, MIN_HITS, Tracker
-from tests.helpers import VIDEOS, ort_factory
-
-NAMES = {0: "person", 2: "car", 7: "truck"}
-
-
-def dets(boxes: Sequence[Sequence[float]], classes: Sequence[int] | None = None) -> Detections:
-    n = len(boxes)
-    return Detections(
-        boxes=np.asarray(boxes, np.float32).reshape(n, 4),
-        scores=np.linspace(0.9, 0.5, n).astype(np.float32),
-        class_ids=np.asarray(classes if classes is not None else [2] * n, np.int32),
-        names=NAMES,
-        width=1000,
-        height=1000,
-    )
+from tests.helpers import VIDEOS, infer_frames
+from tests.helpers import synthetic_detections as dets
 
 
 def ids(tracker: Tracker, d: Detections, t: float) -> list[int]:
@@ -139,25 +125,15 @@ def av_rate(video: Path) -> float:
 # ---- the real model on a real clip ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ort(model_info: ModelInfo) -> Engine:
-    engine = ort_factory(model_info)()
-    engine.load()
-    return engine
-
-
 @pytest.mark.parametrize(("clip", "step"), [("bottle", 3), ("car", 3), ("car", 6)])
 def test_real_detections_keep_their_ids_from_frame_to_frame(
-    ort: Engine, clip: str, step: int
+    ort_engine: Engine, clip: str, step: int
 ) -> None:
     """Every object that barely moved between two processed frames (its boxes overlap with
     IoU >= 0.5, each the other's best) keeps its id, on clips sampled at 2 to 10 fps."""
     video = next(v for v in VIDEOS if v.name.startswith(clip))
     frames = list(iter_video_frames(video, step=step, limit=48))
-    results: list[Detections] = []
-    for i in range(0, len(frames), 4):
-        batch = frames[i : i + 4]
-        results += ort.infer(batch, [DetectParams()] * len(batch))
+    results = infer_frames(ort_engine, frames, DetectParams())
     tracker = Tracker()
     fps = float(av_rate(video))
     tracked = [tracker.update(d, k * step / fps).detections for k, d in enumerate(results)]
@@ -254,7 +230,7 @@ def test_each_object_counts_once_per_crossing() -> None:
     assert frame.track_ids is not None and frame.track_ids.tolist() == [2]
 
 
-def test_real_cars_crossing_a_line_are_counted(ort: Engine) -> None:
+def test_real_cars_crossing_a_line_are_counted(ort_engine: Engine) -> None:
     """The car clip at a third of its 12.5 fps: cars drive up and down through the middle of
     the picture."""
     video = next(v for v in VIDEOS if v.name.startswith("car"))
@@ -262,11 +238,9 @@ def test_real_cars_crossing_a_line_are_counted(ort: Engine) -> None:
     tracker, counter = Tracker(), LineCounter()
     crossings: list[Crossing] = []
     frames = list(iter_video_frames(video, step=3, limit=120))
-    for i in range(0, len(frames), 4):
-        batch = frames[i : i + 4]
-        for k, found in enumerate(ort.infer(batch, [DetectParams()] * len(batch))):
-            tracked = tracker.update(found, (i + k) * 3 / fps).detections
-            crossings += counter.update(tracked, [ACROSS], tracker.live_ids(), i + k)
+    for k, found in enumerate(infer_frames(ort_engine, frames, DetectParams())):
+        tracked = tracker.update(found, k * 3 / fps).detections
+        crossings += counter.update(tracked, [ACROSS], tracker.live_ids(), k)
     assert {c.direction for c in crossings} == {"in", "out"}, crossings
     assert len({c.track_id for c in crossings}) == len(crossings)  # each car once
 

@@ -5,38 +5,24 @@ of a real clip, and through the API."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.types import Detections, DetectParams, Engine, ModelInfo
+from engines.types import DetectParams, Engine
 from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.lines import Line
 from streams.track import Tracker
 from streams.zones import Zone, ZoneCounter, parse_zones
-from tests.helpers import VIDEOS, file_stream_app, ort_factory
+from tests.helpers import VIDEOS, file_stream_app, infer_frames
+from tests.helpers import synthetic_detections as dets
 
-NAMES = {0: "person", 2: "car", 7: "truck"}
 LEFT = Zone("left", ((0.0, 0.0), (0.5, 0.0), (0.5, 1.0), (0.0, 1.0)))
 BOTTOM = Zone("bottom", ((0.0, 0.6), (1.0, 0.6), (1.0, 1.0), (0.0, 1.0)))
-
-
-def dets(boxes: Sequence[Sequence[float]], classes: Sequence[int] | None = None) -> Detections:
-    n = len(boxes)
-    return Detections(
-        boxes=np.asarray(boxes, np.float32).reshape(n, 4),
-        scores=np.full(n, 0.8, np.float32),
-        class_ids=np.asarray(classes if classes is not None else [2] * n, np.int32),
-        names=NAMES,
-        width=1000,
-        height=1000,
-    )
 
 
 def test_zones_count_what_stands_in_them_by_its_anchor() -> None:
@@ -126,19 +112,14 @@ def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
 # ---- the real model on a real clip, and through the API --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ort(model_info: ModelInfo) -> Engine:
-    engine = ort_factory(model_info)()
-    engine.load()
-    return engine
-
-
 BOTTLE_CLIP = next((v for v in VIDEOS if v.name.startswith("bottle")), Path("missing"))
 # The right 40% of the bottle clip, where one of its three bottles stands.
 SHELF = {"name": "shelf", "points": [[0.6, 0.0], [1.0, 0.0], [1.0, 1.0], [0.6, 1.0]]}
 
 
-def test_the_bottle_standing_in_a_zone_is_counted_there_and_enters_once(ort: Engine) -> None:
+def test_the_bottle_standing_in_a_zone_is_counted_there_and_enters_once(
+    ort_engine: Engine,
+) -> None:
     frames = list(iter_video_frames(BOTTLE_CLIP, step=3, limit=24))
     analytics = StreamAnalytics()
     settings = StreamDetect(
@@ -146,15 +127,11 @@ def test_the_bottle_standing_in_a_zone_is_counted_there_and_enters_once(ort: Eng
     )
     inside: list[int] = []
     dwell: list[float] = []
-    for i in range(0, len(frames), 4):
-        batch = frames[i : i + 4]
-        for k, found in enumerate(
-            ort.infer(batch, [DetectParams(classes=frozenset({39}))] * len(batch))
-        ):
-            done = analytics.process(found, settings, (i + k) * 0.1, i + k)
-            assert done.zones is not None and done.dwell is not None
-            inside.append(sum("shelf" in z for z in done.zones))
-            dwell += [d["shelf"] for d in done.dwell if "shelf" in d]
+    for k, found in enumerate(infer_frames(ort_engine, frames, settings.params)):
+        done = analytics.process(found, settings, k * 0.1, k)
+        assert done.zones is not None and done.dwell is not None
+        inside.append(sum("shelf" in z for z in done.zones))
+        dwell += [d["shelf"] for d in done.dwell if "shelf" in d]
     assert max(inside) == 1 and sum(inside) >= len(inside) - 2, inside  # one bottle, steadily
     assert analytics.snapshot()["zones"]["shelf"]["entered"] == {"bottle": 1}
     assert dwell == sorted(dwell) and dwell[0] == 0.0 and dwell[-1] >= 2.0  # one long stay
