@@ -17,10 +17,11 @@ from server import metrics as metrics_module
 from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware, ApiKeys
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
-from server.routes import detect, health, streams, viewer, ws
+from server.routes import detect, events, health, streams, viewer, ws
 from server.runtime import build_pool
 from server.settings import Settings
 from server.state import AppState
+from server.webhooks import Webhooks, WebhookSender
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,19 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         manager = streams.build_manager(settings, engine_pool)
         await manager.start()
         state.streams = manager
+        webhooks = Webhooks(
+            [
+                WebhookSender(
+                    url,
+                    manager.events,
+                    settings.webhook_secret,
+                    settings.webhook_timeout_s,
+                    metrics,
+                )
+                for url in settings.webhooks
+            ]
+        )
+        webhooks.start()
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
         lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
         try:
@@ -53,6 +67,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             state.shutting_down = True
             lag_watch.cancel()
             await manager.stop(settings.shutdown_timeout_s)
+            await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out
             await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
             executor.shutdown(wait=False, cancel_futures=True)
             log.info("shutdown complete")
@@ -62,6 +77,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.include_router(detect.router)
     app.include_router(streams.router)
     app.include_router(ws.router)
+    app.include_router(events.router)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

@@ -65,6 +65,9 @@ class Access(Enum):
     FULL = "full"
 
 
+EVENTS_PATH = "/events"
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
 
@@ -139,12 +142,14 @@ def authorize(
         method: HTTP method, or ``"WEBSOCKET"`` for a WebSocket handshake.
         path: the request path.
         headers: request headers.
-        query: query parameters; only consulted for WebSockets (``access_token``).
+        query: query parameters; only consulted for WebSockets and ``GET /events``
+            (``access_token``), which browsers open without headers (``EventSource``).
     """
     if not keys.enabled or is_open(method, path):
         return None
     token = bearer_token(headers)
-    if token is None and method == "WEBSOCKET" and query is not None:
+    headerless = method == "WEBSOCKET" or (method == "GET" and path == EVENTS_PATH)
+    if token is None and headerless and query is not None:
         token = query.get("access_token") or None
     if token is None:
         return AuthFailure(

@@ -88,6 +88,8 @@ class StreamSample:
         zone_objects: detections standing in each zone in the last frame, by ``(zone, class
             name)``.
         zone_entries: tracked objects that entered each zone, by ``(zone, class name)``.
+        zone_exits: tracked objects that exited each zone (or were lost in it), by ``(zone,
+            class name)``.
     """
 
     stream_id: str
@@ -104,6 +106,7 @@ class StreamSample:
     crossings: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
     zone_objects: Mapping[tuple[str, str], int] = field(default_factory=dict)
     zone_entries: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    zone_exits: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
 
 StreamSource = Callable[[], Iterable[StreamSample]]
@@ -263,6 +266,11 @@ class _ScrapeCollector(Collector):
             "Tracked objects that entered a stream's zone, by class",
             labels=["stream", "zone", "class"],
         )
+        zone_exits = CounterMetricFamily(
+            "streamdet_stream_zone_exits",
+            "Tracked objects that exited a stream's zone (or were lost in it), by class",
+            labels=["stream", "zone", "class"],
+        )
         for s in samples:
             fps.add_metric([s.stream_id, "in"], s.fps_in)
             fps.add_metric([s.stream_id, "processed"], s.fps_processed)
@@ -282,6 +290,8 @@ class _ScrapeCollector(Collector):
                 zone_objects.add_metric([s.stream_id, zone, name], count)
             for (zone, name), count in s.zone_entries.items():
                 zone_entries.add_metric([s.stream_id, zone, name], count)
+            for (zone, name), count in s.zone_exits.items():
+                zone_exits.add_metric([s.stream_id, zone, name], count)
         yield fps
         yield from counters.values()
         yield detections
@@ -290,6 +300,7 @@ class _ScrapeCollector(Collector):
         yield crossings
         yield zone_objects
         yield zone_entries
+        yield zone_exits
 
 
 class Metrics:
@@ -359,6 +370,19 @@ class Metrics:
             registry=reg,
         )
         self.admission_budget_scale.set(1.0)
+        self.webhook_events = Counter(
+            "streamdet_webhook_events",
+            "Events a webhook took (sent), or that left the event log before it could"
+            " (missed), by webhook URL (no query)",
+            ["webhook", "outcome"],
+            registry=reg,
+        )
+        self.webhook_failures = Counter(
+            "streamdet_webhook_failures",
+            "Webhook POSTs that failed (no answer in time, or not 2xx); each is retried",
+            ["webhook"],
+            registry=reg,
+        )
         for stage in STAGES:
             self.stage_duration.labels(stage)
         for reason in REJECTION_REASONS:

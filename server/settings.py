@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -19,6 +20,20 @@ def _default_cache_dir() -> Path:
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "streamdet"
+
+
+def check_webhook_url(url: str) -> str:
+    """``url`` if it is an absolute http(s) URL.
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"webhooks: {url!r} is not an http:// or https:// URL (setting STREAMDET_WEBHOOKS)"
+        )
+    return url
 
 
 DEFAULT_MAX_BATCH = {"onnxruntime": 1, "torch": 32, "tensorrt": 32}
@@ -106,6 +121,28 @@ class Settings(BaseSettings):
         4, ge=1, le=1024, description="messages kept per WebSocket viewer (oldest dropped)"
     )
 
+    # Events: GET /events and webhooks (streams/events.py, server/webhooks.py)
+    event_log_size: int = Field(
+        10_000,
+        ge=1,
+        le=1_000_000,
+        description="events (line crossings, zone entries and exits) kept for GET /events and"
+        " webhooks; a reader further behind is told how many it missed",
+    )
+    webhooks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="comma-separated http(s) URLs each sent every event as it happens,"
+        ' POST {"events": [...]} in batches, retried with backoff; none = no webhooks',
+    )
+    webhook_secret: str | None = Field(
+        None,
+        repr=False,
+        description="signs each webhook body: X-Streamdet-Signature: sha256=<HMAC-SHA256 hex>",
+    )
+    webhook_timeout_s: float = Field(
+        5.0, gt=0, le=300, description="time a webhook receiver has to answer one POST"
+    )
+
     # Admission control, access and metrics (server/admission.py, server/auth.py)
     admission_deadline_ms: float = Field(
         1000.0,
@@ -131,7 +168,7 @@ class Settings(BaseSettings):
         " (e.g. https://app.example.com, or * for any); none = no CORS headers",
     )
 
-    @field_validator("api_keys", "api_keys_readonly", "cors_origins", mode="before")
+    @field_validator("api_keys", "api_keys_readonly", "cors_origins", "webhooks", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -140,6 +177,11 @@ class Settings(BaseSettings):
                 return json.loads(text)
             return [item.strip() for item in text.split(",") if item.strip()]
         return value
+
+    @field_validator("webhooks")
+    @classmethod
+    def _webhook_urls(cls, value: list[str]) -> list[str]:
+        return [check_webhook_url(url) for url in value]
 
     @model_validator(mode="after")
     def _backend_batch(self) -> Settings:

@@ -15,9 +15,10 @@ from typing import Any
 
 from engines.types import Detections
 from streams.detect import StreamDetect
+from streams.events import StreamEvent
 from streams.lines import Crossing, LineCounter
 from streams.track import Tracker
-from streams.zones import ZoneCounter
+from streams.zones import ZoneCounter, ZoneEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +27,15 @@ class Analysed:
 
     Attributes:
         detections: inside the region of interest, with track ids where the stream tracks.
-        crossings: tracked objects that crossed a counting line in this frame.
+        events: tracked objects that crossed a counting line, entered or exited a zone in
+            this frame.
         zones: per detection, the zones it stands in; ``None`` where the stream has no zones.
         dwell: per detection, seconds its object has been in each of its zones (tracked
             streams with zones; ``None`` otherwise).
     """
 
     detections: Detections
-    crossings: tuple[Crossing, ...] = ()
+    events: tuple[StreamEvent, ...] = ()
     zones: list[list[str]] | None = None
     dwell: list[dict[str, float]] | None = None
 
@@ -51,7 +53,7 @@ class StreamAnalytics:
         self._tracked: Counter[str] = Counter()  # objects (tracks) by class name
         self._crossings: Counter[tuple[str, str, str]] = Counter()  # line, direction, class
         self._zone_now: dict[str, dict[str, int]] = {}  # zone -> class -> in the last frame
-        self._zone_entered: Counter[tuple[str, str]] = Counter()  # zone, class
+        self._zone_moves: Counter[tuple[str, str, str]] = Counter()  # zone, enter|exit, class
         self._shapes: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
     def process(
@@ -74,9 +76,10 @@ class StreamAnalytics:
         else:
             self._lines.clear()
         members = dwell = None
+        zone_events: list[ZoneEvent] = []
         if detect.zones:
-            zoned = self._zones.update(detections, detect.zones, live, t)
-            members, dwell = zoned.members, zoned.dwell
+            zoned = self._zones.update(detections, detect.zones, live, t, frame)
+            members, dwell, zone_events = zoned.members, zoned.dwell, zoned.events
         else:
             self._zones.clear()
         name = detections.name_of
@@ -92,8 +95,8 @@ class StreamAnalytics:
                 self._crossings = Counter(
                     {k: n for k, n in self._crossings.items() if k[0] in shapes[0]}
                 )
-                self._zone_entered = Counter(
-                    {k: n for k, n in self._zone_entered.items() if k[0] in shapes[1]}
+                self._zone_moves = Counter(
+                    {k: n for k, n in self._zone_moves.items() if k[0] in shapes[1]}
                 )
             objects = Counter(name(c) for c in detections.class_ids)
             self._detections.update(objects)
@@ -105,24 +108,27 @@ class StreamAnalytics:
                     zone: {name(c): n for c, n in counts.items()}
                     for zone, counts in zoned.occupancy.items()
                 }
-                self._zone_entered.update((zone, name(c)) for zone, c in zoned.entered)
+                self._zone_moves.update((e.zone, e.kind, name(e.class_id)) for e in zone_events)
             else:
                 self._zone_now = {}
-        return Analysed(detections, tuple(crossings), members, dwell)
+        return Analysed(detections, (*crossings, *zone_events), members, dwell)
 
     def snapshot(self) -> dict[str, Any]:
         """The counts, as ``GET /streams/{id}`` shows them: ``detections`` and ``objects`` by
         class; ``tracked`` objects by class; ``crossings`` as ``{line: {"in": {class: n},
-        "out": {...}}}``; ``zones`` as ``{zone: {"now": {class: n}, "entered": {...}}}``."""
+        "out": {...}}}``; ``zones`` as ``{zone: {"now": {class: n}, "entered": {...},
+        "exited": {...}}}``."""
         with self._lock:
             crossings: dict[str, dict[str, dict[str, int]]] = {}
             for (line, direction, cls), n in sorted(self._crossings.items()):
                 crossings.setdefault(line, {"in": {}, "out": {}})[direction][cls] = n
             zones: dict[str, dict[str, dict[str, int]]] = {
-                zone: {"now": dict(now), "entered": {}} for zone, now in self._zone_now.items()
+                zone: {"now": dict(now), "entered": {}, "exited": {}}
+                for zone, now in self._zone_now.items()
             }
-            for (zone, cls), n in sorted(self._zone_entered.items()):
-                zones.setdefault(zone, {"now": {}, "entered": {}})["entered"][cls] = n
+            for (zone, kind, cls), n in sorted(self._zone_moves.items()):
+                empty: dict[str, dict[str, int]] = {"now": {}, "entered": {}, "exited": {}}
+                zones.setdefault(zone, empty)[f"{kind}ed"][cls] = n
             return {
                 "detections": dict(self._detections),
                 "objects": dict(self._objects),

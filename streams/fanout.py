@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 
 from engines.types import Detections, Image
-from streams.lines import Crossing
+from streams.events import StreamEvent
 
 WS_NORMAL = 1000
 WS_GOING_AWAY = 1001
 MAX_CARRIED = 1024
-"""Crossing events kept for a viewer that is not reading; the oldest go beyond this (a
-viewer that far behind is stalled, and the counts in ``GET /streams/{id}`` stay whole)."""
+"""Events kept for a viewer that is not reading; the oldest go beyond this (a viewer that far
+behind is stalled; the counts in ``GET /streams/{id}`` and ``GET /events`` stay whole)."""
 
 
 def host_array(image: Image | Any) -> Image:
@@ -51,8 +51,8 @@ class ProcessedFrame:
         image: the RGB frame that was run (a torch tensor on the GPU when NVDEC decoded it).
         detections: its detections.
         batch_size: size of the engine batch it ran in.
-        crossings: tracked objects that crossed a counting line in this frame (and, on the way
-            to one viewer, in earlier frames that viewer did not get).
+        events: tracked objects that crossed a counting line, entered or exited a zone in this
+            frame (and, on the way to one viewer, in earlier frames that viewer did not get).
         zones: per detection, the names of the zones it stands in (streams with zones).
         dwell: per detection, seconds its object has been in each of its zones (tracked
             streams with zones).
@@ -67,7 +67,7 @@ class ProcessedFrame:
     image: Image
     detections: Detections
     batch_size: int
-    crossings: tuple[Crossing, ...] = ()
+    events: tuple[StreamEvent, ...] = ()
     zones: list[list[str]] | None = None
     dwell: list[dict[str, float]] | None = None
     latency_ms: float = 0.0
@@ -75,8 +75,9 @@ class ProcessedFrame:
 
     def to_message(self) -> dict[str, Any]:
         """The WebSocket message (DESIGN §4); a frame in which objects crossed a counting line
-        also carries them as ``crossings``, and on a stream with zones each detection lists
-        the ``zones`` it stands in (and, tracked, its ``dwell_s`` in each)."""
+        or entered or exited a zone also carries these ``events``, and on a stream with zones
+        each detection lists the ``zones`` it stands in (and, tracked, its ``dwell_s`` in
+        each)."""
         detections = self.detections.to_json()
         if self.zones is not None:
             for item, zones in zip(detections, self.zones, strict=True):
@@ -94,23 +95,13 @@ class ProcessedFrame:
             "detections": detections,
             "latency_ms": round(self.latency_ms, 2),
         }
-        if self.crossings:
-            message["crossings"] = [
-                {
-                    "line": c.line,
-                    "direction": c.direction,
-                    "track_id": c.track_id,
-                    "class_id": c.class_id,
-                    "class_name": self.detections.name_of(c.class_id),
-                    "frame": c.frame,
-                }
-                for c in self.crossings
-            ]
+        if self.events:
+            message["events"] = [e.to_json(self.detections.name_of) for e in self.events]
         return message
 
-    def with_crossings(self, earlier: Sequence[Crossing]) -> ProcessedFrame:
-        """This frame carrying ``earlier`` crossings (of frames a viewer did not get) too."""
-        return dataclasses.replace(self, crossings=(*earlier, *self.crossings), _json=None)
+    def with_events(self, earlier: Sequence[StreamEvent]) -> ProcessedFrame:
+        """This frame carrying ``earlier`` events (of frames a viewer did not get) too."""
+        return dataclasses.replace(self, events=(*earlier, *self.events), _json=None)
 
     def host_image(self) -> Image:
         """``image`` as a host array: a GPU frame (NVDEC) is copied down, e.g. for a JPEG."""
@@ -148,9 +139,9 @@ class Subscriber:
         self.dropped = 0
         self.closed: Closed | None = None
         self._queue: asyncio.Queue[ProcessedFrame | Closed] = asyncio.Queue(maxsize)
-        # Crossing events of frames this viewer will not get, handed on with the next one:
-        # a viewer may miss pictures, never a count.
-        self._carried: list[Crossing] = []
+        # Events of frames this viewer will not get, handed on with the next one: a viewer
+        # may miss pictures, never an event.
+        self._carried: list[StreamEvent] = []
         self.dropped_events = 0
 
     def offer(self, frame: ProcessedFrame) -> None:
@@ -177,18 +168,18 @@ class Subscriber:
         self._queue.put_nowait(item)
 
     def carry(self, skipped: ProcessedFrame) -> None:
-        """``skipped`` will not be sent: its crossing events go with the next frame."""
-        self._carried += skipped.crossings
+        """``skipped`` will not be sent: its events go with the next frame."""
+        self._carried += skipped.events
         if len(self._carried) > MAX_CARRIED:
             self.dropped_events += len(self._carried) - MAX_CARRIED
             del self._carried[:-MAX_CARRIED]
 
     async def get(self) -> ProcessedFrame | Closed:
-        """The next frame (with the crossing events of frames skipped before it), or
+        """The next frame (with the events of frames skipped before it), or
         :class:`Closed` once the subscription ended."""
         item = await self._queue.get()
         if isinstance(item, ProcessedFrame) and self._carried:
-            item, self._carried = item.with_crossings(self._carried), []
+            item, self._carried = item.with_events(self._carried), []
         return item
 
     def qsize(self) -> int:

@@ -11,7 +11,7 @@ across the picture, ``in`` is moving down it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -92,6 +92,18 @@ class Crossing:
     track_id: int
     class_id: int
     frame: int
+
+    def to_json(self, name_of: Callable[[int], str]) -> dict[str, Any]:
+        """The event as the WebSocket, ``GET /events`` and webhooks send it."""
+        return {
+            "type": "line_crossing",
+            "line": self.line,
+            "direction": self.direction,
+            "track_id": self.track_id,
+            "class_id": self.class_id,
+            "class_name": name_of(self.class_id),
+            "frame": self.frame,
+        }
 
 
 class LineCounter:

@@ -21,6 +21,7 @@ from typing import Any, TypedDict
 
 from engines.pool import EnginePool
 from streams.detect import StreamDetect
+from streams.events import EventLog
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
@@ -47,6 +48,7 @@ class ManagerOptions:
         ws_queue_size: messages kept per subscriber.
         max_streams: most streams at once.
         stop_timeout_s: how long to wait for a decode thread to exit.
+        event_log_size: events kept for ``GET /events`` and webhooks.
     """
 
     reader: ReaderOptions
@@ -54,6 +56,7 @@ class ManagerOptions:
     ws_queue_size: int = 4
     max_streams: int = 64
     stop_timeout_s: float = 10.0
+    event_log_size: int = 10_000
 
 
 class StreamChanges(TypedDict, total=False):
@@ -84,6 +87,7 @@ class StreamManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._bad_detect: set[str] = set()  # streams held back by stored settings
+        self.events = EventLog(options.event_log_size)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -271,6 +275,7 @@ class StreamManager:
         return self._latest.get(stream_id)
 
     def _close_all(self, code: int, reason: str) -> None:
+        self.events.close()  # long polls and event streams (SSE) end too
         for subs in self._subs.values():
             for sub in subs:
                 sub.close(code, reason)
@@ -291,6 +296,11 @@ class StreamManager:
         frame.latency_ms = (time.monotonic() - frame.decoded_mono) * 1000.0
         reader.record_latency(frame.latency_ms)
         self._latest[frame.stream_id] = frame
+        if frame.events:
+            name = self._records[frame.stream_id].name
+            self.events.add(
+                frame.stream_id, name, frame.captured_at, frame.events, frame.detections.name_of
+            )
         for sub in self._subs.get(frame.stream_id, ()):
             sub.offer(frame)
 

@@ -416,7 +416,7 @@ class StreamReader:
                     image=pending.image,
                     detections=done.detections,
                     batch_size=result.batch_size,
-                    crossings=done.crossings,
+                    events=done.events,
                     zones=done.zones,
                     dwell=done.dwell,
                 )

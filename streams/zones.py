@@ -3,18 +3,25 @@ anything (the region of interest filters; zones only count). Frigate's zones do 
 
 Each frame, every detection whose anchor (the bottom centre of its box) is inside a zone is
 counted in that zone's occupancy, by class, and lists the zone in its ``zones``. Where the
-stream tracks, an object entering a zone is counted once in the zone's ``entered`` counts: a
-tracked object that stays inside, or drops out of detection for a frame or two, is not
-counted again, and each tracked detection says how long it has been in each of its zones
-(Frigate's loitering time).
+stream tracks, objects *enter* and *exit* zones, each an event:
+
+- an object enters after its anchor was inside in ``inertia`` frames in a row in which it
+  was seen (3 by default, as Frigate's ``inertia``), and exits after it was seen outside in
+  ``inertia`` frames in a row, so a box whose bottom edge jitters across the zone's border
+  is one stay, not many; frames in which it is not detected do not count either way;
+- an object whose track ends (unseen for the tracker's ``MAX_AGE``) while inside exits
+  ``lost``: it left the picture or was hidden, not seen walking out;
+- occupancy and each detection's ``zones`` then hold the objects that entered and have not
+  exited, and each such detection says how long its object has been in each zone (``dwell``,
+  Frigate's loitering time, from its first frame inside).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engines.types import Detections
 from streams.geometry import (
@@ -28,26 +35,36 @@ from streams.geometry import (
 )
 
 MAX_ZONES = 16
+INERTIA = 3
+"""Frames in a row an object must be seen inside a zone to enter it (and outside to exit)."""
+MAX_INERTIA = 30
+ZoneEventKind = Literal["enter", "exit"]
 
 
 @dataclass(frozen=True, slots=True)
 class Zone:
-    """A named polygon, points in [0, 1] of the frame.
+    """A named polygon, points in [0, 1] of the frame, and its ``inertia`` in frames.
 
     Raises:
-        ValueError: an empty or over-long name, or a bad polygon.
+        ValueError: an empty or over-long name, a bad polygon or an inertia out of range.
     """
 
     name: str
     points: tuple[Point, ...]
+    inertia: int = INERTIA
 
     def __post_init__(self) -> None:
         check_name(self.name, "zones")
         check_polygon(self.points, f"zones: {self.name!r}")
+        if isinstance(self.inertia, bool) or not 1 <= self.inertia <= MAX_INERTIA:
+            raise ValueError(
+                f"zones: {self.name!r}: inertia is a number of frames from 1 to {MAX_INERTIA},"
+                f" not {self.inertia!r}"
+            )
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Zone:
-        """From ``{"name": s, "points": [[x, y], ...]}`` (JSON).
+        """From ``{"name": s, "points": [[x, y], ...], "inertia"?: n}`` (JSON).
 
         Raises:
             ValueError: another shape, or see :class:`Zone`.
@@ -56,10 +73,23 @@ class Zone:
         points = raw.get("points")
         if not isinstance(points, list):
             raise ValueError('zones: each zone is {"name": ..., "points": [[x, y], ...]}')
-        return cls(name, parse_points(points, f"zones: {name!r}"))
+        unknown = set(raw) - {"name", "points", "inertia"}
+        if unknown:
+            raise ValueError(f"zones: {name!r}: unknown field(s) {sorted(unknown)}")
+        inertia = raw.get("inertia", INERTIA)
+        if not isinstance(inertia, int):
+            raise ValueError(
+                f"zones: {name!r}: inertia is a number of frames from 1 to {MAX_INERTIA},"
+                f" not {inertia!r}"
+            )
+        return cls(name, parse_points(points, f"zones: {name!r}"), inertia)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "points": [[x, y] for x, y in self.points]}
+        return {
+            "name": self.name,
+            "points": [[x, y] for x, y in self.points],
+            "inertia": self.inertia,
+        }
 
 
 def parse_zones(raw: Sequence[Mapping[str, Any]]) -> tuple[Zone, ...]:
@@ -72,21 +102,67 @@ def parse_zones(raw: Sequence[Mapping[str, Any]]) -> tuple[Zone, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class ZoneEvent:
+    """A tracked object entering or exiting a zone, in the stream's frame number ``frame``.
+
+    Attributes:
+        dwell_s: on an exit, seconds from its first frame inside to its last.
+        lost: on an exit, its track ended inside (out of sight), rather than it being seen
+            outside.
+    """
+
+    zone: str
+    kind: ZoneEventKind
+    track_id: int
+    class_id: int
+    frame: int
+    dwell_s: float | None = None
+    lost: bool = False
+
+    def to_json(self, name_of: Callable[[int], str]) -> dict[str, Any]:
+        """The event as the WebSocket, ``GET /events`` and webhooks send it."""
+        out: dict[str, Any] = {
+            "type": f"zone_{self.kind}",
+            "zone": self.zone,
+            "track_id": self.track_id,
+            "class_id": self.class_id,
+            "class_name": name_of(self.class_id),
+            "frame": self.frame,
+        }
+        if self.kind == "exit":
+            out["dwell_s"] = self.dwell_s
+            out["lost"] = self.lost
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class ZoneFrame:
     """What one frame's zones hold.
 
     Attributes:
         members: per detection, the names of the zones it stands in.
         occupancy: per zone, detections inside by class id.
-        entered: ``(zone, class id)`` of each tracked object that entered a zone this frame.
+        events: tracked objects that entered or exited a zone in this frame.
         dwell: per detection, seconds since its object entered each of its zones (tracked
             detections; ``None`` where the frame is not tracked).
     """
 
     members: list[list[str]]
     occupancy: dict[str, Counter[int]]
-    entered: list[tuple[str, int]] = field(default_factory=list)
+    events: list[ZoneEvent] = field(default_factory=list)
     dwell: list[dict[str, float]] | None = None
+
+
+@dataclass(slots=True)
+class _Stay:
+    """One tracked object's stay in one zone, from its first frame inside."""
+
+    since: float  # its first frame inside
+    last_in: float  # its last frame inside
+    class_id: int
+    inside: int = 0  # frames in a row seen inside
+    outside: int = 0  # frames in a row seen outside, once entered
+    entered: bool = False
 
 
 class ZoneCounter:
@@ -94,10 +170,10 @@ class ZoneCounter:
     order, after the tracker."""
 
     def __init__(self) -> None:
-        self._inside: dict[str, dict[int, float]] = {}  # zone -> track id -> entered at
+        self._stays: dict[str, dict[int, _Stay]] = {}  # zone -> track id -> its stay
 
     def clear(self) -> None:
-        self._inside.clear()
+        self._stays.clear()
 
     def update(
         self,
@@ -105,47 +181,96 @@ class ZoneCounter:
         zones: Sequence[Zone],
         live: Iterable[int] = (),
         t: float = 0.0,
+        frame: int = 0,
     ) -> ZoneFrame:
-        """One frame's (decoded at monotonic ``t``) occupancy and members; entries and dwell
-        times where ``detections`` carry track ids (``live``: the tracker's live ids, whose
-        membership is kept while unseen)."""
+        """One frame's (number ``frame``, decoded at monotonic ``t``) occupancy and members;
+        entries, exits and dwell times where ``detections`` carry track ids (``live``: the
+        tracker's live ids, whose stays are kept while they are unseen)."""
         xs, ys = anchors(detections)
-        members: list[list[str]] = [[] for _ in range(len(detections))]
+        n = len(detections)
+        members: list[list[str]] = [[] for _ in range(n)]
         occupancy: dict[str, Counter[int]] = {}
-        entered: list[tuple[str, int]] = []
-        ids = detections.track_ids
-        dwell: list[dict[str, float]] | None = (
-            None if ids is None else [{} for _ in range(len(detections))]
-        )
-        seen = set() if ids is None else set(ids.tolist())
+        ids = None if detections.track_ids is None else detections.track_ids.tolist()
+        if ids is None:
+            self._stays.clear()
+        dwell: list[dict[str, float]] | None = None if ids is None else [{} for _ in range(n)]
+        events: list[ZoneEvent] = []
         alive = set(live)
+        classes = detections.class_ids.tolist()
         for zone in zones:
             # An unsized frame has no anchors: nothing is in any zone.
-            inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else []
+            inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else [False] * n
             counts: Counter[int] = Counter()
-            was = self._inside.get(zone.name, {})
-            # Tracked but not detected in this frame: stays where it was.
-            now = {i: at for i, at in was.items() if i in alive and i not in seen}
+            if ids is None:
+                for i, hit in enumerate(inside):
+                    if hit:
+                        members[i].append(zone.name)
+                        counts[classes[i]] += 1
+                occupancy[zone.name] = counts
+                continue
+            stays = self._stays.setdefault(zone.name, {})
+            # One step per object: a second box of another class on it is not a second one.
+            first: dict[int, int] = {}
+            for i, track_id in enumerate(ids):
+                first.setdefault(track_id, i)
+            for track_id, i in first.items():
+                events += self._step(
+                    zone, stays, track_id, hit=inside[i], class_id=classes[i], t=t, frame=frame
+                )
+            for track_id in [k for k in stays if k not in first and k not in alive]:
+                gone = stays.pop(track_id)  # its track ended while it was in the zone
+                if gone.entered:
+                    events.append(self._exit(zone, track_id, gone, frame, lost=True))
             counted: set[int] = set()
-            for i, hit in enumerate(inside):
-                if not hit:
+            for i, track_id in enumerate(ids):
+                stay = stays.get(track_id)
+                if stay is None or not stay.entered:
                     continue
-                class_id = int(detections.class_ids[i])
                 members[i].append(zone.name)
-                if ids is None:
-                    counts[class_id] += 1
-                    continue
-                track_id = int(ids[i])
-                if track_id not in counted:  # not a second class on the same object
+                if track_id not in counted:
                     counted.add(track_id)
-                    counts[class_id] += 1
-                    if track_id not in was:
-                        entered.append((zone.name, class_id))
-                    now[track_id] = was.get(track_id, t)
+                    counts[classes[i]] += 1
                 if dwell is not None:
-                    dwell[i][zone.name] = round(t - now[track_id], 3)
+                    dwell[i][zone.name] = round(t - stay.since, 3)
             occupancy[zone.name] = counts
-            self._inside[zone.name] = now
-        for name in set(self._inside) - {zone.name for zone in zones}:
-            del self._inside[name]  # a zone that was removed
-        return ZoneFrame(members, occupancy, entered, dwell)
+        for name in set(self._stays) - {zone.name for zone in zones}:
+            del self._stays[name]  # a zone that was removed
+        return ZoneFrame(members, occupancy, events, dwell)
+
+    @staticmethod
+    def _step(
+        zone: Zone,
+        stays: dict[int, _Stay],
+        track_id: int,
+        *,
+        hit: bool,
+        class_id: int,
+        t: float,
+        frame: int,
+    ) -> list[ZoneEvent]:
+        """One seen frame of one object for one zone: its enter or exit event, if any."""
+        stay = stays.get(track_id)
+        if hit:
+            if stay is None:
+                stay = stays[track_id] = _Stay(t, t, class_id)
+            stay.inside, stay.outside, stay.last_in, stay.class_id = stay.inside + 1, 0, t, class_id
+            if not stay.entered and stay.inside >= zone.inertia:
+                stay.entered = True
+                return [ZoneEvent(zone.name, "enter", track_id, class_id, frame)]
+            return []
+        if stay is None:
+            return []
+        if not stay.entered:
+            del stays[track_id]  # in for fewer than ``inertia`` frames: never entered
+            return []
+        stay.outside += 1
+        stay.inside = 0
+        if stay.outside < zone.inertia:
+            return []
+        del stays[track_id]
+        return [ZoneCounter._exit(zone, track_id, stay, frame, lost=False)]
+
+    @staticmethod
+    def _exit(zone: Zone, track_id: int, stay: _Stay, frame: int, *, lost: bool) -> ZoneEvent:
+        dwell = round(stay.last_in - stay.since, 3)
+        return ZoneEvent(zone.name, "exit", track_id, stay.class_id, frame, dwell, lost)

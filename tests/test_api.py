@@ -279,7 +279,7 @@ def test_cars_crossing_a_line_are_counted_by_the_api_and_metrics(tmp_path: Path)
         with c.websocket_connect(f"/ws/streams/{sid}") as ws:
             for _ in range(800):  # the clip, looping at 8 fps: cars cross within ~9 s of it
                 message = ws.receive_json()
-                for event in message.get("crossings", []):
+                for event in message.get("events", []):
                     if event["frame"] == message["frame"]:  # not one carried from a lost frame
                         track_ids = {d["track_id"] for d in message["detections"]}
                         assert event["track_id"] in track_ids  # an object of that very frame
@@ -288,6 +288,17 @@ def test_cars_crossing_a_line_are_counted_by_the_api_and_metrics(tmp_path: Path)
                     break
         assert {e["direction"] for e in events} == {"in", "out"}, events
         assert {e["line"] for e in events} == {"gate"}
+        assert {e["type"] for e in events} == {"line_crossing"}
+        # The event log has each of them, with the stream's id, in order.
+        logged = c.get("/events", params={"stream_id": sid, "limit": 1000}).json()
+        assert logged["missed"] == 0
+        ids = [e["id"] for e in logged["events"]]
+        assert ids == sorted(ids) and logged["next"] >= ids[-1]
+        key = ("frame", "track_id", "direction", "class_name")
+        assert {tuple(e[k] for k in key) for e in events} <= {
+            tuple(e[k] for k in key) for e in logged["events"]
+        }
+        assert {e["stream_id"] for e in logged["events"]} == {sid}
         crossings = c.get(f"/streams/{sid}").json()["crossings"]
         assert set(crossings) == {"gate"}, crossings
         for direction in ("in", "out"):  # the counts hold at least the events seen

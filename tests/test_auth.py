@@ -88,6 +88,9 @@ def test_readonly_key_reads_and_detects_but_cannot_change_streams(http: httpx.Cl
     ro = bearer(READONLY)
     assert http.get("/model", headers=ro).status_code == 200
     assert http.get("/streams", headers=ro).status_code == 200
+    assert http.get("/events", headers=ro).status_code == 200
+    assert http.get("/events", params={"access_token": READONLY}).status_code == 200
+    assert http.get("/events").status_code == 401
     resp = http.post("/detect", content=bus(), headers={**ro, "content-type": "image/jpeg"})
     assert resp.status_code == 200
     for method, path in [
@@ -154,9 +157,13 @@ def test_key_check_is_exact_and_scoped() -> None:
     assert authorize(ApiKeys(), "POST", "/streams", Headers()) is None
     ws = authorize(keys, "WEBSOCKET", "/ws/streams/x", Headers(), QueryParams("access_token=beta"))
     assert ws is None
-    # The query parameter is for browsers' WebSockets only, never for HTTP routes.
+    # The query parameter is for what browsers open without headers: WebSockets and the
+    # event stream (EventSource), never for other HTTP routes.
     http_query = authorize(keys, "GET", "/model", Headers(), QueryParams("access_token=alpha"))
     assert http_query is not None and http_query.status == 401
+    sse = authorize(keys, "GET", "/events", Headers(), QueryParams("access_token=beta"))
+    assert sse is None
+    assert authorize(keys, "GET", "/events", Headers()) is not None
 
 
 def test_settings_take_comma_lists_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -163,20 +163,21 @@ async def test_slow_subscriber_keeps_only_the_newest_messages() -> None:
     assert [f.frame for f in got if isinstance(f, ProcessedFrame)] == [8, 9, 10]
 
 
-async def test_crossings_of_frames_a_viewer_loses_come_with_the_next_frame() -> None:
+async def test_events_of_frames_a_viewer_loses_come_with_the_next_frame() -> None:
     sub = Subscriber("s1", maxsize=3)
     for n in range(1, 11):
         crossing = Crossing("gate", "in" if n % 2 else "out", track_id=n, class_id=0, frame=n)
-        sub.offer(dataclasses.replace(_frame(n), crossings=(crossing,)))
+        sub.offer(dataclasses.replace(_frame(n), events=(crossing,)))
     got = [await sub.get() for _ in range(3)]
     frames = [f for f in got if isinstance(f, ProcessedFrame)]
     # Frames 1-7 were dropped for this slow viewer; their events ride on frame 8.
     assert [f.frame for f in frames] == [8, 9, 10]
-    assert [c.frame for c in frames[0].crossings] == list(range(1, 9))
-    assert [c.frame for c in frames[1].crossings] == [9]
-    events = frames[0].to_message()["crossings"]
+    assert [c.frame for c in frames[0].events] == list(range(1, 9))
+    assert [c.frame for c in frames[1].events] == [9]
+    events = frames[0].to_message()["events"]
     assert [e["frame"] for e in events] == list(range(1, 9))
     assert events[0] == {
+        "type": "line_crossing",
         "line": "gate",
         "direction": "in",
         "track_id": 1,
@@ -184,15 +185,15 @@ async def test_crossings_of_frames_a_viewer_loses_come_with_the_next_frame() -> 
         "class_name": "person",
         "frame": 1,
     }
-    assert "crossings" not in _frame(1).to_message()  # absent where nothing crossed
+    assert "events" not in _frame(1).to_message()  # absent where nothing happened
     # A stalled viewer keeps a bounded number of them.
     stalled = Subscriber("s1", maxsize=1)
     many = tuple(Crossing("gate", "in", i, 0, 1) for i in range(MAX_CARRIED))
     for n in range(3):
-        stalled.offer(dataclasses.replace(_frame(n), crossings=many))
+        stalled.offer(dataclasses.replace(_frame(n), events=many))
     last = await stalled.get()
     assert isinstance(last, ProcessedFrame)
-    assert len(last.crossings) == MAX_CARRIED + len(many)  # the kept ones and its own
+    assert len(last.events) == MAX_CARRIED + len(many)  # the kept ones and its own
     assert stalled.dropped_events == MAX_CARRIED
 
 

@@ -196,7 +196,7 @@ class _Socket:
         self.closed = (code, reason)
 
 
-async def test_a_viewer_at_a_lower_rate_still_gets_every_crossing_event() -> None:
+async def test_a_viewer_at_a_lower_rate_still_gets_every_event() -> None:
     """Frames at 20 fps to a viewer that asked for 5: it is sent one in four, and the crossing
     events of the frames it skips come with the next one it is sent."""
     sub = Subscriber("s1", maxsize=4)
@@ -215,7 +215,7 @@ async def test_a_viewer_at_a_lower_rate_still_gets_every_crossing_event() -> Non
                 image,
                 Detections.empty({0: "person"}, 64, 48),
                 1,
-                crossings=(crossing,),
+                events=(crossing,),
             )
         )
         await asyncio.sleep(0.05)  # the sender takes each frame before the next comes
@@ -224,7 +224,7 @@ async def test_a_viewer_at_a_lower_rate_still_gets_every_crossing_event() -> Non
     assert socket.closed == (1000, "done")
     sent = [m["frame"] for m in socket.texts]
     assert 3 <= len(sent) <= 5 and socket.binaries == len(sent), sent  # ~5 of 20 fps
-    events = [e["frame"] for m in socket.texts for e in m.get("crossings", [])]
+    events = [e["frame"] for m in socket.texts for e in m.get("events", [])]
     # Every crossing up to the last frame sent arrived, once, in order; none from the future.
     assert events == list(range(1, sent[-1] + 1)), (sent, events)
 

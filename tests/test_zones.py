@@ -17,7 +17,7 @@ from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.lines import Line
 from streams.track import Tracker
-from streams.zones import Zone, ZoneCounter, parse_zones
+from streams.zones import Zone, ZoneCounter, ZoneEvent, ZoneFrame, parse_zones
 from tests.helpers import VIDEOS, file_stream_app, infer_frames
 from tests.helpers import synthetic_detections as dets
 
@@ -31,13 +31,35 @@ def test_zones_count_what_stands_in_them_by_its_anchor() -> None:
     got = ZoneCounter().update(frame, [LEFT, BOTTOM])
     assert got.members == [["left"], ["bottom"], ["left", "bottom"]]
     assert got.occupancy == {"left": {0: 1, 2: 1}, "bottom": {2: 2}}
-    assert got.entered == [] and got.dwell is None  # untracked: occupancy only
+    assert got.events == [] and got.dwell is None  # untracked: occupancy only
+
+
+def _walk(
+    zone: Zone, path: list[float | None], y: float = 400.0
+) -> tuple[list[tuple[str, int]], list[ZoneFrame], set[int]]:
+    """A car (anchor x along ``path``; None: a frame it was missed in) tracked through
+    ``zone``, 0.1 s a frame: its events (kind, frame), each frame's zones, its track ids."""
+    tracker, zones = Tracker(), ZoneCounter()
+    events: list[tuple[str, int]] = []
+    frames: list[ZoneFrame] = []
+    ids: set[int] = set()
+    for k, x in enumerate(path):
+        boxes = [] if x is None else [[x - 100, y - 100, x + 100, y]]
+        found = tracker.update(dets(boxes), 0.1 * k).detections
+        assert found.track_ids is not None
+        ids.update(found.track_ids.tolist())
+        got = zones.update(found, [zone], tracker.live_ids(), 0.1 * k, k)
+        events += [(e.kind, e.frame) for e in got.events]
+        frames.append(got)
+    return events, frames, ids
 
 
 def test_a_tracked_object_entering_a_zone_is_counted_once() -> None:
     tracker, zones = Tracker(), ZoneCounter()
-    entered: list[tuple[str, int]] = []
+    left = Zone("left", LEFT.points, inertia=1)  # entered in one frame, left in one
+    kinds: list[str] = []
     ids: set[int] = set()
+    exits: list[ZoneEvent] = []
     # A car (anchor x) driving right along y = 400, 50 px a frame, through LEFT's edge at
     # x = 500; it stops and comes back in. None: a frame it was missed in.
     path = [100, 150, 200, 250, None, 350, 400, 450, 500, 550, 600, 600, 600, 550, 500, 450]
@@ -50,7 +72,7 @@ def test_a_tracked_object_entering_a_zone_is_counted_once() -> None:
         frame = tracker.update(dets(boxes, classes), 0.1 * k).detections
         assert frame.track_ids is not None
         ids.update(frame.track_ids.tolist())
-        got = zones.update(frame, [LEFT], tracker.live_ids(), 0.1 * k)
+        got = zones.update(frame, [left], tracker.live_ids(), 0.1 * k, k)
         if k == 2:
             assert got.occupancy["left"] == {2: 1}  # one object, not two
             assert got.dwell == [{"left": 0.2}, {"left": 0.2}]  # in since frame 0, both boxes
@@ -60,19 +82,56 @@ def test_a_tracked_object_entering_a_zone_is_counted_once() -> None:
             assert got.dwell == [{}]  # outside: in no zone
         if k == len(path) - 1:  # back in since the frame before: x = 500 is on the edge
             assert got.dwell is not None and got.dwell[0]["left"] <= 0.1 + 1e-9
-        entered += got.entered
+        kinds += [e.kind for e in got.events]
+        exits += [e for e in got.events if e.kind == "exit"]
     assert ids == {1}  # one object all along
     # Entered at the start; the missed frame, the twin and the class flip are no entries;
     # out at x = 500 (the edge goes either way) or 550, back in at 450: a second entry.
-    assert entered == [("left", 2), ("left", 2)]
+    assert kinds == ["enter", "exit", "enter"]
+    (out,) = exits
+    assert out.class_id == 2 and not out.lost and out.track_id == 1
+    assert out.dwell_s is not None and 0.7 <= out.dwell_s <= 0.8  # frames 0 to 7 or 8 inside
+
+
+def test_inertia_keeps_a_box_jittering_on_a_zone_edge_one_stay() -> None:
+    """A car parked across LEFT's edge (x = 500): its anchor flickers in and out as its box
+    jitters. Counted once, as Frigate's zone inertia does; with no inertia, at every flicker."""
+    flicker = [560, 540, 490, 480, 495, 510, 490, 485, 505, 490, 495, 492, 530, 540, 550, 560]
+    events, frames, ids = _walk(LEFT, flicker)  # inertia 3
+    assert ids == {1}
+    assert events == [("enter", 4), ("exit", 14)]  # in at 2-4, out at 12-14
+    assert [f.members for f in frames[4:14]] == [[["left"]]] * 10  # inside all along
+    assert frames[3].members == [[]] and frames[14].members == [[]]
+    assert frames[5].occupancy == {"left": {2: 1}}
+    jumpy, _, _ = _walk(Zone("left", LEFT.points, inertia=1), flicker)
+    assert [kind for kind, _ in jumpy] == ["enter", "exit"] * 3  # in at 2, 6 and 9
+    # Fewer than 3 frames in a row inside, or missed in between: never entered.
+    assert _walk(LEFT, [560, 490, 480, 520, 490, None, 480, 530])[0] == []
+
+
+def test_an_object_lost_inside_a_zone_exits_when_its_track_ends() -> None:
+    # In for 4 frames, then gone: its track ends after MAX_AGE unseen (1 s), and so does its
+    # stay, marked lost (it was not seen walking out).
+    path: list[float | None] = [300, 300, 300, 300] + [None] * 12
+    events, _, _ = _walk(LEFT, path)
+    assert events[0] == ("enter", 2)
+    assert len(events) == 2 and events[1][0] == "exit"
+    tracker, zones = Tracker(), ZoneCounter()
+    lost: list[ZoneEvent] = []
+    for k, x in enumerate(path):
+        found = tracker.update(dets([] if x is None else [[x - 100, 300, x + 100, 400]]), k / 10)
+        lost += zones.update(found.detections, [LEFT], tracker.live_ids(), k / 10, k).events
+    assert [e.kind for e in lost] == ["enter", "exit"]
+    assert lost[1].lost and lost[1].dwell_s == 0.3 and lost[1].class_id == 2
 
 
 def test_removed_zones_are_forgotten_and_bad_zones_refused() -> None:
     tracker, zones = Tracker(), ZoneCounter()
+    left = Zone("left", LEFT.points, inertia=1)
     frame = tracker.update(dets([[100, 100, 200, 200]]), 0.0).detections
-    assert zones.update(frame, [LEFT], tracker.live_ids()).entered == [("left", 2)]
+    assert [e.kind for e in zones.update(frame, [left], tracker.live_ids()).events] == ["enter"]
     zones.update(frame, [], tracker.live_ids())  # the zone was removed
-    assert zones.update(frame, [LEFT], tracker.live_ids()).entered == [("left", 2)]
+    assert [e.kind for e in zones.update(frame, [left], tracker.live_ids()).events] == ["enter"]
     square = [[0, 0], [1, 0], [1, 1], [0, 1]]
     for raw, message in (
         ([{"name": "", "points": square}], "name"),
@@ -81,9 +140,13 @@ def test_removed_zones_are_forgotten_and_bad_zones_refused() -> None:
         ([{"name": "a", "points": "x"}], "points"),
         ([{"name": "a", "points": square}] * 2, "same name"),
         ([{"name": f"z{i}", "points": square} for i in range(17)], "at most 16"),
+        ([{"name": "a", "points": square, "inertia": 0}], "inertia is a number of frames"),
+        ([{"name": "a", "points": square, "inertia": 2.5}], "inertia is a number of frames"),
+        ([{"name": "a", "points": square, "inertias": 2}], "unknown field(s) ['inertias']"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_zones(raw)
+    assert parse_zones([{"name": "a", "points": square, "inertia": 5}])[0].inertia == 5
 
 
 def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
@@ -93,16 +156,19 @@ def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
         lines=(Line("gate", (0.0, 0.5), (1.0, 0.5)),),
         zones=(BOTTOM,),
     )
-    for k in range(8):  # a car driving down the picture, through the gate into BOTTOM
-        y = 300 + 50 * k
+    kinds: list[str] = []
+    for k in range(10):  # a car driving down the picture, through the gate into BOTTOM
+        y = 300 + 50 * k  # inside BOTTOM (y >= 600) from frame 6, entered at frame 8
         done = analytics.process(dets([[400, y - 100, 500, y]]), settings, 0.1 * k, k)
         assert done.detections.track_ids is not None and done.zones is not None
+        kinds += [f"{e.to_json(str)['type']}@{e.frame}" for e in done.events]
+    assert kinds == ["line_crossing@4", "zone_enter@8"]
     counts = analytics.snapshot()
     assert counts["crossings"] == {"gate": {"in": {"car": 1}, "out": {}}}
-    assert counts["zones"] == {"bottom": {"now": {"car": 1}, "entered": {"car": 1}}}
-    assert counts["tracked"] == {"car": 1} and counts["detections"] == {"car": 8}
+    assert counts["zones"] == {"bottom": {"now": {"car": 1}, "entered": {"car": 1}, "exited": {}}}
+    assert counts["tracked"] == {"car": 1} and counts["detections"] == {"car": 10}
     # Lines and zones taken away: their counts go with them (bounded counts and series).
-    done = analytics.process(dets([[400, 700, 500, 800]]), StreamDetect(), 0.8, 8)
+    done = analytics.process(dets([[400, 700, 500, 800]]), StreamDetect(), 1.0, 10)
     assert done.zones is None and done.detections.track_ids is None
     counts = analytics.snapshot()
     assert counts["zones"] == {} and counts["crossings"] == {}
@@ -134,7 +200,8 @@ def test_the_bottle_standing_in_a_zone_is_counted_there_and_enters_once(
         dwell += [d["shelf"] for d in done.dwell if "shelf" in d]
     assert max(inside) == 1 and sum(inside) >= len(inside) - 2, inside  # one bottle, steadily
     assert analytics.snapshot()["zones"]["shelf"]["entered"] == {"bottle": 1}
-    assert dwell == sorted(dwell) and dwell[0] == 0.0 and dwell[-1] >= 2.0  # one long stay
+    # One long stay, entered in its third frame (inertia 3), timed from its first.
+    assert dwell == sorted(dwell) and dwell[0] == 0.2 and dwell[-1] >= 2.0
 
 
 def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
@@ -152,7 +219,7 @@ def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
         )
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
-        assert resp.json()["detect"]["zones"] == [SHELF]
+        assert resp.json()["detect"]["zones"] == [{**SHELF, "inertia": 3}]
         with c.websocket_connect(f"/ws/streams/{sid}") as ws:
             messages: list[dict[str, Any]] = [ws.receive_json() for _ in range(4)]
         detections = [d for m in messages for d in m["detections"]]
@@ -162,7 +229,7 @@ def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
         assert shelf and all((d["box"][0] + d["box"][2]) / 2 >= 0.6 * 640 for d in shelf)
         zones = c.get(f"/streams/{sid}").json()["zones"]
         assert zones["shelf"]["now"] == {"bottle": 1}, zones
-        assert zones["shelf"]["entered"] == {}  # entries need tracking
+        assert zones["shelf"]["entered"] == zones["shelf"]["exited"] == {}  # need tracking
         metrics = c.get("/metrics").text
         want = f'streamdet_stream_zone_objects{{class="bottle",stream="{sid}",zone="shelf"}} 1.0'
         assert want in metrics

@@ -36,7 +36,7 @@ from streams.manager import (
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
 from streams.store import StreamStore
-from streams.zones import MAX_ZONES, parse_zones
+from streams.zones import INERTIA, MAX_INERTIA, MAX_ZONES, parse_zones
 
 if TYPE_CHECKING:
     from server.metrics import StreamSample
@@ -55,12 +55,21 @@ class LineIn(BaseModel):
 
 
 class ZoneIn(BaseModel):
-    """A zone: a name and a polygon of 3 to 64 points in 0..1 of the frame."""
+    """A zone: a name, a polygon of 3 to 64 points in 0..1 of the frame, and its inertia."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
     points: Annotated[list[tuple[float, float]], Field(min_length=3, max_length=64)]
+    inertia: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=MAX_INERTIA,
+            description="frames in a row a tracked object is seen inside to enter (outside to"
+            " exit)",
+        ),
+    ] = INERTIA
 
 
 class DetectIn(BaseModel):
@@ -263,6 +272,11 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
                 for zone, counts in info["zones"].items()
                 for name, n in counts["entered"].items()
             },
+            zone_exits={
+                (zone, name): n
+                for zone, counts in info["zones"].items()
+                for name, n in counts["exited"].items()
+            },
         )
 
 
@@ -284,5 +298,6 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         ws_queue_size=settings.ws_queue_size,
         max_streams=settings.max_streams,
         stop_timeout_s=settings.stream_open_timeout_s + settings.stream_read_timeout_s,
+        event_log_size=settings.event_log_size,
     )
     return StreamManager(pool, StreamStore(settings.data_dir), options)

@@ -61,7 +61,7 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
             with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, RuntimeError):
                 await task
         log.info(
-            "stream %s: viewer gone, %d message(s) and %d crossing event(s) dropped for it",
+            "stream %s: viewer gone, %d message(s) and %d event(s) dropped for it",
             stream_id,
             sub.dropped,
             sub.dropped_events,

@@ -1,0 +1,121 @@
+"""``GET /events``: line crossings and zone entries and exits of every stream, from the event
+log (``streams/events.py``).
+
+Two ways to read it:
+
+- JSON pages with a cursor: ``?after=<id>`` (from the oldest event kept when absent), filters
+  ``stream_id`` and ``type``, ``limit``, and ``wait_s`` to long-poll: the call answers as soon
+  as an event passes the filters, or after ``wait_s`` with none. The answer's ``next`` is the
+  cursor for the next call, ``missed`` the events that left the log before they were read.
+- Server-sent events (``Accept: text/event-stream``, a browser's ``EventSource``): one
+  ``data:`` message per event with its ``id``, from new events on (or after ``after``, or
+  after the ``Last-Event-ID`` a reconnecting ``EventSource`` sends), a comment every 15 s to
+  keep proxies from closing it, and ``{"type": "missed", "missed": n}`` where events were lost.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import StreamingResponse
+
+from server.routes.streams import get_manager
+from streams.events import EVENT_TYPES, EventLog
+
+router = APIRouter()
+HEARTBEAT_S = 15.0
+MAX_LIMIT = 1000
+MAX_WAIT_S = 60.0
+
+
+def parse_types(raw: str | None) -> frozenset[str] | None:
+    """``type=line_crossing,zone_enter`` as a set; ``None`` (every type) when absent.
+
+    Raises:
+        HTTPException: 422 naming an unknown type and the known ones.
+    """
+    if raw is None or not raw.strip():
+        return None
+    types = frozenset(t.strip() for t in raw.split(",") if t.strip())
+    unknown = types - EVENT_TYPES
+    if unknown:
+        raise HTTPException(
+            422,
+            f"type: unknown event type(s) {sorted(unknown)}; choose from {sorted(EVENT_TYPES)}",
+        )
+    return types
+
+
+@router.get("/events", response_model=None)
+async def read_events(
+    request: Request,
+    *,
+    after: Annotated[
+        int | None,
+        Query(description="the cursor: events with ids above it (default: the oldest kept)"),
+    ] = None,
+    stream_id: Annotated[str | None, Query(description="one stream's events only")] = None,
+    event_type: Annotated[
+        str | None,
+        Query(alias="type", description="comma-separated: line_crossing, zone_enter, zone_exit"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="most events")] = 100,
+    wait_s: Annotated[
+        float, Query(ge=0.0, le=MAX_WAIT_S, description="long-poll up to this long for one")
+    ] = 0.0,
+) -> dict[str, Any] | StreamingResponse:
+    manager = get_manager(request)
+    types = parse_types(event_type)
+    if stream_id is not None and manager.describe(stream_id) is None:
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    log = manager.events
+    if "text/event-stream" in request.headers.get("accept", ""):
+        cursor = _resume_from(request.headers.get("last-event-id"), after, log)
+        return StreamingResponse(
+            _event_stream(log, cursor, stream_id, types),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    cursor = 0 if after is None else after
+    deadline = time.monotonic() + wait_s
+    while True:
+        page = log.read(cursor, limit, stream_id, types)
+        left = deadline - time.monotonic()
+        if page.events or page.missed or left <= 0 or log.closed:
+            break
+        cursor = page.next
+        await log.wait(cursor, left)
+    return {"events": page.events, "next": page.next, "missed": page.missed}
+
+
+def _resume_from(last_event_id: str | None, after: int | None, log: EventLog) -> int:
+    if last_event_id:
+        try:
+            return int(last_event_id)
+        except ValueError:
+            raise HTTPException(
+                422, f"Last-Event-ID: expected an event id, got {last_event_id[:40]!r}"
+            ) from None
+    return log.last_id if after is None else after
+
+
+async def _event_stream(
+    log: EventLog, cursor: int, stream_id: str | None, types: frozenset[str] | None
+) -> AsyncIterator[str]:
+    yield "retry: 2000\n\n"  # how soon an EventSource reconnects
+    while not log.closed:
+        page = log.read(cursor, MAX_LIMIT, stream_id, types)
+        cursor = page.next
+        if page.missed:
+            missed = {"type": "missed", "missed": page.missed}
+            yield f"data: {json.dumps(missed)}\n\n"
+        for event in page.events:
+            yield f"id: {event['id']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+        if page.events or page.missed:
+            continue
+        if not await log.wait(cursor, HEARTBEAT_S) and not log.closed:
+            yield ": keep-alive\n\n"

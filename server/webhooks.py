@@ -1,0 +1,180 @@
+"""Webhooks: every event of the event log (``streams/events.py``) POSTed to each URL of the
+``webhooks`` setting as it happens, as Roboflow Inference's webhook sink and Frigate's MQTT
+events do.
+
+Each webhook is a reader of the log with its own cursor, so a slow or failing receiver holds
+no memory of its own and never delays a stream or another webhook. Events go in batches of up
+to :data:`BATCH` (``{"events": [...]}``, the objects ``GET /events`` returns, ids growing), in
+order. A POST that fails (no answer within ``webhook_timeout_s``, or a status other than 2xx)
+is retried with the same events, backing off from 0.5 s to 30 s; events that leave the log
+while a receiver is down are counted (``streamdet_webhook_events_total{outcome="missed"}``)
+and logged, never dropped silently. With ``webhook_secret`` set each body is signed:
+``X-Streamdet-Signature: sha256=<HMAC-SHA256 of the body, hex>``, as GitHub signs its hooks.
+On shutdown, what is left is delivered within the drain time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import httpx
+
+from server.metrics import Metrics
+from server.settings import check_webhook_url
+from streams.events import EventLog
+
+log = logging.getLogger(__name__)
+BATCH = 100
+BACKOFF_INITIAL_S = 0.5
+BACKOFF_MAX_S = 30.0
+SIGNATURE_HEADER = "X-Streamdet-Signature"
+
+
+def label(url: str) -> str:
+    """The URL as logs and metrics show it: no credentials, query or fragment (they may hold
+    tokens)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+def sign(secret: str, body: bytes) -> str:
+    """The signature header's value for ``body``."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class WebhookSender:
+    """Delivers the log's events to one URL, from the events after ``start`` on.
+
+    Args:
+        url: where to POST.
+        events: the event log.
+        secret: signs each body when set.
+        timeout_s: time the receiver has to answer one POST.
+        metrics: counts events sent and missed, and failed POSTs.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        events: EventLog,
+        secret: str | None,
+        timeout_s: float,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.url = check_webhook_url(url)
+        self.name = label(url)
+        self._log = events
+        self._secret = secret
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self.cursor = events.last_id
+        self.sent = self.missed = self.failures = 0
+
+    @property
+    def pending(self) -> int:
+        """Events logged and not delivered yet."""
+        return self._log.last_id - self.cursor
+
+    async def run(self) -> None:
+        """Deliver until the log closes and everything in it was delivered (or cancelled)."""
+        backoff = BACKOFF_INITIAL_S
+        async with httpx.AsyncClient(timeout=self._timeout_s) as client:
+            while True:
+                page = self._log.read(self.cursor, BATCH)
+                if page.missed:
+                    self._count("missed", page.missed)
+                    log.warning(
+                        "webhook %s: %d event(s) left the event log before they could be sent"
+                        " (setting STREAMDET_EVENT_LOG_SIZE)",
+                        self.name,
+                        page.missed,
+                    )
+                if not page.events:
+                    self.cursor = page.next
+                    if self._log.closed:
+                        return
+                    await self._log.wait(self.cursor, 60.0)
+                    continue
+                error = await self._post(client, page.events)
+                if error is None:
+                    self.cursor = page.next
+                    self._count("sent", len(page.events))
+                    backoff = BACKOFF_INITIAL_S
+                    continue
+                self.failures += 1
+                if self._metrics is not None:
+                    self._metrics.webhook_failures.labels(self.name).inc()
+                log.warning(
+                    "webhook %s: %d event(s) not delivered (%s); retrying in %.1f s",
+                    self.name,
+                    len(page.events),
+                    error,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2.0, BACKOFF_MAX_S)
+
+    async def _post(self, client: httpx.AsyncClient, events: Sequence[object]) -> str | None:
+        """POST one batch; the reason it failed, or None."""
+        body = json.dumps({"events": events}, separators=(",", ":")).encode()
+        headers = {"Content-Type": "application/json", "User-Agent": "streamdet"}
+        if self._secret:
+            headers[SIGNATURE_HEADER] = sign(self._secret, body)
+        try:
+            response = await client.post(self.url, content=body, headers=headers)
+        except Exception as exc:  # any failure is retried; the sender lives on
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if not 200 <= response.status_code < 300:
+            return f"HTTP {response.status_code}"
+        return None
+
+    def _count(self, outcome: str, n: int) -> None:
+        if outcome == "sent":
+            self.sent += n
+        else:
+            self.missed += n
+        if self._metrics is not None:
+            self._metrics.webhook_events.labels(self.name, outcome).inc(n)
+
+
+class Webhooks:
+    """Every webhook's sender task, started and stopped with the app."""
+
+    def __init__(self, senders: Sequence[WebhookSender]) -> None:
+        self.senders = list(senders)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for sender in self.senders:
+            log.info("webhook %s: sending events", sender.name)
+            self._tasks.append(asyncio.create_task(sender.run(), name=f"webhook {sender.name}"))
+
+    async def stop(self, timeout_s: float) -> None:
+        """After the log closed: wait up to ``timeout_s`` for what is left to go out, then
+        cancel."""
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if not task.cancelled() and task.exception() is not None:
+                log.error("webhook task ended with %r", task.exception())
+        for sender in self.senders:
+            if sender.pending:
+                log.warning(
+                    "webhook %s: %d event(s) not delivered at shutdown (setting"
+                    " STREAMDET_SHUTDOWN_TIMEOUT_S gives receivers longer)",
+                    sender.name,
+                    sender.pending,
+                )

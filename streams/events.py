@@ -1,0 +1,140 @@
+"""Events of every stream (line crossings, zone entries and exits) in one bounded log, read by
+``GET /events`` (a cursor, long-polled) and by webhooks (``server/webhooks.py``).
+
+Each event gets an id that grows by one per event. Ids start from the server's start time in
+microseconds, so a cursor kept by a client across a server restart still points before every
+new event (nothing is skipped), and ``missed`` counts only events of this run that left the
+log (``event_log_size``) before the client read them.
+
+Everything here runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from streams.lines import Crossing
+from streams.zones import ZoneEvent
+
+StreamEvent = Crossing | ZoneEvent
+EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit"})
+
+
+@dataclass(frozen=True, slots=True)
+class EventPage:
+    """One read of the log.
+
+    Attributes:
+        events: up to ``limit`` events after the cursor that pass the filters, oldest first.
+        next: the cursor to read on from (the last event looked at, matching or not).
+        missed: events after the cursor that left the log before this read.
+    """
+
+    events: list[dict[str, Any]]
+    next: int
+    missed: int
+
+
+class EventLog:
+    """The last ``size`` events of every stream.
+
+    Raises:
+        ValueError: ``size`` < 1 (names the setting).
+    """
+
+    def __init__(self, size: int, start_id: int | None = None) -> None:
+        if size < 1:
+            raise ValueError(
+                "the event log keeps at least 1 event (setting STREAMDET_EVENT_LOG_SIZE)"
+            )
+        first = int(time.time() * 1_000_000) if start_id is None else start_id
+        self._events: deque[dict[str, Any]] = deque(maxlen=size)
+        self._first = first  # id of the first event of this run
+        self._next = first  # id the next event gets
+        self._waiters: set[asyncio.Future[None]] = set()
+        self.closed = False
+
+    @property
+    def last_id(self) -> int:
+        """The id of the newest event (``first - 1`` before any)."""
+        return self._next - 1
+
+    def add(
+        self,
+        stream_id: str,
+        stream_name: str,
+        captured_at: float,
+        events: Sequence[StreamEvent],
+        name_of: Callable[[int], str],
+    ) -> None:
+        """Log one frame's ``events`` and wake the readers waiting for new ones."""
+        if not events:
+            return
+        for event in events:
+            self._events.append(
+                {
+                    "id": self._next,
+                    "stream_id": stream_id,
+                    "stream_name": stream_name,
+                    "captured_at": round(captured_at, 6),
+                    **event.to_json(name_of),
+                }
+            )
+            self._next += 1
+        self._wake()
+
+    def close(self) -> None:
+        """The server is shutting down: readers waiting return now, and none waits again."""
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    def read(
+        self,
+        after: int,
+        limit: int,
+        stream_id: str | None = None,
+        types: Collection[str] | None = None,
+    ) -> EventPage:
+        """Up to ``limit`` events with ids above ``after`` of ``stream_id`` (any stream when
+        None) and of ``types`` (any when None)."""
+        oldest = self._next - len(self._events)
+        missed = max(0, oldest - max(after + 1, self._first))
+        start = max(0, after + 1 - oldest)
+        found: list[dict[str, Any]] = []
+        cursor = max(after, oldest - 1)
+        for k in range(start, len(self._events)):
+            event = self._events[k]
+            cursor = event["id"]
+            if (stream_id is None or event["stream_id"] == stream_id) and (
+                types is None or event["type"] in types
+            ):
+                found.append(event)
+                if len(found) >= limit:
+                    break
+        return EventPage(found, cursor, missed)
+
+    async def wait(self, after: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for an event with an id above ``after``; False on
+        timeout or once the log is closed."""
+        if self.last_id > after or self.closed:
+            return self.last_id > after
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError:
+            return self.last_id > after
+        finally:
+            self._waiters.discard(waiter)
+        return self.last_id > after

@@ -1,0 +1,271 @@
+"""Events (line crossings, zone entries and exits): the event log (``streams.events``),
+``GET /events`` (pages, long polls, server-sent events) and webhooks (``server.webhooks``),
+the last against a real ``streamdet serve`` process, a real clip and a real HTTP receiver on
+loopback that refuses its first calls."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from loadtest.server import ServerProcess
+from server.settings import Settings
+from server.webhooks import label, sign
+from streams.events import EventLog
+from streams.lines import Crossing
+from streams.zones import ZoneEvent
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, file_stream_app
+
+NAMES = {0: "person", 2: "car"}.get
+
+
+def _name(class_id: int) -> str:
+    return NAMES(class_id) or str(class_id)
+
+
+def _crossing(frame: int) -> Crossing:
+    return Crossing("gate", "in", track_id=frame, class_id=2, frame=frame)
+
+
+def test_the_event_log_pages_filters_and_counts_what_it_lost() -> None:
+    log = EventLog(size=5, start_id=1000)
+    assert log.read(0, 10) == log.read(999, 10)  # empty either way
+    assert log.read(0, 10).events == [] and log.read(0, 10).missed == 0
+    log.add("a", "door", 12.5, [_crossing(1)], _name)
+    log.add("b", "", 13.0, [ZoneEvent("dock", "enter", 4, 0, 7)], _name)
+    log.add("a", "door", 13.5, [ZoneEvent("dock", "exit", 4, 0, 9, 1.5, lost=True)], _name)
+    page = log.read(0, 10)  # a cursor from before this run: everything, nothing missed
+    assert [e["id"] for e in page.events] == [1000, 1001, 1002] and page.next == 1002
+    assert page.events[0] == {
+        "id": 1000,
+        "stream_id": "a",
+        "stream_name": "door",
+        "captured_at": 12.5,
+        "type": "line_crossing",
+        "line": "gate",
+        "direction": "in",
+        "track_id": 1,
+        "class_id": 2,
+        "class_name": "car",
+        "frame": 1,
+    }
+    assert page.events[2]["dwell_s"] == 1.5 and page.events[2]["lost"] is True
+    assert "dwell_s" not in page.events[1]  # entries have no dwell yet
+    # Filters; the cursor moves past what they leave out.
+    only_a = log.read(999, 1, stream_id="a")
+    assert [e["id"] for e in only_a.events] == [1000] and only_a.next == 1000
+    assert [e["id"] for e in log.read(only_a.next, 5, stream_id="a").events] == [1002]
+    exits = log.read(999, 5, types={"zone_exit"})
+    assert [e["type"] for e in exits.events] == ["zone_exit"] and exits.next == 1002
+    assert log.read(1002, 5) == log.read(1002, 5) and log.read(1002, 5).events == []
+    # Past its size the oldest go, and a reader behind them is told how many it missed.
+    log.add("a", "door", 14.0, [_crossing(f) for f in range(10, 17)], _name)
+    assert log.last_id == 1009
+    behind = log.read(1001, 10)
+    assert behind.missed == 3 and [e["id"] for e in behind.events] == list(range(1005, 1010))
+    assert log.read(0, 10).missed == 5  # only this run's lost events count
+
+
+async def test_waiting_readers_wake_on_a_new_event_and_on_close() -> None:
+    log = EventLog(size=10, start_id=1)
+    assert not await log.wait(0, 0.01)  # nothing yet
+    waiting = asyncio.create_task(log.wait(0, 30.0))
+    await asyncio.sleep(0.01)
+    log.add("a", "", 1.0, [_crossing(1)], _name)
+    assert await asyncio.wait_for(waiting, 5.0)
+    assert await log.wait(0, 0.0)  # already there
+    waiting = asyncio.create_task(log.wait(1, 30.0))
+    await asyncio.sleep(0.01)
+    log.close()  # shutdown: readers return at once, and do not wait again
+    assert not await asyncio.wait_for(waiting, 5.0)
+    assert not await asyncio.wait_for(log.wait(1, 30.0), 5.0)
+
+
+def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
+    tmp_path: Path,
+) -> None:
+    bottle = next(v for v in VIDEOS if v.name.startswith("bottle"))
+    shelf = {"name": "shelf", "points": [[0.6, 0.0], [1.0, 0.0], [1.0, 1.0], [0.6, 1.0]]}
+    with TestClient(file_stream_app(tmp_path)) as c:
+        for query, status, words in (
+            ({"type": "zone_enter,bogus"}, 422, "unknown event type(s) ['bogus']"),
+            ({"limit": 0}, 422, "limit"),
+            ({"wait_s": 61}, 422, "wait_s"),
+            ({"stream_id": "nope"}, 404, "no stream 'nope'"),
+        ):
+            resp = c.get("/events", params=query)
+            assert resp.status_code == status and words in resp.text, (query, resp.text)
+        first = c.get("/events").json()
+        assert first["events"] == [] and first["missed"] == 0
+        resp = c.post(
+            "/streams",
+            json={
+                "url": f"file://{bottle}",
+                "max_fps": 8,
+                "classes": "bottle",
+                "track": True,
+                "zones": [shelf],
+            },
+        )
+        sid = resp.json()["id"]
+        # The bottle standing on the right enters the shelf in its third processed frame:
+        # a long poll answers with it as soon as it happens.
+        page = c.get(
+            "/events", params={"after": first["next"], "type": "zone_enter", "wait_s": 30}
+        ).json()
+        assert [(e["type"], e["zone"], e["class_name"]) for e in page["events"]] == [
+            ("zone_enter", "shelf", "bottle")
+        ]
+        event = page["events"][0]
+        assert event["stream_id"] == sid and event["frame"] >= 3 and page["next"] >= event["id"]
+        counts = c.get(f"/streams/{sid}").json()["zones"]["shelf"]
+        assert counts["entered"] == {"bottle": 1}
+        # Nothing else enters: a short long poll from there answers empty, with a cursor.
+        later = c.get(
+            "/events", params={"after": page["next"], "type": "zone_enter", "wait_s": 0.5}
+        ).json()
+        assert later["events"] == [] and later["next"] >= page["next"]
+
+
+# ---- webhooks and server-sent events against a real server ----------------------------------
+
+
+class _Receiver:
+    """An HTTP server on loopback that answers 503 to its first ``refuse`` POSTs and keeps
+    what it is sent after."""
+
+    def __init__(self, refuse: int) -> None:
+        self.refuse = refuse
+        self.refused = 0
+        self.calls: list[tuple[dict[str, str], bytes]] = []
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                with receiver._lock:
+                    if receiver.refused < receiver.refuse:
+                        receiver.refused += 1
+                        self.send_response(503)
+                    else:
+                        receiver.calls.append((dict(self.headers.items()), body))
+                        self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hooks/streamdet?token=x"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for _, body in self.calls for e in json.loads(body)["events"]]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[_Receiver]:
+    r = _Receiver(refuse=2)
+    yield r
+    r.close()
+
+
+def test_webhooks_get_every_event_signed_after_failures_and_sse_streams_them(
+    tmp_path: Path, receiver: _Receiver
+) -> None:
+    car = next(v for v in VIDEOS if v.name.startswith("car"))
+    secret = "s3cret"
+    server = ServerProcess(
+        {
+            "model": str(MODEL_PT),
+            "cache_dir": str(CACHE_DIR),
+            "data_dir": str(tmp_path / "data"),
+            "allowed_file_dir": str(car.parent),
+            "webhooks": receiver.url,
+            "webhook_secret": secret,
+            "shutdown_timeout_s": 5,
+        },
+        log_path=tmp_path / "server.log",
+        ready_timeout_s=180,
+    )
+    with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+        resp = c.post(
+            "/streams",
+            json={
+                "url": f"file://{car}",
+                "max_fps": 8,
+                "track": True,
+                "lines": [{"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}],
+            },
+        )
+        assert resp.status_code == 201, resp.text
+        # The receiver refuses the first two POSTs; the same events come again, then more.
+        deadline = time.monotonic() + 90
+        while len(receiver.events()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        metrics = c.get("/metrics").text
+        logged = c.get("/events", params={"limit": 1000}).json()["events"]
+        # Server-sent events from the oldest kept: the first crossing, as GET /events has it;
+        # a server shutting down ends the event stream cleanly instead of hanging on it.
+        headers = {"Accept": "text/event-stream"}
+        with c.stream("GET", "/events", params={"after": 0}, headers=headers) as sse:
+            assert sse.headers["content-type"].startswith("text/event-stream")
+            sse_events: list[dict[str, Any]] = []
+            sse_ids: list[str] = []
+            lines = sse.iter_lines()
+            for line in lines:
+                if line.startswith("id: "):
+                    sse_ids.append(line[4:])
+                if line.startswith("data: "):
+                    sse_events.append(json.loads(line[6:]))
+                if len(sse_events) == len(logged):
+                    server.signal_stop()
+                    break
+            rest = list(lines)  # the stream ends: no error, no hang
+        assert server.stop() in (0, -signal.SIGTERM)
+    assert sse_events == logged and sse_ids == [str(e["id"]) for e in logged]
+    assert all(line == "" or line.startswith(("id: ", "data: ", ":")) for line in rest)
+    assert receiver.refused == 2
+    got = receiver.events()
+    assert len(got) >= 3, got
+    ids = [e["id"] for e in got]
+    assert ids == list(range(ids[0], ids[0] + len(ids)))  # in order, none lost, none twice
+    assert got[0] == logged[0]  # from the first event on, though the first calls failed
+    assert got == logged[: len(got)] or logged == got[: len(logged)]
+    for headers_sent, body in receiver.calls:
+        assert headers_sent["X-Streamdet-Signature"] == sign(secret, body)
+        assert headers_sent["Content-Type"] == "application/json"
+    expected = hmac.new(secret.encode(), receiver.calls[0][1], hashlib.sha256).hexdigest()
+    assert receiver.calls[0][0]["X-Streamdet-Signature"] == f"sha256={expected}"
+    name = label(receiver.url)
+    assert "token" not in name and name.endswith("/hooks/streamdet")
+    assert f'streamdet_webhook_failures_total{{webhook="{name}"}} 2.0' in metrics
+    assert f'outcome="sent",webhook="{name}"' in metrics
+    assert "retrying in" in server.log_text() and "HTTP 503" in server.log_text()
+    assert "graceful shutdown exceeded" not in server.log_text()  # nothing held it open
+
+
+def test_webhook_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="STREAMDET_WEBHOOKS"):
+        Settings(webhooks=["ftp://example.com/x"])
+    assert Settings(webhooks="http://a/x, https://b/y").webhooks == ["http://a/x", "https://b/y"]
