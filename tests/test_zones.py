@@ -5,6 +5,7 @@ of a real clip, and through the API."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def test_zones_count_what_stands_in_them_by_its_anchor() -> None:
 
 
 def _walk(
-    zone: Zone, path: list[float | None], y: float = 400.0
+    zone: Zone, path: Sequence[float | None], y: float = 400.0
 ) -> tuple[list[tuple[str, int]], list[ZoneFrame], set[int]]:
     """A car (anchor x along ``path``; None: a frame it was missed in) tracked through
     ``zone``, 0.1 s a frame: its events (kind, frame), each frame's zones, its track ids."""
