@@ -542,6 +542,16 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     labels = pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].shapes.map(s => s.label)")
     assert all(re.fullmatch(r"[a-z ]+ #\d+ [01]\.\d\d \d+s", label) for label in labels), labels
     figure.screenshot(path=artifacts / "viewer-zone.png")
+    # The cars' entries into it come to the page's event list as they happen (server-sent
+    # events), newest first, with the stream's name.
+    entered = pg.locator("#event-list li.zone_enter").first
+    expect(entered).to_contain_text(
+        re.compile(r"^\d\d?:\d\d:\d\d · .+ · [a-z ]+ #\d+ entered lot$")
+    )
+    expect(pg.locator("#no-events")).to_be_hidden()
+    got = pg.evaluate("() => window.streamdet.events.filter((e) => e.type === 'zone_enter')")
+    assert got and all(e["stream_id"] == stream_id and e["zone"] == "lot" for e in got), got
+    pg.locator("#events-panel").screenshot(path=artifacts / "viewer-events.png")
 
     # One line removed from the line editor's list; the zone stays.
     figure.locator("button.tile-line").click()

@@ -976,6 +976,64 @@ function setUpPlayground() {
   });
 }
 
+// ---------------------------------------------------------------- events
+
+const EVENTS_SHOWN = 50;
+const EVENTS_RETRY_MS = 3000;
+let eventSource = null;
+let eventRetry = null;
+debug.events = [];
+
+// One event (GET /events' JSON) as a sentence: "car #12 entered dock".
+function eventText(e) {
+  const who = `${e.class_name} #${e.track_id}`;
+  if (e.type === "line_crossing") return `${who} crossed ${e.line} (${e.direction})`;
+  if (e.type === "zone_enter") return `${who} entered ${e.zone}`;
+  if (e.type === "zone_exit") {
+    const how = e.lost ? "lost in" : "left";
+    return `${who} ${how} ${e.zone} after ${Number(e.dwell_s).toFixed(1)} s`;
+  }
+  return JSON.stringify(e);
+}
+
+function showEvent(e) {
+  if (e.type === "missed") {
+    showError("events", `${e.missed} event(s) left the server's log before this page read them.`);
+    return;
+  }
+  debug.events.push(e);
+  if (debug.events.length > EVENTS_SHOWN) debug.events.shift();
+  const li = document.createElement("li");
+  li.className = `event ${e.type}`;
+  const at = new Date(e.captured_at * 1000).toLocaleTimeString(undefined, { hour12: false });
+  const stream = streams.get(e.stream_id)?.name || e.stream_name || e.stream_id;
+  li.textContent = `${at} · ${stream} · ${eventText(e)}`;
+  const list = $("#event-list");
+  list.prepend(li);
+  while (list.children.length > EVENTS_SHOWN) list.lastElementChild.remove();
+  $("#no-events").hidden = true;
+}
+
+// Server-sent events from GET /events: new events from now on. The browser reconnects by
+// itself after a network error and resumes after the last event it got (Last-Event-ID); a
+// refusal (401, a server not ready) closes it, and it is opened again a little later.
+function connectEvents() {
+  clearTimeout(eventRetry);
+  eventSource?.close();
+  const params = new URLSearchParams();
+  const key = sessionStorage.getItem(KEY_STORAGE);
+  if (key) params.set("access_token", key);
+  const source = new EventSource(`/events?${params}`);
+  eventSource = source;
+  source.onopen = () => clearError("events");
+  source.onmessage = (message) => showEvent(JSON.parse(message.data));
+  source.onerror = () => {
+    if (source.readyState === EventSource.CLOSED && eventSource === source) {
+      eventRetry = setTimeout(connectEvents, EVENTS_RETRY_MS);
+    }
+  };
+}
+
 // ---------------------------------------------------------------- start
 
 async function showModel() {
@@ -996,9 +1054,11 @@ $("#key-button").addEventListener("click", async () => {
   if (await askForKey("API key for this server:")) {
     clearError("auth");
     for (const tile of tiles.values()) tile.reconnectNow();
+    connectEvents();
     showModel();
     refreshStreams();
   }
 });
 setUpPlayground();
 showModel().then(refreshLoop);
+connectEvents();
