@@ -20,6 +20,7 @@ from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.routes import detect, events, health, streams, viewer, ws
 from server.runtime import build_pool
 from server.settings import Settings
+from server.snapshots import SnapshotStore
 from server.state import AppState
 from server.webhooks import Webhooks, WebhookSender
 
@@ -45,6 +46,17 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         manager = streams.build_manager(settings, engine_pool)
         await manager.start()
         state.streams = manager
+        snapshots = SnapshotStore(
+            settings.event_snapshots,
+            settings.event_snapshot_width,
+            executor,
+            manager.detect,
+            metrics,
+        )
+        if snapshots.enabled:
+            manager.event_extra = snapshots.extra
+            manager.event_observers.append(snapshots.capture)
+        state.snapshots = snapshots
         webhooks = Webhooks(
             [
                 WebhookSender(

@@ -377,6 +377,13 @@ class Metrics:
             ["webhook", "outcome"],
             registry=reg,
         )
+        self.event_snapshots = Counter(
+            "streamdet_event_snapshots",
+            "Frames with events drawn as JPEG snapshots (made), or not because too many were"
+            " being drawn (skipped)",
+            ["outcome"],
+            registry=reg,
+        )
         self.webhook_failures = Counter(
             "streamdet_webhook_failures",
             "Webhook POSTs that failed (no answer in time, or not 2xx); each is retried",

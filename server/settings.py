@@ -129,6 +129,16 @@ class Settings(BaseSettings):
         description="events (line crossings, zone entries and exits) kept for GET /events and"
         " webhooks; a reader further behind is told how many it missed",
     )
+    event_snapshots: int = Field(
+        256,
+        ge=0,
+        le=100_000,
+        description="frames with events kept as JPEGs for GET /events/{id}/snapshot.jpg"
+        " (about 40 kB each at 640 px); 0 = no snapshots",
+    )
+    event_snapshot_width: int = Field(
+        640, ge=32, le=3840, description="event snapshots wider than this are scaled down"
+    )
     webhooks: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated http(s) URLs each sent every event as it happens,"

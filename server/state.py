@@ -9,6 +9,7 @@ from starlette.requests import HTTPConnection
 
 from engines.pool import EnginePool
 from server.settings import Settings
+from server.snapshots import SnapshotStore
 from streams.manager import StreamManager
 
 
@@ -19,6 +20,7 @@ class AppState:
     decode_executor: ThreadPoolExecutor
     shutting_down: bool = False
     streams: StreamManager | None = None
+    snapshots: SnapshotStore | None = None
 
     @property
     def ready(self) -> bool:

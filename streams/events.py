@@ -71,22 +71,28 @@ class EventLog:
         captured_at: float,
         events: Sequence[StreamEvent],
         name_of: Callable[[int], str],
-    ) -> None:
-        """Log one frame's ``events`` and wake the readers waiting for new ones."""
-        if not events:
-            return
+        *,
+        extra: Callable[[int], dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Log one frame's ``events`` and wake the readers waiting for new ones; returns them
+        as logged. ``extra`` gives more members for an event from its id."""
+        logged: list[dict[str, Any]] = []
         for event in events:
-            self._events.append(
-                {
-                    "id": self._next,
-                    "stream_id": stream_id,
-                    "stream_name": stream_name,
-                    "captured_at": round(captured_at, 6),
-                    **event.to_json(name_of),
-                }
-            )
+            record = {
+                "id": self._next,
+                "stream_id": stream_id,
+                "stream_name": stream_name,
+                "captured_at": round(captured_at, 6),
+                **event.to_json(name_of),
+            }
+            if extra is not None:
+                record.update(extra(self._next))
+            self._events.append(record)
+            logged.append(record)
             self._next += 1
-        self._wake()
+        if logged:
+            self._wake()
+        return logged
 
     def close(self) -> None:
         """The server is shutting down: readers waiting return now, and none waits again."""

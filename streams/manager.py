@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -88,6 +89,10 @@ class StreamManager:
         self._closing = False
         self._bad_detect: set[str] = set()  # streams held back by stored settings
         self.events = EventLog(options.event_log_size)
+        # Called on the event loop with each frame that had events and those events as
+        # logged (e.g. to keep a snapshot of the frame).
+        self.event_observers: list[Callable[[ProcessedFrame, list[dict[str, Any]]], None]] = []
+        self.event_extra: Callable[[int], dict[str, Any]] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -298,9 +303,16 @@ class StreamManager:
         self._latest[frame.stream_id] = frame
         if frame.events:
             name = self._records[frame.stream_id].name
-            self.events.add(
-                frame.stream_id, name, frame.captured_at, frame.events, frame.detections.name_of
+            logged = self.events.add(
+                frame.stream_id,
+                name,
+                frame.captured_at,
+                frame.events,
+                frame.detections.name_of,
+                extra=self.event_extra,
             )
+            for observe in self.event_observers:
+                observe(frame, logged)
         for sub in self._subs.get(frame.stream_id, ()):
             sub.offer(frame)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from engines.pool import EnginePool
 from engines.registry import EngineConfig
@@ -169,3 +171,10 @@ def infer_frames(
         chunk = frames[i : i + batch]
         out += engine.infer(chunk, [params] * len(chunk))
     return out
+
+
+def decode_jpeg(data: bytes) -> npt.NDArray[np.int16]:
+    """A JPEG as an RGB array (int16: differences of pixels do not wrap)."""
+    from PIL import Image as PILImage
+
+    return np.asarray(PILImage.open(io.BytesIO(data)).convert("RGB"), np.int16)

@@ -18,16 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from engines.types import Detections
 from loadtest.server import ServerProcess
 from server.settings import Settings
+from server.snapshots import SnapshotStore
 from server.webhooks import label, sign
 from streams.events import EventLog
+from streams.fanout import ProcessedFrame
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, file_stream_app
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, decode_jpeg, file_stream_app
 
 NAMES = {0: "person", 2: "car"}.get
 
@@ -133,11 +137,47 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         assert event["stream_id"] == sid and event["frame"] >= 3 and page["next"] >= event["id"]
         counts = c.get(f"/streams/{sid}").json()["zones"]["shelf"]
         assert counts["entered"] == {"bottle": 1}
+        # Its snapshot: the frame it happened in, the bottle boxed, the zone outlined in yellow.
+        assert event["snapshot"] == f"/events/{event['id']}/snapshot.jpg"
+        resp = c.get(event["snapshot"])
+        assert resp.status_code == 200 and resp.headers["content-type"] == "image/jpeg"
+        picture = decode_jpeg(resp.content)
+        height, width = picture.shape[:2]
+        assert width == min(640, event_width(c, sid)) and height > 0
+        left_edge = picture[height // 4 : 3 * height // 4, round(0.6 * (width - 1))]
+        yellow = (left_edge[:, 0] > 180) & (left_edge[:, 1] > 150) & (left_edge[:, 2] < 100)
+        assert yellow.mean() > 0.5, yellow.mean()  # the zone's left side
+        missing = c.get("/events/12345/snapshot.jpg")
+        assert missing.status_code == 404 and "STREAMDET_EVENT_SNAPSHOTS" in missing.text
         # Nothing else enters: a short long poll from there answers empty, with a cursor.
         later = c.get(
             "/events", params={"after": page["next"], "type": "zone_enter", "wait_s": 0.5}
         ).json()
         assert later["events"] == [] and later["next"] >= page["next"]
+
+
+def event_width(c: TestClient, sid: str) -> int:
+    """The width of a stream's frames."""
+    width: int = c.get(f"/streams/{sid}").json()["width"]
+    return width
+
+
+async def test_snapshots_are_kept_for_the_last_frames_with_events() -> None:
+    image = np.full((360, 1280, 3), 90, np.uint8)
+    frames = [
+        ProcessedFrame("s", n, None, 0.0, 0.0, image, Detections.empty({0: "person"}, 1280, 360), 1)
+        for n in (1, 2, 3)
+    ]
+    store = SnapshotStore(2, 320, None, lambda _: None)
+    for n, frame in enumerate(frames):
+        store.capture(frame, [{"id": 10 + 2 * n}, {"id": 11 + 2 * n}])
+    assert await store.get(10) is None and await store.get(11) is None  # the oldest went
+    first, second = await store.get(12), await store.get(13)
+    assert first is not None and first == second  # one picture for a frame's events
+    assert decode_jpeg(first).shape == (90, 320, 3)  # scaled to the width asked for
+    assert await store.get(15) is not None and await store.get(16) is None
+    off = SnapshotStore(0, 320, None, lambda _: None)
+    assert off.extra(1) == {} and not off.enabled
 
 
 # ---- webhooks and server-sent events against a real server ----------------------------------

@@ -16,13 +16,14 @@ from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
-from server.routes.viewer import JpegFrames, line_label, render_jpeg, zone_label
+from server.render import line_label, render_jpeg, zone_label
+from server.routes.viewer import JpegFrames
 from server.routes.ws import _send
 from streams.detect import Roi
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.lines import Crossing, Line
 from streams.zones import Zone
-from tests.helpers import VIDEOS, file_stream_app
+from tests.helpers import VIDEOS, decode_jpeg, file_stream_app
 
 SOURCE_FPS = 12.5  # car-detection.mp4
 
@@ -111,16 +112,12 @@ def test_encode_scales_down_and_keeps_the_picture() -> None:
     assert small[:2] == b"\xff\xd8"
 
 
-def _decode(data: bytes) -> np.ndarray:
-    return np.asarray(PILImage.open(io.BytesIO(data)).convert("RGB"), np.int16)
-
-
 def test_encode_draws_the_boxes_scaled_to_the_picture() -> None:
     frame = frame_at(0.0)  # box 10,20 - 110,220 in a 768x432 frame
     plain, _, _ = render_jpeg(frame.image, 384, 90)
     boxed, width, height = render_jpeg(frame.image, 384, 90, detections=frame.detections)
     assert (width, height) == (384, 216)
-    diff = np.abs(_decode(boxed) - _decode(plain)).sum(axis=2)
+    diff = np.abs(decode_jpeg(boxed) - decode_jpeg(plain)).sum(axis=2)
     changed = np.argwhere(diff > 60)
     # Drawn at half scale: the box 5,10 - 55,110, its label just above it, nothing elsewhere.
     ys, xs = changed[:, 0], changed[:, 1]
@@ -141,12 +138,12 @@ def test_latest_jpeg_of_a_stream(tmp_path: Path) -> None:
         assert resp.headers["content-type"] == "image/jpeg"
         assert resp.headers["cache-control"] == "no-store"
         assert int(resp.headers["x-frame"]) >= 1 and int(resp.headers["x-detections"]) >= 0
-        assert _decode(resp.content).shape == (360, 640, 3)  # the clip's size, under 1920
+        assert decode_jpeg(resp.content).shape == (360, 640, 3)  # the clip's size, under 1920
         small = c.get(f"/streams/{sid}/latest.jpg?max_width=320&boxes=false&quality=50")
-        assert small.status_code == 200 and _decode(small.content).shape == (180, 320, 3)
+        assert small.status_code == 200 and decode_jpeg(small.content).shape == (180, 320, 3)
         region = [[0.0, 0.0], [0.5, 0.0], [0.5, 1.0], [0.0, 1.0]]
         assert c.patch(f"/streams/{sid}", json={"roi": region}).status_code == 200
-        outlined = _decode(c.get(f"/streams/{sid}/latest.jpg").content)
+        outlined = decode_jpeg(c.get(f"/streams/{sid}/latest.jpg").content)
         edge = outlined[150:210, 318:322].reshape(-1, 3).mean(axis=0)  # x = 0.5 of 640
         assert edge[0] > 150 and edge[1] < 120 and edge[2] > 150  # the region's magenta edge
         bad = c.get(f"/streams/{sid}/latest.jpg?max_width=10")
@@ -158,10 +155,10 @@ def test_encode_outlines_the_region_of_interest() -> None:
     right_half = Roi(((0.5, 0.0), (1.0, 0.0), (1.0, 1.0), (0.5, 1.0)))
     plain, _, _ = render_jpeg(image, 400, 95)
     outlined, _, _ = render_jpeg(image, 400, 95, region=right_half)
-    diff = np.abs(_decode(outlined) - _decode(plain)).sum(axis=2)
+    diff = np.abs(decode_jpeg(outlined) - decode_jpeg(plain)).sum(axis=2)
     assert diff[100, 198:202].max() > 200  # the left edge, at x = 0.5 of 400
     assert diff[100, 300] < 30 and diff[100, 100] < 30  # inside and outside stay as they were
-    picture = _decode(outlined)[100, 199:201].mean(axis=0)
+    picture = decode_jpeg(outlined)[100, 199:201].mean(axis=0)
     assert picture[0] > 150 and picture[1] < 100 and picture[2] > 150  # magenta
 
 
@@ -170,7 +167,7 @@ def test_encode_draws_counting_lines_with_their_counts() -> None:
     gate = Line("gate", (0.0, 0.75), (1.0, 0.75))
     label = line_label("gate", {"gate": {"in": {"car": 3, "truck": 1}, "out": {"car": 2}}})
     assert label == "gate: 4 in, 2 out"
-    drawn = _decode(render_jpeg(image, 400, 95, lines=[(gate, label)])[0])
+    drawn = decode_jpeg(render_jpeg(image, 400, 95, lines=[(gate, label)])[0])
     row = round(0.75 * 199)
     cyan = drawn[row - 1 : row + 2, 300:380].reshape(-1, 3).mean(axis=0)  # right of the label
     assert cyan[0] < 100 and cyan[1] > 150 and cyan[2] > 150
@@ -234,7 +231,7 @@ def test_encode_outlines_zones_with_what_stands_in_them() -> None:
     dock = Zone("dock", ((0.5, 0.5), (1.0, 0.5), (1.0, 1.0), (0.5, 1.0)))
     label = zone_label("dock", {"dock": {"now": {"car": 2, "truck": 1}, "entered": {}}})
     assert label == "dock: 3"
-    drawn = _decode(render_jpeg(image, 400, 95, zones=[(dock, label)])[0])
+    drawn = decode_jpeg(render_jpeg(image, 400, 95, zones=[(dock, label)])[0])
     edge = drawn[150, 198:202].max(axis=0)  # its left side, at x = 0.5 of 400
     assert edge[0] > 150 and edge[1] > 120 and edge[2] < 100  # yellow
     assert drawn[40:80, 20:180].max() < 30  # nothing drawn outside it

@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from server.routes.streams import get_manager
+from server.state import get_state
 from streams.events import EVENT_TYPES, EventLog
 
 router = APIRouter()
@@ -119,3 +120,24 @@ async def _event_stream(
             continue
         if not await log.wait(cursor, HEARTBEAT_S) and not log.closed:
             yield ": keep-alive\n\n"
+
+
+@router.get(
+    "/events/{event_id}/snapshot.jpg",
+    response_class=Response,
+    responses={200: {"content": {"image/jpeg": {}}}},
+)
+async def event_snapshot(event_id: int, request: Request) -> Response:
+    """The frame an event happened in, as a JPEG with its boxes, zones and lines drawn;
+    ``404`` once it is older than the last ``event_snapshots`` frames with events."""
+    get_manager(request)
+    store = get_state(request).snapshots
+    jpeg = None if store is None else await store.get(event_id)
+    if jpeg is None:
+        size = 0 if store is None else store.size
+        raise HTTPException(
+            404,
+            f"no snapshot of event {event_id}: snapshots are kept for the last {size} frames"
+            " with events (setting STREAMDET_EVENT_SNAPSHOTS)",
+        )
+    return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})

@@ -12,24 +12,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import cv2
-import numpy as np
 from fastapi import APIRouter, HTTPException, Query, Request, WebSocket
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from engines.types import Detections, Image
+from server.render import line_label, render_jpeg, zone_label
 from server.routes.streams import get_manager
-from streams.detect import Roi, StreamDetect
-from streams.fanout import ProcessedFrame, host_array
-from streams.files import encode_jpeg
-from streams.lines import Line
-from streams.zones import Zone
+from streams.detect import StreamDetect
+from streams.fanout import ProcessedFrame
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
@@ -203,119 +198,3 @@ async def latest_jpeg(
         "X-Detections": str(len(frame.detections)),
     }
     return Response(jpeg, media_type="image/jpeg", headers=headers)
-
-
-REGION_RGB = (255, 0, 255)  # the outline of a stream's region of interest: magenta
-LINE_RGB = (0, 255, 255)  # counting lines: cyan, as on the viewer page
-ZONE_RGB = (255, 212, 0)  # zones: yellow, as on the viewer page
-
-
-def line_label(name: str, crossings: Mapping[str, Mapping[str, Mapping[str, int]]]) -> str:
-    """``gate: 3 in, 1 out``: a line's crossings each way, summed over classes (ASCII: OpenCV's
-    Hershey fonts have nothing else)."""
-    ways = crossings.get(name, {})
-    n_in, n_out = (sum(ways.get(way, {}).values()) for way in ("in", "out"))
-    return f"{name}: {n_in} in, {n_out} out"
-
-
-def zone_label(name: str, zones: Mapping[str, Mapping[str, Mapping[str, int]]]) -> str:
-    """``dock: 2``: how many objects stand in a zone, summed over classes."""
-    return f"{name}: {sum(zones.get(name, {}).get('now', {}).values())}"
-
-
-def _color(class_id: int) -> tuple[int, int, int]:
-    """A fixed, distinct RGB colour per class."""
-    hue = (class_id * 47) % 180
-    hsv = np.array([[[hue, 200, 255]]], np.uint8)
-    r, g, b = (int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)[0, 0])
-    return r, g, b
-
-
-def _label(
-    rgb: Image,
-    text: str,
-    at: tuple[int, int],
-    colors: tuple[tuple[int, int, int], tuple[int, int, int]],
-    *,
-    above: bool = False,
-) -> None:
-    """``text`` on a filled box (``colors``: box, text) with its top left corner at ``at``
-    (its bottom left, ``above``), kept inside the image."""
-    height, width = rgb.shape[:2]
-    (tw, th), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, 0.5, 1)
-    left, top = at
-    if above:
-        top -= th + base + 2
-    left = min(max(left, 0), max(width - tw - 4, 0))
-    top = min(max(top, 0), max(height - th - base - 2, 0))
-    cv2.rectangle(rgb, (left, top), (left + tw + 4, top + th + base + 2), colors[0], -1)
-    cv2.putText(rgb, text, (left + 2, top + th + 1), cv2.FONT_HERSHEY_SIMPLEX, 0.5, colors[1], 1)
-
-
-def draw_detections(rgb: Image, detections: Detections, scale: float) -> None:
-    """Draw each box with its class name, track id (if tracked) and confidence onto ``rgb``
-    (in place), boxes given in source pixels and scaled by ``scale`` to the image."""
-    tracks = detections.track_ids
-    for i, (box, score, cid) in enumerate(
-        zip(detections.boxes, detections.scores, detections.class_ids, strict=True)
-    ):
-        x1, y1, x2, y2 = (round(float(v) * scale) for v in box)
-        color = _color(int(cid))
-        cv2.rectangle(rgb, (x1, y1), (x2, y2), color, 2)
-        track = "" if tracks is None else f" #{int(tracks[i])}"
-        label = f"{detections.name_of(cid)}{track} {float(score):.2f}"
-        _label(rgb, label, (x1, y1), (color, (0, 0, 0)), above=True)
-
-
-def draw_line(rgb: Image, line: Line, label: str) -> None:
-    """Draw a counting line, its label under its first point, onto ``rgb`` (in place)."""
-    height, width = rgb.shape[:2]
-    (ax, ay), (bx, by) = (
-        (round(x * (width - 1)), round(y * (height - 1))) for x, y in (line.a, line.b)
-    )
-    cv2.line(rgb, (ax, ay), (bx, by), LINE_RGB, 2)
-    _label(rgb, label, (ax, ay + 3), ((0, 0, 0), LINE_RGB))
-
-
-def render_jpeg(
-    image: Image | Any,
-    max_width: int,
-    quality: int,
-    *,
-    detections: Detections | None = None,
-    region: Roi | None = None,
-    lines: Sequence[tuple[Line, str]] = (),
-    zones: Sequence[tuple[Zone, str]] = (),
-) -> tuple[bytes, int, int]:
-    """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes, with
-    ``region``'s outline, ``zones`` and counting ``lines`` (each with its label) and
-    ``detections`` drawn on it when given.
-
-    Runs in a worker thread (OpenCV releases the GIL; a GPU frame is copied down here, not
-    on the event loop). Returns the bytes and the JPEG's width and height.
-    """
-    image = source = host_array(image)
-    height, width = image.shape[:2]
-    if width > max_width:
-        height = max(1, round(height * max_width / width))
-        width = max_width
-        # INTER_AREA only where it matters (shrinking to under half): for 768x432 -> 640x360
-        # it took 3.6 ms a frame against 0.7 ms for INTER_LINEAR, here on one CPU core.
-        interpolation = cv2.INTER_AREA if width * 2 < image.shape[1] else cv2.INTER_LINEAR
-        image = np.ascontiguousarray(
-            cv2.resize(image, (width, height), interpolation=interpolation), dtype=np.uint8
-        )
-    if image is source and (region is not None or detections is not None or lines or zones):
-        image = image.copy()  # drawn on: never the frame that other viewers share
-    if region is not None:
-        corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in region.points])
-        cv2.polylines(image, [corners.round().astype(np.int32)], True, REGION_RGB, 2)
-    for zone, label in zones:
-        corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in zone.points])
-        cv2.polylines(image, [corners.round().astype(np.int32)], True, ZONE_RGB, 2)
-        _label(image, label, (int(corners[0, 0]), int(corners[0, 1])), ((0, 0, 0), ZONE_RGB))
-    for line, label in lines:
-        draw_line(image, line, label)
-    if detections is not None:
-        draw_detections(image, detections, width / detections.width if detections.width else 1.0)
-    return encode_jpeg(image, quality), width, height
