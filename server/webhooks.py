@@ -97,6 +97,8 @@ class WebhookSender:
                         self.name,
                         page.missed,
                     )
+                    # Past them, so a retry of what follows does not count them again.
+                    self.cursor = page.events[0]["id"] - 1 if page.events else page.next
                 if not page.events:
                     self.cursor = page.next
                     if self._log.closed:

@@ -10,10 +10,8 @@ import hashlib
 import hmac
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +20,12 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from benchmarks.events_bench import WebhookReceiver
 from engines.types import Detections
 from loadtest.server import ServerProcess
 from server.settings import Settings
 from server.snapshots import SnapshotStore
-from server.webhooks import label, sign
+from server.webhooks import WebhookSender, label, sign
 from streams.events import EventLog
 from streams.fanout import ProcessedFrame
 from streams.lines import Crossing
@@ -183,55 +182,36 @@ async def test_snapshots_are_kept_for_the_last_frames_with_events() -> None:
 # ---- webhooks and server-sent events against a real server ----------------------------------
 
 
-class _Receiver:
-    """An HTTP server on loopback that answers 503 to its first ``refuse`` POSTs and keeps
-    what it is sent after."""
-
-    def __init__(self, refuse: int) -> None:
-        self.refuse = refuse
-        self.refused = 0
-        self.calls: list[tuple[dict[str, str], bytes]] = []
-        self._lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                with receiver._lock:
-                    if receiver.refused < receiver.refuse:
-                        receiver.refused += 1
-                        self.send_response(503)
-                    else:
-                        receiver.calls.append((dict(self.headers.items()), body))
-                        self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hooks/streamdet?token=x"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def events(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return [e for _, body in self.calls for e in json.loads(body)["events"]]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+async def test_a_webhook_down_longer_than_the_log_reaches_counts_what_it_missed_once() -> None:
+    receiver = WebhookReceiver(refuse=1)
+    log = EventLog(size=3, start_id=1)
+    sender = WebhookSender(receiver.url, log, None, timeout_s=5)
+    task = asyncio.create_task(sender.run())
+    try:
+        log.add("a", "", 1.0, [_crossing(f) for f in range(1, 6)], _name)  # 1-2 gone at once
+        deadline = time.monotonic() + 10
+        # The receiver is a thread of its own: polled, as it cannot set an asyncio event.
+        while receiver.refused < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        # 3-5 were refused; while it backs off, 6-8 push them out of the log too.
+        log.add("a", "", 2.0, [_crossing(f) for f in range(6, 9)], _name)
+        log.close()
+        await asyncio.wait_for(task, 15)  # what is left is delivered, then it ends
+    finally:
+        receiver.close()
+    assert [e["id"] for e in receiver.events()] == [6, 7, 8]
+    assert (sender.missed, sender.sent, sender.failures, sender.pending) == (5, 3, 1, 0)
 
 
 @pytest.fixture
-def receiver() -> Iterator[_Receiver]:
-    r = _Receiver(refuse=2)
+def receiver() -> Iterator[WebhookReceiver]:
+    r = WebhookReceiver(refuse=2)
     yield r
     r.close()
 
 
 def test_webhooks_get_every_event_signed_after_failures_and_sse_streams_them(
-    tmp_path: Path, receiver: _Receiver
+    tmp_path: Path, receiver: WebhookReceiver
 ) -> None:
     car = next(v for v in VIDEOS if v.name.startswith("car"))
     secret = "s3cret"
@@ -292,11 +272,12 @@ def test_webhooks_get_every_event_signed_after_failures_and_sse_streams_them(
     assert ids == list(range(ids[0], ids[0] + len(ids)))  # in order, none lost, none twice
     assert got[0] == logged[0]  # from the first event on, though the first calls failed
     assert got == logged[: len(got)] or logged == got[: len(logged)]
-    for headers_sent, body in receiver.calls:
+    for _, headers_sent, body in receiver.calls:
         assert headers_sent["X-Streamdet-Signature"] == sign(secret, body)
         assert headers_sent["Content-Type"] == "application/json"
-    expected = hmac.new(secret.encode(), receiver.calls[0][1], hashlib.sha256).hexdigest()
-    assert receiver.calls[0][0]["X-Streamdet-Signature"] == f"sha256={expected}"
+    _, first_headers, first_body = receiver.calls[0]
+    expected = hmac.new(secret.encode(), first_body, hashlib.sha256).hexdigest()
+    assert first_headers["X-Streamdet-Signature"] == f"sha256={expected}"
     name = label(receiver.url)
     assert "token" not in name and name.endswith("/hooks/streamdet")
     assert f'streamdet_webhook_failures_total{{webhook="{name}"}} 2.0' in metrics
