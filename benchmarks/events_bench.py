@@ -163,7 +163,7 @@ def main() -> None:
                     },
                 ).raise_for_status()
             time.sleep(args.seconds)
-            streams = c.get("/streams").json()
+            streams = c.get("/streams").json()["streams"]
             logged = c.get("/events", params={"limit": 1000}).json()
             stop.set()
             time.sleep(6.0)  # the long poll's last wait and the webhook's last batch
