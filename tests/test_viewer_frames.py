@@ -10,12 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
+from loadtest.server import ServerProcess
 from server.render import line_label, render_jpeg, zone_label
 from server.routes.viewer import JpegFrames
 from server.routes.ws import _send
@@ -23,7 +25,7 @@ from streams.detect import Roi
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.lines import Crossing, Line
 from streams.zones import Zone
-from tests.helpers import VIDEOS, decode_jpeg, file_stream_app
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, decode_jpeg, file_stream_app
 
 SOURCE_FPS = 12.5  # car-detection.mp4
 
@@ -235,3 +237,53 @@ def test_encode_outlines_zones_with_what_stands_in_them() -> None:
     edge = drawn[150, 198:202].max(axis=0)  # its left side, at x = 0.5 of 400
     assert edge[0] > 150 and edge[1] > 120 and edge[2] < 100  # yellow
     assert drawn[40:80, 20:180].max() < 30  # nothing drawn outside it
+
+
+def test_mjpeg_stream_of_a_stream_for_img_tags_and_camera_cards(tmp_path: Path) -> None:
+    """A real server: ``GET /streams/{id}/mjpeg`` sends processed frames as JPEG parts of a
+    ``multipart/x-mixed-replace`` body, at most ``max_fps`` a second, with the boxes drawn;
+    removing the stream ends the body cleanly."""
+    bottle = next(v for v in VIDEOS if v.name.startswith("bottle"))
+    server = ServerProcess(
+        {
+            "model": str(MODEL_PT),
+            "cache_dir": str(CACHE_DIR),
+            "data_dir": str(tmp_path / "data"),
+            "allowed_file_dir": str(bottle.parent),
+            "shutdown_timeout_s": 5,
+        },
+        log_path=tmp_path / "server.log",
+        ready_timeout_s=180,
+    )
+    with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+        assert c.get("/streams/nope/mjpeg").status_code == 404
+        sid = c.post("/streams", json={"url": f"file://{bottle}", "classes": "bottle"}).json()["id"]
+        bad = c.get(f"/streams/{sid}/mjpeg", params={"max_fps": 0})
+        assert bad.status_code == 422 and "max_fps" in bad.text
+        params = {"max_fps": 4, "max_width": 320}
+        with c.stream("GET", f"/streams/{sid}/mjpeg", params=params) as resp:
+            kind = resp.headers["content-type"]
+            assert kind == "multipart/x-mixed-replace; boundary=frame", kind
+            body = b""
+            chunks = resp.iter_bytes()
+            started = time.monotonic()
+            while body.count(b"--frame\r\n") < 6:
+                body += next(chunks)
+            elapsed = time.monotonic() - started
+            assert c.delete(f"/streams/{sid}").status_code == 204
+            body += b"".join(chunks)  # ends once the stream is gone: no hang, no error
+    parts = [p for p in body.split(b"--frame\r\n") if p]
+    assert len(parts) >= 6
+    frames = []
+    for part in parts[:6]:
+        head, _, rest = part.partition(b"\r\n\r\n")
+        fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n"))
+        assert fields["Content-Type"] == "image/jpeg"
+        jpeg = rest[: int(fields["Content-Length"])]
+        assert rest[len(jpeg) :] == b"\r\n"
+        assert decode_jpeg(jpeg).shape == (180, 320, 3)  # 640x360 scaled to 320 wide
+        frames.append(int(fields["X-Frame"]))
+    assert frames == sorted(frames) and len(set(frames)) == len(frames)
+    # 4 a second from a 30 fps clip: frames skipped between parts, ~1.25 s for 5 gaps.
+    assert frames[-1] - frames[0] >= 5 * 3, frames
+    assert elapsed >= 0.5, elapsed

@@ -10,27 +10,29 @@ it needs no build step and no internet: everything it loads comes from this serv
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
-from collections.abc import Mapping
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request, WebSocket
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from server.render import line_label, render_jpeg, zone_label
 from server.routes.streams import get_manager
 from streams.detect import StreamDetect
-from streams.fanout import ProcessedFrame
+from streams.fanout import Closed, ProcessedFrame
+from streams.manager import StreamManager
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
 
 STATIC_PATH = "/static"
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 # The page and its script change together on upgrade; revalidating costs one 304 per load.
@@ -181,16 +183,8 @@ async def latest_jpeg(
             f"stream {stream_id!r} has no processed frame yet (state {info['state']})",
             headers={"Retry-After": "1"},
         )
-    detect = manager.detect(stream_id)
-    region = detect.roi if boxes and detect is not None else None
-    detections = frame.detections if boxes else None
-    shown = detect if boxes and detect is not None else StreamDetect()
-    lines = [(line, line_label(line.name, info["crossings"])) for line in shown.lines]
-    zones = [(zone, zone_label(zone.name, info["zones"])) for zone in shown.zones]
-    render = functools.partial(
-        render_jpeg, detections=detections, region=region, lines=lines, zones=zones
-    )
-    jpeg, _, _ = await asyncio.to_thread(render, frame.image, max_width, quality)
+    render = _renderer(manager, stream_id, info, boxes=boxes)
+    jpeg, _, _ = await asyncio.to_thread(render, frame, max_width, quality)
     headers = {
         "Cache-Control": "no-store",
         "X-Frame": str(frame.frame),
@@ -198,3 +192,88 @@ async def latest_jpeg(
         "X-Detections": str(len(frame.detections)),
     }
     return Response(jpeg, media_type="image/jpeg", headers=headers)
+
+
+def _renderer(
+    manager: StreamManager, stream_id: str, info: Mapping[str, Any], *, boxes: bool
+) -> Callable[[ProcessedFrame, int, int], tuple[bytes, int, int]]:
+    """Draws a frame of ``stream_id`` as ``latest.jpg`` and the MJPEG stream show it: with
+    ``boxes``, its detections, region, zones and lines (labelled with the counts in
+    ``info``, the stream's description)."""
+    detect = manager.detect(stream_id) if boxes else None
+    shown = detect or StreamDetect()
+    lines = [(line, line_label(line.name, info["crossings"])) for line in shown.lines]
+    zones = [(zone, zone_label(zone.name, info["zones"])) for zone in shown.zones]
+
+    def render(frame: ProcessedFrame, max_width: int, quality: int) -> tuple[bytes, int, int]:
+        return render_jpeg(
+            frame.image,
+            max_width,
+            quality,
+            detections=frame.detections if boxes else None,
+            region=shown.roi,
+            lines=lines,
+            zones=zones,
+        )
+
+    return render
+
+
+MJPEG_BOUNDARY = "frame"
+
+
+@router.get(
+    "/streams/{stream_id}/mjpeg",
+    response_class=StreamingResponse,
+    responses={200: {"content": {f"multipart/x-mixed-replace; boundary={MJPEG_BOUNDARY}": {}}}},
+)
+async def mjpeg(
+    stream_id: str,
+    request: Request,
+    *,
+    boxes: Annotated[
+        bool, Query(description="draw the detections, region, zones and lines with counts")
+    ] = True,
+    max_fps: Annotated[float, Query(ge=0.1, le=60.0, description="most frames a second")] = 5.0,
+    max_width: Annotated[int, Query(ge=32, le=3840, description="scale down wider frames")] = 640,
+    quality: Annotated[int, Query(ge=10, le=95, description="JPEG quality")] = 70,
+) -> StreamingResponse:
+    """The stream's processed frames as an MJPEG stream (``multipart/x-mixed-replace``), as
+    Frigate and IP cameras serve them: an ``<img src>`` shows it live with no script, and
+    Home Assistant's MJPEG camera, VLC or ffmpeg can open it. At most ``max_fps`` frames a
+    second; a client that reads slower gets fewer frames, never old ones. Ends when the
+    stream is removed or the server shuts down."""
+    manager = get_manager(request)
+    info = manager.describe(stream_id)
+    sub = None if info is None else manager.subscribe(stream_id, {"mjpeg": "1"})
+    if info is None or sub is None:
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    pace = JpegFrames(max_fps=max_fps, max_width=max_width, quality=quality)
+
+    async def parts() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                item = await sub.get()
+                if isinstance(item, Closed):
+                    return
+                if not pace.due(item, newer_waiting=sub.qsize() > 0):
+                    continue
+                # The counts drawn are read again for each frame, on the event loop.
+                now = manager.describe(stream_id) or info
+                render = _renderer(manager, stream_id, now, boxes=boxes)
+                jpeg, _, _ = await asyncio.to_thread(render, item, max_width, quality)
+                head = (
+                    f"--{MJPEG_BOUNDARY}\r\nContent-Type: image/jpeg\r\n"
+                    f"Content-Length: {len(jpeg)}\r\nX-Frame: {item.frame}\r\n\r\n"
+                )
+                yield head.encode() + jpeg + b"\r\n"
+                pace.sent += 1
+        finally:
+            manager.unsubscribe(sub)
+            log.info("stream %s: MJPEG client gone after %d frame(s)", stream_id, pace.sent)
+
+    return StreamingResponse(
+        parts(),
+        media_type=f"multipart/x-mixed-replace; boundary={MJPEG_BOUNDARY}",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
