@@ -65,7 +65,11 @@ class StreamAnalytics:
             detections = detect.roi.filter(detections)
         new_objects: list[int] = []
         if detect.track:
-            tracked = self._tracker.update(detections, t)
+            # The engine ran at LOW_CONF: boxes under the stream's conf only carry on tracks.
+            confident = detections.scores >= detect.params.conf
+            low = None if confident.all() else detections.select(~confident)
+            high = detections if low is None else detections.select(confident)
+            tracked = self._tracker.update(high, t, low=low)
             detections, new_objects = tracked.detections, tracked.new_objects
         else:
             self._tracker.clear()

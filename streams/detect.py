@@ -9,6 +9,7 @@ and height) keep a region valid when a camera's resolution changes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,12 @@ class Roi:
         return detections if keep.all() else detections.select(keep)
 
 
+LOW_CONF = 0.1
+"""On a tracked stream the engine keeps detections down to this confidence: those under the
+stream's ``conf`` only carry on tracks that lost their confident detection (ByteTrack's second
+association, :mod:`streams.track`); they never start a track."""
+
+
 @dataclass(frozen=True, slots=True)
 class StreamDetect:
     """A stream's detection settings, swapped as one reference while the stream runs."""
@@ -85,6 +92,14 @@ class StreamDetect:
                 "lines: counting lines need track set to true (crossings are counted per"
                 " tracked object)"
             )
+
+    @property
+    def engine_params(self) -> DetectParams:
+        """What the engine runs with: ``params``, with the confidence lowered to
+        :data:`LOW_CONF` where the stream tracks."""
+        if self.track and self.params.conf > LOW_CONF:
+            return dataclasses.replace(self.params, conf=LOW_CONF)
+        return self.params
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),

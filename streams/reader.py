@@ -366,7 +366,7 @@ class StreamReader:
         done = functools.partial(self._on_done, pending)
         item = WorkItem(
             image,
-            detect.params,
+            detect.engine_params,
             deadline=decoded_mono + self._opt.frame_deadline_ms / 1000.0,
             on_done=done,
             request_id=f"{sid}:{self._frame_no}",

@@ -14,6 +14,14 @@ class-aware NMS leaves two boxes of different classes on one object, both carry 
 
 A track counts as an object once it was seen in ``min_hits`` frames, so a single-frame false
 positive is not counted.
+
+As ByteTrack does, detections under the stream's confidence threshold (``low``, down to
+``streams.detect.LOW_CONF``) get a second chance: after the confident detections are paired,
+a track left without one takes the low-confidence box that overlaps its prediction by at
+least :data:`LOW_IOU_MATCH`. An object whose confidence dips for a few frames (partly hidden,
+blurred, at the edge of the picture) keeps its track, its box and its id instead of
+vanishing and coming back as a new object. Low-confidence boxes never start a track, and
+those no track takes are dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ MAX_AGE_S = 1.0
 """A track not seen for this long ends (about Ultralytics' 30-frame buffer at 30 fps)."""
 MIN_HITS = 3
 """Frames a track must be seen in before it counts as an object."""
+LOW_IOU_MATCH = 0.5
+"""Least IoU for a track to take a low-confidence detection (ByteTrack's second association,
+stricter than the first: a weak box must sit where the track is expected)."""
 DUPLICATE_IOU = 0.8
 """A detection this close to one that has an id in the same frame is the same object under
 another class (class-aware NMS keeps a ``car`` and a ``truck`` box on one vehicle): it shares
@@ -108,8 +119,11 @@ class Tracker:
         if len(self):  # called for every frame of an untracked stream: nothing to do there
             self._keep(np.zeros(len(self), bool))
 
-    def update(self, detections: Detections, t: float) -> Tracked:
-        """Pair ``detections`` (a frame decoded at ``t`` seconds, monotonic) with the tracks.
+    def update(self, detections: Detections, t: float, low: Detections | None = None) -> Tracked:
+        """Pair ``detections`` (a frame decoded at ``t`` seconds, monotonic) with the tracks;
+        then the tracks left unpaired with ``low``, the frame's detections under the stream's
+        confidence threshold. The result holds ``detections`` and the ``low`` ones a track
+        took, in that order.
 
         Frames must come in order of ``t``; an older frame than the last one is treated as
         if it were taken at the last one's time.
@@ -120,15 +134,15 @@ class Tracker:
         n = len(detections)
         ids = np.zeros(n, np.int64)
         new_objects: list[int] = []
+        since = np.maximum(t - self._seen_at, 0.0)
+        paired: set[int] = set()
         if len(self) and n:
-            since = np.maximum(t - self._seen_at, 0.0)
             iou = box_iou(self._boxes + self._velocity * since[:, None], boxes)
             # Greedy, best pair first; only pairs over the threshold are sorted.
             candidates = np.argwhere(iou >= self.iou_match)
             order = np.argsort(-iou[candidates[:, 0], candidates[:, 1]], kind="stable")
             tracks: list[int] = []
             found: list[int] = []
-            paired: set[int] = set()
             for ti, di in candidates[order].tolist():
                 if ti not in paired and not ids[di]:
                     paired.add(ti)
@@ -151,11 +165,60 @@ class Tracker:
             ids[di] = self._next_id
             self._next_id += 1
             started.append(di)
+        result = dataclasses.replace(detections, track_ids=ids)
+        if low is not None and len(low):
+            # Before the new tracks start: only tracks that were live take a weak box.
+            result = self._second_chance(result, low, since, paired)
         if started:
             self._start(ids[started], boxes[started], t)
             if self.min_hits == 1:
                 new_objects += [int(c) for c in classes[started]]
-        return Tracked(dataclasses.replace(detections, track_ids=ids), new_objects)
+        return Tracked(result, new_objects)
+
+    def _second_chance(
+        self,
+        frame: Detections,
+        low: Detections,
+        since: npt.NDArray[np.float64],
+        paired: set[int],
+    ) -> Detections:
+        """ByteTrack's second association: objects unpaired in ``frame`` take the ``low``
+        boxes over their predictions, best pair first; ``frame`` with those added."""
+        # Only objects (tracks seen min_hits times) take weak boxes: a weak box never makes
+        # a one-frame false positive an object (ByteTrack matches them to confirmed tracks).
+        rows = np.array(
+            [r for r in range(len(self)) if r not in paired and self._hits[r] >= self.min_hits],
+            np.int64,
+        )
+        if not rows.size:
+            return frame
+        boxes = low.boxes.astype(np.float64)
+        predicted = self._boxes[rows] + self._velocity[rows] * since[rows][:, None]
+        iou = box_iou(predicted, boxes)
+        candidates = np.argwhere(iou >= LOW_IOU_MATCH)
+        order = np.argsort(-iou[candidates[:, 0], candidates[:, 1]], kind="stable")
+        tracks: list[int] = []
+        found: list[int] = []
+        for ri, di in candidates[order].tolist():
+            if rows[ri] not in tracks and di not in found:
+                tracks.append(int(rows[ri]))
+                found.append(di)
+        if not tracks:
+            return frame
+        taken, cols = np.array(tracks), np.array(found)
+        track_ids = self._ids[taken]
+        self._follow(taken, boxes[cols], since[taken])
+        # Low boxes are all under the confident ones: scores stay in descending order.
+        ordered = np.argsort(-low.scores[cols], kind="stable")
+        cols, track_ids = cols[ordered], track_ids[ordered]
+        assert frame.track_ids is not None
+        return dataclasses.replace(
+            frame,
+            boxes=np.concatenate([frame.boxes, low.boxes[cols]]),
+            scores=np.concatenate([frame.scores, low.scores[cols]]),
+            class_ids=np.concatenate([frame.class_ids, low.class_ids[cols]]),
+            track_ids=np.concatenate([frame.track_ids, track_ids]),
+        )
 
     def _keep(self, rows: npt.NDArray[np.bool_]) -> None:
         self._ids, self._boxes, self._velocity = (

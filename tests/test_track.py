@@ -3,6 +3,7 @@ on synthetic boxes with known motion, and on the real model's detections of a re
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -14,7 +15,8 @@ import pytest
 
 from engines.types import Detections, DetectParams, Engine
 from engines.yolo import box_iou
-from streams.detect import Roi, StreamDetect
+from streams.analytics import StreamAnalytics
+from streams.detect import LOW_CONF, Roi, StreamDetect
 from streams.files import iter_video_frames
 from streams.lines import Crossing, Line, LineCounter, parse_lines
 from streams.track import MAX_AGE_S, MIN_HITS, Tracker
@@ -112,6 +114,60 @@ def test_json_carries_track_ids_only_when_tracked() -> None:
     tracked = Tracker().update(plain, 0.0).detections
     assert tracked.to_json()[0]["track_id"] == 1
     assert tracked.select(np.array([False])).track_ids is not None
+
+
+def scored(boxes: list[list[float]], scores: list[float]) -> Detections:
+    """Cars at ``boxes`` with these confidences (descending)."""
+    return dataclasses.replace(dets(boxes), scores=np.asarray(scores, np.float32))
+
+
+def test_an_object_whose_confidence_dips_keeps_its_track_through_weak_boxes() -> None:
+    """ByteTrack's second association: a tracked car under the stream's confidence for two
+    frames keeps its id and its box; weak boxes elsewhere, or on an object not yet seen
+    often enough to count, are dropped, and never start a track."""
+    tracker = Tracker()
+
+    def car(k: int) -> list[float]:  # 300 px/s
+        return [100 + 30 * k, 100, 200 + 30 * k, 200]
+
+    for k in range(3):  # seen three times: an object
+        assert ids(tracker, dets([car(k)]), 0.1 * k) == [1]
+    none = dets([])
+    for k in (3, 4):  # detected only weakly, beside a weak box of nothing in particular
+        weak = scored([car(k), [700, 700, 760, 760]], [0.18, 0.12])
+        got = tracker.update(none, 0.1 * k, low=weak).detections
+        assert got.track_ids is not None and got.track_ids.tolist() == [1]
+        assert got.boxes.tolist() == [car(k)] and got.scores.tolist() == pytest.approx([0.18])
+    confident = tracker.update(scored([car(5), [700, 100, 760, 160]], [0.9, 0.8]), 0.5)
+    assert confident.detections.track_ids is not None
+    assert confident.detections.track_ids.tolist() == [1, 2]  # one object all along; a new one
+    # Car 2 was seen once: a weak box on it next frame is not taken (not an object yet), and
+    # car 1's confident box comes first, its weak twin after it is dropped.
+    frame = scored([car(6)], [0.95])
+    weak = scored([[703, 103, 763, 163], car(6)], [0.2, 0.15])
+    got = tracker.update(frame, 0.6, low=weak).detections
+    assert got.track_ids is not None and got.track_ids.tolist() == [1]
+    assert tracker.update(none, 0.7, low=scored([[0, 0, 50, 50]], [0.2])).detections.boxes.size == 0
+    assert sorted(tracker.live_ids()) == [1, 2]  # no track from weak boxes alone
+
+
+def test_a_tracked_stream_runs_the_engine_low_and_shows_weak_boxes_only_on_tracks() -> None:
+    params = DetectParams(conf=0.5)
+    assert StreamDetect(params).engine_params == params  # untracked: as asked
+    assert StreamDetect(params, track=True).engine_params.conf == LOW_CONF
+    low_already = DetectParams(conf=0.05)
+    assert StreamDetect(low_already, track=True).engine_params == low_already
+    analytics = StreamAnalytics()
+    settings = StreamDetect(params, track=True)
+    for k in range(3):
+        done = analytics.process(scored([[100, 100, 200, 200]], [0.9]), settings, 0.1 * k, k)
+    # The engine's weak boxes: on the tracked car (kept, with its id), elsewhere (dropped).
+    frame = scored([[102, 100, 202, 200], [600, 600, 700, 700]], [0.3, 0.2])
+    done = analytics.process(frame, settings, 0.3, 3)
+    assert done.detections.track_ids is not None
+    assert done.detections.track_ids.tolist() == [1] and len(done.detections) == 1
+    counts = analytics.snapshot()
+    assert counts["tracked"] == {"car": 1} and counts["detections"] == {"car": 4}
 
 
 def av_rate(video: Path) -> float:
