@@ -24,6 +24,16 @@ SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).re
 MODEL_PT = SHARED / "models" / "yolov8n.pt"
 MODEL_TS = SHARED / "models" / "yolov8n.torchscript"  # the same weights, traced at 640x640
 VIDEOS = sorted((SHARED / "videos").glob("*.mp4"))
+BOTTLE_CLIP = next((v for v in VIDEOS if v.name.startswith("bottle")), Path("missing"))
+SHELF = {"name": "shelf", "points": [[0.6, 0.0], [1.0, 0.0], [1.0, 1.0], [0.6, 1.0]]}
+"""A zone over the right 40% of the bottle clip, where one of its three bottles stands."""
+SHELF_STREAM = {
+    "url": f"file://{BOTTLE_CLIP}",
+    "max_fps": 8,
+    "classes": "bottle",
+    "zones": [SHELF],
+}
+"""``POST /streams``: the bottle clip looping, its bottles counted in :data:`SHELF`."""
 CACHE_DIR = REPO / ".cache" / "streamdet"
 # The keys of one WebSocket frame message (``/ws/streams/{id}``).
 MESSAGE_KEYS = {

@@ -30,7 +30,14 @@ from streams.events import EventLog
 from streams.fanout import ProcessedFrame
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, decode_jpeg, file_stream_app
+from tests.helpers import (
+    CACHE_DIR,
+    MODEL_PT,
+    SHELF_STREAM,
+    VIDEOS,
+    decode_jpeg,
+    file_stream_app,
+)
 
 NAMES = {0: "person", 2: "car"}.get
 
@@ -100,8 +107,6 @@ async def test_waiting_readers_wake_on_a_new_event_and_on_close() -> None:
 def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
     tmp_path: Path,
 ) -> None:
-    bottle = next(v for v in VIDEOS if v.name.startswith("bottle"))
-    shelf = {"name": "shelf", "points": [[0.6, 0.0], [1.0, 0.0], [1.0, 1.0], [0.6, 1.0]]}
     with TestClient(file_stream_app(tmp_path)) as c:
         for query, status, words in (
             ({"type": "zone_enter,bogus"}, 422, "unknown event type(s) ['bogus']"),
@@ -113,16 +118,7 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
             assert resp.status_code == status and words in resp.text, (query, resp.text)
         first = c.get("/events").json()
         assert first["events"] == [] and first["missed"] == 0
-        resp = c.post(
-            "/streams",
-            json={
-                "url": f"file://{bottle}",
-                "max_fps": 8,
-                "classes": "bottle",
-                "track": True,
-                "zones": [shelf],
-            },
-        )
+        resp = c.post("/streams", json={**SHELF_STREAM, "track": True})
         sid = resp.json()["id"]
         # The bottle standing on the right enters the shelf in its third processed frame:
         # a long poll answers with it as soon as it happens.

@@ -25,7 +25,7 @@ from streams.detect import Roi
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.lines import Crossing, Line
 from streams.zones import Zone
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, decode_jpeg, file_stream_app
+from tests.helpers import BOTTLE_CLIP, CACHE_DIR, MODEL_PT, VIDEOS, decode_jpeg, file_stream_app
 
 SOURCE_FPS = 12.5  # car-detection.mp4
 
@@ -243,7 +243,7 @@ def test_mjpeg_stream_of_a_stream_for_img_tags_and_camera_cards(tmp_path: Path) 
     """A real server: ``GET /streams/{id}/mjpeg`` sends processed frames as JPEG parts of a
     ``multipart/x-mixed-replace`` body, at most ``max_fps`` a second, with the boxes drawn;
     removing the stream ends the body cleanly."""
-    bottle = next(v for v in VIDEOS if v.name.startswith("bottle"))
+    bottle = BOTTLE_CLIP
     server = ServerProcess(
         {
             "model": str(MODEL_PT),

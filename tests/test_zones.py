@@ -19,7 +19,7 @@ from streams.files import iter_video_frames
 from streams.lines import Line
 from streams.track import Tracker
 from streams.zones import Zone, ZoneCounter, ZoneEvent, ZoneFrame, parse_zones
-from tests.helpers import VIDEOS, file_stream_app, infer_frames
+from tests.helpers import BOTTLE_CLIP, SHELF, SHELF_STREAM, file_stream_app, infer_frames
 from tests.helpers import synthetic_detections as dets
 
 LEFT = Zone("left", ((0.0, 0.0), (0.5, 0.0), (0.5, 1.0), (0.0, 1.0)))
@@ -179,11 +179,6 @@ def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
 # ---- the real model on a real clip, and through the API --------------------------------------
 
 
-BOTTLE_CLIP = next((v for v in VIDEOS if v.name.startswith("bottle")), Path("missing"))
-# The right 40% of the bottle clip, where one of its three bottles stands.
-SHELF = {"name": "shelf", "points": [[0.6, 0.0], [1.0, 0.0], [1.0, 1.0], [0.6, 1.0]]}
-
-
 def test_the_bottle_standing_in_a_zone_is_counted_there_and_enters_once(
     ort_engine: Engine,
 ) -> None:
@@ -209,15 +204,7 @@ def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
     with TestClient(file_stream_app(tmp_path)) as c:
         bad = c.post("/streams", json={"url": f"file://{BOTTLE_CLIP}", "zones": [{"name": "x"}]})
         assert bad.status_code == 422 and "points" in bad.text
-        resp = c.post(
-            "/streams",
-            json={
-                "url": f"file://{BOTTLE_CLIP}",
-                "max_fps": 8,
-                "classes": "bottle",
-                "zones": [SHELF],
-            },
-        )
+        resp = c.post("/streams", json=SHELF_STREAM)
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
         assert resp.json()["detect"]["zones"] == [{**SHELF, "inertia": 3}]
