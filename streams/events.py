@@ -130,6 +130,24 @@ class EventLog:
                     break
         return EventPage(found, cursor, missed)
 
+    def latest(
+        self,
+        limit: int,
+        stream_id: str | None = None,
+        types: Collection[str] | None = None,
+    ) -> EventPage:
+        """The newest ``limit`` events that pass the filters, oldest first; ``next`` is the
+        newest id, to read on from."""
+        found: list[dict[str, Any]] = []
+        for event in reversed(self._events):
+            if (stream_id is None or event["stream_id"] == stream_id) and (
+                types is None or event["type"] in types
+            ):
+                found.append(event)
+                if len(found) >= limit:
+                    break
+        return EventPage(found[::-1], self.last_id, 0)
+
     async def wait(self, after: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for an event with an id above ``after``; False on
         timeout or once the log is closed."""

@@ -87,6 +87,11 @@ def test_the_event_log_pages_filters_and_counts_what_it_lost() -> None:
     behind = log.read(1001, 10)
     assert behind.missed == 3 and [e["id"] for e in behind.events] == list(range(1005, 1010))
     assert log.read(0, 10).missed == 5  # only this run's lost events count
+    # The newest, oldest first, and the cursor after them: a dashboard's history.
+    newest = log.latest(2)
+    assert [e["id"] for e in newest.events] == [1008, 1009] and newest.next == 1009
+    assert [e["frame"] for e in log.latest(10, types={"line_crossing"}).events][-1] == 16
+    assert log.latest(5, stream_id="b").events == []  # its event left the log
 
 
 async def test_waiting_readers_wake_on_a_new_event_and_on_close() -> None:
@@ -144,6 +149,10 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         assert yellow.mean() > 0.5, yellow.mean()  # the zone's left side
         missing = c.get("/events/12345/snapshot.jpg")
         assert missing.status_code == 404 and "STREAMDET_EVENT_SNAPSHOTS" in missing.text
+        newest = c.get("/events", params={"latest": True, "limit": 1}).json()
+        assert newest["next"] >= event["id"] and len(newest["events"]) == 1
+        both = c.get("/events", params={"latest": True, "after": 0})
+        assert both.status_code == 422 and "drop after" in both.text
         # Nothing else enters: a short long poll from there answers empty, with a cursor.
         later = c.get(
             "/events", params={"after": page["next"], "type": "zone_enter", "wait_s": 0.5}

@@ -545,13 +545,24 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     # The cars' entries into it come to the page's event list as they happen (server-sent
     # events), newest first, with the stream's name.
     entered = pg.locator("#event-list li.zone_enter").first
-    expect(entered).to_contain_text(
+    expect(entered.locator(".event-text")).to_have_text(
         re.compile(r"^\d\d?:\d\d:\d\d · .+ · [a-z ]+ #\d+ entered lot$")
     )
     expect(pg.locator("#no-events")).to_be_hidden()
     got = pg.evaluate("() => window.streamdet.events.filter((e) => e.type === 'zone_enter')")
     assert got and all(e["stream_id"] == stream_id and e["zone"] == "lot" for e in got), got
     pg.locator("#events-panel").screenshot(path=artifacts / "viewer-events.png")
+    # Each has a snapshot: the frame it happened in, fetched and shown in a dialog.
+    entered.locator("button.event-snapshot").click()
+    expect(pg.locator("#snapshot-dialog")).to_be_visible()
+    pg.wait_for_function(
+        "() => { const i = document.getElementById('snapshot-image');"
+        " return i.complete && i.naturalWidth > 0; }"
+    )
+    expect(pg.locator("#snapshot-caption")).to_contain_text("entered lot")
+    pg.locator("#snapshot-dialog").screenshot(path=artifacts / "viewer-event-snapshot.png")
+    pg.locator("#snapshot-dialog button[type=submit]").click()
+    expect(pg.locator("#snapshot-dialog")).to_be_hidden()
 
     # One line removed from the line editor's list; the zone stays.
     figure.locator("button.tile-line").click()

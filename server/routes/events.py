@@ -7,6 +7,8 @@ Two ways to read it:
   ``stream_id`` and ``type``, ``limit``, and ``wait_s`` to long-poll: the call answers as soon
   as an event passes the filters, or after ``wait_s`` with none. The answer's ``next`` is the
   cursor for the next call, ``missed`` the events that left the log before they were read.
+  ``?latest=true`` answers the newest ``limit`` events instead, and the cursor after them (a
+  dashboard's history, before it follows new ones).
 - Server-sent events (``Accept: text/event-stream``, a browser's ``EventSource``): one
   ``data:`` message per event with its ``id``, from new events on (or after ``after``, or
   after the ``Last-Event-ID`` a reconnecting ``EventSource`` sends), a comment every 15 s to
@@ -68,6 +70,10 @@ async def read_events(
     wait_s: Annotated[
         float, Query(ge=0.0, le=MAX_WAIT_S, description="long-poll up to this long for one")
     ] = 0.0,
+    latest: Annotated[
+        bool,
+        Query(description="the newest `limit` events instead (oldest first), and the cursor"),
+    ] = False,
 ) -> dict[str, Any] | StreamingResponse:
     manager = get_manager(request)
     types = parse_types(event_type)
@@ -81,6 +87,11 @@ async def read_events(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+    if latest:
+        if after is not None or wait_s:
+            raise HTTPException(422, "latest: reads the newest events; drop after and wait_s")
+        page = log.latest(limit, stream_id, types)
+        return {"events": page.events, "next": page.next, "missed": page.missed}
     cursor = 0 if after is None else after
     deadline = time.monotonic() + wait_s
     while True:

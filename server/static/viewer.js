@@ -982,6 +982,7 @@ const EVENTS_SHOWN = 50;
 const EVENTS_RETRY_MS = 3000;
 let eventSource = null;
 let eventRetry = null;
+let lastEventId = null; // the newest event shown: where a new connection reads on from
 debug.events = [];
 
 // One event (GET /events' JSON) as a sentence: "car #12 entered dock".
@@ -1003,24 +1004,63 @@ function showEvent(e) {
   }
   debug.events.push(e);
   if (debug.events.length > EVENTS_SHOWN) debug.events.shift();
+  lastEventId = e.id;
   const li = document.createElement("li");
   li.className = `event ${e.type}`;
   const at = new Date(e.captured_at * 1000).toLocaleTimeString(undefined, { hour12: false });
   const stream = streams.get(e.stream_id)?.name || e.stream_name || e.stream_id;
-  li.textContent = `${at} · ${stream} · ${eventText(e)}`;
+  const text = document.createElement("span");
+  text.className = "event-text";
+  text.textContent = `${at} · ${stream} · ${eventText(e)}`;
+  li.append(text, " ");
+  if (e.snapshot) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "event-snapshot";
+    button.textContent = "Snapshot";
+    button.title = "The frame it happened in";
+    button.onclick = () => showSnapshot(e, text.textContent);
+    li.append(button);
+  }
   const list = $("#event-list");
   list.prepend(li);
   while (list.children.length > EVENTS_SHOWN) list.lastElementChild.remove();
   $("#no-events").hidden = true;
 }
 
-// Server-sent events from GET /events: new events from now on. The browser reconnects by
-// itself after a network error and resumes after the last event it got (Last-Event-ID); a
-// refusal (401, a server not ready) closes it, and it is opened again a little later.
-function connectEvents() {
+// An event's snapshot (GET /events/{id}/snapshot.jpg, fetched with the API key) in a dialog.
+async function showSnapshot(e, caption) {
+  try {
+    const blob = await (await api(e.snapshot)).blob();
+    const image = $("#snapshot-image");
+    if (image.src) URL.revokeObjectURL(image.src);
+    image.src = URL.createObjectURL(blob);
+    $("#snapshot-caption").textContent = caption;
+    $("#snapshot-dialog").showModal();
+  } catch (err) {
+    showError("snapshot", `Snapshot of event ${e.id}: ${err.message}`);
+  }
+}
+
+// The newest events first (GET /events?latest=true), then server-sent events from GET
+// /events after them, so none falls between. The browser reconnects by itself after a network
+// error and resumes after the last event it got (Last-Event-ID); a refusal (401, a server not
+// ready) closes it, and it is opened again a little later, after the last event shown.
+async function connectEvents() {
   clearTimeout(eventRetry);
   eventSource?.close();
   const params = new URLSearchParams();
+  if (lastEventId === null) {
+    try {
+      const page = await (await api(`/events?latest=true&limit=${EVENTS_SHOWN}`)).json();
+      for (const e of page.events) showEvent(e);
+      lastEventId = page.next;
+    } catch {
+      eventRetry = setTimeout(connectEvents, EVENTS_RETRY_MS); // the error list says why
+      return;
+    }
+  }
+  params.set("after", String(lastEventId));
   const key = sessionStorage.getItem(KEY_STORAGE);
   if (key) params.set("access_token", key);
   const source = new EventSource(`/events?${params}`);
