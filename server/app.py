@@ -17,6 +17,7 @@ from server import metrics as metrics_module
 from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware, ApiKeys
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
+from server.mqtt import MqttPublisher
 from server.routes import detect, events, health, streams, viewer, ws
 from server.runtime import build_pool
 from server.settings import Settings
@@ -70,6 +71,13 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             ]
         )
         webhooks.start()
+        publisher = (
+            None
+            if settings.mqtt_url is None
+            else MqttPublisher(settings.mqtt_url, settings.mqtt_topic, manager.events, metrics)
+        )
+        if publisher is not None:
+            publisher.start()
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
         lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
         try:
@@ -80,6 +88,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             lag_watch.cancel()
             await manager.stop(settings.shutdown_timeout_s)
             await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out
+            if publisher is not None:
+                await publisher.stop(settings.shutdown_timeout_s)
             await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
             executor.shutdown(wait=False, cancel_futures=True)
             log.info("shutdown complete")

@@ -384,6 +384,18 @@ class Metrics:
             ["outcome"],
             registry=reg,
         )
+        self.mqtt_events = Counter(
+            "streamdet_mqtt_events",
+            "Events published to the MQTT broker (sent), or that left the event log before it"
+            " could take them (missed)",
+            ["outcome"],
+            registry=reg,
+        )
+        self.mqtt_connected = Gauge(
+            "streamdet_mqtt_connected",
+            "1 while the MQTT broker (setting STREAMDET_MQTT_URL) is connected, else 0",
+            registry=reg,
+        )
         self.webhook_failures = Counter(
             "streamdet_webhook_failures",
             "Webhook POSTs that failed (no answer in time, or not 2xx); each is retried",

@@ -139,6 +139,19 @@ class Settings(BaseSettings):
     event_snapshot_width: int = Field(
         640, ge=32, le=3840, description="event snapshots wider than this are scaled down"
     )
+    mqtt_url: str | None = Field(
+        None,
+        repr=False,
+        description="MQTT broker every event is published to: mqtt://[user:password@]host[:port]"
+        " (mqtts:// for TLS); none = no MQTT",
+    )
+    mqtt_topic: str = Field(
+        "streamdet",
+        min_length=1,
+        max_length=128,
+        description="first level of the MQTT topics: <topic>/events, <topic>/<stream id>/events,"
+        " <topic>/available",
+    )
     webhooks: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated http(s) URLs each sent every event as it happens,"
@@ -192,6 +205,23 @@ class Settings(BaseSettings):
     @classmethod
     def _webhook_urls(cls, value: list[str]) -> list[str]:
         return [check_webhook_url(url) for url in value]
+
+    @field_validator("mqtt_url")
+    @classmethod
+    def _mqtt_url(cls, value: str | None) -> str | None:
+        from server.mqtt import check_mqtt_url
+
+        return None if not value else check_mqtt_url(value)
+
+    @field_validator("mqtt_topic")
+    @classmethod
+    def _mqtt_topic(cls, value: str) -> str:
+        if any(c in value for c in "+#\0") or not value.strip("/"):
+            raise ValueError(
+                f"mqtt_topic: {value!r} may not hold the wildcards + or # (setting"
+                " STREAMDET_MQTT_TOPIC)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _backend_batch(self) -> Settings:

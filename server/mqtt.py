@@ -1,0 +1,229 @@
+"""MQTT: every event of the event log (``streams/events.py``) published to a broker, as
+Frigate publishes its events for Home Assistant and Node-RED.
+
+With ``mqtt_url`` set (``mqtt://[user:password@]host[:port]``, ``mqtts://`` for TLS), each
+event goes, as the JSON ``GET /events`` returns, to ``<prefix>/events`` and to
+``<prefix>/<stream id>/events`` (QoS 1: at least once), and ``<prefix>/available`` holds
+``online`` while the server is connected, ``offline`` otherwise (retained; the broker
+publishes ``offline`` itself if the server vanishes, as its last will).
+
+The publisher reads the log with its own cursor, as a webhook does, and only while the broker
+is connected: a broker that is down or restarting gets, once it is back, what happened
+meanwhile, as far back as the log reaches; what left the log before is counted
+(``streamdet_mqtt_events_total{outcome="missed"}``) and logged. The client reconnects by
+itself, backing off from 1 s to 10 s. A broker that cannot be reached never delays a
+stream, a request or the server's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.reasoncodes import ReasonCode
+
+from server.metrics import Metrics
+from streams.events import EventLog
+
+log = logging.getLogger(__name__)
+BATCH = 100
+QOS = 1
+MAX_INFLIGHT = 1000
+"""Publications the client keeps unacknowledged before the publisher waits for the broker."""
+
+
+def check_mqtt_url(url: str) -> str:
+    """``url`` if it is ``mqtt://`` or ``mqtts://`` with a host.
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise ValueError(
+            f"mqtt_url: {parts.scheme or url!r} is not mqtt://host[:port] or mqtts://host[:port]"
+            " (setting STREAMDET_MQTT_URL)"
+        )
+    return url
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its credentials, for logs."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or _default_port(parts.scheme)}"
+
+
+def _default_port(scheme: str) -> int:
+    return 8883 if scheme == "mqtts" else 1883
+
+
+class MqttPublisher:
+    """Publishes the log's events from those after ``start`` on.
+
+    Args:
+        url: the broker.
+        prefix: the topics' first level.
+        events: the event log.
+        metrics: counts events sent and missed, and whether the broker is connected.
+    """
+
+    def __init__(
+        self, url: str, prefix: str, events: EventLog, metrics: Metrics | None = None
+    ) -> None:
+        parts = urlsplit(check_mqtt_url(url))
+        self.name = safe_url(url)
+        self.prefix = prefix.strip("/")
+        self._host = parts.hostname or ""
+        self._port = parts.port or _default_port(parts.scheme)
+        self._log = events
+        self._metrics = metrics
+        self.cursor = events.last_id
+        self.sent = self.missed = 0
+        self._connected = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"streamdet-{events.last_id + 1}",
+            reconnect_on_failure=True,
+        )
+        if parts.username:
+            client.username_pw_set(unquote(parts.username), unquote(parts.password or ""))
+        if parts.scheme == "mqtts":
+            client.tls_set_context(ssl.create_default_context())
+        client.reconnect_delay_set(min_delay=1, max_delay=10)
+        client.max_inflight_messages_set(MAX_INFLIGHT)
+        client.will_set(self.topic("available"), "offline", qos=QOS, retain=True)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        self._client = client
+
+    def topic(self, *levels: str) -> str:
+        return "/".join((self.prefix, *levels))
+
+    @property
+    def pending(self) -> int:
+        """Events logged and not published yet."""
+        return self._log.last_id - self.cursor
+
+    def start(self) -> None:
+        """Connect in the background and start publishing."""
+        self._loop = asyncio.get_running_loop()
+        log.info("mqtt %s: connecting, topics %s/...", self.name, self.prefix)
+        self._client.connect_async(self._host, self._port, keepalive=30)
+        self._client.loop_start()
+        self._task = asyncio.create_task(self._run(), name=f"mqtt {self.name}")
+
+    async def stop(self, timeout_s: float) -> None:
+        """After the log closed: publish what is left (within ``timeout_s``), say
+        ``offline`` and disconnect."""
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._task, timeout_s)
+        if self.pending:
+            log.warning(
+                "mqtt %s: %d event(s) not published at shutdown (broker unreachable?)",
+                self.name,
+                self.pending,
+            )
+        if self._connected.is_set():
+            info = self._client.publish(self.topic("available"), "offline", qos=QOS, retain=True)
+            with contextlib.suppress(RuntimeError, ValueError):
+                await asyncio.to_thread(info.wait_for_publish, min(timeout_s, 2.0))
+        self._client.disconnect()
+        await asyncio.to_thread(self._client.loop_stop)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._connected.is_set():
+                if self._log.closed:
+                    return  # no broker to give the rest to
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._connected.wait(), 1.0)
+                continue
+            page = self._log.read(self.cursor, BATCH)
+            if page.missed:
+                self._count("missed", page.missed)
+                log.warning(
+                    "mqtt %s: %d event(s) left the event log before they could be published"
+                    " (setting STREAMDET_EVENT_LOG_SIZE)",
+                    self.name,
+                    page.missed,
+                )
+            if not page.events:
+                self.cursor = page.next
+                if self._log.closed:
+                    return
+                await self._log.wait(self.cursor, 1.0)
+                continue
+            published = await self._publish(page.events)
+            self.cursor = page.events[published - 1]["id"] if published else self.cursor
+            if published == len(page.events):
+                self.cursor = page.next
+            self._count("sent", published)
+
+    async def _publish(self, events: list[dict[str, Any]]) -> int:
+        """Hand ``events`` to the client, in order; how many it took (it stops at the first
+        it refuses: disconnected, or its queue is full)."""
+        for k, event in enumerate(events):
+            body = json.dumps(event, separators=(",", ":"))
+            for topic in (self.topic("events"), self.topic(event["stream_id"], "events")):
+                info = self._client.publish(topic, body, qos=QOS)
+                if info.rc != mqtt.MQTT_ERR_SUCCESS:
+                    await asyncio.sleep(0.5)  # the broker is going away: wait for it
+                    return k
+        return len(events)
+
+    def _count(self, outcome: str, n: int) -> None:
+        if not n:
+            return
+        if outcome == "sent":
+            self.sent += n
+        else:
+            self.missed += n
+        if self._metrics is not None:
+            self._metrics.mqtt_events.labels(outcome).inc(n)
+
+    # ---- paho's network thread ---------------------------------------------------------------
+    def _on_connect(
+        self,
+        client: mqtt.Client,
+        userdata: Any,
+        flags: mqtt.ConnectFlags,
+        reason: ReasonCode,
+        properties: Any,
+    ) -> None:
+        if reason.is_failure:
+            log.warning("mqtt %s: refused: %s", self.name, reason)
+            return
+        log.info("mqtt %s: connected", self.name)
+        client.publish(self.topic("available"), "online", qos=QOS, retain=True)
+        self._set_connected(True)
+
+    def _on_disconnect(
+        self,
+        client: mqtt.Client,
+        userdata: Any,
+        flags: mqtt.DisconnectFlags,
+        reason: ReasonCode,
+        properties: Any,
+    ) -> None:
+        if self._connected.is_set():
+            log.warning("mqtt %s: disconnected (%s); reconnecting", self.name, reason)
+        self._set_connected(False)
+
+    def _set_connected(self, up: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.mqtt_connected.set(1 if up else 0)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._connected.set if up else self._connected.clear)

@@ -1,0 +1,154 @@
+"""MQTT events (``server/mqtt.py``) against a real Mosquitto broker on loopback and a real
+``streamdet serve``: events logged while the broker is down are published once it is up, on
+the shared and the per-stream topic, with the server's availability retained."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from loadtest.server import ServerProcess, free_port
+from server.mqtt import check_mqtt_url, safe_url
+from server.settings import Settings
+from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
+
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+
+
+class Broker:
+    """``mosquitto -p PORT`` (loopback only), started and stopped on demand."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        self._log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        command = [MOSQUITTO, "-p", str(self.port), "-v"]
+        with self._log_path.open("ab") as log:  # the broker writes to its own copy
+            self._proc = subprocess.Popen(command, stdout=log, stderr=log)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"mosquitto did not listen on {self.port}")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+
+
+class Listener:
+    """A subscriber of ``streamdet/#``: every message with its topic and retain flag."""
+
+    def __init__(self, port: int) -> None:
+        self.messages: list[tuple[str, str, bool]] = []
+        self._lock = threading.Lock()
+        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="test-listener")
+        self._client.on_message = self._on_message
+        self._client.connect("127.0.0.1", port)
+        self._client.subscribe("streamdet/#", qos=1)
+        self._client.loop_start()
+
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        with self._lock:
+            self.messages.append((msg.topic, msg.payload.decode(), bool(msg.retain)))
+
+    def on(self, topic: str) -> list[str]:
+        with self._lock:
+            return [payload for t, payload, _ in self.messages if t == topic]
+
+    def wait_for(self, topic: str, n: int, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.on(topic)) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.on(topic)
+
+    def close(self) -> None:
+        self._client.loop_stop()
+        self._client.disconnect()
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    b = Broker(tmp_path / "mosquitto.log")
+    yield b
+    b.stop()
+
+
+@pytest.mark.mqtt
+def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
+    tmp_path: Path, broker: Broker
+) -> None:
+    car = next(v for v in VIDEOS if v.name.startswith("car"))
+    server = ServerProcess(
+        {
+            "model": str(MODEL_PT),
+            "cache_dir": str(CACHE_DIR),
+            "data_dir": str(tmp_path / "data"),
+            "allowed_file_dir": str(car.parent),
+            "mqtt_url": f"mqtt://127.0.0.1:{broker.port}",
+            "shutdown_timeout_s": 5,
+        },
+        log_path=tmp_path / "server.log",
+        ready_timeout_s=180,
+    )
+    with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+        gate = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
+        stream = {"url": f"file://{car}", "max_fps": 8, "track": True, "lines": [gate]}
+        sid = c.post("/streams", json=stream).json()["id"]
+        # The broker is down: the server serves on, its events wait in the log.
+        deadline = time.monotonic() + 90
+        while not (early := c.get("/events").json()["events"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert early, "no event in 90 s"
+        assert "streamdet_mqtt_connected 0.0" in c.get("/metrics").text
+        broker.start()
+        listener = Listener(broker.port)
+        try:
+            # It reconnects by itself and publishes from the first event on, on both topics.
+            shared = listener.wait_for("streamdet/events", len(early), 30)
+            own = listener.wait_for(f"streamdet/{sid}/events", len(early), 10)
+            assert listener.wait_for("streamdet/available", 1, 10)[-1] == "online"
+            got = [json.loads(m) for m in shared]
+            assert got[: len(early)] == early
+            assert [json.loads(m) for m in own][: len(early)] == early
+            assert "streamdet_mqtt_connected 1.0" in c.get("/metrics").text
+            sent = [ln for ln in c.get("/metrics").text.splitlines() if "mqtt_events_total" in ln]
+            assert any('outcome="sent"' in ln and not ln.endswith(" 0.0") for ln in sent), sent
+            # A clean stop says so: offline, retained for whoever subscribes later.
+            server.stop()
+            assert listener.wait_for("streamdet/available", 2, 10)[-1] == "offline"
+        finally:
+            listener.close()
+    late = Listener(broker.port)
+    try:
+        assert late.wait_for("streamdet/available", 1, 10) == ["offline"]
+        retained = [r for t, _, r in late.messages if t == "streamdet/available"]
+        assert retained == [True]
+    finally:
+        late.close()
+    assert "mqtt mqtt://127.0.0.1" in server.log_text() and "connected" in server.log_text()
+
+
+def test_mqtt_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="STREAMDET_MQTT_URL"):
+        Settings(mqtt_url="http://broker:1883")
+    with pytest.raises(ValueError, match="STREAMDET_MQTT_TOPIC"):
+        Settings(mqtt_topic="cams/#")
+    assert check_mqtt_url("mqtts://u:p@broker") == "mqtts://u:p@broker"
+    assert safe_url("mqtts://user:secret@broker") == "mqtts://broker:8883"  # no password in logs
