@@ -90,6 +90,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out
             if publisher is not None:
                 await publisher.stop(settings.shutdown_timeout_s)
+            if manager.events.store is not None:  # the last events and cursors to disk
+                await asyncio.to_thread(manager.events.store.close)
             await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
             executor.shutdown(wait=False, cancel_futures=True)
             log.info("shutdown complete")

@@ -80,11 +80,12 @@ class MqttPublisher:
         parts = urlsplit(check_mqtt_url(url))
         self.name = safe_url(url)
         self.prefix = prefix.strip("/")
+        self.sink = f"mqtt {self.name}/{self.prefix}"
         self._host = parts.hostname or ""
         self._port = parts.port or _default_port(parts.scheme)
         self._log = events
         self._metrics = metrics
-        self.cursor = events.last_id
+        self.cursor = events.saved_cursor(self.sink)
         self.sent = self.missed = 0
         self._connected = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -168,6 +169,8 @@ class MqttPublisher:
             if published == len(page.events):
                 self.cursor = page.next
             self._count("sent", published)
+            if published:
+                self._log.save_cursor(self.sink, self.cursor)
 
     async def _publish(self, events: list[dict[str, Any]]) -> int:
         """Hand ``events`` to the client, in order; how many it took (it stops at the first

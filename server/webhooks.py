@@ -71,11 +71,12 @@ class WebhookSender:
     ) -> None:
         self.url = check_webhook_url(url)
         self.name = label(url)
+        self.sink = f"webhook {self.name}"
         self._log = events
         self._secret = secret
         self._timeout_s = timeout_s
         self._metrics = metrics
-        self.cursor = events.last_id
+        self.cursor = events.saved_cursor(self.sink)
         self.sent = self.missed = self.failures = 0
 
     @property
@@ -108,6 +109,7 @@ class WebhookSender:
                 error = await self._post(client, page.events)
                 if error is None:
                     self.cursor = page.next
+                    self._log.save_cursor(self.sink, self.cursor)
                     self._count("sent", len(page.events))
                     backoff = BACKOFF_INITIAL_S
                     continue

@@ -1,10 +1,12 @@
 """Events of every stream (line crossings, zone entries and exits) in one bounded log, read by
 ``GET /events`` (a cursor, long-polled) and by webhooks (``server/webhooks.py``).
 
-Each event gets an id that grows by one per event. Ids start from the server's start time in
-microseconds, so a cursor kept by a client across a server restart still points before every
-new event (nothing is skipped), and ``missed`` counts only events of this run that left the
-log (``event_log_size``) before the client read them.
+Each event gets an id that grows by one per event. With an :class:`EventStore` (the server
+keeps one under its data directory) the log survives restarts and ids carry on where they
+stopped; a new log's ids start from the time in microseconds, so a cursor kept by a client
+across a restart still points before every new event (nothing is skipped). ``missed``
+counts the events after a cursor that left the log (``event_log_size``) before they were read.
+Webhooks and MQTT keep their cursors in the store too (:meth:`EventLog.saved_cursor`).
 
 Everything here runs on the event loop.
 """
@@ -18,6 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from streams.event_store import EventStore
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
 
@@ -47,7 +50,9 @@ class EventLog:
         ValueError: ``size`` < 1 (names the setting).
     """
 
-    def __init__(self, size: int, start_id: int | None = None) -> None:
+    def __init__(
+        self, size: int, start_id: int | None = None, store: EventStore | None = None
+    ) -> None:
         if size < 1:
             raise ValueError(
                 "the event log keeps at least 1 event (setting STREAMDET_EVENT_LOG_SIZE)"
@@ -58,6 +63,28 @@ class EventLog:
         self._next = first  # id the next event gets
         self._waiters: set[asyncio.Future[None]] = set()
         self.closed = False
+        self.store = store
+        if store is not None:
+            kept, first_ever = store.load()
+            if kept:  # carry on from the last run
+                self._events.extend(kept[-size:])
+                self._next = int(kept[-1]["id"]) + 1
+                self._first = int(kept[0]["id"]) if first_ever is None else first_ever
+
+    def saved_cursor(self, name: str) -> int:
+        """Where the sink ``name`` had delivered up to before a restart; a new sink starts
+        with the events to come, and from now on, even if it delivers nothing before a
+        restart."""
+        saved = None if self.store is None else self.store.cursor(name)
+        if saved is None:
+            self.save_cursor(name, self.last_id)
+            return self.last_id
+        return min(saved, self.last_id)
+
+    def save_cursor(self, name: str, cursor: int) -> None:
+        """The sink ``name`` delivered every event up to ``cursor``."""
+        if self.store is not None:
+            self.store.save_cursor(name, cursor)
 
     @property
     def last_id(self) -> int:
@@ -91,6 +118,8 @@ class EventLog:
             logged.append(record)
             self._next += 1
         if logged:
+            if self.store is not None:
+                self.store.append(logged)
             self._wake()
         return logged
 

@@ -75,9 +75,16 @@ class StreamManager:
         pool: the started engine pool frames go to.
         store: where the stream list is kept.
         options: see :class:`ManagerOptions`.
+        events: the event log (a new one in memory when not given).
     """
 
-    def __init__(self, pool: EnginePool, store: StreamStore, options: ManagerOptions) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        store: StreamStore,
+        options: ManagerOptions,
+        events: EventLog | None = None,
+    ) -> None:
         self._pool = pool
         self._store = store
         self._opt = options
@@ -88,7 +95,7 @@ class StreamManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._bad_detect: set[str] = set()  # streams held back by stored settings
-        self.events = EventLog(options.event_log_size)
+        self.events = events or EventLog(options.event_log_size)
         # Called on the event loop with each frame that had events and those events as
         # logged (e.g. to keep a snapshot of the frame).
         self.event_observers: list[Callable[[ProcessedFrame, list[dict[str, Any]]], None]] = []

@@ -26,6 +26,7 @@ from loadtest.server import ServerProcess
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhooks import WebhookSender, label, sign
+from streams.event_store import EventStore
 from streams.events import EventLog
 from streams.fanout import ProcessedFrame
 from streams.lines import Crossing
@@ -92,6 +93,24 @@ def test_the_event_log_pages_filters_and_counts_what_it_lost() -> None:
     assert [e["id"] for e in newest.events] == [1008, 1009] and newest.next == 1009
     assert [e["frame"] for e in log.latest(10, types={"line_crossing"}).events][-1] == 16
     assert log.latest(5, stream_id="b").events == []  # its event left the log
+
+
+def test_the_event_log_and_delivery_cursors_survive_a_restart(tmp_path: Path) -> None:
+    store = EventStore(tmp_path, size=3)
+    log = EventLog(size=3, start_id=100, store=store)
+    log.add("a", "door", 1.0, [_crossing(f) for f in range(5)], _name)  # 100-104
+    log.save_cursor("webhook http://x/", 102)
+    store.close()
+    reopened = EventStore(tmp_path, size=3)
+    again = EventLog(size=3, store=reopened)
+    page = again.read(0, 10)
+    assert [e["id"] for e in page.events] == [102, 103, 104] and page.missed == 2
+    assert page.events[0]["stream_name"] == "door" and page.events[0]["frame"] == 2
+    assert again.saved_cursor("webhook http://x/") == 102  # it delivers 103 and 104 next
+    assert again.saved_cursor("webhook http://new/") == 104  # a new sink: what comes next
+    assert [e["id"] for e in again.add("a", "", 2.0, [_crossing(9)], _name)] == [105]
+    reopened.close()
+    assert EventLog(size=3).read(0, 1).events == []  # without a store: in memory only
 
 
 async def test_waiting_readers_wake_on_a_new_event_and_on_close() -> None:
@@ -289,6 +308,50 @@ def test_webhooks_get_every_event_signed_after_failures_and_sse_streams_them(
     assert f'outcome="sent",webhook="{name}"' in metrics
     assert "retrying in" in server.log_text() and "HTTP 503" in server.log_text()
     assert "graceful shutdown exceeded" not in server.log_text()  # nothing held it open
+
+
+def test_events_a_webhook_missed_before_a_restart_are_delivered_after_it(tmp_path: Path) -> None:
+    """The receiver refuses everything while the server runs; the server stops with the
+    events undelivered, and once both are back those very events arrive, first to last."""
+    receiver = WebhookReceiver(refuse=10**6)
+    car = next(v for v in VIDEOS if v.name.startswith("car"))
+    server = ServerProcess(
+        {
+            "model": str(MODEL_PT),
+            "cache_dir": str(CACHE_DIR),
+            "data_dir": str(tmp_path / "data"),
+            "allowed_file_dir": str(car.parent),
+            "webhooks": receiver.url,
+            "shutdown_timeout_s": 2,
+        },
+        log_path=tmp_path / "server.log",
+        ready_timeout_s=180,
+    )
+    gate = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
+    try:
+        with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+            stream = {"url": f"file://{car}", "max_fps": 8, "track": True, "lines": [gate]}
+            assert c.post("/streams", json=stream).status_code == 201
+            deadline = time.monotonic() + 90
+            while len(before := c.get("/events").json()["events"]) < 2:
+                assert time.monotonic() < deadline, "fewer than 2 events in 90 s"
+                time.sleep(0.5)
+            assert receiver.refused >= 1 and receiver.events() == []
+        assert "not delivered at shutdown" in server.log_text()
+        receiver.refuse = 0
+        server.start()  # the same data directory: its streams, its events, the cursor
+        with httpx.Client(base_url=server.base_url, timeout=60) as c:
+            kept = c.get("/events", params={"limit": len(before)}).json()["events"]
+            assert [e["id"] for e in kept] == [e["id"] for e in before]
+            deadline = time.monotonic() + 30
+            while len(receiver.events()) < len(before) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        server.stop()
+    finally:
+        receiver.close()
+    got = receiver.events()
+    assert [e["id"] for e in got[: len(before)]] == [e["id"] for e in before]
+    assert got[: len(before)] == before
 
 
 def test_webhook_settings_are_checked() -> None:

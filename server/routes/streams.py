@@ -24,6 +24,8 @@ from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
 from streams.detect import Roi, StreamDetect
+from streams.event_store import EventStore
+from streams.events import EventLog
 from streams.geometry import MAX_NAME
 from streams.lines import MAX_LINES, parse_lines
 from streams.manager import (
@@ -300,4 +302,7 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         stop_timeout_s=settings.stream_open_timeout_s + settings.stream_read_timeout_s,
         event_log_size=settings.event_log_size,
     )
-    return StreamManager(pool, StreamStore(settings.data_dir), options)
+    events = EventLog(
+        settings.event_log_size, store=EventStore(settings.data_dir, settings.event_log_size)
+    )
+    return StreamManager(pool, StreamStore(settings.data_dir), options, events)
