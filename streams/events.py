@@ -24,8 +24,30 @@ from streams.event_store import EventStore
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
 
-StreamEvent = Crossing | ZoneEvent
-EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit"})
+
+@dataclass(frozen=True, slots=True)
+class StateEvent:
+    """A stream went live, lost its source (``reconnecting``) or ``failed``, after its
+    decoded frame number ``frame``; ``error`` says why it lost its source."""
+
+    previous: str
+    state: str
+    error: str | None
+    frame: int
+
+    def to_json(self, name_of: Callable[[int], str]) -> dict[str, Any]:
+        """The event as ``GET /events``, webhooks and MQTT send it."""
+        return {
+            "type": "stream_state",
+            "state": self.state,
+            "previous": self.previous,
+            "error": self.error,
+            "frame": self.frame,
+        }
+
+
+StreamEvent = Crossing | ZoneEvent | StateEvent
+EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit", "stream_state"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -22,7 +23,7 @@ from typing import Any, TypedDict
 
 from engines.pool import EnginePool
 from streams.detect import StreamDetect
-from streams.events import EventLog
+from streams.events import EventLog, StateEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
@@ -301,6 +302,28 @@ class StreamManager:
         with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
             loop.call_soon_threadsafe(self._publish, frame)
 
+    def _state_threadsafe(
+        self,
+        stream_id: str,
+        previous: StreamState,
+        state: StreamState,
+        error: str | None,
+        frame: int,
+    ) -> None:
+        """Decode thread: a stream went live, lost its source or failed; logged as an event."""
+        event = StateEvent(previous.value, state.value, error, frame)
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._log_state, stream_id, event, time.time())
+
+    def _log_state(self, stream_id: str, event: StateEvent, at: float) -> None:
+        record = self._records.get(stream_id)
+        if record is None:
+            return  # removed meanwhile
+        self.events.add(stream_id, record.name, at, [event], str)
+
     def _publish(self, frame: ProcessedFrame) -> None:
         reader = self._readers.get(frame.stream_id)
         if reader is None:
@@ -346,7 +369,11 @@ class StreamManager:
             log.error("stream %s: %s", record.id, error)
         config = StreamConfig(record.id, spec or placeholder, record.name, record.max_fps, detect)
         reader = StreamReader(
-            config, self._opt.reader, self._pool.submit_latest, self._publish_threadsafe
+            config,
+            self._opt.reader,
+            self._pool.submit_latest,
+            self._publish_threadsafe,
+            on_state=functools.partial(self._state_threadsafe, record.id),
         )
         self._records[record.id] = record
         self._readers[record.id] = reader

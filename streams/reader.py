@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 FrameSink = Callable[[str, WorkItem], "WorkItem | None"]
 """``EnginePool.submit_latest``: offer a frame, get back the one it replaced."""
 PublishFn = Callable[[ProcessedFrame], None]
+StateFn = Callable[["StreamState", "StreamState", "str | None", int], None]
+"""Told ``(previous, state, error, frame)`` when a stream goes live, loses its source or
+fails (on its decode thread)."""
 """Called from an engine worker thread with each processed frame; must not block."""
 
 
@@ -123,6 +126,8 @@ class StreamReader:
         submit: where frames go (``EnginePool.submit_latest``).
         publish: receives each processed frame on an engine worker thread.
         rng: jitter source (seeded in tests).
+        on_state: told when the stream goes live, loses its source or fails (not when it
+            starts connecting or is stopped).
     """
 
     def __init__(
@@ -131,9 +136,12 @@ class StreamReader:
         options: ReaderOptions,
         submit: FrameSink,
         publish: PublishFn,
+        *,
         rng: random.Random | None = None,
+        on_state: StateFn | None = None,
     ) -> None:
         self.config = config
+        self._on_state = on_state
         self._opt = options
         self._submit = submit
         self._publish = publish
@@ -232,17 +240,21 @@ class StreamReader:
     def _set_state(self, state: StreamState, error: str | None = None) -> None:
         with self._changed:
             self._changed.notify_all()
-            if state != self.state:
+            previous = self.state
+            if state != previous:
                 log.info(
                     "stream %s: %s -> %s%s",
                     self.config.id,
-                    self.state.value,
+                    previous.value,
                     state.value,
                     f" ({error})" if error else "",
                 )
             self.state = state
             if error is not None:
                 self.last_error = error
+        told = state not in (StreamState.CONNECTING, StreamState.STOPPED)
+        if state != previous and told and self._on_state is not None:
+            self._on_state(previous, state, error, self._frame_no)
 
     def _run(self) -> None:
         sid = self.config.id

@@ -290,7 +290,8 @@ def test_cars_crossing_a_line_are_counted_by_the_api_and_metrics(tmp_path: Path)
         assert {e["line"] for e in events} == {"gate"}
         assert {e["type"] for e in events} == {"line_crossing"}
         # The event log has each of them, with the stream's id, in order.
-        logged = c.get("/events", params={"stream_id": sid, "limit": 1000}).json()
+        params = {"stream_id": sid, "type": "line_crossing", "limit": 1000}
+        logged = c.get("/events", params=params).json()
         assert logged["missed"] == 0
         ids = [e["id"] for e in logged["events"]]
         assert ids == sorted(ids) and logged["next"] >= ids[-1]

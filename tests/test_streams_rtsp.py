@@ -130,6 +130,14 @@ async def test_camera_killed_and_restarted_reconnects_by_itself(
         assert stats is not None
         assert stats["reconnects"] >= 1
         assert stats["state"] == "live"
+        # Each change is an event, for webhooks and MQTT to raise a "camera down" alert.
+        await asyncio.sleep(0.1)  # the last one comes through the event loop
+        page = manager.events.read(0, 100, stream_id=sid, types={"stream_state"})
+        changes = [(e["previous"], e["state"]) for e in page.events]
+        assert changes[:2] == [("connecting", "live"), ("live", "reconnecting")], changes
+        assert changes[-1] == ("reconnecting", "live"), changes
+        lost_at = page.events[1]
+        assert lost_at["error"] and lost_at["frame"] >= before.frame, lost_at
     finally:
         cam.stop()
 

@@ -1,5 +1,5 @@
-"""``GET /events``: line crossings and zone entries and exits of every stream, from the event
-log (``streams/events.py``).
+"""``GET /events``: line crossings, zone entries and exits, and state changes of every stream,
+from the event log (``streams/events.py``).
 
 Two ways to read it:
 
@@ -64,7 +64,10 @@ async def read_events(
     stream_id: Annotated[str | None, Query(description="one stream's events only")] = None,
     event_type: Annotated[
         str | None,
-        Query(alias="type", description="comma-separated: line_crossing, zone_enter, zone_exit"),
+        Query(
+            alias="type",
+            description="comma-separated: line_crossing, zone_enter, zone_exit, stream_state",
+        ),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="most events")] = 100,
     wait_s: Annotated[

@@ -990,6 +990,11 @@ function eventText(e) {
   const who = `${e.class_name} #${e.track_id}`;
   if (e.type === "line_crossing") return `${who} crossed ${e.line} (${e.direction})`;
   if (e.type === "zone_enter") return `${who} entered ${e.zone}`;
+  if (e.type === "stream_state") {
+    if (e.state === "live") return "is live";
+    const why = e.error ? `: ${e.error}` : "";
+    return e.state === "failed" ? `failed${why}` : `lost its source${why}`;
+  }
   if (e.type === "zone_exit") {
     const how = e.lost ? "lost in" : "left";
     return `${who} ${how} ${e.zone} after ${Number(e.dwell_s).toFixed(1)} s`;
