@@ -74,10 +74,13 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         publisher = (
             None
             if settings.mqtt_url is None
-            else MqttPublisher(settings.mqtt_url, settings.mqtt_topic, manager.events, metrics)
+            else MqttPublisher(
+                settings.mqtt_url, settings.mqtt_topic, manager.events, metrics, manager.detect
+            )
         )
         if publisher is not None:
             publisher.start()
+            manager.frame_observers.append(publisher.observe_frame)
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
         lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
         try:

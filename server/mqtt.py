@@ -7,6 +7,12 @@ event goes, as the JSON ``GET /events`` returns, to ``<prefix>/events`` and to
 ``online`` while the server is connected, ``offline`` otherwise (retained; the broker
 publishes ``offline`` itself if the server vanishes, as its last will).
 
+Retained state for dashboards (Home Assistant sensors): ``<prefix>/<stream id>/state`` holds
+the stream's state (``live``, ``reconnecting``, ``failed``) from its ``stream_state`` events,
+and ``<prefix>/<stream id>/zones/<zone>`` what stands in each zone now, ``{"all": n,
+"<class>": n, ...}`` (objects counted once where the stream tracks), published when it
+changes, as Frigate publishes its zone counts. A zone that is removed has its topic cleared.
+
 The publisher reads the log with its own cursor, as a webhook does, and only while the broker
 is connected: a broker that is down or restarting gets, once it is back, what happened
 meanwhile, as far back as the log reaches; what left the log before is counted
@@ -22,6 +28,7 @@ import contextlib
 import json
 import logging
 import ssl
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -30,7 +37,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
 from server.metrics import Metrics
+from streams.detect import StreamDetect
 from streams.events import EventLog
+from streams.fanout import ProcessedFrame
 
 log = logging.getLogger(__name__)
 BATCH = 100
@@ -75,7 +84,12 @@ class MqttPublisher:
     """
 
     def __init__(
-        self, url: str, prefix: str, events: EventLog, metrics: Metrics | None = None
+        self,
+        url: str,
+        prefix: str,
+        events: EventLog,
+        metrics: Metrics | None = None,
+        detect_of: Callable[[str], StreamDetect | None] | None = None,
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
         self.name = safe_url(url)
@@ -90,6 +104,8 @@ class MqttPublisher:
         self._connected = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._detect_of = detect_of
+        self._zones: dict[str, dict[str, dict[str, int]]] = {}  # stream -> zone -> counts
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=f"streamdet-{events.last_id + 1}",
@@ -182,7 +198,31 @@ class MqttPublisher:
                 if info.rc != mqtt.MQTT_ERR_SUCCESS:
                     await asyncio.sleep(0.5)  # the broker is going away: wait for it
                     return k
+            if event["type"] == "stream_state":
+                state = self.topic(event["stream_id"], "state")
+                self._client.publish(state, event["state"], qos=QOS, retain=True)
         return len(events)
+
+    def observe_frame(self, frame: ProcessedFrame) -> None:
+        """Event loop, every frame: publish the stream's zone counts where they changed."""
+        detect = None if self._detect_of is None else self._detect_of(frame.stream_id)
+        names = [] if detect is None else [zone.name for zone in detect.zones]
+        before = self._zones.get(frame.stream_id, {})
+        if not names and not before:
+            return
+        now = zone_counts(frame, names)
+        if now == before or not self._connected.is_set():
+            return  # unchanged; or sent once connected (the state is cleared on connect)
+        for zone, counts in now.items():
+            if counts != before.get(zone):
+                body = json.dumps(counts, separators=(",", ":"))
+                self._client.publish(self._zone_topic(frame.stream_id, zone), body, QOS, True)
+        for zone in before.keys() - now.keys():  # removed: its retained count goes too
+            self._client.publish(self._zone_topic(frame.stream_id, zone), b"", QOS, True)
+        self._zones[frame.stream_id] = now
+
+    def _zone_topic(self, stream_id: str, zone: str) -> str:
+        return self.topic(stream_id, "zones", zone.replace("/", "_").replace("+", "_"))
 
     def _count(self, outcome: str, n: int) -> None:
         if not n:
@@ -209,6 +249,9 @@ class MqttPublisher:
         log.info("mqtt %s: connected", self.name)
         client.publish(self.topic("available"), "online", qos=QOS, retain=True)
         self._set_connected(True)
+        if self._loop is not None:  # zone counts are sent again, in full
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._zones.clear)
 
     def _on_disconnect(
         self,
@@ -230,3 +273,25 @@ class MqttPublisher:
             return
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._connected.set if up else self._connected.clear)
+
+
+def zone_counts(frame: ProcessedFrame, zones: list[str]) -> dict[str, dict[str, int]]:
+    """What stands in each of ``zones`` in ``frame``: ``{"all": n, class name: n, ...}``; a
+    tracked object with two boxes (two classes) counts once, under its first."""
+    counts: dict[str, dict[str, int]] = {zone: {"all": 0} for zone in zones}
+    members = frame.zones or []
+    ids = frame.detections.track_ids
+    seen: set[tuple[str, int]] = set()
+    for i, inside in enumerate(members):
+        name = frame.detections.name_of(int(frame.detections.class_ids[i]))
+        for zone in inside:
+            if zone not in counts:
+                continue
+            if ids is not None:
+                key = (zone, int(ids[i]))
+                if key in seen:
+                    continue
+                seen.add(key)
+            counts[zone]["all"] += 1
+            counts[zone][name] = counts[zone].get(name, 0) + 1
+    return counts

@@ -100,6 +100,8 @@ class StreamManager:
         # Called on the event loop with each frame that had events and those events as
         # logged (e.g. to keep a snapshot of the frame).
         self.event_observers: list[Callable[[ProcessedFrame, list[dict[str, Any]]], None]] = []
+        # Called on the event loop with every published frame (keep them cheap).
+        self.frame_observers: list[Callable[[ProcessedFrame], None]] = []
         self.event_extra: Callable[[int], dict[str, Any]] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -343,6 +345,8 @@ class StreamManager:
             )
             for observe in self.event_observers:
                 observe(frame, logged)
+        for watch in self.frame_observers:
+            watch(frame)
         for sub in self._subs.get(frame.stream_id, ()):
             sub.offer(frame)
 

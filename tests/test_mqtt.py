@@ -14,13 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
+from engines.types import Detections
 from loadtest.server import ServerProcess, free_port
-from server.mqtt import check_mqtt_url, safe_url
+from server.mqtt import check_mqtt_url, safe_url, zone_counts
 from server.settings import Settings
+from streams.fanout import ProcessedFrame
 from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
@@ -109,7 +112,14 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
     )
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         gate = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
-        stream = {"url": f"file://{car}", "max_fps": 8, "track": True, "lines": [gate]}
+        lower = {"name": "lower", "points": [[0, 0.5], [1, 0.5], [1, 1], [0, 1]], "inertia": 1}
+        stream = {
+            "url": f"file://{car}",
+            "max_fps": 8,
+            "track": True,
+            "lines": [gate],
+            "zones": [lower],
+        }
         sid = c.post("/streams", json=stream).json()["id"]
         # The broker is down: the server serves on, its events wait in the log.
         deadline = time.monotonic() + 90
@@ -124,6 +134,11 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             shared = listener.wait_for("streamdet/events", len(early), 30)
             own = listener.wait_for(f"streamdet/{sid}/events", len(early), 10)
             assert listener.wait_for("streamdet/available", 1, 10)[-1] == "online"
+            # Retained state for dashboards: the stream's state, and what stands in its zone.
+            assert listener.wait_for(f"streamdet/{sid}/state", 1, 10)[-1] == "live"
+            zone = listener.wait_for(f"streamdet/{sid}/zones/lower", 1, 30)
+            counts = [json.loads(m) for m in zone]
+            assert all(c["all"] == sum(v for k, v in c.items() if k != "all") for c in counts)
             got = [json.loads(m) for m in shared]
             assert got[: len(early)] == early
             assert [json.loads(m) for m in own][: len(early)] == early
@@ -138,8 +153,9 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
     late = Listener(broker.port)
     try:
         assert late.wait_for("streamdet/available", 1, 10) == ["offline"]
-        retained = [r for t, _, r in late.messages if t == "streamdet/available"]
-        assert retained == [True]
+        assert late.wait_for(f"streamdet/{sid}/state", 1, 10) == ["live"]
+        assert len(late.wait_for(f"streamdet/{sid}/zones/lower", 1, 10)) == 1
+        assert all(retain for _, _, retain in late.messages)  # what a newcomer gets
     finally:
         late.close()
     assert "mqtt mqtt://127.0.0.1" in server.log_text() and "connected" in server.log_text()
@@ -152,3 +168,24 @@ def test_mqtt_settings_are_checked() -> None:
         Settings(mqtt_topic="cams/#")
     assert check_mqtt_url("mqtts://u:p@broker") == "mqtts://u:p@broker"
     assert safe_url("mqtts://user:secret@broker") == "mqtts://broker:8883"  # no password in logs
+
+
+def test_zone_counts_count_each_tracked_object_once() -> None:
+    names = {0: "person", 2: "car", 7: "truck"}
+    detections = Detections(
+        boxes=np.zeros((4, 4), np.float32),
+        scores=np.array([0.9, 0.8, 0.7, 0.6], np.float32),
+        class_ids=np.array([2, 7, 0, 2], np.int32),
+        names=names,
+        width=100,
+        height=100,
+        track_ids=np.array([1, 1, 2, 3], np.int64),  # a car also boxed as a truck
+    )
+    image = np.zeros((100, 100, 3), np.uint8)
+    frame = ProcessedFrame("s", 1, None, 0.0, 0.0, image, detections, 1)
+    frame.zones = [["dock"], ["dock"], ["dock", "door"], []]
+    assert zone_counts(frame, ["dock", "door", "gone"]) == {
+        "dock": {"all": 2, "car": 1, "person": 1},
+        "door": {"all": 1, "person": 1},
+        "gone": {"all": 0},
+    }
