@@ -5,8 +5,11 @@ not grow (issue 5: under 5 % from start to end). Not part of CI::
 
 A real ``streamdet serve`` process gets ``--clients`` closed-loop ``/detect`` clients (real
 frames at four sizes, a short think time) and ``--viewers`` WebSocket viewers on a looping
-file stream. The process is sampled from ``/proc`` every ``--sample-s`` seconds; the start
-figures are taken after ``--warmup-s`` (arenas, thread pools and caches fill up first).
+file stream of the car clip, tracked, with a counting line and a zone, so events flow all
+along: logged (and kept on disk), drawn as snapshots, POSTed to a webhook receiver on
+loopback and streamed to a server-sent-events reader. The process is sampled from ``/proc``
+every ``--sample-s`` seconds; the start figures are taken after ``--warmup-s`` (arenas,
+thread pools and caches fill up first).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import httpx
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from benchmarks.events_bench import GATE, LOWER, WebhookReceiver
 from loadtest.frames import build_payloads, shared_dir
 from loadtest.server import ServerProcess
 
@@ -102,15 +106,18 @@ async def viewer(base: str, stream_id: str, stop: asyncio.Event) -> int:
 async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, object]:
     base = server.base_url
     jpegs = [p.jpeg for p in build_payloads(per_clip=8)]
-    clips = sorted((shared_dir() / "videos").glob("*.mp4"))
+    clip = shared_dir() / "videos" / "car-detection.mp4"
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         resp = await client.post(
             "/streams",
             json={
-                "url": clips[0].resolve().as_uri(),
+                "url": clip.resolve().as_uri(),
                 "name": "soak",
                 "max_fps": args.stream_fps,
                 "loop": True,
+                "track": True,
+                "lines": [GATE],
+                "zones": [{**LOWER, "inertia": 1}],
             },
         )
         resp.raise_for_status()
@@ -118,6 +125,7 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, obj
     stop = asyncio.Event()
     tasks = [asyncio.create_task(detect_client(base, jpegs, k, stop)) for k in range(args.clients)]
     views = [asyncio.create_task(viewer(base, stream_id, stop)) for _ in range(args.viewers)]
+    sse = asyncio.create_task(event_reader(base, stop))
     t0 = time.monotonic()
     samples: list[Sample] = []
     end = t0 + args.minutes * 60
@@ -137,6 +145,7 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, obj
         for status, n in result.items():
             counts[status] = counts.get(status, 0) + n
     frames = sum(await asyncio.gather(*views))
+    streamed = await sse
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         await client.delete(f"/streams/{stream_id}")
     first, last = samples[0], samples[-1]
@@ -149,12 +158,35 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, obj
         "minutes": args.minutes,
         "detect_statuses": counts,
         "ws_frames": frames,
+        "events_streamed": streamed,
         "start": asdict(first),
         "end": asdict(last),
         "growth": {k: round(v, 4) for k, v in growth.items()},
         "passed": all(v < GROWTH_LIMIT for v in growth.values()),
         "samples": [asdict(s) for s in samples],
     }
+
+
+async def event_reader(base: str, stop: asyncio.Event) -> int:
+    """Reads ``GET /events`` as server-sent events until ``stop``; the events it got."""
+    got = 0
+
+    async def read() -> None:
+        nonlocal got
+        headers = {"Accept": "text/event-stream"}
+        async with (
+            httpx.AsyncClient(base_url=base, timeout=None) as client,
+            client.stream("GET", "/events", headers=headers) as resp,
+        ):
+            async for line in resp.aiter_lines():
+                got += line.startswith("data: ")
+
+    task = asyncio.create_task(read())
+    await stop.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         "allowed_file_dir": str(shared_dir() / "videos"),
         "data_dir": str(out_dir / "soak-data"),
     }
-    with ServerProcess(settings, log_path=out_dir / "soak-server.log") as server:
-        report = asyncio.run(soak(args, server))
+    receiver = WebhookReceiver()
+    settings["webhooks"] = receiver.url
+    try:
+        with ServerProcess(settings, log_path=out_dir / "soak-server.log") as server:
+            report = asyncio.run(soak(args, server))
+    finally:
+        receiver.close()
+    report["events_to_webhook"] = len(receiver.events())
     summary = {k: v for k, v in report.items() if k != "samples"}
     print(json.dumps(summary, indent=2))
     if args.out:
