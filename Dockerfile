@@ -42,6 +42,7 @@ ENV PATH=/opt/streamdet/bin:$PATH \
     YOLO_AUTOINSTALL=false \
     YOLO_CONFIG_DIR=/cache/ultralytics \
     STREAMDET_CACHE_DIR=/cache \
+    STREAMDET_DATA_DIR=/cache/data \
     STREAMDET_HOST=0.0.0.0 \
     STREAMDET_PORT=8000 \
     STREAMDET_BACKEND=tensorrt \
