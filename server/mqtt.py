@@ -38,7 +38,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from server.metrics import Metrics
 from streams.detect import StreamDetect
-from streams.events import EventLog
+from streams.events import EventLog, LogReader
 from streams.fanout import ProcessedFrame
 
 log = logging.getLogger(__name__)
@@ -94,13 +94,11 @@ class MqttPublisher:
         parts = urlsplit(check_mqtt_url(url))
         self.name = safe_url(url)
         self.prefix = prefix.strip("/")
-        self.sink = f"mqtt {self.name}/{self.prefix}"
         self._host = parts.hostname or ""
         self._port = parts.port or _default_port(parts.scheme)
-        self._log = events
+        self._reader = LogReader(f"mqtt {self.name}/{self.prefix}", events)
         self._metrics = metrics
-        self.cursor = events.saved_cursor(self.sink)
-        self.sent = self.missed = 0
+        self.sent = 0
         self._connected = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -128,7 +126,7 @@ class MqttPublisher:
     @property
     def pending(self) -> int:
         """Events logged and not published yet."""
-        return self._log.last_id - self.cursor
+        return self._reader.pending
 
     def start(self) -> None:
         """Connect in the background and start publishing."""
@@ -160,33 +158,22 @@ class MqttPublisher:
     async def _run(self) -> None:
         while True:
             if not self._connected.is_set():
-                if self._log.closed:
+                if self._reader.log.closed:
                     return  # no broker to give the rest to
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._connected.wait(), 1.0)
                 continue
-            page = self._log.read(self.cursor, BATCH)
-            if page.missed:
-                self._count("missed", page.missed)
-                log.warning(
-                    "mqtt %s: %d event(s) left the event log before they could be published"
-                    " (setting STREAMDET_EVENT_LOG_SIZE)",
-                    self.name,
-                    page.missed,
-                )
+            page = await self._reader.take(BATCH, 1.0)
+            if page is None:
+                return
+            self._count("missed", page.missed)
             if not page.events:
-                self.cursor = page.next
-                if self._log.closed:
-                    return
-                await self._log.wait(self.cursor, 1.0)
                 continue
             published = await self._publish(page.events)
-            self.cursor = page.events[published - 1]["id"] if published else self.cursor
-            if published == len(page.events):
-                self.cursor = page.next
-            self._count("sent", published)
             if published:
-                self._log.save_cursor(self.sink, self.cursor)
+                whole = published == len(page.events)
+                self._reader.delivered(page.next if whole else page.events[published - 1]["id"])
+            self._count("sent", published)
 
     async def _publish(self, events: list[dict[str, Any]]) -> int:
         """Hand ``events`` to the client, in order; how many it took (it stops at the first
@@ -229,8 +216,6 @@ class MqttPublisher:
             return
         if outcome == "sent":
             self.sent += n
-        else:
-            self.missed += n
         if self._metrics is not None:
             self._metrics.mqtt_events.labels(outcome).inc(n)
 

@@ -28,7 +28,7 @@ import httpx
 
 from server.metrics import Metrics
 from server.settings import check_webhook_url
-from streams.events import EventLog
+from streams.events import EventLog, LogReader
 
 log = logging.getLogger(__name__)
 BATCH = 100
@@ -71,45 +71,36 @@ class WebhookSender:
     ) -> None:
         self.url = check_webhook_url(url)
         self.name = label(url)
-        self.sink = f"webhook {self.name}"
-        self._log = events
+        self._reader = LogReader(f"webhook {self.name}", events)
         self._secret = secret
         self._timeout_s = timeout_s
         self._metrics = metrics
-        self.cursor = events.saved_cursor(self.sink)
-        self.sent = self.missed = self.failures = 0
+        self.sent = self.failures = 0
 
     @property
     def pending(self) -> int:
         """Events logged and not delivered yet."""
-        return self._log.last_id - self.cursor
+        return self._reader.pending
+
+    @property
+    def missed(self) -> int:
+        """Events that left the log before they could be sent."""
+        return self._reader.missed
 
     async def run(self) -> None:
         """Deliver until the log closes and everything in it was delivered (or cancelled)."""
         backoff = BACKOFF_INITIAL_S
         async with httpx.AsyncClient(timeout=self._timeout_s) as client:
             while True:
-                page = self._log.read(self.cursor, BATCH)
-                if page.missed:
-                    self._count("missed", page.missed)
-                    log.warning(
-                        "webhook %s: %d event(s) left the event log before they could be sent"
-                        " (setting STREAMDET_EVENT_LOG_SIZE)",
-                        self.name,
-                        page.missed,
-                    )
-                    # Past them, so a retry of what follows does not count them again.
-                    self.cursor = page.events[0]["id"] - 1 if page.events else page.next
+                page = await self._reader.take(BATCH, 60.0)
+                if page is None:
+                    return
+                self._count("missed", page.missed)
                 if not page.events:
-                    self.cursor = page.next
-                    if self._log.closed:
-                        return
-                    await self._log.wait(self.cursor, 60.0)
                     continue
                 error = await self._post(client, page.events)
                 if error is None:
-                    self.cursor = page.next
-                    self._log.save_cursor(self.sink, self.cursor)
+                    self._reader.delivered(page.next)
                     self._count("sent", len(page.events))
                     backoff = BACKOFF_INITIAL_S
                     continue
@@ -141,10 +132,10 @@ class WebhookSender:
         return None
 
     def _count(self, outcome: str, n: int) -> None:
+        if not n:
+            return
         if outcome == "sent":
             self.sent += n
-        else:
-            self.missed += n
         if self._metrics is not None:
             self._metrics.webhook_events.labels(self.name, outcome).inc(n)
 

@@ -14,6 +14,7 @@ Everything here runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
@@ -46,6 +47,7 @@ class StateEvent:
         }
 
 
+log = logging.getLogger(__name__)
 StreamEvent = Crossing | ZoneEvent | StateEvent
 EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit", "stream_state"})
 
@@ -213,3 +215,56 @@ class EventLog:
         finally:
             self._waiters.discard(waiter)
         return self.last_id > after
+
+
+class LogReader:
+    """A sink's place in the log (a webhook's, an MQTT broker's): kept across restarts where
+    the log has a store, and what it missed.
+
+    Args:
+        sink: the sink's name, in logs and the store.
+        events: the log.
+    """
+
+    def __init__(self, sink: str, events: EventLog) -> None:
+        self.sink = sink
+        self.log = events
+        self.cursor = events.saved_cursor(sink)
+        self.missed = 0
+
+    @property
+    def pending(self) -> int:
+        """Events logged and not delivered yet."""
+        return self.log.last_id - self.cursor
+
+    def next_page(self, limit: int) -> EventPage:
+        """Up to ``limit`` events to deliver next; those that left the log first are counted
+        (once: the cursor moves past them) and logged."""
+        page = self.log.read(self.cursor, limit)
+        if page.missed:
+            self.missed += page.missed
+            log.warning(
+                "%s: %d event(s) left the event log before they could be delivered (setting"
+                " STREAMDET_EVENT_LOG_SIZE)",
+                self.sink,
+                page.missed,
+            )
+        if page.missed or not page.events:
+            self.cursor = page.events[0]["id"] - 1 if page.events else page.next
+        return page
+
+    async def take(self, limit: int, wait_s: float) -> EventPage | None:
+        """:meth:`next_page`, waiting up to ``wait_s`` for events when there are none (the
+        page is empty then); None once the log is closed and everything was taken."""
+        page = self.next_page(limit)
+        if page.events or page.missed:
+            return page
+        if self.log.closed:
+            return None
+        await self.log.wait(self.cursor, wait_s)
+        return page
+
+    def delivered(self, through: int) -> None:
+        """Every event up to id ``through`` was delivered."""
+        self.cursor = through
+        self.log.save_cursor(self.sink, through)

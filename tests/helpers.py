@@ -19,12 +19,17 @@ from engines.yolo import box_iou
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from loadtest.server import ServerProcess
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).resolve()
 MODEL_PT = SHARED / "models" / "yolov8n.pt"
 MODEL_TS = SHARED / "models" / "yolov8n.torchscript"  # the same weights, traced at 640x640
 VIDEOS = sorted((SHARED / "videos").glob("*.mp4"))
 BOTTLE_CLIP = next((v for v in VIDEOS if v.name.startswith("bottle")), Path("missing"))
+CAR_CLIP = next((v for v in VIDEOS if v.name.startswith("car")), Path("missing"))
+GATE = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
+"""A counting line across the middle of the picture, which the car clip's cars cross."""
 SHELF = {"name": "shelf", "points": [[0.6, 0.0], [1.0, 0.0], [1.0, 1.0], [0.6, 1.0]]}
 """A zone over the right 40% of the bottle clip, where one of its three bottles stands."""
 SHELF_STREAM = {
@@ -188,3 +193,23 @@ def decode_jpeg(data: bytes) -> npt.NDArray[np.int16]:
     from PIL import Image as PILImage
 
     return np.asarray(PILImage.open(io.BytesIO(data)).convert("RGB"), np.int16)
+
+
+def clip_server(tmp_path: Path, **settings: object) -> ServerProcess:
+    """A real ``streamdet serve`` (not started) on the shared model, its streams and events
+    under ``tmp_path``, ``file://`` streams of the shared clips allowed, quick to shut down;
+    ``settings`` add to or override these."""
+    from loadtest.server import ServerProcess
+
+    return ServerProcess(
+        {
+            "model": str(MODEL_PT),
+            "cache_dir": str(CACHE_DIR),
+            "data_dir": str(tmp_path / "data"),
+            "allowed_file_dir": str(VIDEOS[0].parent),
+            "shutdown_timeout_s": 5,
+            **settings,
+        },
+        log_path=tmp_path / "server.log",
+        ready_timeout_s=180,
+    )

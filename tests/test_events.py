@@ -22,7 +22,6 @@ from fastapi.testclient import TestClient
 
 from benchmarks.events_bench import WebhookReceiver
 from engines.types import Detections
-from loadtest.server import ServerProcess
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhooks import WebhookSender, label, sign
@@ -32,10 +31,10 @@ from streams.fanout import ProcessedFrame
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
 from tests.helpers import (
-    CACHE_DIR,
-    MODEL_PT,
+    CAR_CLIP,
+    GATE,
     SHELF_STREAM,
-    VIDEOS,
+    clip_server,
     decode_jpeg,
     file_stream_app,
 )
@@ -237,21 +236,9 @@ def receiver() -> Iterator[WebhookReceiver]:
 def test_webhooks_get_every_event_signed_after_failures_and_sse_streams_them(
     tmp_path: Path, receiver: WebhookReceiver
 ) -> None:
-    car = next(v for v in VIDEOS if v.name.startswith("car"))
+    car = CAR_CLIP
     secret = "s3cret"
-    server = ServerProcess(
-        {
-            "model": str(MODEL_PT),
-            "cache_dir": str(CACHE_DIR),
-            "data_dir": str(tmp_path / "data"),
-            "allowed_file_dir": str(car.parent),
-            "webhooks": receiver.url,
-            "webhook_secret": secret,
-            "shutdown_timeout_s": 5,
-        },
-        log_path=tmp_path / "server.log",
-        ready_timeout_s=180,
-    )
+    server = clip_server(tmp_path, webhooks=receiver.url, webhook_secret=secret)
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         resp = c.post(
             "/streams",
@@ -314,20 +301,9 @@ def test_events_a_webhook_missed_before_a_restart_are_delivered_after_it(tmp_pat
     """The receiver refuses everything while the server runs; the server stops with the
     events undelivered, and once both are back those very events arrive, first to last."""
     receiver = WebhookReceiver(refuse=10**6)
-    car = next(v for v in VIDEOS if v.name.startswith("car"))
-    server = ServerProcess(
-        {
-            "model": str(MODEL_PT),
-            "cache_dir": str(CACHE_DIR),
-            "data_dir": str(tmp_path / "data"),
-            "allowed_file_dir": str(car.parent),
-            "webhooks": receiver.url,
-            "shutdown_timeout_s": 2,
-        },
-        log_path=tmp_path / "server.log",
-        ready_timeout_s=180,
-    )
-    gate = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
+    car = CAR_CLIP
+    server = clip_server(tmp_path, webhooks=receiver.url, shutdown_timeout_s=2)
+    gate = GATE
     try:
         with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
             stream = {"url": f"file://{car}", "max_fps": 8, "track": True, "lines": [gate]}

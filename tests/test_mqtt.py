@@ -20,11 +20,11 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from engines.types import Detections
-from loadtest.server import ServerProcess, free_port
+from loadtest.server import free_port
 from server.mqtt import check_mqtt_url, safe_url, zone_counts
 from server.settings import Settings
 from streams.fanout import ProcessedFrame
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
+from tests.helpers import CAR_CLIP, GATE, clip_server
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
@@ -97,21 +97,10 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
 def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
     tmp_path: Path, broker: Broker
 ) -> None:
-    car = next(v for v in VIDEOS if v.name.startswith("car"))
-    server = ServerProcess(
-        {
-            "model": str(MODEL_PT),
-            "cache_dir": str(CACHE_DIR),
-            "data_dir": str(tmp_path / "data"),
-            "allowed_file_dir": str(car.parent),
-            "mqtt_url": f"mqtt://127.0.0.1:{broker.port}",
-            "shutdown_timeout_s": 5,
-        },
-        log_path=tmp_path / "server.log",
-        ready_timeout_s=180,
-    )
+    car = CAR_CLIP
+    server = clip_server(tmp_path, mqtt_url=f"mqtt://127.0.0.1:{broker.port}")
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
-        gate = {"name": "gate", "points": [[0.0, 0.5], [1.0, 0.5]]}
+        gate = GATE
         lower = {"name": "lower", "points": [[0, 0.5], [1, 0.5], [1, 1], [0, 1]], "inertia": 1}
         stream = {
             "url": f"file://{car}",

@@ -17,7 +17,6 @@ from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
-from loadtest.server import ServerProcess
 from server.render import line_label, render_jpeg, zone_label
 from server.routes.viewer import JpegFrames
 from server.routes.ws import _send
@@ -25,7 +24,13 @@ from streams.detect import Roi
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.lines import Crossing, Line
 from streams.zones import Zone
-from tests.helpers import BOTTLE_CLIP, CACHE_DIR, MODEL_PT, VIDEOS, decode_jpeg, file_stream_app
+from tests.helpers import (
+    BOTTLE_CLIP,
+    VIDEOS,
+    clip_server,
+    decode_jpeg,
+    file_stream_app,
+)
 
 SOURCE_FPS = 12.5  # car-detection.mp4
 
@@ -244,17 +249,7 @@ def test_mjpeg_stream_of_a_stream_for_img_tags_and_camera_cards(tmp_path: Path) 
     ``multipart/x-mixed-replace`` body, at most ``max_fps`` a second, with the boxes drawn;
     removing the stream ends the body cleanly."""
     bottle = BOTTLE_CLIP
-    server = ServerProcess(
-        {
-            "model": str(MODEL_PT),
-            "cache_dir": str(CACHE_DIR),
-            "data_dir": str(tmp_path / "data"),
-            "allowed_file_dir": str(bottle.parent),
-            "shutdown_timeout_s": 5,
-        },
-        log_path=tmp_path / "server.log",
-        ready_timeout_s=180,
-    )
+    server = clip_server(tmp_path)
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         assert c.get("/streams/nope/mjpeg").status_code == 404
         sid = c.post("/streams", json={"url": f"file://{bottle}", "classes": "bottle"}).json()["id"]
