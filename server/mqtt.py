@@ -11,7 +11,8 @@ Retained state for dashboards (Home Assistant sensors): ``<prefix>/<stream id>/s
 the stream's state (``live``, ``reconnecting``, ``failed``) from its ``stream_state`` events,
 and ``<prefix>/<stream id>/zones/<zone>`` what stands in each zone now, ``{"all": n,
 "<class>": n, ...}`` (objects counted once where the stream tracks), published when it
-changes, as Frigate publishes its zone counts. A zone that is removed has its topic cleared.
+changes, as Frigate publishes its zone counts. A zone that is removed has its topic cleared,
+and so has a stream that is removed, all of its topics.
 
 The publisher reads the log with its own cursor, as a webhook does, and only while the broker
 is connected: a broker that is down or restarting gets, once it is back, what happened
@@ -186,8 +187,7 @@ class MqttPublisher:
                     await asyncio.sleep(0.5)  # the broker is going away: wait for it
                     return k
             if event["type"] == "stream_state":
-                state = self.topic(event["stream_id"], "state")
-                self._client.publish(state, event["state"], qos=QOS, retain=True)
+                self._retain_state(event["stream_id"], event["state"])
         return len(events)
 
     def observe_frame(self, frame: ProcessedFrame) -> None:
@@ -207,6 +207,15 @@ class MqttPublisher:
         for zone in before.keys() - now.keys():  # removed: its retained count goes too
             self._client.publish(self._zone_topic(frame.stream_id, zone), b"", QOS, True)
         self._zones[frame.stream_id] = now
+
+    def _retain_state(self, stream_id: str, state: str) -> None:
+        """Keep a stream's state; a removed stream's retained topics are cleared."""
+        if state != "removed":
+            self._client.publish(self.topic(stream_id, "state"), state, qos=QOS, retain=True)
+            return
+        self._client.publish(self.topic(stream_id, "state"), b"", qos=QOS, retain=True)
+        for zone in self._zones.pop(stream_id, {}):
+            self._client.publish(self._zone_topic(stream_id, zone), b"", qos=QOS, retain=True)
 
     def _zone_topic(self, stream_id: str, zone: str) -> str:
         return self.topic(stream_id, "zones", zone.replace("/", "_").replace("+", "_"))

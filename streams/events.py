@@ -28,8 +28,8 @@ from streams.zones import ZoneEvent
 
 @dataclass(frozen=True, slots=True)
 class StateEvent:
-    """A stream went live, lost its source (``reconnecting``) or ``failed``, after its
-    decoded frame number ``frame``; ``error`` says why it lost its source."""
+    """A stream went live, lost its source (``reconnecting``), ``failed`` or was ``removed``,
+    after its decoded frame number ``frame``; ``error`` says why it lost its source."""
 
     previous: str
     state: str

@@ -61,7 +61,7 @@ class Listener:
     def __init__(self, port: int) -> None:
         self.messages: list[tuple[str, str, bool]] = []
         self._lock = threading.Lock()
-        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="test-listener")
+        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"test-{id(self)}")
         self._client.on_message = self._on_message
         self._client.connect("127.0.0.1", port)
         self._client.subscribe("streamdet/#", qos=1)
@@ -134,6 +134,24 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             assert "streamdet_mqtt_connected 1.0" in c.get("/metrics").text
             sent = [ln for ln in c.get("/metrics").text.splitlines() if "mqtt_events_total" in ln]
             assert any('outcome="sent"' in ln and not ln.endswith(" 0.0") for ln in sent), sent
+            # A dashboard that subscribes now gets the retained state at once.
+            newcomer = Listener(broker.port)
+            try:
+                assert newcomer.wait_for(f"streamdet/{sid}/state", 1, 10) == ["live"]
+                assert newcomer.wait_for(f"streamdet/{sid}/zones/lower", 1, 10)
+                first: dict[str, bool] = {}
+                for topic, _, retain in list(newcomer.messages):
+                    first.setdefault(topic, retain)  # later ones may be live updates
+                assert first[f"streamdet/{sid}/state"] and first[f"streamdet/{sid}/zones/lower"]
+            finally:
+                newcomer.close()
+            # A removed stream's retained topics are cleared (an empty retained message).
+            assert c.delete(f"/streams/{sid}").status_code == 204
+            assert listener.wait_for(f"streamdet/{sid}/state", 2, 10)[-1] == ""
+            deadline = time.monotonic() + 10
+            while listener.on(f"streamdet/{sid}/zones/lower")[-1] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert listener.on(f"streamdet/{sid}/zones/lower")[-1] == ""
             # A clean stop says so: offline, retained for whoever subscribes later.
             server.stop()
             assert listener.wait_for("streamdet/available", 2, 10)[-1] == "offline"
@@ -142,9 +160,8 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
     late = Listener(broker.port)
     try:
         assert late.wait_for("streamdet/available", 1, 10) == ["offline"]
-        assert late.wait_for(f"streamdet/{sid}/state", 1, 10) == ["live"]
-        assert len(late.wait_for(f"streamdet/{sid}/zones/lower", 1, 10)) == 1
-        assert all(retain for _, _, retain in late.messages)  # what a newcomer gets
+        time.sleep(0.5)
+        assert [t for t, _, _ in late.messages] == ["streamdet/available"]  # nothing stale
     finally:
         late.close()
     assert "mqtt mqtt://127.0.0.1" in server.log_text() and "connected" in server.log_text()

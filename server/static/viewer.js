@@ -992,6 +992,7 @@ function eventText(e) {
   if (e.type === "zone_enter") return `${who} entered ${e.zone}`;
   if (e.type === "stream_state") {
     if (e.state === "live") return "is live";
+    if (e.state === "removed") return "was removed";
     const why = e.error ? `: ${e.error}` : "";
     return e.state === "failed" ? `failed${why}` : `lost its source${why}`;
   }
