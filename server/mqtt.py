@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import ssl
@@ -97,7 +98,9 @@ class MqttPublisher:
         self.prefix = prefix.strip("/")
         self._host = parts.hostname or ""
         self._port = parts.port or _default_port(parts.scheme)
-        self._reader = LogReader(f"mqtt {self.name}/{self.prefix}", events)
+        self._reader = LogReader(
+            f"mqtt {self.name}/{self.prefix}", events, functools.partial(self._count, "missed")
+        )
         self._metrics = metrics
         self.sent = 0
         self._connected = asyncio.Event()
@@ -167,7 +170,6 @@ class MqttPublisher:
             page = await self._reader.take(BATCH, 1.0)
             if page is None:
                 return
-            self._count("missed", page.missed)
             if not page.events:
                 continue
             published = await self._publish(page.events)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -71,7 +72,9 @@ class WebhookSender:
     ) -> None:
         self.url = check_webhook_url(url)
         self.name = label(url)
-        self._reader = LogReader(f"webhook {self.name}", events)
+        self._reader = LogReader(
+            f"webhook {self.name}", events, functools.partial(self._count, "missed")
+        )
         self._secret = secret
         self._timeout_s = timeout_s
         self._metrics = metrics
@@ -95,7 +98,6 @@ class WebhookSender:
                 page = await self._reader.take(BATCH, 60.0)
                 if page is None:
                     return
-                self._count("missed", page.missed)
                 if not page.events:
                     continue
                 error = await self._post(client, page.events)

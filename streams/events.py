@@ -224,13 +224,17 @@ class LogReader:
     Args:
         sink: the sink's name, in logs and the store.
         events: the log.
+        on_missed: told how many events left the log before the sink could take them.
     """
 
-    def __init__(self, sink: str, events: EventLog) -> None:
+    def __init__(
+        self, sink: str, events: EventLog, on_missed: Callable[[int], None] | None = None
+    ) -> None:
         self.sink = sink
         self.log = events
         self.cursor = events.saved_cursor(sink)
         self.missed = 0
+        self._on_missed = on_missed
 
     @property
     def pending(self) -> int:
@@ -243,6 +247,8 @@ class LogReader:
         page = self.log.read(self.cursor, limit)
         if page.missed:
             self.missed += page.missed
+            if self._on_missed is not None:
+                self._on_missed(page.missed)
             log.warning(
                 "%s: %d event(s) left the event log before they could be delivered (setting"
                 " STREAMDET_EVENT_LOG_SIZE)",
