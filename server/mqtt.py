@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import ssl
@@ -98,11 +97,8 @@ class MqttPublisher:
         self.prefix = prefix.strip("/")
         self._host = parts.hostname or ""
         self._port = parts.port or _default_port(parts.scheme)
-        self._reader = LogReader(
-            f"mqtt {self.name}/{self.prefix}", events, functools.partial(self._count, "missed")
-        )
+        self._reader = LogReader(f"mqtt {self.name}/{self.prefix}", events, self._count)
         self._metrics = metrics
-        self.sent = 0
         self._connected = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -175,8 +171,8 @@ class MqttPublisher:
             published = await self._publish(page.events)
             if published:
                 whole = published == len(page.events)
-                self._reader.delivered(page.next if whole else page.events[published - 1]["id"])
-            self._count("sent", published)
+                through = page.next if whole else page.events[published - 1]["id"]
+                self._reader.delivered(through, published)
 
     async def _publish(self, events: list[dict[str, Any]]) -> int:
         """Hand ``events`` to the client, in order; how many it took (it stops at the first
@@ -223,10 +219,6 @@ class MqttPublisher:
         return self.topic(stream_id, "zones", zone.replace("/", "_").replace("+", "_"))
 
     def _count(self, outcome: str, n: int) -> None:
-        if not n:
-            return
-        if outcome == "sent":
-            self.sent += n
         if self._metrics is not None:
             self._metrics.mqtt_events.labels(outcome).inc(n)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import hmac
 import json
@@ -72,13 +71,11 @@ class WebhookSender:
     ) -> None:
         self.url = check_webhook_url(url)
         self.name = label(url)
-        self._reader = LogReader(
-            f"webhook {self.name}", events, functools.partial(self._count, "missed")
-        )
+        self._reader = LogReader(f"webhook {self.name}", events, self._count)
         self._secret = secret
         self._timeout_s = timeout_s
         self._metrics = metrics
-        self.sent = self.failures = 0
+        self.failures = 0
 
     @property
     def pending(self) -> int:
@@ -89,6 +86,11 @@ class WebhookSender:
     def missed(self) -> int:
         """Events that left the log before they could be sent."""
         return self._reader.missed
+
+    @property
+    def sent(self) -> int:
+        """Events delivered."""
+        return self._reader.sent
 
     async def run(self) -> None:
         """Deliver until the log closes and everything in it was delivered (or cancelled)."""
@@ -102,8 +104,7 @@ class WebhookSender:
                     continue
                 error = await self._post(client, page.events)
                 if error is None:
-                    self._reader.delivered(page.next)
-                    self._count("sent", len(page.events))
+                    self._reader.delivered(page.next, len(page.events))
                     backoff = BACKOFF_INITIAL_S
                     continue
                 self.failures += 1
@@ -134,10 +135,6 @@ class WebhookSender:
         return None
 
     def _count(self, outcome: str, n: int) -> None:
-        if not n:
-            return
-        if outcome == "sent":
-            self.sent += n
         if self._metrics is not None:
             self._metrics.webhook_events.labels(self.name, outcome).inc(n)
 

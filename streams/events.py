@@ -224,17 +224,18 @@ class LogReader:
     Args:
         sink: the sink's name, in logs and the store.
         events: the log.
-        on_missed: told how many events left the log before the sink could take them.
+        count: told ``("sent", n)`` when the sink delivered ``n`` events and ``("missed",
+            n)`` when ``n`` left the log before it could take them (e.g. a metric).
     """
 
     def __init__(
-        self, sink: str, events: EventLog, on_missed: Callable[[int], None] | None = None
+        self, sink: str, events: EventLog, count: Callable[[str, int], None] | None = None
     ) -> None:
         self.sink = sink
         self.log = events
         self.cursor = events.saved_cursor(sink)
-        self.missed = 0
-        self._on_missed = on_missed
+        self.sent = self.missed = 0
+        self._count = count
 
     @property
     def pending(self) -> int:
@@ -247,8 +248,8 @@ class LogReader:
         page = self.log.read(self.cursor, limit)
         if page.missed:
             self.missed += page.missed
-            if self._on_missed is not None:
-                self._on_missed(page.missed)
+            if self._count is not None:
+                self._count("missed", page.missed)
             log.warning(
                 "%s: %d event(s) left the event log before they could be delivered (setting"
                 " STREAMDET_EVENT_LOG_SIZE)",
@@ -270,7 +271,10 @@ class LogReader:
         await self.log.wait(self.cursor, wait_s)
         return page
 
-    def delivered(self, through: int) -> None:
-        """Every event up to id ``through`` was delivered."""
+    def delivered(self, through: int, n: int) -> None:
+        """Every event up to id ``through`` was delivered, ``n`` of them just now."""
         self.cursor = through
+        self.sent += n
         self.log.save_cursor(self.sink, through)
+        if self._count is not None and n:
+            self._count("sent", n)
