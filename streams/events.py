@@ -1,5 +1,6 @@
-"""Events of every stream (line crossings, zone entries and exits) in one bounded log, read by
-``GET /events`` (a cursor, long-polled) and by webhooks (``server/webhooks.py``).
+"""Events of every stream (line crossings, zone entries and exits, state changes) in one
+bounded log, read by ``GET /events`` (a cursor, long-polled, or server-sent events), by
+webhooks (``server/webhooks.py``) and by MQTT (``server/mqtt.py``).
 
 Each event gets an id that grows by one per event. With an :class:`EventStore` (the server
 keeps one under its data directory) the log survives restarts and ids carry on where they
@@ -25,6 +26,8 @@ from streams.event_store import EventStore
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class StateEvent:
@@ -47,7 +50,6 @@ class StateEvent:
         }
 
 
-log = logging.getLogger(__name__)
 StreamEvent = Crossing | ZoneEvent | StateEvent
 EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit", "stream_state"})
 
@@ -175,9 +177,7 @@ class EventLog:
         for k in range(start, len(self._events)):
             event = self._events[k]
             cursor = event["id"]
-            if (stream_id is None or event["stream_id"] == stream_id) and (
-                types is None or event["type"] in types
-            ):
+            if _matches(event, stream_id, types):
                 found.append(event)
                 if len(found) >= limit:
                     break
@@ -193,9 +193,7 @@ class EventLog:
         newest id, to read on from."""
         found: list[dict[str, Any]] = []
         for event in reversed(self._events):
-            if (stream_id is None or event["stream_id"] == stream_id) and (
-                types is None or event["type"] in types
-            ):
+            if _matches(event, stream_id, types):
                 found.append(event)
                 if len(found) >= limit:
                     break
@@ -215,6 +213,13 @@ class EventLog:
         finally:
             self._waiters.discard(waiter)
         return self.last_id > after
+
+
+def _matches(event: dict[str, Any], stream_id: str | None, types: Collection[str] | None) -> bool:
+    """Whether ``event`` is of ``stream_id`` and of ``types`` (None: any)."""
+    return (stream_id is None or event["stream_id"] == stream_id) and (
+        types is None or event["type"] in types
+    )
 
 
 class LogReader:

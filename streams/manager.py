@@ -229,7 +229,7 @@ class StreamManager:
         reader.stop()
         self._pool.queue.discard(stream_id)
         # The last word on it, for webhooks, MQTT (which clears its retained topics) and SSE.
-        removed = StateEvent(reader.state.value, "removed", None, reader.snapshot()["frames_in"])
+        removed = StateEvent(reader.state.value, "removed", None, reader.frames_in)
         self.events.add(stream_id, record.name, time.time(), [removed], str)
         for sub in self._subs.pop(stream_id, set()):
             sub.close(WS_NORMAL, "stream removed")

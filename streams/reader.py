@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 FrameSink = Callable[[str, WorkItem], "WorkItem | None"]
 """``EnginePool.submit_latest``: offer a frame, get back the one it replaced."""
 PublishFn = Callable[[ProcessedFrame], None]
+"""Called from an engine worker thread with each processed frame; must not block."""
 StateFn = Callable[["StreamState", "StreamState", "str | None", int], None]
 """Told ``(previous, state, error, frame)`` when a stream goes live, loses its source or
 fails (on its decode thread)."""
-"""Called from an engine worker thread with each processed frame; must not block."""
 
 
 class StreamState(enum.StrEnum):

@@ -56,7 +56,12 @@ class Zone:
     def __post_init__(self) -> None:
         check_name(self.name, "zones")
         check_polygon(self.points, f"zones: {self.name!r}")
-        if isinstance(self.inertia, bool) or not 1 <= self.inertia <= MAX_INERTIA:
+        inertia: object = self.inertia  # from JSON it may be anything
+        if (
+            not isinstance(inertia, int)
+            or isinstance(inertia, bool)
+            or not 1 <= inertia <= MAX_INERTIA
+        ):
             raise ValueError(
                 f"zones: {self.name!r}: inertia is a number of frames from 1 to {MAX_INERTIA},"
                 f" not {self.inertia!r}"
@@ -77,11 +82,6 @@ class Zone:
         if unknown:
             raise ValueError(f"zones: {name!r}: unknown field(s) {sorted(unknown)}")
         inertia = raw.get("inertia", INERTIA)
-        if not isinstance(inertia, int):
-            raise ValueError(
-                f"zones: {name!r}: inertia is a number of frames from 1 to {MAX_INERTIA},"
-                f" not {inertia!r}"
-            )
         return cls(name, parse_points(points, f"zones: {name!r}"), inertia)
 
     def to_json(self) -> dict[str, Any]:
@@ -197,6 +197,10 @@ class ZoneCounter:
         events: list[ZoneEvent] = []
         alive = set(live)
         classes = detections.class_ids.tolist()
+        # One step per object: a second box of another class on it is not a second one.
+        first: dict[int, int] = {}
+        for i, track_id in enumerate(ids or ()):
+            first.setdefault(track_id, i)
         for zone in zones:
             # An unsized frame has no anchors: nothing is in any zone.
             inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else [False] * n
@@ -209,10 +213,6 @@ class ZoneCounter:
                 occupancy[zone.name] = counts
                 continue
             stays = self._stays.setdefault(zone.name, {})
-            # One step per object: a second box of another class on it is not a second one.
-            first: dict[int, int] = {}
-            for i, track_id in enumerate(ids):
-                first.setdefault(track_id, i)
             for track_id, i in first.items():
                 events += self._step(
                     zone, stays, track_id, hit=inside[i], class_id=classes[i], t=t, frame=frame

@@ -264,22 +264,17 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
                 for direction, by_class in ways.items()
                 for name, n in by_class.items()
             },
-            zone_objects={
-                (zone, name): n
-                for zone, counts in info["zones"].items()
-                for name, n in counts["now"].items()
-            },
-            zone_entries={
-                (zone, name): n
-                for zone, counts in info["zones"].items()
-                for name, n in counts["entered"].items()
-            },
-            zone_exits={
-                (zone, name): n
-                for zone, counts in info["zones"].items()
-                for name, n in counts["exited"].items()
-            },
+            zone_objects=_by_zone(info["zones"], "now"),
+            zone_entries=_by_zone(info["zones"], "entered"),
+            zone_exits=_by_zone(info["zones"], "exited"),
         )
+
+
+def _by_zone(
+    zones: Mapping[str, Mapping[str, Mapping[str, int]]], count: str
+) -> dict[tuple[str, str], int]:
+    """One of a stream's zone counts (``now``, ``entered``, ``exited``) by ``(zone, class)``."""
+    return {(zone, name): n for zone, counts in zones.items() for name, n in counts[count].items()}
 
 
 def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
