@@ -55,9 +55,11 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             metrics,
         )
         if snapshots.enabled:
-            manager.event_extra = snapshots.extra
+            manager.event_extras.append(snapshots.extra)
             manager.event_observers.append(snapshots.capture)
         state.snapshots = snapshots
+        if manager.clips is not None:
+            manager.clips.on_outcome = lambda outcome: metrics.event_clips.labels(outcome).inc()
         webhooks = Webhooks(
             [
                 WebhookSender(

@@ -384,6 +384,13 @@ class Metrics:
             ["outcome"],
             registry=reg,
         )
+        self.event_clips = Counter(
+            "streamdet_event_clips",
+            "Event clips written (made), or not (failed: the source was lost before one began,"
+            " or writing it failed)",
+            ["outcome"],
+            registry=reg,
+        )
         self.mqtt_events = Counter(
             "streamdet_mqtt_events",
             "Events published to the MQTT broker (sent), or that left the event log before it"

@@ -139,6 +139,29 @@ class Settings(BaseSettings):
     event_snapshot_width: int = Field(
         640, ge=32, le=3840, description="event snapshots wider than this are scaled down"
     )
+    event_clip_pre_s: float = Field(
+        5.0,
+        ge=0.0,
+        le=60.0,
+        description="seconds of video before an event in its clip (streams with clips on;"
+        " from the keyframe at or before)",
+    )
+    event_clip_post_s: float = Field(
+        5.0, ge=0.0, le=60.0, description="seconds of video after an event in its clip"
+    )
+    event_clip_max_s: float = Field(
+        60.0,
+        ge=1.0,
+        le=600.0,
+        description="longest event clip: events keep extending a clip up to this, then start"
+        " a new one",
+    )
+    event_clips_max_mb: int = Field(
+        2048,
+        ge=1,
+        le=10_000_000,
+        description="event clips (<data-dir>/clips) kept up to this size; the oldest go first",
+    )
     mqtt_url: str | None = Field(
         None,
         repr=False,

@@ -66,7 +66,7 @@ class SnapshotStore:
     def enabled(self) -> bool:
         return self.size > 0
 
-    def extra(self, event_id: int) -> dict[str, Any]:
+    def extra(self, frame: ProcessedFrame, event_id: int) -> dict[str, Any]:
         """What each logged event gets: the path of its snapshot, where its frame will have
         one (:meth:`capture` follows on the event loop, with nothing in between)."""
         if not self.enabled or self._pending >= MAX_PENDING:

@@ -85,6 +85,8 @@ class StreamDetect:
     """Counting lines (:mod:`streams.lines`); they need ``track``."""
     zones: tuple[Zone, ...] = ()
     """Zones that count what stands in them (:mod:`streams.zones`); entries need ``track``."""
+    clips: bool = False
+    """Keep a video clip of each event (:mod:`streams.clips`)."""
 
     def __post_init__(self) -> None:
         if self.lines and not self.track:
@@ -103,13 +105,14 @@ class StreamDetect:
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
-        ``track``, ``lines`` and ``zones``."""
+        ``track``, ``lines``, ``zones`` and ``clips``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
             "track": self.track,
             "lines": [line.to_json() for line in self.lines],
             "zones": [zone.to_json() for zone in self.zones],
+            "clips": self.clips,
         }
 
     @classmethod
@@ -120,13 +123,16 @@ class StreamDetect:
             ValueError: a value out of range, a class the model lacks, or a bad region.
         """
         roi = data.get("roi")
-        track = data.get("track", False)  # absent in streams stored before tracking existed
-        if not isinstance(track, bool):
-            raise ValueError(f"track: expected true or false, got {track!r}")
+        # Absent in streams stored before tracking (clips) existed.
+        track, clips = data.get("track", False), data.get("clips", False)
+        for key, flag in (("track", track), ("clips", clips)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{key}: expected true or false, got {flag!r}")
         return cls(
             DetectParams.from_description(data, names),
             None if roi is None else Roi.parse(roi),
             track,
             parse_lines(data.get("lines") or ()),
             parse_zones(data.get("zones") or ()),
+            clips,
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from engines.pool import EnginePool
+from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
 from streams.detect import StreamDetect
 from streams.events import EventLog, StateEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
@@ -51,6 +52,7 @@ class ManagerOptions:
         max_streams: most streams at once.
         stop_timeout_s: how long to wait for a decode thread to exit.
         event_log_size: events kept for ``GET /events`` and webhooks.
+        clips: where event clips go and how long they are (``None``: no clips).
     """
 
     reader: ReaderOptions
@@ -59,6 +61,7 @@ class ManagerOptions:
     max_streams: int = 64
     stop_timeout_s: float = 10.0
     event_log_size: int = 10_000
+    clips: ClipOptions | None = None
 
 
 class StreamChanges(TypedDict, total=False):
@@ -102,7 +105,9 @@ class StreamManager:
         self.event_observers: list[Callable[[ProcessedFrame, list[dict[str, Any]]], None]] = []
         # Called on the event loop with every published frame (keep them cheap).
         self.frame_observers: list[Callable[[ProcessedFrame], None]] = []
-        self.event_extra: Callable[[int], dict[str, Any]] | None = None
+        # More members for each event of a frame, from the frame and the event's id.
+        self.event_extras: list[Callable[[ProcessedFrame, int], dict[str, Any]]] = []
+        self.clips = None if options.clips is None else ClipIndex(options.clips)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -344,7 +349,7 @@ class StreamManager:
                 frame.captured_at,
                 frame.events,
                 frame.detections.name_of,
-                extra=self.event_extra,
+                extra=functools.partial(self._event_extra, frame, reader),
             )
             for observe in self.event_observers:
                 observe(frame, logged)
@@ -352,6 +357,17 @@ class StreamManager:
             watch(frame)
         for sub in self._subs.get(frame.stream_id, ()):
             sub.offer(frame)
+
+    def _event_extra(
+        self, frame: ProcessedFrame, reader: StreamReader, event_id: int
+    ) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        for more in self.event_extras:
+            extra.update(more(frame, event_id))
+        if self.clips is not None and reader.clips is not None and reader.detect.clips:
+            clip_id = self.clips.request(reader.clips, frame.decoded_mono, event_id)
+            extra["clip"] = CLIP_PATH.format(id=clip_id)
+        return extra
 
     # ---- internals ---------------------------------------------------------------------
     def _spec(self, record: StreamRecord) -> SourceSpec:
@@ -381,6 +397,7 @@ class StreamManager:
             self._pool.submit_latest,
             self._publish_threadsafe,
             on_state=functools.partial(self._state_threadsafe, record.id),
+            clips=None if self.clips is None else self.clips.recorder(record.id),
         )
         self._records[record.id] = record
         self._readers[record.id] = reader

@@ -29,6 +29,7 @@ from streams.sources import SourceSpec, backoff_delay, open_options, redact
 
 if TYPE_CHECKING:
     from engines.nvdec import GpuDecode
+    from streams.clips import ClipRecorder
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class StreamReader:
         rng: jitter source (seeded in tests).
         on_state: told when the stream goes live, loses its source or fails (not when it
             starts connecting or is stopped).
+        clips: keeps the stream's recent video and writes event clips, while its
+            ``detect.clips`` is on.
     """
 
     def __init__(
@@ -139,8 +142,10 @@ class StreamReader:
         *,
         rng: random.Random | None = None,
         on_state: StateFn | None = None,
+        clips: ClipRecorder | None = None,
     ) -> None:
         self.config = config
+        self.clips = clips
         self._on_state = on_state
         self._opt = options
         self._submit = submit
@@ -315,6 +320,8 @@ class StreamReader:
             stream = container.streams.video[0]
             return self._read(container, stream)
         finally:
+            if self.clips is not None:
+                self._guard_clips(self.clips.source_closed, "the source closed")
             container.close()  # frees the decoder and the socket at once
 
     def _read(self, container: Any, stream: Any) -> bool:
@@ -326,6 +333,11 @@ class StreamReader:
         for packet in container.demux(stream):
             if self._stop.is_set():
                 return got
+            if self.clips is not None:
+                if self.detect.clips:
+                    self._guard_clips(self.clips.packet, packet, stream, time.monotonic())
+                else:
+                    self._guard_clips(self.clips.discard)
             try:
                 frames = packet.decode()
             except av.error.InvalidDataError as exc:
@@ -362,6 +374,13 @@ class StreamReader:
                 else:
                     self._offer(self._gpu_decode.convert(frame), pts, now)
         return got
+
+    def _guard_clips(self, step: Callable[..., None], *args: Any) -> None:
+        """Run a clip step; a failure costs clips, never the stream."""
+        try:
+            step(*args)
+        except Exception:
+            log.exception("stream %s: event clips failed", self.config.id)
 
     def _count_in(self, now: float, width: int, height: int) -> None:
         with self._lock:

@@ -221,6 +221,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "track": False,
             "lines": [],
             "zones": [],
+            "clips": False,
         }
         assert resp.json()["detect"] == detect
 

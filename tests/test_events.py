@@ -199,7 +199,7 @@ async def test_snapshots_are_kept_for_the_last_frames_with_events() -> None:
     assert decode_jpeg(first).shape == (90, 320, 3)  # scaled to the width asked for
     assert await store.get(15) is not None and await store.get(16) is None
     off = SnapshotStore(0, 320, None, lambda _: None)
-    assert off.extra(1) == {} and not off.enabled
+    assert off.extra(frame, 1) == {} and not off.enabled
 
 
 # ---- webhooks and server-sent events against a real server ----------------------------------

@@ -292,6 +292,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             "track": False,
             "lines": [],
             "zones": [],
+            "clips": False,
         }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)

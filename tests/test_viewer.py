@@ -250,6 +250,8 @@ def live_server(
         stream_read_timeout_s=2,
         reconnect_max_s=1,
         shutdown_timeout_s=5,
+        event_clip_pre_s=1,
+        event_clip_post_s=1,
     )
     yield srv
     srv.stop()
@@ -414,7 +416,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
 ) -> None:
     pg, errors = live_page
     api = httpx.Client(base_url=pg.url, timeout=30)  # the viewer's own server
-    stream_id = add_stream_in_page(pg, camera.url("car"), "car-region", track=True)
+    stream_id = add_stream_in_page(pg, camera.url("car"), "car-region", track=True, clips=True)
     canvas_id = f"tile-{stream_id}"
     figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
     frame = wait_for_boxes(pg, canvas_id)
@@ -563,6 +565,17 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     pg.locator("#snapshot-dialog").screenshot(path=artifacts / "viewer-event-snapshot.png")
     pg.locator("#snapshot-dialog button[type=submit]").click()
     expect(pg.locator("#snapshot-dialog")).to_be_hidden()
+    # And a clip, the camera's own video around it, played in the page.
+    entered.locator("button.event-clip").click()
+    expect(pg.locator("#clip-dialog")).to_be_visible()
+    pg.wait_for_function(
+        "() => { const v = document.getElementById('clip-video');"
+        " return v.readyState >= 2 && v.duration > 1 && v.videoWidth === 768; }"
+    )
+    expect(pg.locator("#clip-caption")).to_contain_text("entered lot")
+    pg.locator("#clip-dialog").screenshot(path=artifacts / "viewer-event-clip.png")
+    pg.locator("#clip-dialog button[type=submit]").click()
+    expect(pg.locator("#clip-dialog")).to_be_hidden()
 
     # One line removed from the line editor's list; the zone stays.
     figure.locator("button.tile-line").click()

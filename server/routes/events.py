@@ -13,6 +13,9 @@ Two ways to read it:
   ``data:`` message per event with its ``id``, from new events on (or after ``after``, or
   after the ``Last-Event-ID`` a reconnecting ``EventSource`` sends), a comment every 15 s to
   keep proxies from closing it, and ``{"type": "missed", "missed": n}`` where events were lost.
+
+Each event's frame as a JPEG (``/events/{id}/snapshot.jpg``) and, for streams with ``clips``
+on, the video around it (``/clips/{id}.mp4``) are served here too.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from server.routes.streams import get_manager
 from server.state import get_state
@@ -33,6 +36,7 @@ router = APIRouter()
 HEARTBEAT_S = 15.0
 MAX_LIMIT = 1000
 MAX_WAIT_S = 60.0
+CLIP_WAIT_S = 10.0
 
 
 def parse_types(raw: str | None) -> frozenset[str] | None:
@@ -155,3 +159,24 @@ async def event_snapshot(event_id: int, request: Request) -> Response:
             " with events (setting STREAMDET_EVENT_SNAPSHOTS)",
         )
     return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
+
+
+@router.get(
+    "/clips/{clip_id}.mp4",
+    response_class=FileResponse,
+    responses={200: {"content": {"video/mp4": {}}}},
+)
+async def event_clip(clip_id: int, request: Request) -> FileResponse:
+    """The video around one or more events of a stream with ``clips`` on (the ``clip`` member
+    of its events), as MP4; one still being written is waited for, up to
+    ``event_clip_post_s`` + 10 s. Range requests are served (a browser seeks in it)."""
+    manager = get_manager(request)
+    if manager.clips is None:
+        raise HTTPException(404, f"no clip {clip_id}: this server keeps no event clips")
+    found = await manager.clips.find(clip_id, manager.clips.options.post_s + CLIP_WAIT_S)
+    if isinstance(found, str):
+        if manager.clips.writing(clip_id):
+            retry = str(max(1, round(manager.clips.options.post_s)))
+            raise HTTPException(503, found, headers={"Retry-After": retry})
+        raise HTTPException(404, found)
+    return FileResponse(found, media_type="video/mp4", headers={"Cache-Control": "max-age=3600"})

@@ -23,6 +23,7 @@ from engines.types import DetectParams
 from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
+from streams.clips import ClipOptions
 from streams.detect import Roi, StreamDetect
 from streams.event_store import EventStore
 from streams.events import EventLog
@@ -116,6 +117,13 @@ class DetectIn(BaseModel):
             " by class (and, where the stream tracks, each object entering it once)",
         ),
     ] = None
+    clips: Annotated[
+        bool,
+        Field(
+            description="keep a video clip of each line crossing and zone entry or exit (from"
+            " --event-clip-pre-s before to --event-clip-post-s after), at GET /clips/{id}.mp4",
+        ),
+    ] = False
 
     def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
@@ -140,7 +148,8 @@ class DetectIn(BaseModel):
             if "zones" in given:
                 zones = parse_zones([zone.model_dump() for zone in self.zones or ()])
             track = self.track if "track" in given else current.track
-            return StreamDetect(params, roi, track, lines, zones)
+            clips = self.clips if "clips" in given else current.clips
+            return StreamDetect(params, roi, track, lines, zones, clips)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
@@ -296,6 +305,13 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         max_streams=settings.max_streams,
         stop_timeout_s=settings.stream_open_timeout_s + settings.stream_read_timeout_s,
         event_log_size=settings.event_log_size,
+        clips=ClipOptions(
+            settings.data_dir / "clips",
+            pre_s=settings.event_clip_pre_s,
+            post_s=settings.event_clip_post_s,
+            max_s=settings.event_clip_max_s,
+            max_bytes=settings.event_clips_max_mb * 1024 * 1024,
+        ),
     )
     events = EventLog(
         settings.event_log_size, store=EventStore(settings.data_dir, settings.event_log_size)

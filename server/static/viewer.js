@@ -874,6 +874,7 @@ async function addStream(event) {
   const conf = String(data.get("conf") ?? "").trim();
   if (conf) body.conf = Number(conf);
   if (data.get("track")) body.track = true;
+  if (data.get("clips")) body.clips = true;
   try {
     const resp = await api("/streams", {
       method: "POST",
@@ -1028,6 +1029,15 @@ function showEvent(e) {
     button.onclick = () => showSnapshot(e, text.textContent);
     li.append(button);
   }
+  if (e.clip) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "event-clip";
+    button.textContent = "Clip";
+    button.title = "The video around it";
+    button.onclick = () => showClip(e, text.textContent);
+    li.append(" ", button);
+  }
   const list = $("#event-list");
   list.prepend(li);
   while (list.children.length > EVENTS_SHOWN) list.lastElementChild.remove();
@@ -1045,6 +1055,23 @@ async function showSnapshot(e, caption) {
     $("#snapshot-dialog").showModal();
   } catch (err) {
     showError("snapshot", `Snapshot of event ${e.id}: ${err.message}`);
+  }
+}
+
+// An event's clip (GET /clips/{id}.mp4, fetched with the API key; the server answers once the
+// seconds after the event are recorded) played in a dialog.
+async function showClip(e, caption) {
+  const status = $("#clip-caption");
+  try {
+    status.textContent = `${caption} · loading the clip…`;
+    const blob = await (await api(e.clip)).blob();
+    const video = $("#clip-video");
+    if (video.src) URL.revokeObjectURL(video.src);
+    video.src = URL.createObjectURL(blob);
+    status.textContent = caption;
+    $("#clip-dialog").showModal();
+  } catch (err) {
+    showError("clip", `Clip of event ${e.id}: ${err.message}`);
   }
 }
 

@@ -1,0 +1,397 @@
+"""Event clips: a short MP4 of what happened around each event, as Frigate records one per
+event, for a notification, an audit or a look at what crossed the line.
+
+A stream with ``clips`` on keeps its last few seconds of *compressed* video (the packets the
+camera sent, whole groups of pictures from a keyframe on), costing a copy of each packet and
+no decoding or encoding. When an event is logged, :meth:`ClipRecorder.request` reserves a
+clip; the stream's decode thread then writes, without re-encoding, from the keyframe at or
+before ``pre_s`` seconds ahead of the event to ``post_s`` seconds after it, into
+``<directory>/<clip id>.mp4`` (``+faststart``, so a browser plays it as it downloads). An event
+that comes while a clip is still being written extends it (up to ``max_s`` seconds) and
+shares it, so a car that crosses a line and enters a zone has one clip. A clip id is the id of
+the first event in it. The oldest clips are deleted once they weigh more than ``max_bytes``.
+
+Only the video track is kept (no audio). A source lost while a clip is being written ends it
+there; a clip that had not begun (no keyframe yet) fails, with the reason.
+
+Threads: :meth:`ClipRecorder.request` runs on the event loop; everything else on the stream's
+decode thread. One lock guards what they share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CLIP_PATH = "/clips/{id}.mp4"
+MAX_BUFFER_BYTES = 64 * 1024 * 1024
+"""Compressed video a stream keeps for pre-roll at most (a camera with very long groups of
+pictures keeps less than ``pre_s``)."""
+
+ClipDone = Callable[[int, "Path | None", "str | None"], None]
+"""Told ``(clip id, file, None)`` when a clip is written, ``(clip id, None, error)`` when it
+failed; on the decode thread."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClipOptions:
+    """Where clips go and how long they are (from settings).
+
+    Attributes:
+        directory: the clips' folder (created when needed).
+        pre_s: seconds before the event (rounded back to a keyframe).
+        post_s: seconds after the event (after the last event of the clip).
+        max_s: events extend a clip up to this long after its first event; later ones
+            start a new clip (so a clip lasts at most ``max_s`` plus its pre-roll).
+        max_bytes: the oldest clips are deleted beyond this.
+    """
+
+    directory: Path
+    pre_s: float = 5.0
+    post_s: float = 5.0
+    max_s: float = 60.0
+    max_bytes: int = 2048 * 1024 * 1024
+
+    def path(self, clip_id: int) -> Path:
+        return self.directory / f"{clip_id}.mp4"
+
+
+@dataclass(frozen=True, slots=True)
+class _Packet:
+    mono: float
+    data: bytes
+    pts: int | None
+    dts: int | None
+    key: bool
+
+
+@dataclass(slots=True)
+class _Clip:
+    id: int
+    start: float
+    """monotonic time the pre-roll begins at"""
+    end: float
+    """monotonic time it ends after (moved by later events)"""
+    limit: float = 0.0
+    """``end`` never moves past this (``max_s`` after its first event)"""
+    output: Any = None
+    stream: Any = None
+    time_base: Any = None
+    times: _Times | None = None
+
+
+@dataclass(slots=True)
+class _Times:
+    """Fills the timestamps a camera leaves out (an RTSP source's first packet has none) and
+    rebases them to start at 0."""
+
+    step: int
+    first: int
+    last: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last = self.first - self.step
+
+    def of(self, packet: _Packet) -> tuple[int, int]:
+        pts = self.last + self.step if packet.pts is None else packet.pts
+        dts = pts if packet.dts is None else min(packet.dts, pts)
+        self.last = pts
+        return pts - self.first, dts - self.first
+
+
+def _step(stream: Any, packets: list[_Packet]) -> int:
+    """One frame's duration in the stream's time base."""
+    known = [p.pts for p in packets if p.pts is not None]
+    diffs = sorted(b - a for a, b in itertools.pairwise(known) if b > a)
+    if diffs:
+        return diffs[len(diffs) // 2]
+    rate = stream.average_rate or stream.guessed_rate or 25
+    return max(1, round(1 / (float(rate) * float(stream.time_base))))
+
+
+class ClipRecorder:
+    """The clip buffer and writer of one stream.
+
+    Args:
+        stream_id: for logs.
+        options: see :class:`ClipOptions`.
+        on_done: told when each clip is written or failed.
+    """
+
+    def __init__(
+        self, stream_id: str, options: ClipOptions, on_done: ClipDone | None = None
+    ) -> None:
+        self.stream_id = stream_id
+        self.options = options
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._gops: deque[list[_Packet]] = deque()  # each starts with a keyframe
+        self._bytes = 0
+        self._source: Any = None  # the input stream the buffer holds packets of
+        self._pending: deque[_Clip] = deque()  # requested, not begun
+        self._current: _Clip | None = None  # being written
+
+    # ---- event loop --------------------------------------------------------------------
+    def request(self, at_mono: float, event_id: int) -> int:
+        """Reserve the clip of an event that happened in the frame decoded at ``at_mono``;
+        returns its id (that of an earlier event whose clip this one extends, or
+        ``event_id``)."""
+        opt = self.options
+        with self._lock:
+            latest = self._pending[-1] if self._pending else self._current
+            if latest is not None and at_mono <= latest.end:
+                latest.end = max(latest.end, min(at_mono + opt.post_s, latest.limit))
+                return latest.id
+            clip = _Clip(event_id, at_mono - opt.pre_s, at_mono + opt.post_s, at_mono + opt.max_s)
+            self._pending.append(clip)
+            return event_id
+
+    # ---- decode thread -----------------------------------------------------------------
+    def packet(self, packet: Any, stream: Any, now: float) -> None:
+        """Keep one demuxed packet of ``stream`` (decode thread), and write it to the clip
+        being made, or begin the next clip."""
+        if stream is not self._source:
+            if self._source is not None:
+                self.source_closed("the source was reopened")
+            self._source = stream
+        if packet.size == 0:
+            return
+        kept = _Packet(now, bytes(packet), packet.pts, packet.dts, bool(packet.is_keyframe))
+        self._keep(kept, now)
+        with self._lock:
+            clip = self._current
+            if clip is None and self._pending and self._gops:
+                clip = self._current = self._pending.popleft()
+        if clip is None:
+            return
+        try:
+            if clip.output is None:
+                self._begin(clip, stream)
+            else:
+                self._write(clip, kept)
+        except Exception as exc:
+            self._finish(clip, f"writing it failed: {type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            over = now > clip.end
+        if over:
+            self._finish(clip, None)
+
+    def source_closed(self, reason: str) -> None:
+        """The source ended or was lost: end the clip being written there; clips that had
+        not begun fail. Decode thread, before the input is closed."""
+        with self._lock:
+            clip, self._current = self._current, None
+            pending = list(self._pending)
+            self._pending.clear()
+        if clip is not None:
+            self._finish(clip, None)
+        for waiting in pending:
+            self._failed(waiting.id, f"the source was lost before the clip began ({reason})")
+        self._gops.clear()
+        self._bytes = 0
+        self._source = None
+
+    def discard(self) -> None:
+        """Clips were turned off: drop the buffer, end what is under way."""
+        if self._gops or self._current is not None or self._pending:
+            self.source_closed("clips were turned off")
+
+    # ---- internals ---------------------------------------------------------------------
+    def _keep(self, packet: _Packet, now: float) -> None:
+        if packet.key:
+            self._gops.append([packet])
+        elif self._gops:
+            self._gops[-1].append(packet)
+        else:
+            return  # nothing decodable before the first keyframe
+        self._bytes += len(packet.data)
+        horizon = now - self.options.pre_s
+        with self._lock:
+            begun = self._pending[0].start if self._pending else horizon
+        horizon = min(horizon, begun)
+        while len(self._gops) > 1 and (
+            self._gops[1][0].mono <= horizon or self._bytes > MAX_BUFFER_BYTES
+        ):
+            self._bytes -= sum(len(p.data) for p in self._gops.popleft())
+
+    def _begin(self, clip: _Clip, stream: Any) -> None:
+        """Open the clip's file and write the buffer from the keyframe at or before its
+        start."""
+        import av
+
+        first = 0
+        for i, gop in enumerate(self._gops):
+            if gop[0].mono <= clip.start:
+                first = i
+        packets = [p for gop in list(self._gops)[first:] for p in gop]
+        self.options.directory.mkdir(parents=True, exist_ok=True)
+        part = self._part(clip.id)
+        clip.output = av.open(str(part), "w", format="mp4", options={"movflags": "+faststart"})
+        clip.stream = clip.output.add_stream_from_template(stream)
+        step = _step(stream, packets)
+        if packets[0].dts is not None:
+            first = packets[0].dts
+        else:
+            known = next(((i, p.pts) for i, p in enumerate(packets) if p.pts is not None), (0, 0))
+            first = int(known[1]) - step * known[0]
+        clip.times = _Times(step, first)
+        clip.time_base = stream.time_base
+        for kept in packets:
+            self._write(clip, kept)
+
+    def _write(self, clip: _Clip, kept: _Packet) -> None:
+        import av
+
+        assert clip.times is not None
+        out = av.Packet(kept.data)
+        out.pts, out.dts = clip.times.of(kept)
+        out.is_keyframe = kept.key
+        out.time_base = clip.time_base
+        out.stream = clip.stream
+        clip.output.mux(out)
+
+    def _finish(self, clip: _Clip, error: str | None) -> None:
+        with self._lock:
+            if self._current is clip:
+                self._current = None
+        part = self._part(clip.id)
+        if clip.output is not None:
+            try:
+                clip.output.close()
+            except Exception as exc:
+                error = error or f"closing it failed: {type(exc).__name__}: {exc}"
+        elif error is None:
+            error = "the source sent no keyframe before it ended"
+        if error is not None:
+            with contextlib.suppress(OSError):
+                part.unlink()
+            self._failed(clip.id, error)
+            return
+        path = self.options.path(clip.id)
+        part.replace(path)
+        log.info(
+            "stream %s: clip %d written (%d bytes)", self.stream_id, clip.id, path.stat().st_size
+        )
+        self._prune()
+        if self._on_done is not None:
+            self._on_done(clip.id, path, None)
+
+    def _failed(self, clip_id: int, error: str) -> None:
+        log.warning("stream %s: no clip %d: %s", self.stream_id, clip_id, error)
+        if self._on_done is not None:
+            self._on_done(clip_id, None, error)
+
+    def _part(self, clip_id: int) -> Path:
+        return self.options.directory / f"{clip_id}.mp4.part"
+
+    def _prune(self) -> None:
+        prune_clips(self.options.directory, self.options.max_bytes)
+
+
+def prune_clips(directory: Path, max_bytes: int) -> int:
+    """Delete the oldest clips (lowest ids) until those left weigh at most ``max_bytes``;
+    returns what they weigh."""
+    clips: list[tuple[int, Path, int]] = []
+    for path in directory.glob("*.mp4"):
+        with contextlib.suppress(ValueError, OSError):
+            clips.append((int(path.stem), path, path.stat().st_size))
+    clips.sort()
+    total = sum(size for _, _, size in clips)
+    for clip_id, path, size in clips:
+        if total <= max_bytes:
+            break
+        with contextlib.suppress(OSError):  # another stream's thread got there first
+            path.unlink()
+            log.info(
+                "clip %d deleted: clips over %d bytes (setting STREAMDET_EVENT_CLIPS_MAX_MB)",
+                clip_id,
+                max_bytes,
+            )
+        total -= size
+    return total
+
+
+class ClipIndex:
+    """The clips of every stream, as ``GET /clips/{id}.mp4`` finds them: those being written
+    (to wait for) and those that failed (to say why). Event loop, except
+    :meth:`done_threadsafe`.
+
+    Args:
+        options: see :class:`ClipOptions`.
+        on_outcome: told ``made`` or ``failed`` for each clip (metrics).
+    """
+
+    FAILURES_KEPT = 1024
+
+    def __init__(
+        self, options: ClipOptions, on_outcome: Callable[[str], None] | None = None
+    ) -> None:
+        self.options = options
+        self.on_outcome = on_outcome
+        self._writing: dict[int, asyncio.Future[None]] = {}
+        self._failed: OrderedDict[int, str] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def recorder(self, stream_id: str) -> ClipRecorder:
+        """A new stream's recorder, reporting here."""
+        return ClipRecorder(stream_id, self.options, self.done_threadsafe)
+
+    def request(self, recorder: ClipRecorder, at_mono: float, event_id: int) -> int:
+        """Reserve the clip of an event (see :meth:`ClipRecorder.request`); returns its id."""
+        self._loop = asyncio.get_running_loop()
+        clip_id = recorder.request(at_mono, event_id)
+        if clip_id not in self._writing:
+            self._writing[clip_id] = self._loop.create_future()
+        return clip_id
+
+    def done_threadsafe(self, clip_id: int, path: Path | None, error: str | None) -> None:
+        """A recorder wrote a clip or gave up on it (decode thread)."""
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
+            loop.call_soon_threadsafe(self._done, clip_id, error)
+
+    def _done(self, clip_id: int, error: str | None) -> None:
+        waiting = self._writing.pop(clip_id, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+        if error is not None:
+            self._failed[clip_id] = error
+            while len(self._failed) > self.FAILURES_KEPT:
+                self._failed.popitem(last=False)
+        if self.on_outcome is not None:
+            self.on_outcome("made" if error is None else "failed")
+
+    def writing(self, clip_id: int) -> bool:
+        return clip_id in self._writing
+
+    async def find(self, clip_id: int, wait_s: float) -> Path | str:
+        """The file of clip ``clip_id``, waiting up to ``wait_s`` for one being written;
+        otherwise why there is none."""
+        waiting = self._writing.get(clip_id)
+        if waiting is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(waiting), wait_s)
+            if not waiting.done():
+                return f"clip {clip_id} is still being written (events keep extending it)"
+        path = self.options.path(clip_id)
+        if path.is_file():
+            return path
+        if clip_id in self._failed:
+            return f"clip {clip_id} could not be made: {self._failed[clip_id]}"
+        return (
+            f"no clip {clip_id}: unknown, or deleted to keep clips under"
+            f" {self.options.max_bytes // (1024 * 1024)} MB (setting STREAMDET_EVENT_CLIPS_MAX_MB)"
+        )

@@ -1,0 +1,284 @@
+"""Event clips (``streams/clips.py``): the packets of the shared clips through the recorder, the
+clips decoded back with PyAV; then a real server recording a real RTSP camera."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import av
+import httpx
+import pytest
+
+from streams.clips import ClipIndex, ClipOptions, ClipRecorder, prune_clips
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server
+
+BASE = 1000.0  # monotonic time of each clip's first packet, in these tests
+
+pytestmark = pytest.mark.skipif(not CAR_CLIP.is_file(), reason="needs ../shared/videos")
+
+
+class Source:
+    """A shared clip's video packets, fed to a recorder as a camera would send them: each at
+    ``BASE`` + its time in the clip."""
+
+    def __init__(self, path: Path) -> None:
+        self.container = av.open(str(path))
+        self.stream = self.container.streams.video[0]
+        self.packets = [p for p in self.container.demux(self.stream) if p.size]
+        self.fed = 0
+
+    def at(self, index: int) -> float:
+        packet = self.packets[index]
+        assert self.stream.time_base is not None
+        return BASE + float((packet.dts or 0) * self.stream.time_base)
+
+    def feed_until(self, recorder: ClipRecorder, seconds: float) -> None:
+        while self.fed < len(self.packets) and self.at(self.fed) <= BASE + seconds:
+            recorder.packet(self.packets[self.fed], self.stream, self.at(self.fed))
+            self.fed += 1
+
+    def index_of(self, data: bytes) -> int:
+        return next(i for i, p in enumerate(self.packets) if bytes(p) == data)
+
+    def close(self) -> None:
+        self.container.close()
+
+
+def clip_packets(path: Path) -> list[bytes]:
+    with av.open(str(path)) as clip:
+        return [bytes(p) for p in clip.demux(clip.streams.video[0]) if p.size]
+
+
+def clip_frames(path: Path) -> list[Any]:
+    with av.open(str(path)) as clip:
+        return list(clip.decode(video=0))
+
+
+class Done:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Path | None, str | None]] = []
+
+    def __call__(self, clip_id: int, path: Path | None, error: str | None) -> None:
+        self.calls.append((clip_id, path, error))
+
+
+@pytest.fixture
+def car() -> Iterator[Source]:
+    source = Source(CAR_CLIP)
+    yield source
+    source.close()
+
+
+def test_a_clip_is_the_cameras_own_video_from_the_keyframe_before_to_after_its_events(
+    tmp_path: Path, car: Source
+) -> None:
+    done = Done()
+    options = ClipOptions(tmp_path, pre_s=5.0, post_s=3.0, max_s=60.0)
+    recorder = ClipRecorder("cam", options, done)
+    car.feed_until(recorder, 20.1)  # the event's frame decoded, then inferred: it comes late
+    assert recorder.request(BASE + 20.0, 7) == 7
+    car.feed_until(recorder, 21.5)
+    assert recorder.request(BASE + 21.0, 8) == 7  # during the clip: it shares it, extended
+    car.feed_until(recorder, 26.0)
+    assert done.calls == [(7, tmp_path / "7.mp4", None)]
+    # Bit for bit the camera's packets: from the keyframe at or before 20 - 5 s (14.4 s: the
+    # clip has one every 4.8 s) through the first packet past 21 + 3 s.
+    packets = clip_packets(tmp_path / "7.mp4")
+    first = car.index_of(packets[0])
+    assert car.packets[first].is_keyframe and car.at(first) == BASE + 14.4
+    assert packets == [bytes(p) for p in car.packets[first : first + len(packets)]]
+    assert car.at(first + len(packets) - 1) == pytest.approx(BASE + 24.08)
+    frames = clip_frames(tmp_path / "7.mp4")
+    assert len(frames) == len(packets) == 122
+    assert frames[0].time == 0.0 and frames[-1].time == pytest.approx(121 / 12.5)
+    assert not list(tmp_path.glob("*.part"))
+
+    # An event after the clip ended has its own; the buffer still held its pre-roll.
+    car.feed_until(recorder, 27.0)
+    assert recorder.request(BASE + 26.5, 9) == 9
+    car.feed_until(recorder, 30.0)
+    assert done.calls[-1] == (9, tmp_path / "9.mp4", None)
+    again = clip_packets(tmp_path / "9.mp4")
+    assert car.at(car.index_of(again[0])) == BASE + 19.2  # keyframe at or before 21.5 s
+
+
+def test_events_extend_a_clip_only_up_to_its_longest(tmp_path: Path, car: Source) -> None:
+    done = Done()
+    recorder = ClipRecorder("cam", ClipOptions(tmp_path, pre_s=1.0, post_s=2.0, max_s=6.0), done)
+    ids = []
+    for second in range(5, 20):  # an event every second
+        car.feed_until(recorder, second + 0.1)
+        ids.append(recorder.request(BASE + second, 100 + second))
+    car.feed_until(recorder, 25.0)
+    # The events of 5 to 10 s extend the first clip up to 6 s after the first (11 s); the
+    # event of 11 s comes once it has ended and starts the next one, and so on.
+    assert ids == [105] * 6 + [111] * 6 + [117] * 3
+    assert [call[:2] for call in done.calls] == [
+        (clip_id, tmp_path / f"{clip_id}.mp4") for clip_id in (105, 111, 117)
+    ]
+    for clip_id in (105, 111):
+        frames = clip_frames(tmp_path / f"{clip_id}.mp4")
+        start = 0.0 if clip_id == 105 else 9.6  # the keyframe at or before 1 s ahead of it
+        assert frames[-1].time == pytest.approx(clip_id - 100 + 6 - start + 0.04)
+
+
+def test_a_lost_source_ends_the_clip_there_and_fails_one_not_begun(
+    tmp_path: Path, car: Source
+) -> None:
+    done = Done()
+    recorder = ClipRecorder("cam", ClipOptions(tmp_path, pre_s=1.0, post_s=5.0), done)
+    car.feed_until(recorder, 10.0)
+    recorder.request(BASE + 9.9, 1)
+    car.feed_until(recorder, 11.0)
+    recorder.source_closed("camera gone")  # 4 s early
+    assert done.calls == [(1, tmp_path / "1.mp4", None)]
+    assert len(clip_frames(tmp_path / "1.mp4")) == 78  # 4.8 s to 10.96 s, every 0.08 s
+
+    # A new connection: no keyframe yet, so a clip cannot begin; the source drops again.
+    fresh = Source(CAR_CLIP)
+    try:
+        recorder.packet(fresh.packets[1], fresh.stream, BASE + 50.0)  # not a keyframe
+        recorder.request(BASE + 50.0, 2)
+        recorder.packet(fresh.packets[2], fresh.stream, BASE + 50.1)
+        recorder.source_closed("camera gone")
+    finally:
+        fresh.close()
+    assert done.calls[-1][:2] == (2, None)
+    assert "the source was lost before the clip began (camera gone)" in str(done.calls[-1][2])
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_a_clip_of_a_source_with_b_frames_plays_in_order(tmp_path: Path) -> None:
+    """The bottle clip reorders frames (B-frames: dts before pts): the clip keeps both."""
+    source = Source(BOTTLE_CLIP)
+    try:
+        done = Done()
+        recorder = ClipRecorder("cam", ClipOptions(tmp_path, pre_s=2.0, post_s=2.0), done)
+        source.feed_until(recorder, 20.1)
+        recorder.request(BASE + 20.0, 3)
+        source.feed_until(recorder, 23.0)
+    finally:
+        source.close()
+    assert done.calls == [(3, tmp_path / "3.mp4", None)]
+    frames = clip_frames(tmp_path / "3.mp4")
+    times = [f.time for f in frames]
+    assert times == sorted(times) and 0.0 < times[0] < 0.1  # the reordering delay: 2 frames
+    # From the keyframe of 16.8 s (one every 250 frames at 29.8 fps) to 22 s.
+    assert len(frames) == len(clip_packets(tmp_path / "3.mp4"))
+    assert 5.0 <= times[-1] <= 5.4
+
+
+def test_the_oldest_clips_go_first_once_they_weigh_too_much(tmp_path: Path) -> None:
+    for clip_id, size in ((30, 400), (10, 300), (20, 200)):
+        (tmp_path / f"{clip_id}.mp4").write_bytes(b"x" * size)
+    (tmp_path / "notes.txt").write_bytes(b"x" * 5000)  # not a clip: never touched
+    assert prune_clips(tmp_path, 650) == 600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20.mp4", "30.mp4", "notes.txt"]
+    assert prune_clips(tmp_path, 100) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+async def test_the_index_waits_for_a_clip_being_written_and_says_why_one_is_missing(
+    tmp_path: Path, car: Source
+) -> None:
+    outcomes: list[str] = []
+    index = ClipIndex(ClipOptions(tmp_path, pre_s=1.0, post_s=1.0), outcomes.append)
+    recorder = index.recorder("cam")
+    car.feed_until(recorder, 5.1)
+    clip_id = index.request(recorder, BASE + 5.0, 42)
+    assert index.writing(42)
+    # Still being written: find() waits for it (the decode thread finishes it meanwhile).
+    feeding = asyncio.get_running_loop().run_in_executor(None, car.feed_until, recorder, 7.0)
+    found = await index.find(clip_id, 10.0)
+    await feeding
+    assert found == tmp_path / "42.mp4" and outcomes == ["made"]
+    assert not index.writing(42)
+
+    assert await index.find(43, 0.1) == (
+        "no clip 43: unknown, or deleted to keep clips under 2048 MB"
+        " (setting STREAMDET_EVENT_CLIPS_MAX_MB)"
+    )
+    late = index.request(recorder, BASE + 40.0, 44)  # will never begin: the source goes
+    recorder.source_closed("camera gone")
+    why = await index.find(late, 5.0)
+    assert isinstance(why, str) and why.startswith("clip 44 could not be made: the source")
+    assert outcomes == ["made", "failed"]
+    started = time.monotonic()
+    never = index.request(index.recorder("other"), BASE, 45)
+    assert await index.find(never, 0.2) == (
+        "clip 45 is still being written (events keep extending it)"
+    )
+    assert time.monotonic() - started < 2.0
+
+
+# ---- a real server and a real camera ----------------------------------------------------------
+
+
+@pytest.mark.rtsp
+def test_a_camera_with_clips_on_serves_each_events_clip_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    from tests.rtsp_camera import RtspCamera
+
+    camera = RtspCamera({"car": CAR_CLIP}).start()
+    server = clip_server(tmp_path, event_clip_pre_s=1, event_clip_post_s=1)
+    body = {"url": camera.url("car"), "max_fps": 8, "track": True, "clips": True, "lines": [GATE]}
+    try:
+        with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+            resp = c.post("/streams", json=body)
+            assert resp.status_code == 201, resp.text
+            assert resp.json()["detect"]["clips"] is True
+            sid = resp.json()["id"]
+            crossing = wait_for_crossing(c)
+            assert crossing["clip"].startswith("/clips/")
+            started = time.monotonic()
+            clip = c.get(crossing["clip"])  # answered once the second after it is recorded
+            waited = time.monotonic() - started
+            assert clip.status_code == 200, clip.text
+            assert clip.headers["content-type"] == "video/mp4"
+            part = c.get(crossing["clip"], headers={"Range": "bytes=0-99"})
+            assert part.status_code == 206 and part.content == clip.content[:100]
+            resp = c.patch(f"/streams/{sid}", json={"clips": False})
+            assert resp.status_code == 200 and resp.json()["detect"]["clips"] is False
+            metrics = c.get("/metrics").text
+            missing = c.get("/clips/12345.mp4")
+            assert missing.status_code == 404
+            assert "STREAMDET_EVENT_CLIPS_MAX_MB" in missing.json()["detail"]
+            assert c.get("/clips/abc.mp4").status_code == 422
+        assert 'streamdet_event_clips_total{outcome="made"}' in metrics
+        path = tmp_path / "clip.mp4"
+        path.write_bytes(clip.content)
+        frames = clip_frames(path)
+        # The camera sends 12.5 fps with a keyframe every 4.8 s: from the keyframe at or before
+        # 1 s ahead of the crossing to 1 s after it; the RTSP source's first packet has no
+        # timestamp, the clip has them all.
+        seconds = len(frames) / 12.5
+        assert 2.0 <= seconds <= 1 + 4.8 + 1 + 0.5, seconds
+        times = [f.time for f in frames]
+        assert times == sorted(times) and times[0] == 0.0
+        assert frames[0].width == 768 and frames[0].height == 432
+        assert waited < 1 + 10
+
+        # After a restart the event still names its clip, and the clip is still there.
+        with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+            events = c.get("/events", params={"limit": 1000}).json()["events"]
+            assert crossing in events
+            assert c.get(crossing["clip"]).content == clip.content
+            c.delete(f"/streams/{sid}")
+    finally:
+        camera.kill()
+
+
+def wait_for_crossing(c: httpx.Client, timeout_s: float = 90.0) -> dict[str, Any]:
+    cursor, deadline = 0, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        page = c.get("/events", params={"after": cursor, "wait_s": 5}).json()
+        for event in page["events"]:
+            if event["type"] == "line_crossing":
+                return dict(event)
+        cursor = page["next"]
+    raise AssertionError("no line crossing within the time given")
