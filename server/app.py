@@ -52,7 +52,9 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             settings.event_snapshot_width,
             executor,
             manager.detect,
-            metrics,
+            directory=settings.data_dir / "snapshots",
+            events=manager.events,
+            metrics=metrics,
         )
         if snapshots.enabled:
             manager.event_extras.append(snapshots.extra)

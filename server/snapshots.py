@@ -3,11 +3,13 @@ ids), the stream's zones and counting lines drawn, for ``GET /events/{id}/snapsh
 Frigate keeps a snapshot per event). A webhook receiver or a notification fetches the picture
 of what crossed the line.
 
-A frame with several events is drawn once. The JPEG is made in a worker thread as soon as the
-frame's events are logged (the frame itself is not kept: at 1080p it would weigh 6 MB), scaled
-to at most ``event_snapshot_width`` pixels wide; the last ``event_snapshots`` frames' JPEGs
-are kept (about 40 kB each at 640 px). A frame whose JPEG cannot start because
-:data:`MAX_PENDING` others are still being drawn gets none (counted in
+A frame with several events is drawn once, into ``<directory>/<its first event's id>.jpg``;
+an event finds its frame's file through the event log (the events of one frame are logged
+together), so snapshots outlive a restart as the events do. The JPEG is made in a worker
+thread as soon as the frame's events are logged (the frame itself is not kept: at 1080p it
+would weigh 6 MB), scaled to at most ``event_snapshot_width`` pixels wide; the files of the
+last ``event_snapshots`` frames are kept (about 40 kB each at 640 px). A frame whose JPEG
+cannot start because :data:`MAX_PENDING` others are still being drawn gets none (counted in
 ``streamdet_event_snapshots_total{outcome="skipped"}``): under a burst of events the CPU goes
 to detection first.
 """
@@ -15,16 +17,21 @@ to detection first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections import OrderedDict
+import os
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any
 
+from engines.types import Image
 from server.metrics import Metrics
 from server.render import render_jpeg
 from streams.detect import StreamDetect
+from streams.events import EventLog
 from streams.fanout import ProcessedFrame
 
 log = logging.getLogger(__name__)
@@ -34,13 +41,15 @@ SNAPSHOT_PATH = "/events/{id}/snapshot.jpg"
 
 
 class SnapshotStore:
-    """The JPEGs of the last ``size`` frames with events, by event id.
+    """The JPEGs of the last ``size`` frames with events, in ``directory``.
 
     Args:
         size: frames kept (0: no snapshots).
         max_width: wider frames are scaled down to this.
-        executor: where the JPEGs are drawn.
+        executor: where the JPEGs are drawn and written.
         detect_of: a stream's current settings (its zones and lines are drawn).
+        directory: where the files go (created if missing).
+        events: the event log (an event's frame is found through it).
         metrics: counts snapshots made and skipped.
     """
 
@@ -50,17 +59,26 @@ class SnapshotStore:
         max_width: int,
         executor: Executor | None,
         detect_of: Callable[[str], StreamDetect | None],
+        *,
+        directory: Path,
+        events: EventLog,
         metrics: Metrics | None = None,
     ) -> None:
         self.size = size
         self._max_width = max_width
         self._executor = executor
         self._detect_of = detect_of
+        self._dir = directory
+        self._log = events
         self._metrics = metrics
-        self._frames: OrderedDict[tuple[str, int], asyncio.Future[bytes]] = OrderedDict()
-        self._events: dict[tuple[str, int], list[int]] = {}
-        self._by_event: dict[int, tuple[str, int]] = {}
-        self._pending = 0
+        self._drawing: dict[int, asyncio.Future[bytes]] = {}
+        directory.mkdir(parents=True, exist_ok=True)
+        kept = []
+        for path in directory.glob("*.jpg"):
+            with contextlib.suppress(ValueError):
+                kept.append(int(path.stem))
+        self._kept: deque[int] = deque(sorted(kept))  # frames on disk, by first event id
+        self._prune()
 
     @property
     def enabled(self) -> bool:
@@ -69,7 +87,7 @@ class SnapshotStore:
     def extra(self, frame: ProcessedFrame, event_id: int) -> dict[str, Any]:
         """What each logged event gets: the path of its snapshot, where its frame will have
         one (:meth:`capture` follows on the event loop, with nothing in between)."""
-        if not self.enabled or self._pending >= MAX_PENDING:
+        if not self.enabled or len(self._drawing) >= MAX_PENDING:
             return {}
         return {"snapshot": SNAPSHOT_PATH.format(id=event_id)}
 
@@ -77,57 +95,65 @@ class SnapshotStore:
         """Event loop: start drawing ``frame`` for its ``events`` (as logged)."""
         if not self.enabled or not events:
             return
-        if self._pending >= MAX_PENDING:
+        if "snapshot" not in events[0]:
             self._count("skipped")
             return
-        key = (frame.stream_id, frame.frame)
+        first = int(events[0]["id"])
         detect = self._detect_of(frame.stream_id) or StreamDetect()
-        render = functools.partial(
-            render_jpeg,
+        draw = functools.partial(
+            self._draw,
             frame.image,
-            self._max_width,
-            QUALITY,
+            self._path(first),
             detections=frame.detections,
             lines=[(line, line.name) for line in detect.lines],
             zones=[(zone, zone.name) for zone in detect.zones],
         )
-        self._pending += 1
-        loop = asyncio.get_running_loop()
-        drawn = loop.run_in_executor(self._executor, render)
-        jpeg: asyncio.Future[bytes] = loop.create_future()
+        drawn = asyncio.get_running_loop().run_in_executor(self._executor, draw)
+        self._drawing[first] = drawn
+        drawn.add_done_callback(functools.partial(self._drawn, frame.stream_id, first))
 
-        def done(result: asyncio.Future[tuple[bytes, int, int]]) -> None:
-            self._pending -= 1
-            if result.cancelled():
-                jpeg.cancel()
-            elif (error := result.exception()) is not None:
-                log.warning("stream %s: snapshot of frame %d failed: %s", *key, error)
-                jpeg.set_exception(error)
-            else:
-                self._count("made")
-                jpeg.set_result(result.result()[0])
+    def _draw(self, image: Image, path: Path, **shapes: Any) -> bytes:
+        """Worker thread: the JPEG, also written to ``path`` (whole or not at all)."""
+        jpeg, _, _ = render_jpeg(image, self._max_width, QUALITY, **shapes)
+        part = path.with_suffix(".part")
+        part.write_bytes(jpeg)
+        os.replace(part, path)
+        return jpeg
 
-        drawn.add_done_callback(done)
-        self._frames[key] = jpeg
-        self._events[key] = [int(e["id"]) for e in events]
-        for event in events:
-            self._by_event[int(event["id"])] = key
-        while len(self._frames) > self.size:
-            old, _ = self._frames.popitem(last=False)
-            for event_id in self._events.pop(old, ()):
-                self._by_event.pop(event_id, None)
+    def _drawn(self, stream_id: str, first: int, drawn: asyncio.Future[bytes]) -> None:
+        self._drawing.pop(first, None)
+        if drawn.cancelled():
+            return
+        if (error := drawn.exception()) is not None:
+            log.warning("stream %s: snapshot of event %d failed: %s", stream_id, first, error)
+            return
+        self._count("made")
+        self._kept.append(first)
+        self._prune()
+
+    def _prune(self) -> None:
+        while len(self._kept) > self.size:
+            with contextlib.suppress(OSError):
+                self._path(self._kept.popleft()).unlink()
 
     async def get(self, event_id: int) -> bytes | None:
         """The JPEG of ``event_id``'s frame (waiting for it to be drawn); None when there is
         none (an unknown id, an event older than the frames kept, or a skipped one)."""
-        key = self._by_event.get(event_id)
-        jpeg = None if key is None else self._frames.get(key)
-        if jpeg is None:
+        first = self._log.frame_start(event_id)
+        if first is None or "snapshot" not in (self._log.get(event_id) or {}):
+            return None
+        drawing = self._drawing.get(first)
+        if drawing is not None:
+            with contextlib.suppress(Exception):  # drawing failed: logged when it did
+                return await asyncio.shield(drawing)
             return None
         try:
-            return await asyncio.shield(jpeg)
-        except Exception:  # drawing failed: logged when it did
+            return await asyncio.to_thread(self._path(first).read_bytes)
+        except OSError:
             return None
+
+    def _path(self, first: int) -> Path:
+        return self._dir / f"{first}.jpg"
 
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:

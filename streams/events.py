@@ -160,6 +160,24 @@ class EventLog:
                 waiter.set_result(None)
         self._waiters.clear()
 
+    def get(self, event_id: int) -> dict[str, Any] | None:
+        """The event ``event_id`` while the log holds it."""
+        index = event_id - (self._next - len(self._events))
+        return self._events[index] if 0 <= index < len(self._events) else None
+
+    def frame_start(self, event_id: int) -> int | None:
+        """The id of the first event logged with ``event_id`` from the same frame (a frame's
+        events are logged together); None when the log does not hold it."""
+        event = self.get(event_id)
+        if event is None:
+            return None
+        first = event_id
+        while (before := self.get(first - 1)) is not None and all(
+            before.get(key) == event.get(key) for key in ("stream_id", "frame", "captured_at")
+        ):
+            first -= 1
+        return first
+
     def read(
         self,
         after: int,

@@ -219,7 +219,7 @@ async def test_the_index_waits_for_a_clip_being_written_and_says_why_one_is_miss
 
 
 @pytest.mark.rtsp
-def test_a_camera_with_clips_on_serves_each_events_clip_across_a_restart(
+def test_a_camera_with_clips_on_serves_each_events_clip_and_snapshot_across_a_restart(
     tmp_path: Path,
 ) -> None:
     from tests.rtsp_camera import RtspCamera
@@ -238,6 +238,8 @@ def test_a_camera_with_clips_on_serves_each_events_clip_across_a_restart(
             started = time.monotonic()
             clip = c.get(crossing["clip"])  # answered once the second after it is recorded
             waited = time.monotonic() - started
+            snapshot = c.get(crossing["snapshot"])
+            assert snapshot.status_code == 200
             assert clip.status_code == 200, clip.text
             assert clip.headers["content-type"] == "video/mp4"
             part = c.get(crossing["clip"], headers={"Range": "bytes=0-99"})
@@ -268,6 +270,7 @@ def test_a_camera_with_clips_on_serves_each_events_clip_across_a_restart(
             events = c.get("/events", params={"limit": 1000}).json()["events"]
             assert crossing in events
             assert c.get(crossing["clip"]).content == clip.content
+            assert c.get(crossing["snapshot"]).content == snapshot.content
             c.delete(f"/streams/{sid}")
     finally:
         camera.kill()

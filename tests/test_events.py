@@ -6,6 +6,7 @@ loopback that refuses its first calls."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -184,21 +185,43 @@ def event_width(c: TestClient, sid: str) -> int:
     return width
 
 
-async def test_snapshots_are_kept_for_the_last_frames_with_events() -> None:
+def files_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+async def test_snapshots_are_kept_on_disk_for_the_last_frames_with_events(
+    tmp_path: Path,
+) -> None:
     image = np.full((360, 1280, 3), 90, np.uint8)
     frames = [
-        ProcessedFrame("s", n, None, 0.0, 0.0, image, Detections.empty({0: "person"}, 1280, 360), 1)
+        ProcessedFrame(
+            "s", n, None, float(n), 0.0, image, Detections.empty({0: "person"}, 1280, 360), 1
+        )
         for n in (1, 2, 3)
     ]
-    store = SnapshotStore(2, 320, None, lambda _: None)
-    for n, frame in enumerate(frames):
-        store.capture(frame, [{"id": 10 + 2 * n}, {"id": 11 + 2 * n}])
-    assert await store.get(10) is None and await store.get(11) is None  # the oldest went
+    log = EventLog(size=100, start_id=10)
+    store = SnapshotStore(2, 320, None, lambda _: None, directory=tmp_path, events=log)
+    for frame in frames:  # two events a frame: ids 10-11, 12-13, 14-15
+        events = [_crossing(frame.frame), _crossing(frame.frame)]
+        extra = functools.partial(store.extra, frame)
+        store.capture(frame, log.add("s", "", frame.captured_at, events, _name, extra=extra))
+    assert log.frame_start(15) == 14 and log.frame_start(14) == 14 and log.frame_start(99) is None
+    oldest = await store.get(10)  # drawn, then deleted once the two newer frames have theirs
     first, second = await store.get(12), await store.get(13)
-    assert first is not None and first == second  # one picture for a frame's events
+    assert oldest is not None and first is not None and first == second  # one per frame
     assert decode_jpeg(first).shape == (90, 320, 3)  # scaled to the width asked for
-    assert await store.get(15) is not None and await store.get(16) is None
-    off = SnapshotStore(0, 320, None, lambda _: None)
+    assert await store.get(15) is not None
+    assert await store.get(10) is None and await store.get(11) is None
+    assert files_in(tmp_path) == ["12.jpg", "14.jpg"]
+    # Without a picture: an event logged without one, or one the log no longer holds.
+    log.add("s", "", 9.0, [_crossing(9)], _name)
+    assert await store.get(16) is None and await store.get(99) is None
+
+    # After a restart the files are found again, and a smaller setting keeps fewer.
+    again = SnapshotStore(1, 320, None, lambda _: None, directory=tmp_path, events=log)
+    assert await again.get(13) is None and await again.get(14) is not None
+    assert files_in(tmp_path) == ["14.jpg"]
+    off = SnapshotStore(0, 320, None, lambda _: None, directory=tmp_path / "off", events=log)
     assert off.extra(frame, 1) == {} and not off.enabled
 
 
