@@ -9,6 +9,9 @@ environment below), or by hand::
 * ``LiveUser`` (scenario ``live``): subscribes to ``WS /ws/streams/{id}`` and records each
   frame's latency as the client sees it (receive time minus the frame's ``captured_at``)
   under the request name ``WS frame``.
+* ``EventUser`` (with live streams, ``event_users`` in the profile): reads ``GET /events`` as
+  server-sent events and records each line crossing's and zone entry's or exit's latency
+  (receive time minus its frame's ``captured_at``) under the request name ``SSE event``.
 * ``mixed``: both user classes at once.
 
 Environment: ``STREAMDET_LOADTEST_WAIT_S`` (``min,max`` think time of a detect user),
@@ -23,10 +26,12 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import gevent  # type: ignore[import-untyped]  # no stubs; Locust depends on it
+import httpx
 from locust import FastHttpUser, User, between, constant, events, task
 from locust.env import Environment
 from websockets.exceptions import ConnectionClosed
@@ -39,6 +44,9 @@ log = logging.getLogger(__name__)
 WS_REQUEST_NAME = "frame"
 WS_REQUEST_TYPE = "WS"
 FRAME_TIMEOUT_S = 15.0
+EVENT_REQUEST_NAME = "event"
+EVENT_REQUEST_TYPE = "SSE"
+EVENT_TYPES = "line_crossing,zone_enter,zone_exit"  # a frame's events (not stream states)
 
 _payloads: list[Payload] = []
 _next_payload = itertools.count()
@@ -156,9 +164,71 @@ class LiveUser(User):
         )
 
 
+class EventUser(User):
+    """A reader of every stream's events as server-sent events; each event it receives is
+    one Locust 'request'."""
+
+    wait_time = constant(0)
+
+    def __init__(self, environment: Environment) -> None:
+        super().__init__(environment)
+        self._lines: Iterator[str] | None = None
+        self._stack = ExitStack()
+
+    def on_start(self) -> None:
+        client = self._stack.enter_context(
+            httpx.Client(base_url=self.host or "", timeout=httpx.Timeout(10.0, read=60.0))
+        )
+        response = self._stack.enter_context(
+            client.stream(
+                "GET",
+                "/events",
+                params={"type": EVENT_TYPES},
+                headers={"Accept": "text/event-stream", **_auth_headers()},
+            )
+        )
+        response.raise_for_status()
+        self._lines = response.iter_lines()
+
+    def on_stop(self) -> None:
+        self._lines = None
+        self._stack.close()
+
+    @task
+    def receive_event(self) -> None:
+        if self._lines is None:
+            return
+        try:
+            for line in self._lines:  # comments (keep-alives) and ids pass by
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "captured_at" in event:  # not a "missed" notice
+                        latency_ms = (time.time() - float(event["captured_at"])) * 1000.0
+                        self._fire(latency_ms, len(line), None)
+                        return
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            self._fire(0.0, 0, exc)
+            self._lines = None
+            return
+        self._fire(0.0, 0, RuntimeError("the server ended the event stream"))
+        self._lines = None
+
+    def _fire(self, ms: float, length: int, exc: BaseException | None) -> None:
+        self.environment.events.request.fire(
+            request_type=EVENT_REQUEST_TYPE,
+            name=EVENT_REQUEST_NAME,
+            response_time=ms,
+            response_length=length,
+            exception=exc,
+            context={},
+        )
+
+
 # `streamdet loadtest` fixes how many users of each class run (Locust otherwise splits
 # the user count by weight); by hand, without these variables, weights apply.
 if os.environ.get("STREAMDET_LOADTEST_DETECT_USERS") is not None:
     DetectUser.fixed_count = int(os.environ["STREAMDET_LOADTEST_DETECT_USERS"])
 if os.environ.get("STREAMDET_LOADTEST_LIVE_USERS") is not None:
     LiveUser.fixed_count = int(os.environ["STREAMDET_LOADTEST_LIVE_USERS"])
+if os.environ.get("STREAMDET_LOADTEST_EVENT_USERS") is not None:
+    EventUser.fixed_count = int(os.environ["STREAMDET_LOADTEST_EVENT_USERS"])

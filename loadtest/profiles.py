@@ -6,6 +6,7 @@ A profile is a TOML file in ``loadtest/profiles/`` (or any path)::
     scenario = "mixed"          # detect | live | mixed
     users = 4                   # detect users (closed loop, with think time)
     live_users = 2              # WebSocket subscribers (live and mixed)
+    event_users = 1             # server-sent event readers of GET /events (live and mixed)
     live_streams = 1            # streams the runner adds for them
     spawn_rate = 4
     run_time_s = 40
@@ -56,6 +57,7 @@ class Profile:
     scenario: str = "detect"
     users: int = 4
     live_users: int = 0
+    event_users: int = 0
     live_streams: int = 1
     live_max_fps: float = 5.0
     spawn_rate: float = 4.0
@@ -116,6 +118,8 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(
             f"{path}: scenario {profile.scenario!r} unknown; choose one of {', '.join(SCENARIOS)}"
         )
-    if profile.users < 0 or profile.live_users < 0 or profile.run_time_s <= 0:
-        raise ProfileError(f"{path}: users, live_users must be >= 0 and run_time_s > 0")
+    if min(profile.users, profile.live_users, profile.event_users) < 0 or profile.run_time_s <= 0:
+        raise ProfileError(
+            f"{path}: users, live_users, event_users must be >= 0 and run_time_s > 0"
+        )
     return profile

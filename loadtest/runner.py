@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 WS_TARGET = "WS frame"
+EVENT_TARGET = "SSE event"
 DETECT_TARGET = "POST /detect"
 
 
@@ -68,8 +69,8 @@ def streams_api_present(client: httpx.Client) -> bool:
 
 
 def add_streams(client: httpx.Client, profile: Profile) -> list[str]:
-    """Add ``live_streams`` looping file streams of the shared clips, tracked and with a
-    counting line; their ids.
+    """Add ``live_streams`` looping file streams of the shared clips, tracked, with a counting
+    line and a zone; their ids.
 
     Raises:
         RuntimeError: the server refused a stream; the message has its answer.
@@ -85,9 +86,11 @@ def add_streams(client: httpx.Client, profile: Profile) -> list[str]:
             "name": f"loadtest-{i}",
             "max_fps": profile.live_max_fps,
             "loop": True,
-            # Tracked, with a counting line: the frame latency targets hold with both on.
+            # Tracked, with a counting line and a zone: the frame latency targets hold with
+            # them on, and their events are what event readers time.
             "track": True,
             "lines": [{"name": "middle", "points": [[0.0, 0.5], [1.0, 0.5]]}],
+            "zones": [{"name": "left", "points": [[0, 0], [0.5, 0], [0.5, 1], [0, 1]]}],
         }
         resp = client.post("/streams", json=body)
         if resp.status_code != 201:
@@ -106,10 +109,13 @@ def run_locust(
     classes: list[str] = []
     users = profile.users if profile.scenario in ("detect", "mixed") else 0
     live = profile.live_users if live_ids else 0
+    readers = profile.event_users if live_ids else 0
     if users:
         classes.append("DetectUser")
     if live:
         classes.append("LiveUser")
+    if readers:
+        classes.append("EventUser")
     if not classes:
         raise RuntimeError("nothing to run: no detect users and no live viewers")
     env = dict(os.environ)
@@ -119,6 +125,7 @@ def run_locust(
             "STREAMDET_LOADTEST_STREAMS": ",".join(live_ids),
             "STREAMDET_LOADTEST_DETECT_USERS": str(users),
             "STREAMDET_LOADTEST_LIVE_USERS": str(live),
+            "STREAMDET_LOADTEST_EVENT_USERS": str(readers),
             "STREAMDET_SHARED_DIR": str(shared_dir()),
         }
     )
@@ -134,7 +141,7 @@ def run_locust(
         "--host",
         base_url,
         "-u",
-        str(users + live),
+        str(users + live + readers),
         "-r",
         str(profile.spawn_rate),
         "-t",
@@ -152,7 +159,13 @@ def run_locust(
         "0",
         *classes,
     ]
-    log.info("locust: %d detect user(s), %d live viewer(s), %g s", users, live, profile.run_time_s)
+    log.info(
+        "locust: %d detect user(s), %d live viewer(s), %d event reader(s), %g s",
+        users,
+        live,
+        readers,
+        profile.run_time_s,
+    )
     with (out / "locust.log").open("w") as log_file:
         proc = subprocess.run(
             cmd,
@@ -171,15 +184,18 @@ def run_profile(profile: Profile, base_url: str, out: Path, api_key: str | None)
     live_ids: list[str] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
-        wants_live = profile.scenario in ("live", "mixed") and profile.live_users > 0
+        live_scenario = profile.scenario in ("live", "mixed")
+        wants_live = live_scenario and profile.live_users + profile.event_users > 0
         if wants_live and not streams_api_present(client):
             reason = "live scenario skipped: the server has no streams API (GET /streams -> 404)"
             print(reason)
-            skipped[WS_TARGET] = reason
+            skipped[WS_TARGET] = skipped[EVENT_TARGET] = reason
         elif wants_live:
             live_ids = add_streams(client, profile)
-        elif WS_TARGET in profile.targets:
-            skipped[WS_TARGET] = f"scenario {profile.scenario!r} has no live viewers"
+        if not (live_scenario and profile.live_users):
+            skipped.setdefault(WS_TARGET, f"scenario {profile.scenario!r} has no live viewers")
+        if not (live_scenario and profile.event_users):
+            skipped.setdefault(EVENT_TARGET, f"scenario {profile.scenario!r} has no event readers")
         if profile.scenario == "live":
             skipped.setdefault(DETECT_TARGET, "scenario 'live' runs no /detect users")
         try:

@@ -22,7 +22,7 @@ def test_shipped_profiles_load_and_target_known_requests() -> None:
     for name in names:
         profile = load_profile(name)
         assert profile.run_time_s > 0
-        assert set(profile.targets) <= {"POST /detect", "WS frame"}
+        assert set(profile.targets) <= {"POST /detect", "WS frame", "SSE event"}
         for target in profile.targets.values():
             assert target.p99_ms is not None and target.max_error_rate is not None
 
