@@ -76,6 +76,26 @@ def _load_frames(environment: Environment, **_: Any) -> None:
     gevent.get_hub().loop.update_now()
 
 
+def fire(
+    environment: Environment,
+    kind: str,
+    name: str,
+    *,
+    ms: float,
+    length: int,
+    exc: BaseException | None,
+) -> None:
+    """Record one received message (a WebSocket frame, an event) as a Locust request."""
+    environment.events.request.fire(  # type: ignore[no-untyped-call]  # Locust: untyped
+        request_type=kind,
+        name=name,
+        response_time=ms,
+        response_length=length,
+        exception=exc,
+        context={},
+    )
+
+
 class DetectUser(FastHttpUser):
     """A client posting frames to ``/detect`` in a closed loop with think time."""
 
@@ -154,14 +174,7 @@ class LiveUser(User):
         self._fire(latency_ms, len(text), None)
 
     def _fire(self, ms: float, length: int, exc: BaseException | None) -> None:
-        self.environment.events.request.fire(
-            request_type=WS_REQUEST_TYPE,
-            name=WS_REQUEST_NAME,
-            response_time=ms,
-            response_length=length,
-            exception=exc,
-            context={},
-        )
+        fire(self.environment, WS_REQUEST_TYPE, WS_REQUEST_NAME, ms=ms, length=length, exc=exc)
 
 
 class EventUser(User):
@@ -214,13 +227,8 @@ class EventUser(User):
         self._lines = None
 
     def _fire(self, ms: float, length: int, exc: BaseException | None) -> None:
-        self.environment.events.request.fire(
-            request_type=EVENT_REQUEST_TYPE,
-            name=EVENT_REQUEST_NAME,
-            response_time=ms,
-            response_length=length,
-            exception=exc,
-            context={},
+        fire(
+            self.environment, EVENT_REQUEST_TYPE, EVENT_REQUEST_NAME, ms=ms, length=length, exc=exc
         )
 
 

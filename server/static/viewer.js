@@ -1021,27 +1021,27 @@ function showEvent(e) {
   text.textContent = `${at} · ${stream} · ${eventText(e)}`;
   li.append(text, " ");
   if (e.snapshot) {
-    const button = document.createElement("button");
-    button.type = "button";
-    button.className = "event-snapshot";
-    button.textContent = "Snapshot";
-    button.title = "The frame it happened in";
-    button.onclick = () => showSnapshot(e, text.textContent);
-    li.append(button);
+    li.append(eventButton("event-snapshot", "Snapshot", "The frame it happened in", () =>
+      showSnapshot(e, text.textContent)));
   }
   if (e.clip) {
-    const button = document.createElement("button");
-    button.type = "button";
-    button.className = "event-clip";
-    button.textContent = "Clip";
-    button.title = "The video around it";
-    button.onclick = () => showClip(e, text.textContent);
-    li.append(" ", button);
+    li.append(" ", eventButton("event-clip", "Clip", "The video around it", () =>
+      showClip(e, text.textContent)));
   }
   const list = $("#event-list");
   list.prepend(li);
   while (list.children.length > EVENTS_SHOWN) list.lastElementChild.remove();
   $("#no-events").hidden = true;
+}
+
+function eventButton(className, label, title, onclick) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = className;
+  button.textContent = label;
+  button.title = title;
+  button.onclick = onclick;
+  return button;
 }
 
 // An event's snapshot (GET /events/{id}/snapshot.jpg, fetched with the API key) in a dialog.
