@@ -50,8 +50,26 @@ class StateEvent:
         }
 
 
-StreamEvent = Crossing | ZoneEvent | StateEvent
-EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit", "stream_state"})
+@dataclass(frozen=True, slots=True)
+class ManualEvent:
+    """An event an outside system created on a stream (``POST /streams/{id}/events``: a
+    doorbell pressed, an alarm raised), at the stream's last processed frame ``frame``, with
+    its own ``label`` and optional ``data``."""
+
+    label: str
+    frame: int
+    data: dict[str, Any] | None = None
+
+    def to_json(self, name_of: Callable[[int], str]) -> dict[str, Any]:
+        """The event as ``GET /events``, webhooks and MQTT send it."""
+        body: dict[str, Any] = {"type": "manual", "label": self.label, "frame": self.frame}
+        if self.data is not None:
+            body["data"] = self.data
+        return body
+
+
+StreamEvent = Crossing | ZoneEvent | StateEvent | ManualEvent
+EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit", "stream_state", "manual"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 from engines.pool import EnginePool
 from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
 from streams.detect import StreamDetect
-from streams.events import EventLog, StateEvent
+from streams.events import EventLog, ManualEvent, StateEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
@@ -349,7 +349,7 @@ class StreamManager:
                 frame.captured_at,
                 frame.events,
                 frame.detections.name_of,
-                extra=functools.partial(self._event_extra, frame, reader),
+                extra=functools.partial(self._event_extra, frame, reader, frame.decoded_mono),
             )
             for observe in self.event_observers:
                 observe(frame, logged)
@@ -359,15 +359,47 @@ class StreamManager:
             sub.offer(frame)
 
     def _event_extra(
-        self, frame: ProcessedFrame, reader: StreamReader, event_id: int
+        self,
+        frame: ProcessedFrame | None,
+        reader: StreamReader,
+        at_mono: float,
+        event_id: int,
+        *,
+        clip: bool = True,
     ) -> dict[str, Any]:
+        """More members of an event in ``frame`` (its snapshot), and its clip from around
+        ``at_mono`` where the stream keeps clips."""
         extra: dict[str, Any] = {}
-        for more in self.event_extras:
-            extra.update(more(frame, event_id))
-        if self.clips is not None and reader.clips is not None and reader.detect.clips:
-            clip_id = self.clips.request(reader.clips, frame.decoded_mono, event_id)
+        if frame is not None:
+            for more in self.event_extras:
+                extra.update(more(frame, event_id))
+        if clip and self.clips is not None and reader.clips is not None and reader.detect.clips:
+            clip_id = self.clips.request(reader.clips, at_mono, event_id)
             extra["clip"] = CLIP_PATH.format(id=clip_id)
         return extra
+
+    def trigger(
+        self, stream_id: str, label: str, data: dict[str, Any] | None = None, *, clip: bool
+    ) -> dict[str, Any] | None:
+        """Log an event an outside system created on a stream (``POST /streams/{id}/events``)
+        at its last processed frame, with that frame's snapshot and, where ``clip`` (the
+        stream keeps clips), the video from around now; returns it as logged, None if the
+        stream is unknown."""
+        record = self._records.get(stream_id)
+        if record is None:
+            return None
+        reader = self._readers[stream_id]
+        frame = self._latest.get(stream_id)
+        event = ManualEvent(label, 0 if frame is None else frame.frame, data)
+        extra = functools.partial(
+            self._event_extra, frame, reader, time.monotonic(), clip=clip and reader.live
+        )
+        [logged] = self.events.add(stream_id, record.name, time.time(), [event], str, extra=extra)
+        if frame is not None:
+            for observe in self.event_observers:
+                observe(frame, [logged])
+        log.info("stream %s: event %d (%s) created", stream_id, logged["id"], label)
+        return logged
 
     # ---- internals ---------------------------------------------------------------------
     def _spec(self, record: StreamRecord) -> SourceSpec:

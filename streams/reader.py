@@ -206,6 +206,11 @@ class StreamReader:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def live(self) -> bool:
+        """Whether frames are coming in now."""
+        return self.state is StreamState.LIVE
+
     def record_latency(self, latency_ms: float) -> None:
         with self._lock:
             self.last_latency_ms = latency_ms

@@ -285,3 +285,53 @@ def wait_for_crossing(c: httpx.Client, timeout_s: float = 90.0) -> dict[str, Any
                 return dict(event)
         cursor = page["next"]
     raise AssertionError("no line crossing within the time given")
+
+
+def test_an_event_created_from_outside_gets_the_latest_frame_and_the_video_around_it(
+    tmp_path: Path,
+) -> None:
+    server = clip_server(tmp_path, event_clip_pre_s=1, event_clip_post_s=2)
+    body = {"url": f"file://{CAR_CLIP}", "max_fps": 5, "clips": True}
+    with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+        sid = c.post("/streams", json=body).json()["id"]
+        plain = c.post("/streams", json={**body, "clips": False}).json()["id"]
+        deadline = time.monotonic() + 60
+        while c.get(f"/streams/{sid}/latest.jpg").status_code != 200:
+            assert time.monotonic() < deadline, "the stream never had a frame"
+            time.sleep(0.2)
+        time.sleep(1.5)  # a second of video kept before the event
+        created = c.post(
+            f"/streams/{sid}/events", json={"label": "doorbell", "data": {"button": 1}}
+        )
+        assert created.status_code == 201, created.text
+        event = created.json()
+        assert event["type"] == "manual" and event["label"] == "doorbell"
+        assert event["data"] == {"button": 1} and event["stream_id"] == sid
+        assert event["frame"] > 0 and abs(event["captured_at"] - time.time()) < 5
+        assert event["clip"] == f"/clips/{event['id']}.mp4"
+        listed = c.get("/events", params={"type": "manual"}).json()["events"]
+        assert listed == [event]
+        snapshot = c.get(event["snapshot"])
+        assert snapshot.status_code == 200 and snapshot.headers["content-type"] == "image/jpeg"
+        clip = c.get(event["clip"])
+        assert clip.status_code == 200, clip.text
+        # Without a clip: asked not to, or on a stream that keeps none (409 when asked to).
+        quiet = c.post(f"/streams/{sid}/events", json={"label": "x", "clip": False}).json()
+        assert "clip" not in quiet and "snapshot" in quiet
+        assert "clip" not in c.post(f"/streams/{plain}/events", json={"label": "x"}).json()
+        refused = c.post(f"/streams/{plain}/events", json={"label": "x", "clip": True})
+        assert refused.status_code == 409 and '{"clips": true}' in refused.json()["detail"]
+        for bad, field in (
+            ({"label": ""}, "label"),
+            ({"label": "x", "colour": "red"}, "colour"),
+            ({"label": "x", "data": {"blob": "y" * 5000}}, "4096 bytes"),
+            ({"label": "x", "data": [1, 2]}, "data"),
+        ):
+            resp = c.post(f"/streams/{sid}/events", json=bad)
+            assert resp.status_code == 422 and field in resp.text, resp.text
+        assert c.post("/streams/nope/events", json={"label": "x"}).status_code == 404
+    path = tmp_path / "manual.mp4"
+    path.write_bytes(clip.content)
+    seconds = len(clip_frames(path)) / 12.5
+    # From the keyframe at or before 1 s ahead of it (one every 4.8 s) to 2 s after.
+    assert 3.0 - 0.3 <= seconds <= 1 + 4.8 + 2 + 0.3, seconds

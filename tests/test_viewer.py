@@ -576,6 +576,13 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     pg.locator("#clip-dialog").screenshot(path=artifacts / "viewer-event-clip.png")
     pg.locator("#clip-dialog button[type=submit]").click()
     expect(pg.locator("#clip-dialog")).to_be_hidden()
+    # An event created from outside (a doorbell) shows up as the others do.
+    with httpx.Client(base_url=pg.url, timeout=30) as outside:
+        created = outside.post(f"/streams/{stream_id}/events", json={"label": "doorbell"})
+    assert created.status_code == 201, created.text
+    expect(pg.locator("#event-list li.manual .event-text").first).to_contain_text(
+        "car-region · doorbell (created from outside)"
+    )
 
     # One line removed from the line editor's list; the zone stays.
     figure.locator("button.tile-line").click()

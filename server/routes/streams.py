@@ -11,12 +11,13 @@ a malformed URL or a source that is not allowed is a 422.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engines.pool import EnginePool
 from engines.types import DetectParams
@@ -191,6 +192,41 @@ class StreamIn(StreamPatch):
     loop: bool = True
 
 
+MAX_EVENT_DATA = 4096
+
+
+class EventIn(BaseModel):
+    """Body of ``POST /streams/{id}/events``: an event an outside system creates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: Annotated[
+        str,
+        Field(min_length=1, max_length=MAX_NAME, description="what happened, e.g. 'doorbell'"),
+    ]
+    data: Annotated[
+        dict[str, Any] | None,
+        Field(
+            description="any JSON object sent along with the event (at most"
+            f" {MAX_EVENT_DATA} bytes)"
+        ),
+    ] = None
+    clip: Annotated[
+        bool | None,
+        Field(
+            description="record the video around it (the stream must keep clips); default:"
+            " whenever the stream keeps clips"
+        ),
+    ] = None
+
+    @field_validator("data")
+    @classmethod
+    def _small(cls, data: dict[str, Any] | None) -> dict[str, Any] | None:
+        if data is not None and len(json.dumps(data)) > MAX_EVENT_DATA:
+            raise ValueError(f"at most {MAX_EVENT_DATA} bytes of JSON")
+        return data
+
+
 def get_manager(request: Request) -> StreamManager:
     state = get_state(request)
     if state.streams is None or state.shutting_down:
@@ -241,6 +277,27 @@ async def update_stream(stream_id: str, body: StreamPatch, request: Request) -> 
     if info is None:  # removed meanwhile
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
     return info
+
+
+@router.post("/streams/{stream_id}/events", status_code=201)
+async def create_event(stream_id: str, body: EventIn, request: Request) -> dict[str, Any]:
+    """Log an event on a stream from outside (a doorbell pressed, an alarm raised), at its
+    last processed frame, with that frame's snapshot and the video around it where the
+    stream keeps clips; delivered as every other event is. Returns it as logged."""
+    manager = get_manager(request)
+    detect = manager.detect(stream_id)
+    if detect is None:
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    if body.clip and not detect.clips:
+        raise HTTPException(
+            409,
+            f"clip: stream {stream_id} keeps no clips; turn them on with PATCH"
+            f' /streams/{stream_id} {{"clips": true}}',
+        )
+    event = manager.trigger(stream_id, body.label, body.data, clip=body.clip is not False)
+    if event is None:  # removed meanwhile
+        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    return event
 
 
 @router.delete("/streams/{stream_id}", status_code=204)
