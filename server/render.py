@@ -79,14 +79,28 @@ def draw_detections(rgb: Image, detections: Detections, scale: float) -> None:
         _label(rgb, label, (x1, y1), (color, (0, 0, 0)), above=True)
 
 
-def draw_line(rgb: Image, line: Line, label: str) -> None:
-    """Draw a counting line, its label under its first point, onto ``rgb`` (in place)."""
+_Tag = tuple[str, tuple[int, int], tuple[tuple[int, int, int], tuple[int, int, int]]]
+"""A label to draw: text, top left corner, colours (box, text)."""
+
+
+def draw_line(rgb: Image, line: Line, label: str) -> _Tag:
+    """Draw a counting line onto ``rgb`` (in place); returns its label, under its first
+    point."""
     height, width = rgb.shape[:2]
     (ax, ay), (bx, by) = (
         (round(x * (width - 1)), round(y * (height - 1))) for x, y in (line.a, line.b)
     )
     cv2.line(rgb, (ax, ay), (bx, by), LINE_RGB, 2)
-    _label(rgb, label, (ax, ay + 3), ((0, 0, 0), LINE_RGB))
+    return label, (ax, ay + 3), ((0, 0, 0), LINE_RGB)
+
+
+def draw_zone(rgb: Image, zone: Zone, label: str) -> _Tag:
+    """Draw a zone's outline onto ``rgb`` (in place); returns its label, at its first
+    point."""
+    height, width = rgb.shape[:2]
+    corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in zone.points])
+    cv2.polylines(rgb, [corners.round().astype(np.int32)], True, ZONE_RGB, 2)
+    return label, (int(corners[0, 0]), int(corners[0, 1])), ((0, 0, 0), ZONE_RGB)
 
 
 def render_jpeg(
@@ -122,12 +136,10 @@ def render_jpeg(
     if region is not None:
         corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in region.points])
         cv2.polylines(image, [corners.round().astype(np.int32)], True, REGION_RGB, 2)
-    for zone, label in zones:
-        corners = np.array([[x * (width - 1), y * (height - 1)] for x, y in zone.points])
-        cv2.polylines(image, [corners.round().astype(np.int32)], True, ZONE_RGB, 2)
-        _label(image, label, (int(corners[0, 0]), int(corners[0, 1])), ((0, 0, 0), ZONE_RGB))
-    for line, label in lines:
-        draw_line(image, line, label)
+    tags = [draw_zone(image, zone, label) for zone, label in zones]
+    tags += [draw_line(image, line, label) for line, label in lines]
     if detections is not None:
         draw_detections(image, detections, width / detections.width if detections.width else 1.0)
+    for text, at, colors in tags:  # zone and line counts over the boxes: never hidden by them
+        _label(image, text, at, colors)
     return encode_jpeg(image, quality), width, height

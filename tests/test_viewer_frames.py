@@ -244,6 +244,27 @@ def test_encode_outlines_zones_with_what_stands_in_them() -> None:
     assert drawn[40:80, 20:180].max() < 30  # nothing drawn outside it
 
 
+def test_zone_and_line_counts_are_drawn_over_the_boxes() -> None:
+    """A box whose label lands on a zone's count does not hide it."""
+    image = np.full((500, 1000, 3), 60, np.uint8)
+    dock = Zone("dock", ((0.1, 0.3), (0.9, 0.3), (0.9, 0.9), (0.1, 0.9)))
+    car = Detections(
+        boxes=np.array([[80, 170, 600, 450]], np.float32),  # its label: y 153-170 from x 80
+        scores=np.array([0.9], np.float32),
+        class_ids=np.array([2], np.int32),
+        names={2: "car"},
+        width=1000,
+        height=500,
+    )
+    drawn = decode_jpeg(render_jpeg(image, 1000, 95, detections=car, zones=[(dock, "dock: 1")])[0])
+    # The zone's tag from (99, 149), 17 px high, its text from x 101: its black ground, not
+    # the colour of the box's label under it, is on top.
+    tag = drawn[155:162, 99:101].reshape(-1, 3)
+    assert tag.max() < 50, tag
+    label = drawn[155:162, 80:82].reshape(-1, 3)  # the box's label, left of the tag
+    assert label.max(axis=1).min() > 150, label
+
+
 def test_mjpeg_stream_of_a_stream_for_img_tags_and_camera_cards(tmp_path: Path) -> None:
     """A real server: ``GET /streams/{id}/mjpeg`` sends processed frames as JPEG parts of a
     ``multipart/x-mixed-replace`` body, at most ``max_fps`` a second, with the boxes drawn;

@@ -258,11 +258,12 @@ function lineCounts(crossings, name) {
   return { in: sum(crossings?.[name]?.in), out: sum(crossings?.[name]?.out) };
 }
 
-// Draws a stream's counting lines ({name, points: [[x, y], [x, y]]} in 0..1 of the frame),
-// each labelled with its name and how many objects crossed it each way.
+// Draws a stream's counting lines ({name, points: [[x, y], [x, y]]} in 0..1 of the frame);
+// returns their labels (name, objects that crossed each way) to draw over the boxes.
 function drawLines(ctx, lines, crossings) {
   ctx.save();
   const { width, height, lineWidth, fontSize } = overlayStyle(ctx);
+  const tags = [];
   for (const line of lines ?? []) {
     const [[ax, ay], [bx, by]] = line.points.map(([x, y]) => [x * width, y * height]);
     ctx.strokeStyle = LINE_COLOR;
@@ -271,9 +272,10 @@ function drawLines(ctx, lines, crossings) {
     ctx.lineTo(bx, by);
     ctx.stroke();
     const counts = lineCounts(crossings, line.name);
-    drawTag(ctx, `${line.name}: ${counts.in} in · ${counts.out} out`, ax, ay + lineWidth, LINE_COLOR, fontSize);
+    tags.push([`${line.name}: ${counts.in} in · ${counts.out} out`, ax, ay + lineWidth, LINE_COLOR, fontSize]);
   }
   ctx.restore();
+  return tags;
 }
 
 const ZONE_COLOR = "#FFD400";
@@ -284,11 +286,13 @@ function zoneCounts(counts, name) {
   return { now: sum(counts?.[name]?.now), entered: sum(counts?.[name]?.entered) };
 }
 
-// Draws a stream's zones ({name, points} in 0..1 of the frame) as dashed yellow outlines, each
-// labelled with its name and how many objects stand in it; the one being drawn has vertices.
+// Draws a stream's zones ({name, points} in 0..1 of the frame) as dashed yellow outlines (the
+// one being drawn with its vertices); returns their labels (name, objects standing in it) to
+// draw over the boxes.
 function drawZones(ctx, zones, counts, editing = null) {
   ctx.save();
   const { width, height, lineWidth, fontSize } = overlayStyle(ctx);
+  const tags = [];
   ctx.strokeStyle = ZONE_COLOR;
   ctx.setLineDash([4, 4]);
   const all = editing ? [...zones, { name: "", points: editing, editing: true }] : zones;
@@ -308,9 +312,10 @@ function drawZones(ctx, zones, counts, editing = null) {
       }
       continue;
     }
-    drawTag(ctx, `${zone.name}: ${zoneCounts(counts, zone.name).now}`, ...xy[0], ZONE_COLOR, fontSize);
+    tags.push([`${zone.name}: ${zoneCounts(counts, zone.name).now}`, ...xy[0], ZONE_COLOR, fontSize]);
   }
   ctx.restore();
+  return tags;
 }
 
 // A counting line being drawn: its ends so far, joined once there are two.
@@ -635,12 +640,16 @@ class Tile {
     ctx.drawImage(bitmap, 0, 0);
     const region = this.editMode === "region" ? this.editing : this.region;
     drawRegion(ctx, region, this.editMode === "region");
-    drawZones(ctx, this.zones, this.zoneCounts, this.editMode === "zone" ? this.editing : null);
-    drawLines(ctx, this.lines, this.crossings);
+    const tags = [
+      ...drawZones(ctx, this.zones, this.zoneCounts, this.editMode === "zone" ? this.editing : null),
+      ...drawLines(ctx, this.lines, this.crossings),
+    ];
     if (this.editMode === "line") drawLineEdit(ctx, this.editing);
     const shapes = drawDetections(
       ctx, meta.detections ?? [], this.canvas.width / meta.width, this.canvas.height / meta.height,
     );
+    // Zone and line counts over the boxes: a box's label never hides them.
+    for (const tag of tags) drawTag(ctx, ...tag);
     debug.drawn[this.canvas.id] = {
       frame: meta.frame, capturedAt: meta.captured_at, shapes, detections: meta.detections ?? [],
       size: [meta.width, meta.height], region, editing: this.editMode, lines: this.lines,
