@@ -5,7 +5,9 @@ For each camera count it starts the GStreamer test camera (``tests/rtsp_server.p
 mount per camera, same clip), a server process, adds the cameras, subscribes to each over
 WebSocket, and after a warm-up measures for a fixed time:
 
-* processed share: frames processed / frames decoded (from ``GET /streams``);
+* processed share: frames processed / frames decoded (from ``GET /streams``); with
+  ``--motion`` the streams infer only what moves, and the share of still frames skipped and
+  of the other frames processed are reported too;
 * processed fps per stream, and slowest / fastest (fairness);
 * frame latency p50/p99 (decode to publication: the message's ``latency_ms``; and decode to
   the client's receipt: receive time minus ``captured_at``, same host clock).
@@ -128,6 +130,7 @@ async def measure(
             "frames_in": frames_in,
             "processed": processed,
             "drops": after[sid]["drops"] - before[sid]["drops"],
+            "motion_skipped": after[sid]["motion_skipped"] - before[sid]["motion_skipped"],
             "reconnects": after[sid]["reconnects"],
             "ws_messages": counts[sid],
             "fps_in": frames_in / seconds_s,
@@ -136,12 +139,16 @@ async def measure(
     fps = [s["fps_processed"] for s in per_stream.values()]
     total_in = sum(s["frames_in"] for s in per_stream.values())
     total_done = sum(s["processed"] for s in per_stream.values())
+    still = sum(s["motion_skipped"] for s in per_stream.values())
     return {
         "cameras": len(ids),
         "seconds": seconds_s,
         "processed_share": total_done / max(total_in, 1),
         "fps_in_total": total_in / seconds_s,
         "fps_processed_total": total_done / seconds_s,
+        "motion_skipped_share": still / max(total_in, 1),
+        # Of the frames that were to be inferred (not skipped as still), the share that was.
+        "wanted_processed_share": total_done / max(total_in - still, 1),
         "fairness_min_over_max": min(fps) / max(*fps, 1e-9),
         "latency_ms_p50": float(np.percentile(server_lat, 50)) if server_lat else None,
         "latency_ms_p99": float(np.percentile(server_lat, 99)) if server_lat else None,
@@ -181,11 +188,13 @@ def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
         for i in range(cameras):
             resp = httpx.post(
                 f"{server.base_url}/streams",
-                json={"url": f"rtsp://127.0.0.1:{rtsp_port}/cam{i}"},
+                json={"url": f"rtsp://127.0.0.1:{rtsp_port}/cam{i}", "motion": args.motion},
                 timeout=30,
             )
             resp.raise_for_status()
             ids.append(resp.json()["id"])
+            if i < cameras - 1:
+                time.sleep(args.stagger_s)  # each camera's clip at another point
         return asyncio.run(
             measure(server.base_url, server.ws_url, ids, args.warmup_seconds, args.seconds)
         )
@@ -202,6 +211,13 @@ def main() -> int:
     parser.add_argument("--clip", type=Path, default=SHARED / "videos" / "car-detection.mp4")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured time per run")
     parser.add_argument("--warmup-seconds", type=float, default=5.0)
+    parser.add_argument("--motion", action="store_true", help="streams infer only motion")
+    parser.add_argument(
+        "--stagger-s",
+        type=float,
+        default=0.0,
+        help="seconds between adding cameras, so their clips do not move at the same moments",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument("server_args", nargs="*", help="extra `streamdet serve` flags, after --")
     args = parser.parse_args()
@@ -213,7 +229,9 @@ def main() -> int:
             f"{n} cameras: processed {r['processed_share'] * 100:.1f}% of"
             f" {r['fps_in_total']:.1f} fps in ({r['fps_processed_total']:.1f} fps out),"
             f" slowest/fastest {r['fairness_min_over_max']:.2f},"
-            f" latency p50 {r['latency_ms_p50']:.0f} ms p99 {r['latency_ms_p99']:.0f} ms"
+            f" latency p50 {r['latency_ms_p50']:.0f} ms p99 {r['latency_ms_p99']:.0f} ms,"
+            f" {r['motion_skipped_share'] * 100:.1f}% still (skipped), wanted frames processed"
+            f" {r['wanted_processed_share'] * 100:.1f}%"
             f" (at client: p50 {r['client_latency_ms_p50']:.0f} p99"
             f" {r['client_latency_ms_p99']:.0f} ms)",
             flush=True,

@@ -80,6 +80,7 @@ class StreamSample:
         drops: frames replaced by a newer one before the engine took them.
         reconnects: times the source was reopened after a failure.
         frames_failed: frames the engine failed on (each also logged).
+        motion_skipped: frames not inferred because nothing moved (streams with motion on).
         detections: detections since the stream was added, by class name.
         objects: detections in the last processed frame, by class name.
         tracked: objects counted once each by the stream's tracker, by class name.
@@ -100,6 +101,7 @@ class StreamSample:
     drops: int
     reconnects: int
     frames_failed: int = 0
+    motion_skipped: int = 0
     detections: Mapping[str, int] = field(default_factory=dict)
     objects: Mapping[str, int] = field(default_factory=dict)
     tracked: Mapping[str, int] = field(default_factory=dict)
@@ -234,6 +236,11 @@ class _ScrapeCollector(Collector):
                 "Frames the engine failed on",
                 labels=["stream"],
             ),
+            "motion_skipped": CounterMetricFamily(
+                "streamdet_stream_frames_motion_skipped",
+                "Frames not inferred because nothing moved (streams with motion on)",
+                labels=["stream"],
+            ),
         }
         detections = CounterMetricFamily(
             "streamdet_stream_detections",
@@ -279,6 +286,7 @@ class _ScrapeCollector(Collector):
             counters["frames_dropped"].add_metric([s.stream_id], s.drops)
             counters["reconnects"].add_metric([s.stream_id], s.reconnects)
             counters["frames_failed"].add_metric([s.stream_id], s.frames_failed)
+            counters["motion_skipped"].add_metric([s.stream_id], s.motion_skipped)
             for name, count in s.detections.items():
                 detections.add_metric([s.stream_id, name], count)
                 objects.add_metric([s.stream_id, name], s.objects.get(name, 0))

@@ -139,6 +139,26 @@ class Settings(BaseSettings):
     event_snapshot_width: int = Field(
         640, ge=32, le=3840, description="event snapshots wider than this are scaled down"
     )
+    motion_threshold: int = Field(
+        25,
+        ge=1,
+        le=255,
+        description="streams with motion on: grey levels a pixel must change by to move",
+    )
+    motion_min_area: float = Field(
+        0.002,
+        gt=0.0,
+        le=1.0,
+        description="streams with motion on: share of the picture that must move for a frame"
+        " to be inferred",
+    )
+    motion_idle_fps: float = Field(
+        2.0,
+        ge=1.1,
+        le=60.0,
+        description="streams with motion on: still frames are inferred this often, so still"
+        " objects keep their tracks (which end after 1 s unseen)",
+    )
     event_clip_pre_s: float = Field(
         5.0,
         ge=0.0,

@@ -87,6 +87,8 @@ class StreamDetect:
     """Zones that count what stands in them (:mod:`streams.zones`); entries need ``track``."""
     clips: bool = False
     """Keep a video clip of each event (:mod:`streams.clips`)."""
+    motion: bool = False
+    """Infer only frames where something moved (:mod:`streams.motion`)."""
 
     def __post_init__(self) -> None:
         if self.lines and not self.track:
@@ -105,7 +107,7 @@ class StreamDetect:
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
-        ``track``, ``lines``, ``zones`` and ``clips``."""
+        ``track``, ``lines``, ``zones``, ``clips`` and ``motion``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
@@ -113,6 +115,7 @@ class StreamDetect:
             "lines": [line.to_json() for line in self.lines],
             "zones": [zone.to_json() for zone in self.zones],
             "clips": self.clips,
+            "motion": self.motion,
         }
 
     @classmethod
@@ -123,16 +126,17 @@ class StreamDetect:
             ValueError: a value out of range, a class the model lacks, or a bad region.
         """
         roi = data.get("roi")
-        # Absent in streams stored before tracking (clips) existed.
-        track, clips = data.get("track", False), data.get("clips", False)
-        for key, flag in (("track", track), ("clips", clips)):
+        # Absent in streams stored before tracking (clips, motion) existed.
+        flags = {key: data.get(key, False) for key in ("track", "clips", "motion")}
+        for key, flag in flags.items():
             if not isinstance(flag, bool):
                 raise ValueError(f"{key}: expected true or false, got {flag!r}")
         return cls(
             DetectParams.from_description(data, names),
             None if roi is None else Roi.parse(roi),
-            track,
+            flags["track"],
             parse_lines(data.get("lines") or ()),
             parse_zones(data.get("zones") or ()),
-            clips,
+            flags["clips"],
+            flags["motion"],
         )

@@ -25,6 +25,7 @@ from engines.types import Image
 from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
+from streams.motion import MotionGate, MotionOptions
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class ReaderOptions:
     max_pixels: int = 50_000_000
     decode_device: str = "cpu"
     """``cuda``/``cuda:N``: NVDEC, frames stay on the GPU (GPU backends only); else CPU."""
+    motion: MotionOptions = field(default_factory=MotionOptions)
+    """How streams with ``motion`` on measure it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +164,8 @@ class StreamReader:
         self.processed = 0
         self.drops = 0
         self.skipped = 0
+        self.motion_skipped = 0
+        self._motion = MotionGate(options.motion)
         self.reconnects = 0
         self.failed = 0
         # Results come back on engine worker threads, possibly out of order (two workers, one
@@ -229,6 +234,8 @@ class StreamReader:
                 "frames_processed": self.processed,
                 "drops": self.drops,
                 "skipped": self.skipped,
+                "motion_skipped": self.motion_skipped,
+                "motion_area": round(self._motion.area, 4) if self.detect.motion else None,
                 "reconnects": self.reconnects,
                 "frames_failed": self.failed,
                 **self._analytics.snapshot(),
@@ -323,6 +330,7 @@ class StreamReader:
             if not container.streams.video:
                 raise FatalSourceError(f"{redact(spec.url)} has no video stream")
             stream = container.streams.video[0]
+            self._motion.reset()
             return self._read(container, stream)
         finally:
             if self.clips is not None:
@@ -374,6 +382,10 @@ class StreamReader:
                         self.skipped += 1
                     continue
                 last_sent = now
+                if self.detect.motion and not self._motion.infer(frame, now):
+                    with self._lock:
+                        self.motion_skipped += 1
+                    continue
                 if self._gpu_decode is None:
                     self._offer(frame.to_ndarray(format="rgb24"), pts, now)
                 else:

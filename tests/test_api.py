@@ -222,6 +222,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "lines": [],
             "zones": [],
             "clips": False,
+            "motion": False,
         }
         assert resp.json()["detect"] == detect
 

@@ -293,6 +293,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             "lines": [],
             "zones": [],
             "clips": False,
+            "motion": False,
         }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)

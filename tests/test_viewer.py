@@ -416,7 +416,9 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
 ) -> None:
     pg, errors = live_page
     api = httpx.Client(base_url=pg.url, timeout=30)  # the viewer's own server
-    stream_id = add_stream_in_page(pg, camera.url("car"), "car-region", track=True, clips=True)
+    stream_id = add_stream_in_page(
+        pg, camera.url("car"), "car-region", track=True, clips=True, motion=True
+    )
     canvas_id = f"tile-{stream_id}"
     figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
     frame = wait_for_boxes(pg, canvas_id)
@@ -502,6 +504,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     detect = api.get(f"/streams/{stream_id}").json()["detect"]
     api.close()
     assert detect["track"] is True
+    assert detect["clips"] is True and detect["motion"] is True  # the form's boxes
     [gate] = detect["lines"]
     assert gate["name"] == "gate"
     for got, want in zip(gate["points"], [(0.02, 0.5), (0.98, 0.5)], strict=True):

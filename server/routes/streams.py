@@ -37,6 +37,7 @@ from streams.manager import (
     StreamLimitError,
     StreamManager,
 )
+from streams.motion import MotionOptions
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
 from streams.store import StreamStore
@@ -125,6 +126,13 @@ class DetectIn(BaseModel):
             " --event-clip-pre-s before to --event-clip-post-s after), at GET /clips/{id}.mp4",
         ),
     ] = False
+    motion: Annotated[
+        bool,
+        Field(
+            description="infer only frames where something moved (and still ones at"
+            " --motion-idle-fps), to serve more cameras on the same CPU or GPU",
+        ),
+    ] = False
 
     def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
@@ -150,7 +158,8 @@ class DetectIn(BaseModel):
                 zones = parse_zones([zone.model_dump() for zone in self.zones or ()])
             track = self.track if "track" in given else current.track
             clips = self.clips if "clips" in given else current.clips
-            return StreamDetect(params, roi, track, lines, zones, clips)
+            motion = self.motion if "motion" in given else current.motion
+            return StreamDetect(params, roi, track, lines, zones, clips, motion)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
@@ -321,6 +330,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             drops=info["drops"],
             reconnects=info["reconnects"],
             frames_failed=info["frames_failed"],
+            motion_skipped=info["motion_skipped"],
             detections=info["detections"],
             objects=info["objects"],
             tracked=info["tracked"],
@@ -354,6 +364,11 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         frame_deadline_ms=settings.stream_frame_deadline_ms,
         max_pixels=settings.max_image_pixels,
         decode_device=settings.device if settings.decode == "cuda" else "cpu",
+        motion=MotionOptions(
+            threshold=settings.motion_threshold,
+            min_area=settings.motion_min_area,
+            idle_fps=settings.motion_idle_fps,
+        ),
     )
     options = ManagerOptions(
         reader=reader,

@@ -884,6 +884,7 @@ async function addStream(event) {
   if (conf) body.conf = Number(conf);
   if (data.get("track")) body.track = true;
   if (data.get("clips")) body.clips = true;
+  if (data.get("motion")) body.motion = true;
   try {
     const resp = await api("/streams", {
       method: "POST",
