@@ -17,11 +17,11 @@ to detection first.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import logging
 import os
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
@@ -77,7 +77,7 @@ class SnapshotStore:
         for path in directory.glob("*.jpg"):
             with contextlib.suppress(ValueError):
                 kept.append(int(path.stem))
-        self._kept: deque[int] = deque(sorted(kept))  # frames on disk, by first event id
+        self._kept = sorted(kept)  # frames on disk, by first event id, oldest first
         self._prune()
 
     @property
@@ -128,13 +128,13 @@ class SnapshotStore:
             log.warning("stream %s: snapshot of event %d failed: %s", stream_id, first, error)
             return
         self._count("made")
-        self._kept.append(first)
+        bisect.insort(self._kept, first)  # drawings may finish out of order
         self._prune()
 
     def _prune(self) -> None:
         while len(self._kept) > self.size:
             with contextlib.suppress(OSError):
-                self._path(self._kept.popleft()).unlink()
+                self._path(self._kept.pop(0)).unlink()
 
     async def get(self, event_id: int) -> bytes | None:
         """The JPEG of ``event_id``'s frame (waiting for it to be drawn); None when there is

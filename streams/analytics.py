@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.types import Detections
 from streams.detect import StreamDetect
 from streams.events import StreamEvent
+from streams.geometry import seen_by_track
 from streams.lines import Crossing, LineCounter
 from streams.track import Tracker
 from streams.zones import ZoneCounter, ZoneEvent
@@ -115,6 +116,10 @@ class StreamAnalytics:
                 self._zone_moves.update((e.zone, e.kind, name(e.class_id)) for e in zone_events)
             else:
                 self._zone_now = {}
+        if crossings or zone_events:  # where each object was goes with its events
+            seen = seen_by_track(detections)
+            crossings = [replace(c, seen=seen.get(c.track_id)) for c in crossings]
+            zone_events = [replace(e, seen=seen.get(e.track_id)) for e in zone_events]
         return Analysed(detections, (*crossings, *zone_events), members, dwell)
 
     def snapshot(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ centre of a box, where an object stands on the ground (as Frigate's zones use)."
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -79,6 +80,32 @@ def anchors(detections: Detections) -> tuple[npt.NDArray[np.float64], npt.NDArra
     xs = (boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width
     ys = boxes[:, 3] / detections.height
     return xs, ys
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """Where an object was in the frame of one of its events: its box (``[x1, y1, x2, y2]``,
+    source pixels, as in the WebSocket's detections) and the box's confidence."""
+
+    box: tuple[float, float, float, float]
+    confidence: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"box": [round(v, 1) for v in self.box], "confidence": round(self.confidence, 3)}
+
+
+def seen_by_track(detections: Detections) -> dict[int, Seen]:
+    """Each tracked object's box and confidence in ``detections`` (its first box, where a
+    class flip gave it two)."""
+    ids = detections.track_ids
+    if ids is None:
+        return {}
+    seen: dict[int, Seen] = {}
+    for i, track_id in enumerate(ids.tolist()):
+        if track_id not in seen:
+            x1, y1, x2, y2 = (float(v) for v in detections.boxes[i])
+            seen[track_id] = Seen((x1, y1, x2, y2), float(detections.scores[i]))
+    return seen
 
 
 class _Named(Protocol):

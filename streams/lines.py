@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engines.types import Detections
-from streams.geometry import Point, anchors, check_name, check_point, parse_named, parse_points
+from streams.geometry import (
+    Point,
+    Seen,
+    anchors,
+    check_name,
+    check_point,
+    parse_named,
+    parse_points,
+)
 
 MAX_LINES = 16
 Direction = Literal["in", "out"]
@@ -92,6 +100,8 @@ class Crossing:
     track_id: int
     class_id: int
     frame: int
+    seen: Seen | None = None
+    """The object's box and confidence in that frame."""
 
     def to_json(self, name_of: Callable[[int], str]) -> dict[str, Any]:
         """The event as the WebSocket, ``GET /events`` and webhooks send it."""
@@ -103,6 +113,7 @@ class Crossing:
             "class_id": self.class_id,
             "class_name": name_of(self.class_id),
             "frame": self.frame,
+            **(self.seen.to_json() if self.seen is not None else {}),
         }
 
 

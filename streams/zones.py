@@ -26,6 +26,7 @@ from typing import Any, Literal
 from engines.types import Detections
 from streams.geometry import (
     Point,
+    Seen,
     anchors,
     check_name,
     check_polygon,
@@ -118,6 +119,8 @@ class ZoneEvent:
     frame: int
     dwell_s: float | None = None
     lost: bool = False
+    seen: Seen | None = None
+    """The object's box and confidence in that frame (none where it was lost)."""
 
     def to_json(self, name_of: Callable[[int], str]) -> dict[str, Any]:
         """The event as the WebSocket, ``GET /events`` and webhooks send it."""
@@ -132,6 +135,8 @@ class ZoneEvent:
         if self.kind == "exit":
             out["dwell_s"] = self.dwell_s
             out["lost"] = self.lost
+        if self.seen is not None:
+            out.update(self.seen.to_json())
         return out
 
 

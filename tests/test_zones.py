@@ -158,12 +158,16 @@ def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
         zones=(BOTTOM,),
     )
     kinds: list[str] = []
+    boxes: list[tuple[list[float], float]] = []
     for k in range(10):  # a car driving down the picture, through the gate into BOTTOM
         y = 300 + 50 * k  # inside BOTTOM (y >= 600) from frame 6, entered at frame 8
         done = analytics.process(dets([[400, y - 100, 500, y]]), settings, 0.1 * k, k)
         assert done.detections.track_ids is not None and done.zones is not None
         kinds += [f"{e.to_json(str)['type']}@{e.frame}" for e in done.events]
+        boxes += [(e.to_json(str)["box"], e.to_json(str)["confidence"]) for e in done.events]
     assert kinds == ["line_crossing@4", "zone_enter@8"]
+    # Each event says where its object was in that frame: the box and its confidence.
+    assert boxes == [([400.0, 400.0, 500.0, 500.0], 0.9), ([400.0, 600.0, 500.0, 700.0], 0.9)]
     counts = analytics.snapshot()
     assert counts["crossings"] == {"gate": {"in": {"car": 1}, "out": {}}}
     assert counts["zones"] == {"bottom": {"now": {"car": 1}, "entered": {"car": 1}, "exited": {}}}
