@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,7 @@ import av
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.track_bench import cpu_engine
 from engines.types import Detections, DetectParams
 from streams.analytics import StreamAnalytics
 from streams.detect import LOW_CONF, StreamDetect
@@ -31,7 +31,6 @@ from streams.lines import parse_lines
 from streams.motion import MotionGate, MotionOptions
 from streams.zones import parse_zones
 
-REPO = Path(__file__).resolve().parents[1]
 SETTINGS = StreamDetect(
     DetectParams(),
     track=True,
@@ -68,15 +67,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=600, help="frames per clip at most")
     parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = parser.parse_args()
-    from engines.registry import EngineConfig, load_backend, prepare_model
-
-    shared = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared"))
-    cache = REPO / ".cache" / "streamdet"
-    model = prepare_model(str(shared / "models" / "yolov8n.pt"), cache, 640)
-    engine = load_backend("onnxruntime")(
-        EngineConfig(model=model, imgsz=640, max_batch=1, threads=2, device="cpu", cache_dir=cache)
-    )
-    engine.load()
+    engine, shared = cpu_engine()
     low = DetectParams(conf=LOW_CONF)  # a tracked stream's engine confidence
     report: list[dict[str, Any]] = []
     for clip in sorted((shared / "videos").glob("*.mp4")):

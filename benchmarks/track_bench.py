@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
-from engines.types import Detections
+from engines.types import Detections, Engine
 from streams.track import Tracker
 
 FRAME_DT_S = 1 / 30
@@ -46,17 +48,9 @@ def scene(objects: int, frames: int, seed: int) -> list[Detections]:
     return out
 
 
-def compare_on_clips(limit: int = 150) -> list[dict[str, object]]:
-    """Per clip and sampling step: objects counted and boxes shown, confident boxes only
-    against confident plus weak ones (:data:`streams.detect.LOW_CONF`)."""
-    import os
-    from pathlib import Path
-
+def cpu_engine() -> tuple[Engine, Path]:
+    """The shared model loaded on ONNX Runtime (2 threads, batch 1), and the shared folder."""
     from engines.registry import EngineConfig, load_backend, prepare_model
-    from engines.types import DetectParams
-    from streams.analytics import StreamAnalytics
-    from streams.detect import LOW_CONF, StreamDetect
-    from streams.files import iter_video_frames
 
     repo = Path(__file__).resolve().parents[1]
     shared = Path(os.environ.get("STREAMDET_SHARED_DIR", repo.parent / "shared"))
@@ -66,6 +60,18 @@ def compare_on_clips(limit: int = 150) -> list[dict[str, object]]:
         EngineConfig(model=model, imgsz=640, max_batch=1, threads=2, device="cpu", cache_dir=cache)
     )
     engine.load()
+    return engine, shared
+
+
+def compare_on_clips(limit: int = 150) -> list[dict[str, object]]:
+    """Per clip and sampling step: objects counted and boxes shown, confident boxes only
+    against confident plus weak ones (:data:`streams.detect.LOW_CONF`)."""
+    from engines.types import DetectParams
+    from streams.analytics import StreamAnalytics
+    from streams.detect import LOW_CONF, StreamDetect
+    from streams.files import iter_video_frames
+
+    engine, shared = cpu_engine()
     settings = StreamDetect(DetectParams(), track=True)
     report: list[dict[str, object]] = []
     for clip in sorted((shared / "videos").glob("*.mp4")):
