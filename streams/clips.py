@@ -23,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,10 +86,15 @@ class _Clip:
     """monotonic time it ends after (moved by later events)"""
     limit: float = 0.0
     """``end`` never moves past this (``max_s`` after its first event)"""
+    events: list[int] = field(default_factory=list)
+    """ids of the events it shows"""
     output: Any = None
     stream: Any = None
     time_base: Any = None
     times: _Times | None = None
+    first_mono: float = 0.0
+    """monotonic time of its first packet, and of its last one written"""
+    last_mono: float = 0.0
 
 
 @dataclass(slots=True)
@@ -151,8 +158,10 @@ class ClipRecorder:
             latest = self._pending[-1] if self._pending else self._current
             if latest is not None and at_mono <= latest.end:
                 latest.end = max(latest.end, min(at_mono + opt.post_s, latest.limit))
+                latest.events.append(event_id)
                 return latest.id
             clip = _Clip(event_id, at_mono - opt.pre_s, at_mono + opt.post_s, at_mono + opt.max_s)
+            clip.events.append(event_id)
             self._pending.append(clip)
             return event_id
 
@@ -247,6 +256,7 @@ class ClipRecorder:
             first = int(known[1]) - step * known[0]
         clip.times = _Times(step, first)
         clip.time_base = stream.time_base
+        clip.first_mono = packets[0].mono
         for kept in packets:
             self._write(clip, kept)
 
@@ -260,6 +270,7 @@ class ClipRecorder:
         out.time_base = clip.time_base
         out.stream = clip.stream
         clip.output.mux(out)
+        clip.last_mono = kept.mono
 
     def _finish(self, clip: _Clip, error: str | None) -> None:
         with self._lock:
@@ -279,7 +290,22 @@ class ClipRecorder:
             self._failed(clip.id, error)
             return
         path = self.options.path(clip.id)
-        part.replace(path)
+        with self._lock:
+            events = list(clip.events)
+        size = part.stat().st_size
+        info = {
+            "id": clip.id,
+            "stream_id": self.stream_id,
+            "started_at": round(time.time() - (time.monotonic() - clip.first_mono), 3),
+            "duration_s": round(clip.last_mono - clip.first_mono, 3),
+            "bytes": size,
+            "events": events,
+            "url": CLIP_PATH.format(id=clip.id),
+        }
+        sidecar = path.with_suffix(".json")
+        sidecar.with_suffix(".json.part").write_text(json.dumps(info))
+        sidecar.with_suffix(".json.part").replace(sidecar)
+        part.replace(path)  # listed from now on
         log.info(
             "stream %s: clip %d written (%d bytes)", self.stream_id, clip.id, path.stat().st_size
         )
@@ -312,7 +338,7 @@ def prune_clips(directory: Path, max_bytes: int) -> int:
         if total <= max_bytes:
             break
         with contextlib.suppress(OSError):  # another stream's thread got there first
-            path.unlink()
+            delete_clip(path)
             log.info(
                 "clip %d deleted: clips over %d bytes (setting STREAMDET_EVENT_CLIPS_MAX_MB)",
                 clip_id,
@@ -320,6 +346,35 @@ def prune_clips(directory: Path, max_bytes: int) -> int:
             )
         total -= size
     return total
+
+
+def delete_clip(path: Path) -> None:
+    """Delete a clip and what is known of it.
+
+    Raises:
+        FileNotFoundError: there is no such clip.
+    """
+    path.unlink()
+    path.with_suffix(".json").unlink(missing_ok=True)
+
+
+def list_clips(directory: Path, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` clips (of ``stream_id``, or of every stream), newest first."""
+    ids = []
+    for path in directory.glob("*.mp4"):
+        with contextlib.suppress(ValueError):
+            ids.append(int(path.stem))
+    found: list[dict[str, Any]] = []
+    for clip_id in sorted(ids, reverse=True):
+        try:
+            info = json.loads((directory / f"{clip_id}.json").read_text())
+        except (OSError, ValueError):
+            continue  # deleted meanwhile, or unreadable: not listed
+        if stream_id is None or info.get("stream_id") == stream_id:
+            found.append(info)
+            if len(found) >= limit:
+                break
+    return found
 
 
 class ClipIndex:
@@ -376,6 +431,20 @@ class ClipIndex:
 
     def writing(self, clip_id: int) -> bool:
         return clip_id in self._writing
+
+    async def listing(self, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
+        """See :func:`list_clips` (read in a worker thread)."""
+        return await asyncio.to_thread(list_clips, self.options.directory, stream_id, limit)
+
+    async def delete(self, clip_id: int) -> str | None:
+        """Delete a clip; why it cannot be, or None once it is gone."""
+        if clip_id in self._writing:
+            return f"clip {clip_id} is being written; delete it once it is done"
+        try:
+            await asyncio.to_thread(delete_clip, self.options.path(clip_id))
+        except FileNotFoundError:
+            return f"no clip {clip_id}"
+        return None
 
     async def find(self, clip_id: int, wait_s: float) -> Path | str:
         """The file of clip ``clip_id``, waiting up to ``wait_s`` for one being written;

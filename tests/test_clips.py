@@ -4,6 +4,7 @@ clips decoded back with PyAV; then a real server recording a real RTSP camera.""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import av
 import httpx
 import pytest
 
-from streams.clips import ClipIndex, ClipOptions, ClipRecorder, prune_clips
+from streams.clips import ClipIndex, ClipOptions, ClipRecorder, list_clips, prune_clips
 from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server
 
 BASE = 1000.0  # monotonic time of each clip's first packet, in these tests
@@ -175,9 +176,14 @@ def test_a_clip_of_a_source_with_b_frames_plays_in_order(tmp_path: Path) -> None
 def test_the_oldest_clips_go_first_once_they_weigh_too_much(tmp_path: Path) -> None:
     for clip_id, size in ((30, 400), (10, 300), (20, 200)):
         (tmp_path / f"{clip_id}.mp4").write_bytes(b"x" * size)
+        (tmp_path / f"{clip_id}.json").write_text(json.dumps({"id": clip_id, "stream_id": "s"}))
     (tmp_path / "notes.txt").write_bytes(b"x" * 5000)  # not a clip: never touched
+    assert [c["id"] for c in list_clips(tmp_path, None, 10)] == [30, 20, 10]  # newest first
+    assert [c["id"] for c in list_clips(tmp_path, "s", 2)] == [30, 20]
+    assert list_clips(tmp_path, "other", 10) == []
     assert prune_clips(tmp_path, 650) == 600
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["20.mp4", "30.mp4", "notes.txt"]
+    names = ["20.json", "20.mp4", "30.json", "30.mp4", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
     assert prune_clips(tmp_path, 100) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
@@ -315,6 +321,17 @@ def test_an_event_created_from_outside_gets_the_latest_frame_and_the_video_aroun
         assert snapshot.status_code == 200 and snapshot.headers["content-type"] == "image/jpeg"
         clip = c.get(event["clip"])
         assert clip.status_code == 200, clip.text
+        # Listed with what it shows, then deleted.
+        [listed_clip] = c.get("/clips", params={"stream_id": sid}).json()["clips"]
+        assert listed_clip["id"] == event["id"] and listed_clip["events"] == [event["id"]]
+        assert listed_clip["bytes"] == len(clip.content) and listed_clip["stream_id"] == sid
+        assert listed_clip["url"] == event["clip"] and listed_clip["duration_s"] > 2.5
+        assert abs(listed_clip["started_at"] - event["captured_at"]) < 7
+        assert c.get("/clips", params={"stream_id": plain}).json()["clips"] == []
+        assert c.delete(event["clip"]).status_code == 204
+        assert c.get(event["clip"]).status_code == 404
+        assert c.delete(event["clip"]).status_code == 404
+        assert c.get("/clips").json()["clips"] == []
         # Without a clip: asked not to, or on a stream that keeps none (409 when asked to).
         quiet = c.post(f"/streams/{sid}/events", json={"label": "x", "clip": False}).json()
         assert "clip" not in quiet and "snapshot" in quiet

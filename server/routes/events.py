@@ -161,6 +161,31 @@ async def event_snapshot(event_id: int, request: Request) -> Response:
     return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 
 
+@router.get("/clips")
+async def list_clips(
+    request: Request,
+    stream_id: Annotated[str | None, Query(description="one stream's clips")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="most clips")] = 100,
+) -> dict[str, Any]:
+    """The event clips on disk, newest first: ``id``, ``stream_id``, ``started_at`` (wall
+    time of its first frame), ``duration_s``, ``bytes``, ``events`` (the ids of the events
+    it shows) and ``url``."""
+    manager = get_manager(request)
+    if manager.clips is None:
+        return {"clips": []}
+    return {"clips": await manager.clips.listing(stream_id, limit)}
+
+
+@router.delete("/clips/{clip_id}.mp4", status_code=204)
+async def delete_clip(clip_id: int, request: Request) -> Response:
+    """Delete a clip (``409`` while it is being written)."""
+    manager = get_manager(request)
+    why = f"no clip {clip_id}" if manager.clips is None else await manager.clips.delete(clip_id)
+    if why is not None:
+        raise HTTPException(404 if why.startswith("no clip") else 409, why)
+    return Response(status_code=204)
+
+
 @router.get(
     "/clips/{clip_id}.mp4",
     response_class=FileResponse,
