@@ -66,6 +66,25 @@ class Roi:
         return detections if keep.all() else detections.select(keep)
 
 
+MAX_MASKS = 16
+
+
+def parse_masks(raw: Sequence[Sequence[Sequence[float]]]) -> tuple[Roi, ...]:
+    """``motion_mask`` (JSON: a list of polygons) as polygons.
+
+    Raises:
+        ValueError: more than :data:`MAX_MASKS`, or a bad polygon (named ``motion_mask``).
+    """
+    if len(raw) > MAX_MASKS:
+        raise ValueError(f"motion_mask: at most {MAX_MASKS} polygons")
+    masks = []
+    for polygon in raw:
+        points = parse_points(polygon, "motion_mask")
+        check_polygon(points, "motion_mask")
+        masks.append(Roi(points))
+    return tuple(masks)
+
+
 LOW_CONF = 0.1
 """On a tracked stream the engine keeps detections down to this confidence: those under the
 stream's ``conf`` only carry on tracks that lost their confident detection (ByteTrack's second
@@ -89,8 +108,12 @@ class StreamDetect:
     """Keep a video clip of each event (:mod:`streams.clips`)."""
     motion: bool = False
     """Infer only frames where something moved (:mod:`streams.motion`)."""
+    motion_mask: tuple[Roi, ...] = ()
+    """Parts of the picture whose changes are not motion (a camera's clock, a tree)."""
 
     def __post_init__(self) -> None:
+        if len(self.motion_mask) > MAX_MASKS:
+            raise ValueError(f"motion_mask: at most {MAX_MASKS} polygons")
         if self.lines and not self.track:
             raise ValueError(
                 "lines: counting lines need track set to true (crossings are counted per"
@@ -107,7 +130,7 @@ class StreamDetect:
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
-        ``track``, ``lines``, ``zones``, ``clips`` and ``motion``."""
+        ``track``, ``lines``, ``zones``, ``clips``, ``motion`` and ``motion_mask``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
@@ -116,6 +139,7 @@ class StreamDetect:
             "zones": [zone.to_json() for zone in self.zones],
             "clips": self.clips,
             "motion": self.motion,
+            "motion_mask": [mask.to_json() for mask in self.motion_mask],
         }
 
     @classmethod
@@ -139,4 +163,5 @@ class StreamDetect:
             parse_zones(data.get("zones") or ()),
             flags["clips"],
             flags["motion"],
+            parse_masks(data.get("motion_mask") or ()),
         )

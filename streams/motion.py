@@ -15,12 +15,16 @@ Runs on the stream's decode thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from streams.detect import Roi
 
 WIDTH = 160
 """About the width of the picture motion is measured on (height: the frame's aspect)."""
@@ -83,14 +87,18 @@ class MotionGate:
         self.options = options
         self._average: npt.NDArray[np.float32] | None = None
         self._last_inferred = float("-inf")
+        self._mask: tuple[tuple[tuple[int, ...], tuple[Roi, ...]], npt.NDArray[np.bool_]] | None = (
+            None
+        )
         self.moving = False
         """Whether the last frame looked at moved."""
         self.area = 0.0
         """Share of the last frame's picture that moved."""
 
-    def measure(self, gray: npt.NDArray[np.uint8]) -> bool:
+    def measure(self, gray: npt.NDArray[np.uint8], mask: Sequence[Roi] = ()) -> bool:
         """Whether the small grey picture ``gray`` moved against the frames before it (the
-        first one always does); updates the running average."""
+        first one always does), outside the polygons of ``mask``; updates the running
+        average."""
         blurred = cv2.GaussianBlur(gray, (5, 5), 0).astype(np.float32)
         if self._average is None or self._average.shape != blurred.shape:
             self._average = blurred
@@ -98,14 +106,30 @@ class MotionGate:
             return True
         changed = np.abs(blurred - self._average) > self.options.threshold
         cv2.accumulateWeighted(blurred, self._average, AVERAGE_ALPHA)
+        if mask:
+            watched = ~self._masked(changed.shape, tuple(mask))
+            changed = changed[watched] if watched.any() else np.zeros(1, bool)
         self.area = float(changed.mean())
         self.moving = self.area > self.options.min_area
         return self.moving
 
-    def infer(self, frame: Any, now: float) -> bool:
+    def _masked(self, shape: tuple[int, ...], mask: tuple[Roi, ...]) -> npt.NDArray[np.bool_]:
+        """Which pixels of a picture of ``shape`` the polygons cover (kept until either
+        changes)."""
+        if self._mask is None or self._mask[0] != (shape, mask):
+            height, width = shape
+            covered = np.zeros((height, width), np.uint8)
+            for polygon in mask:
+                corners = np.array([[x * width, y * height] for x, y in polygon.points])
+                cv2.fillPoly(covered, [corners.round().astype(np.int32)], 1)
+            self._mask = ((shape, mask), covered.astype(bool))
+        return self._mask[1]
+
+    def infer(self, frame: Any, now: float, mask: Sequence[Roi] = ()) -> bool:
         """Whether the decoded ``frame`` (an ``av.VideoFrame``) at monotonic time ``now`` is
-        to be inferred: it moved, or the last inferred frame is ``1 / idle_fps`` old."""
-        moved = self.measure(shrink(luma(frame)))
+        to be inferred: it moved outside ``mask``, or the last inferred frame is
+        ``1 / idle_fps`` old."""
+        moved = self.measure(shrink(luma(frame)), mask)
         if moved or now - self._last_inferred >= 1.0 / self.options.idle_fps:
             self._last_inferred = now
             return True

@@ -382,7 +382,8 @@ class StreamReader:
                         self.skipped += 1
                     continue
                 last_sent = now
-                if self.detect.motion and not self._motion.infer(frame, now):
+                detect = self.detect
+                if detect.motion and not self._motion.infer(frame, now, detect.motion_mask):
                     with self._lock:
                         self.motion_skipped += 1
                     continue

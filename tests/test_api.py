@@ -223,6 +223,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "zones": [],
             "clips": False,
             "motion": False,
+            "motion_mask": [],
         }
         assert resp.json()["detect"] == detect
 

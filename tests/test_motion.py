@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from streams.detect import Roi
 from streams.motion import MotionGate, MotionOptions, luma, shrink
 from tests.helpers import CAR_CLIP, clip_server
 
@@ -59,6 +60,29 @@ def test_an_object_coming_in_is_motion_at_once() -> None:
     assert gate.moving and 0.01 < gate.area < 0.03, gate.area
 
 
+def test_a_masked_clock_is_no_motion_and_what_moves_elsewhere_still_is() -> None:
+    """Most cameras burn a clock into the picture: it changes every second. Masked, it is
+    no motion; an object coming in elsewhere still is."""
+    rng = np.random.default_rng(1)
+    scene = first_frame()
+    clock = [(0.0, 0.0), (0.35, 0.0), (0.35, 0.12), (0.0, 0.12)]  # top left: 269 x 52 px
+    mask = (Roi(tuple(clock)),)
+    bare, masked = MotionGate(MotionOptions()), MotionGate(MotionOptions())
+    seen_bare, seen_masked = [], []
+    for _ in range(10):
+        frame = scene.copy()
+        digits = rng.integers(0, 2, (2, 15)).repeat(16, axis=0).repeat(16, axis=1)
+        frame[8:40, 8:248] = digits[:, :, None] * 255  # 16 px strokes, changing every frame
+        yuv = as_frame(frame)
+        seen_bare.append(bare.measure(shrink(luma(yuv))))
+        seen_masked.append(masked.measure(shrink(luma(yuv)), mask))
+    assert all(seen_bare) and seen_masked == [True] + [False] * 9
+    visitor = scene.copy()
+    visitor[8:40, 8:248] = 0
+    visitor[250:330, 400:500] = 230  # a car coming in, bottom right
+    assert masked.measure(shrink(luma(as_frame(visitor))), mask)
+
+
 def test_the_grey_picture_is_the_luma_plane_shrunk_by_whole_blocks() -> None:
     scene = first_frame()
     yuv = as_frame(scene)
@@ -98,6 +122,15 @@ def test_a_stream_with_motion_on_skips_still_frames_and_says_so(tmp_path: Path) 
         assert 0.0 <= info["motion_area"] <= 1.0
         metrics = c.get("/metrics").text
         assert f'streamdet_stream_frames_motion_skipped_total{{stream="{sid}"}}' in metrics
+        # A mask: kept as given, checked, cleared.
+        clock = [[0, 0], [0.3, 0], [0.3, 0.1], [0, 0.1]]
+        masked = c.patch(f"/streams/{sid}", json={"motion_mask": [clock]})
+        assert masked.status_code == 200 and masked.json()["detect"]["motion_mask"] == [clock]
+        for bad in ([[[0, 0], [1, 1]]], [[[0, 0], [2, 0], [0, 1]]], [clock] * 17, [[0, 1]]):
+            refused = c.patch(f"/streams/{sid}", json={"motion_mask": bad})
+            assert refused.status_code == 422 and "motion_mask" in refused.text, refused.text
+        cleared = c.patch(f"/streams/{sid}", json={"motion_mask": None}).json()
+        assert cleared["detect"]["motion_mask"] == []
         # Off again: every frame is inferred from now on, nothing more is skipped.
         off = c.patch(f"/streams/{sid}", json={"motion": False}).json()
         assert off["detect"]["motion"] is False and off["motion_area"] is None

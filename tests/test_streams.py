@@ -294,6 +294,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             "zones": [],
             "clips": False,
             "motion": False,
+            "motion_mask": [],
         }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)

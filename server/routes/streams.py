@@ -25,7 +25,7 @@ from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
 from streams.clips import ClipOptions
-from streams.detect import Roi, StreamDetect
+from streams.detect import MAX_MASKS, Roi, StreamDetect, parse_masks
 from streams.event_store import EventStore
 from streams.events import EventLog
 from streams.geometry import MAX_NAME
@@ -133,6 +133,14 @@ class DetectIn(BaseModel):
             " --motion-idle-fps), to serve more cameras on the same CPU or GPU",
         ),
     ] = False
+    motion_mask: Annotated[
+        list[list[tuple[float, float]]] | None,
+        Field(
+            max_length=MAX_MASKS,
+            description="polygons ([[x, y], ...] in 0..1 of the frame) whose changes are not"
+            " motion: a camera's clock, a tree in the wind; null or []: none",
+        ),
+    ] = None
 
     def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
@@ -159,7 +167,10 @@ class DetectIn(BaseModel):
             track = self.track if "track" in given else current.track
             clips = self.clips if "clips" in given else current.clips
             motion = self.motion if "motion" in given else current.motion
-            return StreamDetect(params, roi, track, lines, zones, clips, motion)
+            masks = current.motion_mask
+            if "motion_mask" in given:
+                masks = parse_masks(self.motion_mask or ())
+            return StreamDetect(params, roi, track, lines, zones, clips, motion, masks)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
