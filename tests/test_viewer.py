@@ -595,6 +595,28 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     with httpx.Client(base_url=pg.url, timeout=30) as check:
         detect = check.get(f"/streams/{stream_id}").json()["detect"]
     assert detect["lines"] == [] and [z["name"] for z in detect["zones"]] == ["lot"]
+
+    # A motion mask over the top left corner (where cameras burn their clock): saved (motion
+    # gating stays on), shaded on the picture, then removed from the mask editor's list.
+    figure.locator("button.tile-mask").click()
+    for x, y in [(0.0, 0.0), (0.3, 0.0), (0.3, 0.1), (0.0, 0.1)]:
+        click(x, y)
+    expect(figure.locator(".edit-hint")).to_contain_text("4 points")
+    figure.locator("button.edit-save").click()
+    expect(figure.locator(".tile-edit-bar")).to_be_hidden()
+    pg.wait_for_function("(id) => window.streamdet.drawn[id].masks.length === 1", arg=canvas_id)
+    with httpx.Client(base_url=pg.url, timeout=30) as check:
+        detect = check.get(f"/streams/{stream_id}").json()["detect"]
+    assert detect["motion"] is True and len(detect["motion_mask"]) == 1
+    for got, want in zip(
+        detect["motion_mask"][0], [(0, 0), (0.3, 0), (0.3, 0.1), (0, 0.1)], strict=True
+    ):
+        assert got == pytest.approx(want, abs=2 / size["width"])
+    figure.screenshot(path=artifacts / "viewer-mask.png")
+    figure.locator("button.tile-mask").click()
+    figure.locator("button.shape-remove", has_text="mask 1").click()
+    expect(figure.locator(".tile-edit-bar")).to_be_hidden()
+    pg.wait_for_function("(id) => window.streamdet.drawn[id].masks.length === 0", arg=canvas_id)
     expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []
 

@@ -248,9 +248,41 @@ function drawRegion(ctx, points, editing) {
   ctx.restore();
 }
 
+// Draws a stream's motion masks (polygons in 0..1 of the frame) shaded, with a dotted white
+// outline; the one being drawn also has its vertices.
+function drawMasks(ctx, masks, editing) {
+  const { width, height } = ctx.canvas;
+  const all = editing ? [...masks, editing] : masks;
+  ctx.save();
+  ctx.lineWidth = Math.max(1, Math.round(Math.min(width, height) / 300));
+  ctx.strokeStyle = "#FFFFFF";
+  ctx.setLineDash([2, 4]);
+  for (const [index, points] of all.entries()) {
+    const xy = points.map(([x, y]) => [x * width, y * height]);
+    if (!xy.length) continue;
+    ctx.beginPath();
+    xy.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
+    if (xy.length >= REGION_MIN_POINTS) {
+      ctx.closePath();
+      ctx.fillStyle = "rgba(0, 0, 0, 0.35)";
+      ctx.fill();
+    }
+    ctx.stroke();
+    if (editing && index === all.length - 1) {
+      ctx.fillStyle = "#FFFFFF";
+      for (const [x, y] of xy) {
+        ctx.beginPath();
+        ctx.arc(x, y, ctx.lineWidth * 3, 0, 2 * Math.PI);
+        ctx.fill();
+      }
+    }
+  }
+  ctx.restore();
+}
+
 const LINE_COLOR = "#00FFFF";
 // The tile buttons that open the shape editor.
-const EDIT_BUTTONS = ".tile-region, .tile-line, .tile-zone";
+const EDIT_BUTTONS = ".tile-region, .tile-line, .tile-zone, .tile-mask";
 
 // Objects that crossed a counting line, each way, summed over classes.
 function lineCounts(crossings, name) {
@@ -366,6 +398,7 @@ class Tile {
     this.crossings = {};
     this.zones = []; // the stream's zones and what stands in them, from GET /streams
     this.zoneCounts = {};
+    this.masks = []; // the stream's motion masks (polygons), from GET /streams
     this.shownAt = [];
     this.backoffMs = RECONNECT_MIN_MS;
     this.retryTimer = null;
@@ -388,9 +421,10 @@ class Tile {
     const crossings = stream.crossings ?? {};
     const zones = stream.detect?.zones ?? [];
     const zoneCounts = stream.zones ?? {};
-    const changed = JSON.stringify([region, lines, crossings, zones, zoneCounts]) !==
-      JSON.stringify([this.region, this.lines, this.crossings, this.zones, this.zoneCounts]);
-    Object.assign(this, { region, lines, crossings, zones, zoneCounts });
+    const masks = stream.detect?.motion_mask ?? [];
+    const changed = JSON.stringify([region, lines, crossings, zones, zoneCounts, masks]) !==
+      JSON.stringify([this.region, this.lines, this.crossings, this.zones, this.zoneCounts, this.masks]);
+    Object.assign(this, { region, lines, crossings, zones, zoneCounts, masks });
     if (changed) this.paint();
   }
 
@@ -399,13 +433,16 @@ class Tile {
     $(".tile-region", this.element).addEventListener("click", () => this.startEditing("region"));
     $(".tile-line", this.element).addEventListener("click", () => this.startEditing("line"));
     $(".tile-zone", this.element).addEventListener("click", () => this.startEditing("zone"));
+    $(".tile-mask", this.element).addEventListener("click", () => this.startEditing("mask"));
     $(".edit-undo", this.element).addEventListener("click", () => {
       this.editing?.pop();
       this.editChanged();
     });
     $(".edit-save", this.element).addEventListener("click", () => this.saveEdit());
     $(".edit-clear", this.element).addEventListener("click", () => {
-      this.patch({ region: { roi: null }, line: { lines: [] }, zone: { zones: [] } }[this.editMode]);
+      this.patch({
+        region: { roi: null }, line: { lines: [] }, zone: { zones: [] }, mask: { motion_mask: [] },
+      }[this.editMode]);
     });
     $(".edit-cancel", this.element).addEventListener("click", () => this.stopEditing());
     this.canvas.addEventListener("click", (event) => this.addPoint(event));
@@ -419,11 +456,12 @@ class Tile {
       region: ["Save region", "Whole frame"],
       line: ["Add line", "Remove all lines"],
       zone: ["Add zone", "Remove all zones"],
+      mask: ["Add mask", "Remove all masks"],
     }[mode];
     $(".edit-save", this.element).textContent = save;
     $(".edit-clear", this.element).textContent = clear;
     const name = $(".shape-name", this.element);
-    name.hidden = mode === "region";
+    name.hidden = mode === "region" || mode === "mask";
     name.value = mode === "line" ? `line ${this.lines.length + 1}` : `zone ${this.zones.length + 1}`;
     this.listShapes(mode);
     $(".tile-edit-bar", this.element).hidden = false;
@@ -431,10 +469,24 @@ class Tile {
     this.editChanged();
   }
 
-  // In the line and zone editors, one button per existing shape removes just that one.
+  // In the line, zone and mask editors, one button per existing shape removes just that one.
   listShapes(mode) {
     const list = $(".shape-list", this.element);
     list.replaceChildren();
+    if (mode === "mask") {
+      this.masks.forEach((_, index) => {
+        const button = document.createElement("button");
+        button.type = "button";
+        button.className = "shape-remove";
+        button.textContent = `× mask ${index + 1}`;
+        button.title = `remove motion mask ${index + 1}`;
+        button.addEventListener("click", () => {
+          this.patch({ motion_mask: this.masks.filter((_, other) => other !== index) });
+        });
+        list.append(button);
+      });
+      return;
+    }
     const key = { line: "lines", zone: "zones" }[mode];
     if (!key) return;
     for (const shape of this[key]) {
@@ -484,6 +536,10 @@ class Tile {
       this.editHint(n === 0
         ? "Click on the picture to place the region's corners; objects standing outside it are not detected."
         : `${points}; objects whose box's bottom centre is outside are dropped.`);
+    } else if (this.editMode === "mask") {
+      this.editHint(n < REGION_MIN_POINTS
+        ? `${points}: click the corners of what changes without being motion (the camera's clock, a tree).`
+        : `${points}; add the mask: changes inside it no longer count as motion.`);
     } else if (this.editMode === "zone") {
       this.editHint(n < REGION_MIN_POINTS
         ? `${points}: click the zone's corners; objects standing in it are counted (and, tracked, each entry once).`
@@ -508,6 +564,15 @@ class Tile {
         return;
       }
       this.patch({ roi: this.editing });
+      return;
+    }
+    if (this.editMode === "mask") {
+      if (this.editing.length < REGION_MIN_POINTS) {
+        this.editHint(`A mask needs at least ${REGION_MIN_POINTS} points: click on the picture.`);
+        return;
+      }
+      // A mask only matters to motion gating: adding one switches it on.
+      this.patch({ motion: true, motion_mask: [...this.masks, this.editing] });
       return;
     }
     const name = $(".shape-name", this.element).value.trim();
@@ -640,6 +705,7 @@ class Tile {
     ctx.drawImage(bitmap, 0, 0);
     const region = this.editMode === "region" ? this.editing : this.region;
     drawRegion(ctx, region, this.editMode === "region");
+    drawMasks(ctx, this.masks, this.editMode === "mask" ? this.editing : null);
     const tags = [
       ...drawZones(ctx, this.zones, this.zoneCounts, this.editMode === "zone" ? this.editing : null),
       ...drawLines(ctx, this.lines, this.crossings),
@@ -653,7 +719,7 @@ class Tile {
     debug.drawn[this.canvas.id] = {
       frame: meta.frame, capturedAt: meta.captured_at, shapes, detections: meta.detections ?? [],
       size: [meta.width, meta.height], region, editing: this.editMode, lines: this.lines,
-      zones: this.zones,
+      zones: this.zones, masks: this.masks,
     };
   }
 
