@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.types import Detections, DetectParams
+from engines.types import Detections, DetectParams, class_ids
 from streams.geometry import Point, anchors, check_polygon, parse_points, polygon_contains
 from streams.lines import Line, parse_lines
 from streams.zones import Zone, parse_zones
@@ -150,6 +150,14 @@ class StreamDetect:
             ValueError: a value out of range, a class the model lacks, or a bad region.
         """
         roi = data.get("roi")
+        lines = parse_lines(data.get("lines") or ())
+        zones = parse_zones(data.get("zones") or ())
+        for what, shapes in (("lines", lines), ("zones", zones)):
+            for shape in shapes:
+                try:  # stored by name: the model served now may lack one
+                    class_ids(shape.classes, names)
+                except ValueError as exc:
+                    raise ValueError(f"{what}: {shape.name!r}: {exc}") from None
         # Absent in streams stored before tracking (clips, motion) existed.
         flags = {key: data.get(key, False) for key in ("track", "clips", "motion")}
         for key, flag in flags.items():
@@ -159,8 +167,8 @@ class StreamDetect:
             DetectParams.from_description(data, names),
             None if roi is None else Roi.parse(roi),
             flags["track"],
-            parse_lines(data.get("lines") or ()),
-            parse_zones(data.get("zones") or ()),
+            lines,
+            zones,
             flags["clips"],
             flags["motion"],
             parse_masks(data.get("motion_mask") or ()),

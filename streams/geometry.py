@@ -43,6 +43,16 @@ def check_polygon(points: Sequence[Point], what: str) -> None:
         check_point(point, what)
 
 
+def parse_class_names(raw: object, what: str) -> tuple[str, ...]:
+    """A shape's ``classes`` (JSON: class names; null or []: every class) as a sorted tuple;
+    ValueError naming ``what`` for another shape."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple) or not all(isinstance(c, str) and c for c in raw):
+        raise ValueError(f"{what}: classes is a list of class names, not {raw!r}")
+    return tuple(sorted(set(raw)))
+
+
 def parse_points(raw: Sequence[Sequence[float]], what: str) -> tuple[Point, ...]:
     """``[[x, y], ...]`` (JSON) as points; ValueError naming ``what`` for another shape."""
     try:

@@ -22,6 +22,7 @@ from streams.geometry import (
     anchors,
     check_name,
     check_point,
+    parse_class_names,
     parse_named,
     parse_points,
 )
@@ -46,6 +47,8 @@ class Line:
     name: str
     a: Point
     b: Point
+    classes: tuple[str, ...] = ()
+    """The class names it counts (empty: every class)."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "lines")
@@ -56,7 +59,7 @@ class Line:
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Line:
-        """From ``{"name": s, "points": [[x, y], [x, y]]}`` (JSON).
+        """From ``{"name": s, "points": [[x, y], [x, y]], "classes"?: [...]}`` (JSON).
 
         Raises:
             ValueError: another shape, or see :class:`Line`.
@@ -65,10 +68,18 @@ class Line:
         points = parse_points(raw.get("points") or (), f"lines: {name!r}")
         if len(points) != 2:
             raise ValueError(f"lines: {name!r}: a line has 2 points, not {len(points)}")
-        return cls(name, *points)
+        unknown = set(raw) - {"name", "points", "classes"}
+        if unknown:
+            raise ValueError(f"lines: {name!r}: unknown field(s) {sorted(unknown)}")
+        classes = parse_class_names(raw.get("classes"), f"lines: {name!r}")
+        return cls(name, points[0], points[1], classes)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "points": [list(self.a), list(self.b)]}
+        return {
+            "name": self.name,
+            "points": [list(self.a), list(self.b)],
+            "classes": list(self.classes) or None,
+        }
 
     def crossing(self, before: Point, after: Point) -> Direction | None:
         """Which way a move from ``before`` to ``after`` crosses the line, if it does."""
@@ -145,10 +156,12 @@ class LineCounter:
             before = self._last.get(track_id)
             if before is None:
                 continue
+            class_id = int(detections.class_ids[i])
             for line in lines:
+                if line.classes and detections.name_of(class_id) not in line.classes:
+                    continue
                 direction = line.crossing(before, now[track_id])
                 if direction is not None:
-                    class_id = int(detections.class_ids[i])
                     crossings.append(Crossing(line.name, direction, track_id, class_id, frame))
         alive = set(live)
         self._last = {k: v for k, v in self._last.items() if k in alive}

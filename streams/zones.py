@@ -30,6 +30,7 @@ from streams.geometry import (
     anchors,
     check_name,
     check_polygon,
+    parse_class_names,
     parse_named,
     parse_points,
     polygon_contains,
@@ -53,6 +54,8 @@ class Zone:
     name: str
     points: tuple[Point, ...]
     inertia: int = INERTIA
+    classes: tuple[str, ...] = ()
+    """The class names it counts (empty: every class), as Frigate's zone ``objects``."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "zones")
@@ -70,7 +73,8 @@ class Zone:
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Zone:
-        """From ``{"name": s, "points": [[x, y], ...], "inertia"?: n}`` (JSON).
+        """From ``{"name": s, "points": [[x, y], ...], "inertia"?: n, "classes"?: [...]}``
+        (JSON).
 
         Raises:
             ValueError: another shape, or see :class:`Zone`.
@@ -79,17 +83,19 @@ class Zone:
         points = raw.get("points")
         if not isinstance(points, list):
             raise ValueError('zones: each zone is {"name": ..., "points": [[x, y], ...]}')
-        unknown = set(raw) - {"name", "points", "inertia"}
+        unknown = set(raw) - {"name", "points", "inertia", "classes"}
         if unknown:
             raise ValueError(f"zones: {name!r}: unknown field(s) {sorted(unknown)}")
         inertia = raw.get("inertia", INERTIA)
-        return cls(name, parse_points(points, f"zones: {name!r}"), inertia)
+        classes = parse_class_names(raw.get("classes"), f"zones: {name!r}")
+        return cls(name, parse_points(points, f"zones: {name!r}"), inertia, classes)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "points": [[x, y] for x, y in self.points],
             "inertia": self.inertia,
+            "classes": list(self.classes) or None,
         }
 
 
@@ -209,16 +215,23 @@ class ZoneCounter:
         for zone in zones:
             # An unsized frame has no anchors: nothing is in any zone.
             inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else [False] * n
+            # Objects of other classes are not in it (nor out of it: a car the model calls
+            # a truck for a frame neither enters nor leaves a zone for cars).
+            counted_class = [
+                not zone.classes or detections.name_of(c) in zone.classes for c in classes
+            ]
             counts: Counter[int] = Counter()
             if ids is None:
                 for i, hit in enumerate(inside):
-                    if hit:
+                    if hit and counted_class[i]:
                         members[i].append(zone.name)
                         counts[classes[i]] += 1
                 occupancy[zone.name] = counts
                 continue
             stays = self._stays.setdefault(zone.name, {})
             for track_id, i in first.items():
+                if not counted_class[i]:
+                    continue
                 events += self._step(
                     zone, stays, track_id, hit=inside[i], class_id=classes[i], t=t, frame=frame
                 )
@@ -232,7 +245,7 @@ class ZoneCounter:
                 if stay is None or not stay.entered:
                     continue
                 members[i].append(zone.name)
-                if track_id not in counted:
+                if track_id not in counted and counted_class[i]:
                     counted.add(track_id)
                     counts[classes[i]] += 1
                 if dwell is not None:

@@ -274,7 +274,7 @@ def test_cars_crossing_a_line_are_counted_by_the_api_and_metrics(tmp_path: Path)
         )
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
-        assert resp.json()["detect"]["lines"] == [gate]
+        assert resp.json()["detect"]["lines"] == [{**gate, "classes": None}]
         # Lines cannot outlive tracking: switching it off alone is refused, both together not.
         assert c.patch(f"/streams/{sid}", json={"track": False}).status_code == 422
         # Each crossing comes as an event on the stream's WebSocket, in the frame it happened.

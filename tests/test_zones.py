@@ -180,6 +180,61 @@ def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
     assert counts["tracked"] == {"car": 1}  # objects seen stay counted
 
 
+def test_zones_and_lines_with_classes_count_only_those() -> None:
+    """A zone for cars and a line for people, as Frigate's zone objects: a person and a car
+    walk the same way; each shape counts its own class only."""
+    analytics = StreamAnalytics()
+    cars_only = Zone("bottom", BOTTOM.points, classes=("car",))
+    people = Line("gate", (0.0, 0.5), (1.0, 0.5), classes=("person",))
+    settings = StreamDetect(track=True, lines=(people,), zones=(cars_only, LEFT))
+    kinds: list[str] = []
+    for k in range(10):  # both driving down the picture, through the gate into BOTTOM
+        y = 300 + 50 * k
+        frame = dets([[100, y - 100, 200, y], [600, y - 100, 700, y]], [0, 2])  # person, car
+        done = analytics.process(frame, settings, 0.1 * k, k)
+        kinds += [
+            f"{body['type']} {body.get('line') or body.get('zone')} {body['class_name']}"
+            for body in (e.to_json(done.detections.name_of) for e in done.events)
+        ]
+    # The person crosses the gate (the car's crossing is not counted) and enters LEFT (every
+    # class); only the car enters the zone for cars.
+    assert sorted(kinds) == [
+        "line_crossing gate person",
+        "zone_enter bottom car",
+        "zone_enter left person",
+    ]
+    counts = analytics.snapshot()
+    assert counts["zones"]["bottom"]["now"] == {"car": 1}
+    assert counts["crossings"] == {"gate": {"in": {"person": 1}, "out": {}}}
+    assert cars_only.to_json()["classes"] == ["car"] and LEFT.to_json()["classes"] is None
+    with pytest.raises(ValueError, match="classes is a list of class names"):
+        parse_zones([{"name": "z", "points": [list(p) for p in BOTTOM.points], "classes": "car"}])
+
+
+def test_shape_classes_are_checked_and_kept_by_name(tmp_path: Path) -> None:
+    zone = {**SHELF, "classes": ["bottle", 41]}  # 41: cup
+    with TestClient(file_stream_app(tmp_path)) as c:
+        resp = c.post("/streams", json={**SHELF_STREAM, "zones": [zone]})
+        assert resp.status_code == 201, resp.text
+        sid = resp.json()["id"]
+        assert resp.json()["detect"]["zones"][0]["classes"] == ["bottle", "cup"]
+        line = {"name": "gate", "points": [[0, 0.5], [1, 0.5]], "classes": "person, car"}
+        resp = c.patch(f"/streams/{sid}", json={"track": True, "lines": [line]})
+        assert resp.json()["detect"]["lines"][0]["classes"] == ["car", "person"]
+        for bad, words in (
+            ({"zones": [{**SHELF, "classes": ["unicorn"]}]}, "unknown class name 'unicorn'"),
+            ({"zones": [{**SHELF, "classes": []}]}, "at least one class"),
+            ({"lines": [{**line, "classes": [999]}]}, "unknown class id 999"),
+        ):
+            resp = c.patch(f"/streams/{sid}", json=bad)
+            assert resp.status_code == 422 and words in resp.text, resp.text
+    # A stored class the model does not have is named with its zone.
+    with pytest.raises(ValueError, match="zones: 'shelf': classes: unknown class name 'wand'"):
+        StreamDetect.from_description(
+            {"zones": [{**SHELF, "classes": ["wand"]}]}, {0: "person", 39: "bottle"}
+        )
+
+
 # ---- the real model on a real clip, and through the API --------------------------------------
 
 
@@ -211,7 +266,7 @@ def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
         resp = c.post("/streams", json=SHELF_STREAM)
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
-        assert resp.json()["detect"]["zones"] == [{**SHELF, "inertia": 3}]
+        assert resp.json()["detect"]["zones"] == [{**SHELF, "inertia": 3, "classes": None}]
         with c.websocket_connect(f"/ws/streams/{sid}") as ws:
             messages: list[dict[str, Any]] = [ws.receive_json() for _ in range(4)]
         detections = [d for m in messages for d in m["detections"]]

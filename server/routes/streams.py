@@ -57,6 +57,10 @@ class LineIn(BaseModel):
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
     points: Annotated[list[tuple[float, float]], Field(min_length=2, max_length=2)]
+    classes: Annotated[
+        list[int | str] | str | None,
+        Field(description="class ids or names it counts; null: every class"),
+    ] = None
 
 
 class ZoneIn(BaseModel):
@@ -75,6 +79,10 @@ class ZoneIn(BaseModel):
             " exit)",
         ),
     ] = INERTIA
+    classes: Annotated[
+        list[int | str] | str | None,
+        Field(description="class ids or names it counts (Frigate's zone objects); null: every"),
+    ] = None
 
 
 class DetectIn(BaseModel):
@@ -161,9 +169,13 @@ class DetectIn(BaseModel):
         lines, zones = current.lines, current.zones
         try:
             if "lines" in given:
-                lines = parse_lines([line.model_dump() for line in self.lines or ()])
+                lines = parse_lines(
+                    [_by_name(line.model_dump(), names) for line in self.lines or ()]
+                )
             if "zones" in given:
-                zones = parse_zones([zone.model_dump() for zone in self.zones or ()])
+                zones = parse_zones(
+                    [_by_name(zone.model_dump(), names) for zone in self.zones or ()]
+                )
             track = self.track if "track" in given else current.track
             clips = self.clips if "clips" in given else current.clips
             motion = self.motion if "motion" in given else current.motion
@@ -173,6 +185,16 @@ class DetectIn(BaseModel):
             return StreamDetect(params, roi, track, lines, zones, clips, motion, masks)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
+
+
+def _by_name(shape: dict[str, Any], names: Mapping[int, str]) -> dict[str, Any]:
+    """A line's or zone's JSON with its ``classes`` as the model's class names (HTTP 422
+    naming one it lacks)."""
+    ids = parse_classes(shape.get("classes"), names)
+    where = f"{shape['name']!r}"
+    if ids is not None and not ids:
+        raise HTTPException(422, f"{where}: classes: give at least one class, or null for every")
+    return {**shape, "classes": None if ids is None else sorted(names[i] for i in ids)}
 
 
 class StreamPatch(DetectIn):
