@@ -219,64 +219,54 @@ const REGION_COLOR = "#FF00FF";
 const REGION_MIN_POINTS = 3;
 const REGION_MAX_POINTS = 64;
 
-// Draws a stream's region of interest ([[x, y], ...] in 0..1 of the frame) as a dashed outline
-// with a faint fill; while it is being edited, also its vertices (and left open below three).
-function drawRegion(ctx, points, editing) {
-  if (!points?.length) return;
+// Draws one polygon ([[x, y], ...] in 0..1 of the frame): its outline in the current stroke
+// style, filled with `fill` once it has three points (left open before), and its vertices in
+// `vertexColor` when given (while it is being drawn).
+function drawPolygon(ctx, points, fill, vertexColor = null) {
   const { width, height } = ctx.canvas;
   const xy = points.map(([x, y]) => [x * width, y * height]);
-  ctx.save();
-  ctx.lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
-  ctx.strokeStyle = REGION_COLOR;
-  ctx.setLineDash([8, 6]);
+  if (!xy.length) return;
   ctx.beginPath();
   xy.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
   if (xy.length >= REGION_MIN_POINTS) {
     ctx.closePath();
-    ctx.fillStyle = "rgba(255, 0, 255, 0.08)";
+    ctx.fillStyle = fill;
     ctx.fill();
   }
   ctx.stroke();
-  if (editing) {
-    ctx.fillStyle = REGION_COLOR;
+  if (vertexColor) {
+    ctx.fillStyle = vertexColor;
     for (const [x, y] of xy) {
       ctx.beginPath();
-      ctx.arc(x, y, ctx.lineWidth * 2, 0, 2 * Math.PI);
+      ctx.arc(x, y, Math.max(2, ctx.lineWidth) * 2, 0, 2 * Math.PI);
       ctx.fill();
     }
   }
+}
+
+// Draws a stream's region of interest as a dashed magenta outline with a faint fill; while it
+// is being edited, also its vertices.
+function drawRegion(ctx, points, editing) {
+  if (!points?.length) return;
+  const { width, height } = ctx.canvas;
+  ctx.save();
+  ctx.lineWidth = Math.max(2, Math.round(Math.min(width, height) / 200));
+  ctx.strokeStyle = REGION_COLOR;
+  ctx.setLineDash([8, 6]);
+  drawPolygon(ctx, points, "rgba(255, 0, 255, 0.08)", editing ? REGION_COLOR : null);
   ctx.restore();
 }
 
-// Draws a stream's motion masks (polygons in 0..1 of the frame) shaded, with a dotted white
-// outline; the one being drawn also has its vertices.
+// Draws a stream's motion masks shaded, with a dotted white outline; the one being drawn
+// also has its vertices.
 function drawMasks(ctx, masks, editing) {
   const { width, height } = ctx.canvas;
-  const all = editing ? [...masks, editing] : masks;
   ctx.save();
   ctx.lineWidth = Math.max(1, Math.round(Math.min(width, height) / 300));
   ctx.strokeStyle = "#FFFFFF";
   ctx.setLineDash([2, 4]);
-  for (const [index, points] of all.entries()) {
-    const xy = points.map(([x, y]) => [x * width, y * height]);
-    if (!xy.length) continue;
-    ctx.beginPath();
-    xy.forEach(([x, y], i) => (i ? ctx.lineTo(x, y) : ctx.moveTo(x, y)));
-    if (xy.length >= REGION_MIN_POINTS) {
-      ctx.closePath();
-      ctx.fillStyle = "rgba(0, 0, 0, 0.35)";
-      ctx.fill();
-    }
-    ctx.stroke();
-    if (editing && index === all.length - 1) {
-      ctx.fillStyle = "#FFFFFF";
-      for (const [x, y] of xy) {
-        ctx.beginPath();
-        ctx.arc(x, y, ctx.lineWidth * 3, 0, 2 * Math.PI);
-        ctx.fill();
-      }
-    }
-  }
+  for (const points of masks) drawPolygon(ctx, points, "rgba(0, 0, 0, 0.35)");
+  if (editing) drawPolygon(ctx, editing, "rgba(0, 0, 0, 0.35)", "#FFFFFF");
   ctx.restore();
 }
 
