@@ -110,10 +110,17 @@ class StreamDetect:
     """Infer only frames where something moved (:mod:`streams.motion`)."""
     motion_mask: tuple[Roi, ...] = ()
     """Parts of the picture whose changes are not motion (a camera's clock, a tree)."""
+    motion_min_area: float | None = None
+    """This stream's share of the picture that must move (``None``: the server's)."""
 
     def __post_init__(self) -> None:
         if len(self.motion_mask) > MAX_MASKS:
             raise ValueError(f"motion_mask: at most {MAX_MASKS} polygons")
+        area: object = self.motion_min_area  # from JSON it may be anything
+        if area is not None and (
+            not isinstance(area, int | float) or isinstance(area, bool) or not 0 < area <= 1
+        ):
+            raise ValueError(f"motion_min_area: a share of the picture in (0, 1], not {area!r}")
         if self.lines and not self.track:
             raise ValueError(
                 "lines: counting lines need track set to true (crossings are counted per"
@@ -130,7 +137,8 @@ class StreamDetect:
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
-        ``track``, ``lines``, ``zones``, ``clips``, ``motion`` and ``motion_mask``."""
+        ``track``, ``lines``, ``zones``, ``clips``, ``motion``, ``motion_mask`` and
+        ``motion_min_area``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
@@ -140,6 +148,7 @@ class StreamDetect:
             "clips": self.clips,
             "motion": self.motion,
             "motion_mask": [mask.to_json() for mask in self.motion_mask],
+            "motion_min_area": self.motion_min_area,
         }
 
     @classmethod
@@ -172,4 +181,5 @@ class StreamDetect:
             flags["clips"],
             flags["motion"],
             parse_masks(data.get("motion_mask") or ()),
+            data.get("motion_min_area"),
         )

@@ -95,10 +95,12 @@ class MotionGate:
         self.area = 0.0
         """Share of the last frame's picture that moved."""
 
-    def measure(self, gray: npt.NDArray[np.uint8], mask: Sequence[Roi] = ()) -> bool:
+    def measure(
+        self, gray: npt.NDArray[np.uint8], mask: Sequence[Roi] = (), min_area: float | None = None
+    ) -> bool:
         """Whether the small grey picture ``gray`` moved against the frames before it (the
-        first one always does), outside the polygons of ``mask``; updates the running
-        average."""
+        first one always does), outside the polygons of ``mask``, over more than ``min_area``
+        (``None``: the options'); updates the running average."""
         blurred = cv2.GaussianBlur(gray, (5, 5), 0).astype(np.float32)
         if self._average is None or self._average.shape != blurred.shape:
             self._average = blurred
@@ -110,7 +112,7 @@ class MotionGate:
             watched = ~self._masked(changed.shape, tuple(mask))
             changed = changed[watched] if watched.any() else np.zeros(1, bool)
         self.area = float(changed.mean())
-        self.moving = self.area > self.options.min_area
+        self.moving = self.area > (self.options.min_area if min_area is None else min_area)
         return self.moving
 
     def _masked(self, shape: tuple[int, ...], mask: tuple[Roi, ...]) -> npt.NDArray[np.bool_]:
@@ -125,11 +127,13 @@ class MotionGate:
             self._mask = ((shape, mask), covered.astype(bool))
         return self._mask[1]
 
-    def infer(self, frame: Any, now: float, mask: Sequence[Roi] = ()) -> bool:
+    def infer(
+        self, frame: Any, now: float, mask: Sequence[Roi] = (), min_area: float | None = None
+    ) -> bool:
         """Whether the decoded ``frame`` (an ``av.VideoFrame``) at monotonic time ``now`` is
-        to be inferred: it moved outside ``mask``, or the last inferred frame is
-        ``1 / idle_fps`` old."""
-        moved = self.measure(shrink(luma(frame)), mask)
+        to be inferred: it moved outside ``mask`` (see :meth:`measure`), or the last inferred
+        frame is ``1 / idle_fps`` old."""
+        moved = self.measure(shrink(luma(frame)), mask, min_area)
         if moved or now - self._last_inferred >= 1.0 / self.options.idle_fps:
             self._last_inferred = now
             return True

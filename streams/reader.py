@@ -383,7 +383,9 @@ class StreamReader:
                     continue
                 last_sent = now
                 detect = self.detect
-                if detect.motion and not self._motion.infer(frame, now, detect.motion_mask):
+                if detect.motion and not self._motion.infer(
+                    frame, now, detect.motion_mask, detect.motion_min_area
+                ):
                     with self._lock:
                         self.motion_skipped += 1
                     continue

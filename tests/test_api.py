@@ -224,6 +224,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "clips": False,
             "motion": False,
             "motion_mask": [],
+            "motion_min_area": None,
         }
         assert resp.json()["detect"] == detect
 

@@ -58,6 +58,10 @@ def test_an_object_coming_in_is_motion_at_once() -> None:
     visitor[200:260, 300:380] = 230  # an 80x60 bright object: 1.4% of a 768x432 frame
     assert gate.infer(as_frame(visitor), 0.2)
     assert gate.moving and 0.01 < gate.area < 0.03, gate.area
+    # A stream that wants more of the picture to move (a busy view) lets it pass.
+    picky = MotionGate(MotionOptions(idle_fps=1.1))
+    picky.measure(shrink(luma(as_frame(scene))))
+    assert not picky.measure(shrink(luma(as_frame(visitor))), min_area=0.05)
 
 
 def test_a_masked_clock_is_no_motion_and_what_moves_elsewhere_still_is() -> None:
@@ -131,6 +135,13 @@ def test_a_stream_with_motion_on_skips_still_frames_and_says_so(tmp_path: Path) 
             assert refused.status_code == 422 and "motion_mask" in refused.text, refused.text
         cleared = c.patch(f"/streams/{sid}", json={"motion_mask": None}).json()
         assert cleared["detect"]["motion_mask"] == []
+        area = c.patch(f"/streams/{sid}", json={"motion_min_area": 0.01}).json()
+        assert area["detect"]["motion_min_area"] == 0.01
+        for bad_area in (0, 1.5, "x"):
+            refused = c.patch(f"/streams/{sid}", json={"motion_min_area": bad_area})
+            assert refused.status_code == 422 and "motion_min_area" in refused.text
+        back = c.patch(f"/streams/{sid}", json={"motion_min_area": None}).json()
+        assert back["detect"]["motion_min_area"] is None
         # Off again: every frame is inferred from now on, nothing more is skipped.
         off = c.patch(f"/streams/{sid}", json={"motion": False}).json()
         assert off["detect"]["motion"] is False and off["motion_area"] is None

@@ -295,6 +295,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             "clips": False,
             "motion": False,
             "motion_mask": [],
+            "motion_min_area": None,
         }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)

@@ -141,6 +141,15 @@ class DetectIn(BaseModel):
             " --motion-idle-fps), to serve more cameras on the same CPU or GPU",
         ),
     ] = False
+    motion_min_area: Annotated[
+        float | None,
+        Field(
+            gt=0.0,
+            le=1.0,
+            description="this stream's share of the picture that must move for a frame to be"
+            " inferred (lower for a wide view where people are small); null: --motion-min-area",
+        ),
+    ] = None
     motion_mask: Annotated[
         list[list[tuple[float, float]]] | None,
         Field(
@@ -182,7 +191,8 @@ class DetectIn(BaseModel):
             masks = current.motion_mask
             if "motion_mask" in given:
                 masks = parse_masks(self.motion_mask or ())
-            return StreamDetect(params, roi, track, lines, zones, clips, motion, masks)
+            area = self.motion_min_area if "motion_min_area" in given else current.motion_min_area
+            return StreamDetect(params, roi, track, lines, zones, clips, motion, masks, area)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
