@@ -91,6 +91,8 @@ class StreamSample:
         zone_entries: tracked objects that entered each zone, by ``(zone, class name)``.
         zone_exits: tracked objects that exited each zone (or were lost in it), by ``(zone,
             class name)``.
+        zone_loiters: tracked objects that stayed in each zone its ``loiter_s``, by ``(zone,
+            class name)``.
     """
 
     stream_id: str
@@ -109,6 +111,7 @@ class StreamSample:
     zone_objects: Mapping[tuple[str, str], int] = field(default_factory=dict)
     zone_entries: Mapping[tuple[str, str], int] = field(default_factory=dict)
     zone_exits: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    zone_loiters: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
 
 StreamSource = Callable[[], Iterable[StreamSample]]
@@ -278,6 +281,11 @@ class _ScrapeCollector(Collector):
             "Tracked objects that exited a stream's zone (or were lost in it), by class",
             labels=["stream", "zone", "class"],
         )
+        zone_loiters = CounterMetricFamily(
+            "streamdet_stream_zone_loiters",
+            "Tracked objects that stayed in a stream's zone its loiter_s, by class",
+            labels=["stream", "zone", "class"],
+        )
         for s in samples:
             fps.add_metric([s.stream_id, "in"], s.fps_in)
             fps.add_metric([s.stream_id, "processed"], s.fps_processed)
@@ -300,6 +308,8 @@ class _ScrapeCollector(Collector):
                 zone_entries.add_metric([s.stream_id, zone, name], count)
             for (zone, name), count in s.zone_exits.items():
                 zone_exits.add_metric([s.stream_id, zone, name], count)
+            for (zone, name), count in s.zone_loiters.items():
+                zone_loiters.add_metric([s.stream_id, zone, name], count)
         yield fps
         yield from counters.values()
         yield detections
@@ -309,6 +319,7 @@ class _ScrapeCollector(Collector):
         yield zone_objects
         yield zone_entries
         yield zone_exits
+        yield zone_loiters
 
 
 class Metrics:

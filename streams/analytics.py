@@ -132,11 +132,16 @@ class StreamAnalytics:
             for (line, direction, cls), n in sorted(self._crossings.items()):
                 crossings.setdefault(line, {"in": {}, "out": {}})[direction][cls] = n
             zones: dict[str, dict[str, dict[str, int]]] = {
-                zone: {"now": dict(now), "entered": {}, "exited": {}}
+                zone: {"now": dict(now), "entered": {}, "exited": {}, "loitered": {}}
                 for zone, now in self._zone_now.items()
             }
             for (zone, kind, cls), n in sorted(self._zone_moves.items()):
-                empty: dict[str, dict[str, int]] = {"now": {}, "entered": {}, "exited": {}}
+                empty: dict[str, dict[str, int]] = {
+                    "now": {},
+                    "entered": {},
+                    "exited": {},
+                    "loitered": {},
+                }
                 zones.setdefault(zone, empty)[f"{kind}ed"][cls] = n
             return {
                 "detections": dict(self._detections),

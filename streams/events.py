@@ -69,7 +69,9 @@ class ManualEvent:
 
 
 StreamEvent = Crossing | ZoneEvent | StateEvent | ManualEvent
-EVENT_TYPES = frozenset({"line_crossing", "zone_enter", "zone_exit", "stream_state", "manual"})
+EVENT_TYPES = frozenset(
+    {"line_crossing", "zone_enter", "zone_exit", "zone_loiter", "stream_state", "manual"}
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,8 @@ MAX_ZONES = 16
 INERTIA = 3
 """Frames in a row an object must be seen inside a zone to enter it (and outside to exit)."""
 MAX_INERTIA = 30
-ZoneEventKind = Literal["enter", "exit"]
+ZoneEventKind = Literal["enter", "exit", "loiter"]
+MAX_LOITER_S = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +57,21 @@ class Zone:
     inertia: int = INERTIA
     classes: tuple[str, ...] = ()
     """The class names it counts (empty: every class), as Frigate's zone ``objects``."""
+    loiter_s: float | None = None
+    """A tracked object in it this long is loitering: one ``zone_loiter`` event a stay."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "zones")
+        loiter: object = self.loiter_s  # from JSON it may be anything
+        if loiter is not None and (
+            not isinstance(loiter, int | float)
+            or isinstance(loiter, bool)
+            or not 0 < loiter <= MAX_LOITER_S
+        ):
+            raise ValueError(
+                f"zones: {self.name!r}: loiter_s is seconds from 0 to {MAX_LOITER_S:g},"
+                f" not {loiter!r}"
+            )
         check_polygon(self.points, f"zones: {self.name!r}")
         inertia: object = self.inertia  # from JSON it may be anything
         if (
@@ -83,12 +96,13 @@ class Zone:
         points = raw.get("points")
         if not isinstance(points, list):
             raise ValueError('zones: each zone is {"name": ..., "points": [[x, y], ...]}')
-        unknown = set(raw) - {"name", "points", "inertia", "classes"}
+        unknown = set(raw) - {"name", "points", "inertia", "classes", "loiter_s"}
         if unknown:
             raise ValueError(f"zones: {name!r}: unknown field(s) {sorted(unknown)}")
         inertia = raw.get("inertia", INERTIA)
         classes = parse_class_names(raw.get("classes"), f"zones: {name!r}")
-        return cls(name, parse_points(points, f"zones: {name!r}"), inertia, classes)
+        points_ = parse_points(points, f"zones: {name!r}")
+        return cls(name, points_, inertia, classes, raw.get("loiter_s"))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +110,7 @@ class Zone:
             "points": [[x, y] for x, y in self.points],
             "inertia": self.inertia,
             "classes": list(self.classes) or None,
+            "loiter_s": self.loiter_s,
         }
 
 
@@ -113,7 +128,8 @@ class ZoneEvent:
     """A tracked object entering or exiting a zone, in the stream's frame number ``frame``.
 
     Attributes:
-        dwell_s: on an exit, seconds from its first frame inside to its last.
+        dwell_s: on an exit, seconds from its first frame inside to its last; on a loiter,
+            to this frame.
         lost: on an exit, its track ended inside (out of sight), rather than it being seen
             outside.
     """
@@ -138,8 +154,9 @@ class ZoneEvent:
             "class_name": name_of(self.class_id),
             "frame": self.frame,
         }
-        if self.kind == "exit":
+        if self.kind != "enter":
             out["dwell_s"] = self.dwell_s
+        if self.kind == "exit":
             out["lost"] = self.lost
         if self.seen is not None:
             out.update(self.seen.to_json())
@@ -174,6 +191,7 @@ class _Stay:
     inside: int = 0  # frames in a row seen inside
     outside: int = 0  # frames in a row seen outside, once entered
     entered: bool = False
+    loitered: bool = False
 
 
 class ZoneCounter:
@@ -250,6 +268,13 @@ class ZoneCounter:
                     counts[classes[i]] += 1
                 if dwell is not None:
                     dwell[i][zone.name] = round(t - stay.since, 3)
+                loiter = zone.loiter_s
+                if loiter is not None and not stay.loitered and t - stay.since >= loiter:
+                    stay.loitered = True
+                    stayed = round(t - stay.since, 3)
+                    events.append(
+                        ZoneEvent(zone.name, "loiter", track_id, stay.class_id, frame, stayed)
+                    )
             occupancy[zone.name] = counts
         for name in set(self._stays) - {zone.name for zone in zones}:
             del self._stays[name]  # a zone that was removed

@@ -126,6 +126,32 @@ def test_an_object_lost_inside_a_zone_exits_when_its_track_ends() -> None:
     assert lost[1].lost and lost[1].dwell_s == 0.3 and lost[1].class_id == 2
 
 
+def test_an_object_staying_its_loiter_time_is_loitering_once_a_stay() -> None:
+    """Frigate's loitering time: a car parked in LEFT 2 s (10 fps) with loiter_s 1 is one
+    zone_loiter event, 1 s after its first frame inside; it then drives out and back in: a
+    new stay, a new clock."""
+    lot = Zone("left", LEFT.points, loiter_s=1.0)
+    out, back = [380.0, 460.0, 540.0, 620.0, 700.0], [620.0, 540.0, 460.0, 380.0, 300.0]
+    path = [300.0] * 20 + out + [700.0] * 4 + back + [300.0] * 6
+    tracker, zones = Tracker(), ZoneCounter()
+    got: list[ZoneEvent] = []
+    for k, x in enumerate(path):
+        found = tracker.update(dets([[x - 100, 300, x + 100, 400]]), k / 10)
+        got += zones.update(found.detections, [lot], tracker.live_ids(), k / 10, k).events
+    assert [(e.kind, e.frame) for e in got] == [
+        ("enter", 2),
+        ("loiter", 10),  # t = 1.0 s since its first frame inside (frame 0)
+        ("exit", 24),  # outside (x > 500) from frame 22, 3 frames in a row
+        ("enter", 33),  # inside again from frame 31
+    ]  # and there for 0.8 s to the end: too short to loiter again
+    loiter = got[1].to_json(str)
+    assert loiter["type"] == "zone_loiter" and loiter["dwell_s"] == 1.0
+    assert lot.to_json()["loiter_s"] == 1.0
+    for bad in (0, -1, 90_000, "soon", True):
+        with pytest.raises(ValueError, match="loiter_s"):
+            Zone("z", LEFT.points, loiter_s=bad)  # type: ignore[arg-type]
+
+
 def test_removed_zones_are_forgotten_and_bad_zones_refused() -> None:
     tracker, zones = Tracker(), ZoneCounter()
     left = Zone("left", LEFT.points, inertia=1)
@@ -170,7 +196,9 @@ def test_analytics_apply_the_frame_settings_and_keep_the_counts() -> None:
     assert boxes == [([400.0, 400.0, 500.0, 500.0], 0.9), ([400.0, 600.0, 500.0, 700.0], 0.9)]
     counts = analytics.snapshot()
     assert counts["crossings"] == {"gate": {"in": {"car": 1}, "out": {}}}
-    assert counts["zones"] == {"bottom": {"now": {"car": 1}, "entered": {"car": 1}, "exited": {}}}
+    assert counts["zones"] == {
+        "bottom": {"now": {"car": 1}, "entered": {"car": 1}, "exited": {}, "loitered": {}}
+    }
     assert counts["tracked"] == {"car": 1} and counts["detections"] == {"car": 10}
     # Lines and zones taken away: their counts go with them (bounded counts and series).
     done = analytics.process(dets([[400, 700, 500, 800]]), StreamDetect(), 1.0, 10)
@@ -218,6 +246,10 @@ def test_shape_classes_are_checked_and_kept_by_name(tmp_path: Path) -> None:
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
         assert resp.json()["detect"]["zones"][0]["classes"] == ["bottle", "cup"]
+        loiter = c.patch(
+            f"/streams/{sid}", json={"track": True, "zones": [{**zone, "loiter_s": 30}]}
+        )
+        assert loiter.json()["detect"]["zones"][0]["loiter_s"] == 30
         line = {"name": "gate", "points": [[0, 0.5], [1, 0.5]], "classes": "person, car"}
         resp = c.patch(f"/streams/{sid}", json={"track": True, "lines": [line]})
         assert resp.json()["detect"]["lines"][0]["classes"] == ["car", "person"]
@@ -225,6 +257,7 @@ def test_shape_classes_are_checked_and_kept_by_name(tmp_path: Path) -> None:
             ({"zones": [{**SHELF, "classes": ["unicorn"]}]}, "unknown class name 'unicorn'"),
             ({"zones": [{**SHELF, "classes": []}]}, "at least one class"),
             ({"lines": [{**line, "classes": [999]}]}, "unknown class id 999"),
+            ({"zones": [{**SHELF, "loiter_s": 0}]}, "loiter_s"),
         ):
             resp = c.patch(f"/streams/{sid}", json=bad)
             assert resp.status_code == 422 and words in resp.text, resp.text
@@ -266,7 +299,8 @@ def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
         resp = c.post("/streams", json=SHELF_STREAM)
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
-        assert resp.json()["detect"]["zones"] == [{**SHELF, "inertia": 3, "classes": None}]
+        stored = {**SHELF, "inertia": 3, "classes": None, "loiter_s": None}
+        assert resp.json()["detect"]["zones"] == [stored]
         with c.websocket_connect(f"/ws/streams/{sid}") as ws:
             messages: list[dict[str, Any]] = [ws.receive_json() for _ in range(4)]
         detections = [d for m in messages for d in m["detections"]]

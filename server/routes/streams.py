@@ -41,7 +41,7 @@ from streams.motion import MotionOptions
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
 from streams.store import StreamStore
-from streams.zones import INERTIA, MAX_INERTIA, MAX_ZONES, parse_zones
+from streams.zones import INERTIA, MAX_INERTIA, MAX_LOITER_S, MAX_ZONES, parse_zones
 
 if TYPE_CHECKING:
     from server.metrics import StreamSample
@@ -79,6 +79,15 @@ class ZoneIn(BaseModel):
             " exit)",
         ),
     ] = INERTIA
+    loiter_s: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=MAX_LOITER_S,
+            description="a tracked object in it this many seconds is loitering: one zone_loiter"
+            " event per stay (needs track); null: none",
+        ),
+    ] = None
     classes: Annotated[
         list[int | str] | str | None,
         Field(description="class ids or names it counts (Frigate's zone objects); null: every"),
@@ -386,6 +395,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             zone_objects=_by_zone(info["zones"], "now"),
             zone_entries=_by_zone(info["zones"], "entered"),
             zone_exits=_by_zone(info["zones"], "exited"),
+            zone_loiters=_by_zone(info["zones"], "loitered"),
         )
 
 

@@ -1057,6 +1057,7 @@ function eventText(e) {
   const who = `${e.class_name} #${e.track_id}`;
   if (e.type === "line_crossing") return `${who} crossed ${e.line} (${e.direction})`;
   if (e.type === "zone_enter") return `${who} entered ${e.zone}`;
+  if (e.type === "zone_loiter") return `${who} loitering in ${e.zone} for ${Number(e.dwell_s).toFixed(0)} s`;
   if (e.type === "manual") return `${e.label} (created from outside)`;
   if (e.type === "stream_state") {
     if (e.state === "live") return "is live";
