@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 from engines.pool import EnginePool
 from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
 from streams.detect import StreamDetect
-from streams.events import EventLog, ManualEvent, StateEvent
+from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
@@ -342,21 +342,37 @@ class StreamManager:
         reader.record_latency(frame.latency_ms)
         self._latest[frame.stream_id] = frame
         if frame.events:
-            name = self._records[frame.stream_id].name
-            logged = self.events.add(
+            self._log_events(
                 frame.stream_id,
-                name,
-                frame.captured_at,
+                frame,
                 frame.events,
-                frame.detections.name_of,
+                at=frame.captured_at,
+                name_of=frame.detections.name_of,
                 extra=functools.partial(self._event_extra, frame, reader, frame.decoded_mono),
             )
-            for observe in self.event_observers:
-                observe(frame, logged)
         for watch in self.frame_observers:
             watch(frame)
         for sub in self._subs.get(frame.stream_id, ()):
             sub.offer(frame)
+
+    def _log_events(
+        self,
+        stream_id: str,
+        frame: ProcessedFrame | None,
+        events: Sequence[StreamEvent],
+        *,
+        at: float,
+        name_of: Callable[[int], str],
+        extra: Callable[[int], dict[str, Any]],
+    ) -> Sequence[dict[str, Any]]:
+        """Log events of a stream that happened in ``frame`` (none before its first) and show
+        them, with the frame, to the event observers."""
+        name = self._records[stream_id].name
+        logged = self.events.add(stream_id, name, at, events, name_of, extra=extra)
+        if frame is not None:
+            for observe in self.event_observers:
+                observe(frame, logged)
+        return logged
 
     def _event_extra(
         self,
@@ -385,8 +401,7 @@ class StreamManager:
         at its last processed frame, with that frame's snapshot and, where ``clip`` (the
         stream keeps clips), the video from around now; returns it as logged, None if the
         stream is unknown."""
-        record = self._records.get(stream_id)
-        if record is None:
+        if stream_id not in self._records:
             return None
         reader = self._readers[stream_id]
         frame = self._latest.get(stream_id)
@@ -394,10 +409,9 @@ class StreamManager:
         extra = functools.partial(
             self._event_extra, frame, reader, time.monotonic(), clip=clip and reader.live
         )
-        [logged] = self.events.add(stream_id, record.name, time.time(), [event], str, extra=extra)
-        if frame is not None:
-            for observe in self.event_observers:
-                observe(frame, [logged])
+        [logged] = self._log_events(
+            stream_id, frame, [event], at=time.time(), name_of=str, extra=extra
+        )
         log.info("stream %s: event %d (%s) created", stream_id, logged["id"], label)
         return logged
 
