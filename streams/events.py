@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,59 @@ StreamEvent = Crossing | ZoneEvent | StateEvent | ManualEvent
 EVENT_TYPES = frozenset(
     {"line_crossing", "zone_enter", "zone_exit", "zone_loiter", "stream_state", "manual"}
 )
+
+
+@dataclass(frozen=True, slots=True)
+class EventFilter:
+    """Which events a reader wants; each criterion given narrows it (None: any).
+
+    Attributes:
+        streams: stream ids.
+        types: event types (:data:`EVENT_TYPES`).
+        classes: class names of the object (events without one, a stream's state or a
+            manual event, never match).
+        zones: zone names (entries, exits, loiters there).
+        lines: line names (crossings of them). With ``zones`` too, an event of either passes.
+        since: ``captured_at`` at or after this (Unix seconds).
+        until: ``captured_at`` before this.
+        has_clip: whether the event has a video clip.
+        has_snapshot: whether the event has a snapshot.
+    """
+
+    streams: frozenset[str] | None = None
+    types: frozenset[str] | None = None
+    classes: frozenset[str] | None = None
+    zones: frozenset[str] | None = None
+    lines: frozenset[str] | None = None
+    since: float | None = None
+    until: float | None = None
+    has_clip: bool | None = None
+    has_snapshot: bool | None = None
+
+    def matches(self, event: dict[str, Any]) -> bool:
+        """Whether ``event`` (as logged) passes every criterion given."""
+        if self.streams is not None and event["stream_id"] not in self.streams:
+            return False
+        if self.types is not None and event["type"] not in self.types:
+            return False
+        if self.classes is not None and event.get("class_name") not in self.classes:
+            return False
+        if (self.zones is not None or self.lines is not None) and not (
+            (self.zones is not None and event.get("zone") in self.zones)
+            or (self.lines is not None and event.get("line") in self.lines)
+        ):
+            return False
+        at = event["captured_at"]
+        if (self.since is not None and at < self.since) or (
+            self.until is not None and at >= self.until
+        ):
+            return False
+        if self.has_clip is not None and ("clip" in event) != self.has_clip:
+            return False
+        return self.has_snapshot is None or ("snapshot" in event) == self.has_snapshot
+
+
+EVERY_EVENT = EventFilter()
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,15 +251,8 @@ class EventLog:
             first -= 1
         return first
 
-    def read(
-        self,
-        after: int,
-        limit: int,
-        stream_id: str | None = None,
-        types: Collection[str] | None = None,
-    ) -> EventPage:
-        """Up to ``limit`` events with ids above ``after`` of ``stream_id`` (any stream when
-        None) and of ``types`` (any when None)."""
+    def read(self, after: int, limit: int, wanted: EventFilter = EVERY_EVENT) -> EventPage:
+        """Up to ``limit`` events with ids above ``after`` that are ``wanted``."""
         oldest = self._next - len(self._events)
         missed = max(0, oldest - max(after + 1, self._first))
         start = max(0, after + 1 - oldest)
@@ -215,27 +261,26 @@ class EventLog:
         for k in range(start, len(self._events)):
             event = self._events[k]
             cursor = event["id"]
-            if _matches(event, stream_id, types):
+            if wanted.matches(event):
                 found.append(event)
                 if len(found) >= limit:
                     break
         return EventPage(found, cursor, missed)
 
-    def latest(
-        self,
-        limit: int,
-        stream_id: str | None = None,
-        types: Collection[str] | None = None,
-    ) -> EventPage:
-        """The newest ``limit`` events that pass the filters, oldest first; ``next`` is the
+    def latest(self, limit: int, wanted: EventFilter = EVERY_EVENT) -> EventPage:
+        """The newest ``limit`` events that are ``wanted``, oldest first; ``next`` is the
         newest id, to read on from."""
         found: list[dict[str, Any]] = []
         for event in reversed(self._events):
-            if _matches(event, stream_id, types):
+            if wanted.matches(event):
                 found.append(event)
                 if len(found) >= limit:
                     break
         return EventPage(found[::-1], self.last_id, 0)
+
+    def has_stream(self, stream_id: str) -> bool:
+        """Whether the log holds an event of ``stream_id`` (one since removed, say)."""
+        return any(event["stream_id"] == stream_id for event in self._events)
 
     async def wait(self, after: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for an event with an id above ``after``; False on
@@ -251,13 +296,6 @@ class EventLog:
         finally:
             self._waiters.discard(waiter)
         return self.last_id > after
-
-
-def _matches(event: dict[str, Any], stream_id: str | None, types: Collection[str] | None) -> bool:
-    """Whether ``event`` is of ``stream_id`` and of ``types`` (None: any)."""
-    return (stream_id is None or event["stream_id"] == stream_id) and (
-        types is None or event["type"] in types
-    )
 
 
 class LogReader:

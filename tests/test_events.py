@@ -13,6 +13,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhooks import WebhookSender, label, sign
 from streams.event_store import EventStore
-from streams.events import EventLog
+from streams.events import EventFilter, EventLog, StateEvent
 from streams.fanout import ProcessedFrame
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
@@ -76,10 +77,11 @@ def test_the_event_log_pages_filters_and_counts_what_it_lost() -> None:
     assert page.events[2]["dwell_s"] == 1.5 and page.events[2]["lost"] is True
     assert "dwell_s" not in page.events[1]  # entries have no dwell yet
     # Filters; the cursor moves past what they leave out.
-    only_a = log.read(999, 1, stream_id="a")
+    a = EventFilter(streams=frozenset({"a"}))
+    only_a = log.read(999, 1, a)
     assert [e["id"] for e in only_a.events] == [1000] and only_a.next == 1000
-    assert [e["id"] for e in log.read(only_a.next, 5, stream_id="a").events] == [1002]
-    exits = log.read(999, 5, types={"zone_exit"})
+    assert [e["id"] for e in log.read(only_a.next, 5, a).events] == [1002]
+    exits = log.read(999, 5, EventFilter(types=frozenset({"zone_exit"})))
     assert [e["type"] for e in exits.events] == ["zone_exit"] and exits.next == 1002
     assert log.read(1002, 5) == log.read(1002, 5) and log.read(1002, 5).events == []
     # Past its size the oldest go, and a reader behind them is told how many it missed.
@@ -91,8 +93,38 @@ def test_the_event_log_pages_filters_and_counts_what_it_lost() -> None:
     # The newest, oldest first, and the cursor after them: a dashboard's history.
     newest = log.latest(2)
     assert [e["id"] for e in newest.events] == [1008, 1009] and newest.next == 1009
-    assert [e["frame"] for e in log.latest(10, types={"line_crossing"}).events][-1] == 16
-    assert log.latest(5, stream_id="b").events == []  # its event left the log
+    crossings = EventFilter(types=frozenset({"line_crossing"}))
+    assert [e["frame"] for e in log.latest(10, crossings).events][-1] == 16
+    assert log.latest(5, EventFilter(streams=frozenset({"b"}))).events == []  # it left the log
+    assert log.has_stream("a") and not log.has_stream("b")
+
+
+def test_event_filters_find_an_audits_events() -> None:
+    """Class, zone or line, a time range, with or without a clip or snapshot: each given
+    narrows; zones and lines together take an event of either."""
+    log = EventLog(size=100, start_id=1)
+    media = {"snapshot": "/events/x/snapshot.jpg", "clip": "/clips/x.mp4"}
+    log.add("a", "", 10.0, [_crossing(1)], _name, extra=lambda _: media)  # 1: car, gate
+    log.add("a", "", 20.0, [ZoneEvent("dock", "enter", 4, 0, 7)], _name)  # 2: person, dock
+    log.add("b", "", 30.0, [ZoneEvent("yard", "enter", 5, 2, 8)], _name)  # 3: car, yard
+    log.add("b", "", 40.0, [StateEvent("live", "reconnecting", "gone", 9)], _name)  # 4
+
+    def ids(**criteria: Any) -> list[int]:
+        wanted = EventFilter(**criteria)
+        found = [e["id"] for e in log.read(0, 100, wanted).events]
+        assert [e["id"] for e in log.latest(100, wanted).events] == found
+        return found
+
+    assert ids() == [1, 2, 3, 4]
+    assert ids(classes=frozenset({"car"})) == [1, 3]  # a state change has no class
+    assert ids(zones=frozenset({"dock", "yard"})) == [2, 3]
+    assert ids(zones=frozenset({"dock"}), lines=frozenset({"gate"})) == [1, 2]
+    assert ids(lines=frozenset({"gate"}), classes=frozenset({"person"})) == []
+    assert ids(since=20.0) == [2, 3, 4] and ids(until=20.0) == [1]
+    assert ids(since=15.0, until=35.0, streams=frozenset({"b"})) == [3]
+    assert ids(has_clip=True) == [1] and ids(has_snapshot=False) == [2, 3, 4]
+    page = log.read(0, 100, EventFilter(classes=frozenset({"bus"})))
+    assert page.events == [] and page.next == 4  # the cursor passes what the filters leave
 
 
 def test_the_event_log_and_delivery_cursors_survive_a_restart(tmp_path: Path) -> None:
@@ -131,13 +163,18 @@ async def test_waiting_readers_wake_on_a_new_event_and_on_close() -> None:
 def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
     tmp_path: Path,
 ) -> None:
+    bad: tuple[tuple[dict[str, str | int], int, str], ...] = (
+        ({"type": "zone_enter,bogus"}, 422, "unknown event type(s) ['bogus']"),
+        ({"limit": 0}, 422, "limit"),
+        ({"wait_s": 61}, 422, "wait_s"),
+        ({"stream_id": "nope"}, 404, "no stream 'nope' and no event of one"),
+        ({"classes": "car,unicorn"}, 422, "unknown class name 'unicorn'"),
+        ({"since": "yesterday"}, 422, "since"),
+        ({"since": 1764513000, "until": "2025-11-30T14:30:00Z"}, 422, "until: must be after"),
+        ({"has_clip": "perhaps"}, 422, "has_clip"),
+    )
     with TestClient(file_stream_app(tmp_path)) as c:
-        for query, status, words in (
-            ({"type": "zone_enter,bogus"}, 422, "unknown event type(s) ['bogus']"),
-            ({"limit": 0}, 422, "limit"),
-            ({"wait_s": 61}, 422, "wait_s"),
-            ({"stream_id": "nope"}, 404, "no stream 'nope'"),
-        ):
+        for query, status, words in bad:
             resp = c.get("/events", params=query)
             assert resp.status_code == status and words in resp.text, (query, resp.text)
         first = c.get("/events").json()
@@ -168,6 +205,21 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         assert yellow.mean() > 0.5, yellow.mean()  # the zone's left side
         missing = c.get("/events/12345/snapshot.jpg")
         assert missing.status_code == 404 and "STREAMDET_EVENT_SNAPSHOTS" in missing.text
+        # Found again by what it was, where and when; other criteria leave it out.
+        at = event["captured_at"]
+        filters: tuple[tuple[dict[str, Any], bool], ...] = (
+            ({"classes": "bottle,39", "zone": "shelf"}, True),
+            ({"classes": "car"}, False),
+            ({"zone": "other"}, False),
+            ({"line": "gate", "zone": "shelf"}, True),
+            ({"since": at - 1, "until": datetime.fromtimestamp(at + 1, UTC).isoformat()}, True),
+            ({"since": at + 1}, False),
+            ({"has_snapshot": True, "has_clip": False}, True),
+            ({"has_clip": True}, False),
+        )
+        for query, found in filters:
+            events = c.get("/events", params={"type": "zone_enter", **query}).json()["events"]
+            assert [e["id"] for e in events] == ([event["id"]] if found else []), query
         newest = c.get("/events", params={"latest": True, "limit": 1}).json()
         assert newest["next"] >= event["id"] and len(newest["events"]) == 1
         both = c.get("/events", params={"latest": True, "after": 0})
@@ -177,6 +229,10 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
             "/events", params={"after": page["next"], "type": "zone_enter", "wait_s": 0.5}
         ).json()
         assert later["events"] == [] and later["next"] >= page["next"]
+        # A removed stream's events are still found by its id, as long as the log has them.
+        assert c.delete(f"/streams/{sid}").status_code == 204
+        kept = c.get("/events", params={"stream_id": sid, "type": "zone_enter"}).json()
+        assert [e["id"] for e in kept["events"]] == [event["id"]]
 
 
 def event_width(c: TestClient, sid: str) -> int:

@@ -14,6 +14,7 @@ import pytest
 from engines.pool import EnginePool
 from engines.types import ModelInfo
 from loadtest.server import free_port
+from streams.events import EventFilter
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
@@ -132,7 +133,9 @@ async def test_camera_killed_and_restarted_reconnects_by_itself(
         assert stats["state"] == "live"
         # Each change is an event, for webhooks and MQTT to raise a "camera down" alert.
         await asyncio.sleep(0.1)  # the last one comes through the event loop
-        page = manager.events.read(0, 100, stream_id=sid, types={"stream_state"})
+        page = manager.events.read(
+            0, 100, EventFilter(streams=frozenset({sid}), types=frozenset({"stream_state"}))
+        )
         changes = [(e["previous"], e["state"]) for e in page.events]
         assert changes[:2] == [("connecting", "live"), ("live", "reconnecting")], changes
         assert changes[-1] == ("reconnecting", "live"), changes

@@ -4,8 +4,10 @@ from the event log (``streams/events.py``).
 Two ways to read it:
 
 - JSON pages with a cursor: ``?after=<id>`` (from the oldest event kept when absent), filters
-  ``stream_id`` and ``type``, ``limit``, and ``wait_s`` to long-poll: the call answers as soon
-  as an event passes the filters, or after ``wait_s`` with none. The answer's ``next`` is the
+  (``stream_id``, ``type``, ``classes``, ``zone``, ``line``, ``since``, ``until``,
+  ``has_clip``, ``has_snapshot``: an audit's "cars that entered the dock yesterday"),
+  ``limit``, and ``wait_s`` to long-poll: the call answers as soon as an event passes the
+  filters, or after ``wait_s`` with none. The answer's ``next`` is the
   cursor for the next call, ``missed`` the events that left the log before they were read.
   ``?latest=true`` answers the newest ``limit`` events instead, and the cursor after them (a
   dashboard's history, before it follows new ones).
@@ -22,15 +24,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
+from server.routes.detect import parse_classes
 from server.routes.streams import get_manager
 from server.state import get_state
-from streams.events import EVENT_TYPES, EventLog
+from streams.events import EVENT_TYPES, EventFilter, EventLog
+from streams.manager import StreamManager
 
 router = APIRouter()
 HEARTBEAT_S = 15.0
@@ -57,6 +62,62 @@ def parse_types(raw: str | None) -> frozenset[str] | None:
     return types
 
 
+def names(raw: str | None) -> frozenset[str] | None:
+    """``"dock,gate"`` as a set; None (any) when absent or blank."""
+    found = frozenset(n.strip() for n in (raw or "").split(",") if n.strip())
+    return found or None
+
+
+def unix_s(at: datetime | None) -> float | None:
+    """A query's date and time as Unix seconds; one without a zone is UTC."""
+    if at is None:
+        return None
+    return (at if at.tzinfo is not None else at.replace(tzinfo=UTC)).timestamp()
+
+
+def event_filter(
+    manager: StreamManager,
+    class_names: Mapping[int, str],
+    *,
+    stream_id: str | None,
+    types: str | None,
+    classes: str | None,
+    zone: str | None,
+    line: str | None,
+    since: datetime | None,
+    until: datetime | None,
+    has_clip: bool | None,
+    has_snapshot: bool | None,
+) -> EventFilter:
+    """The filters of a ``GET /events`` call.
+
+    Raises:
+        HTTPException: 422 naming an unknown type or class or an empty time range; 404 for
+            a stream id that is neither a stream nor in the log.
+    """
+    streams = names(stream_id)
+    for sid in sorted(streams or ()):
+        if manager.describe(sid) is None and not manager.events.has_stream(sid):
+            raise HTTPException(
+                404, f"no stream {sid!r} and no event of one; list streams with GET /streams"
+            )
+    ids = parse_classes(classes, class_names)
+    start, end = unix_s(since), unix_s(until)
+    if start is not None and end is not None and end <= start:
+        raise HTTPException(422, "until: must be after since")
+    return EventFilter(
+        streams=streams,
+        types=parse_types(types),
+        classes=None if ids is None else frozenset(class_names[i] for i in ids),
+        zones=names(zone),
+        lines=names(line),
+        since=start,
+        until=end,
+        has_clip=has_clip,
+        has_snapshot=has_snapshot,
+    )
+
+
 @router.get("/events", response_model=None)
 async def read_events(
     request: Request,
@@ -65,13 +126,37 @@ async def read_events(
         int | None,
         Query(description="the cursor: events with ids above it (default: the oldest kept)"),
     ] = None,
-    stream_id: Annotated[str | None, Query(description="one stream's events only")] = None,
+    stream_id: Annotated[
+        str | None, Query(description="comma-separated stream ids: their events only")
+    ] = None,
     event_type: Annotated[
         str | None,
         Query(
             alias="type",
-            description="comma-separated: line_crossing, zone_enter, zone_exit, stream_state",
+            description="comma-separated: line_crossing, zone_enter, zone_exit, zone_loiter,"
+            " stream_state, manual",
         ),
+    ] = None,
+    classes: Annotated[
+        str | None, Query(description="comma-separated class names or ids of the object")
+    ] = None,
+    zone: Annotated[
+        str | None, Query(description="comma-separated zone names: entries, exits, loiters")
+    ] = None,
+    line: Annotated[
+        str | None, Query(description="comma-separated line names: their crossings")
+    ] = None,
+    since: Annotated[
+        datetime | None,
+        Query(description="captured at or after: Unix seconds or ISO 8601 (no zone: UTC)"),
+    ] = None,
+    until: Annotated[
+        datetime | None,
+        Query(description="captured before: Unix seconds or ISO 8601 (no zone: UTC)"),
+    ] = None,
+    has_clip: Annotated[bool | None, Query(description="with (true) or without a clip")] = None,
+    has_snapshot: Annotated[
+        bool | None, Query(description="with (true) or without a snapshot")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="most events")] = 100,
     wait_s: Annotated[
@@ -83,26 +168,36 @@ async def read_events(
     ] = False,
 ) -> dict[str, Any] | StreamingResponse:
     manager = get_manager(request)
-    types = parse_types(event_type)
-    if stream_id is not None and manager.describe(stream_id) is None:
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    wanted = event_filter(
+        manager,
+        get_state(request).pool.engine.names,
+        stream_id=stream_id,
+        types=event_type,
+        classes=classes,
+        zone=zone,
+        line=line,
+        since=since,
+        until=until,
+        has_clip=has_clip,
+        has_snapshot=has_snapshot,
+    )
     log = manager.events
     if "text/event-stream" in request.headers.get("accept", ""):
         cursor = _resume_from(request.headers.get("last-event-id"), after, log)
         return StreamingResponse(
-            _event_stream(log, cursor, stream_id, types),
+            _event_stream(log, cursor, wanted),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     if latest:
         if after is not None or wait_s:
             raise HTTPException(422, "latest: reads the newest events; drop after and wait_s")
-        page = log.latest(limit, stream_id, types)
+        page = log.latest(limit, wanted)
         return {"events": page.events, "next": page.next, "missed": page.missed}
     cursor = 0 if after is None else after
     deadline = time.monotonic() + wait_s
     while True:
-        page = log.read(cursor, limit, stream_id, types)
+        page = log.read(cursor, limit, wanted)
         left = deadline - time.monotonic()
         if page.events or page.missed or left <= 0 or log.closed:
             break
@@ -122,12 +217,10 @@ def _resume_from(last_event_id: str | None, after: int | None, log: EventLog) ->
     return log.last_id if after is None else after
 
 
-async def _event_stream(
-    log: EventLog, cursor: int, stream_id: str | None, types: frozenset[str] | None
-) -> AsyncIterator[str]:
+async def _event_stream(log: EventLog, cursor: int, wanted: EventFilter) -> AsyncIterator[str]:
     yield "retry: 2000\n\n"  # how soon an EventSource reconnects
     while not log.closed:
-        page = log.read(cursor, MAX_LIMIT, stream_id, types)
+        page = log.read(cursor, MAX_LIMIT, wanted)
         cursor = page.next
         if page.missed:
             missed = {"type": "missed", "missed": page.missed}
