@@ -143,3 +143,25 @@ def render_jpeg(
     for text, at, colors in tags:  # zone and line counts over the boxes: never hidden by them
         _label(image, text, at, colors)
     return encode_jpeg(image, quality), width, height
+
+
+def crop_jpeg(
+    image: Image | Any, box: Sequence[float], max_side: int, quality: int, margin: float = 0.3
+) -> bytes:
+    """The object in ``box`` (``x1, y1, x2, y2`` in ``image``'s pixels) cut from the frame
+    with ``margin`` (of its longer side) around it, square where the frame allows (a
+    notification's thumbnail, as Frigate's), scaled down to at most ``max_side`` pixels, as a
+    JPEG. Runs in a worker thread."""
+    image = host_array(image)
+    height, width = image.shape[:2]
+    x1, y1, x2, y2 = (float(v) for v in box)
+    side = max(x2 - x1, y2 - y1, 1.0) * (1.0 + 2 * margin)
+    crop_w, crop_h = min(width, round(side)), min(height, round(side))
+    left = int(np.clip(round((x1 + x2 - crop_w) / 2), 0, width - crop_w))
+    top = int(np.clip(round((y1 + y2 - crop_h) / 2), 0, height - crop_h))
+    crop: Image = image[top : top + crop_h, left : left + crop_w]
+    scale = max_side / max(crop_w, crop_h)
+    if scale < 1.0:
+        size = (max(1, round(crop_w * scale)), max(1, round(crop_h * scale)))
+        crop = np.asarray(cv2.resize(crop, size, interpolation=cv2.INTER_AREA), dtype=np.uint8)
+    return encode_jpeg(crop, quality)

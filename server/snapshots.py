@@ -5,7 +5,10 @@ of what crossed the line.
 
 A frame with several events is drawn once, into ``<directory>/<its first event's id>.jpg``;
 an event finds its frame's file through the event log (the events of one frame are logged
-together), so snapshots outlive a restart as the events do. The JPEG is made in a worker
+together), so snapshots outlive a restart as the events do. Each event with an object (a
+``box``) also gets a thumbnail, ``GET /events/{id}/thumbnail.jpg``: the object cut from the
+frame at its full resolution, before it is scaled down, in ``<first>-<event id>.jpg``,
+kept and deleted with its frame's snapshot. The JPEG is made in a worker
 thread as soon as the frame's events are logged (the frame itself is not kept: at 1080p it
 would weigh 6 MB), scaled to at most ``event_snapshot_width`` pixels wide; the files of the
 last ``event_snapshots`` frames are kept (about 40 kB each at 640 px). A frame whose JPEG
@@ -29,15 +32,18 @@ from typing import Any
 
 from engines.types import Image
 from server.metrics import Metrics
-from server.render import render_jpeg
+from server.render import crop_jpeg, render_jpeg
 from streams.detect import StreamDetect
 from streams.events import EventLog
-from streams.fanout import ProcessedFrame
+from streams.fanout import ProcessedFrame, host_array
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 8
 QUALITY = 80
 SNAPSHOT_PATH = "/events/{id}/snapshot.jpg"
+THUMBNAIL_PATH = "/events/{id}/thumbnail.jpg"
+THUMBNAIL_SIDE = 320  # pixels, at most: a notification's picture
+THUMBNAIL_QUALITY = 85
 
 
 class SnapshotStore:
@@ -73,10 +79,17 @@ class SnapshotStore:
         self._metrics = metrics
         self._drawing: dict[int, asyncio.Future[bytes]] = {}
         directory.mkdir(parents=True, exist_ok=True)
-        kept = []
+        kept: set[int] = set()
+        self._thumbnails: dict[int, list[int]] = {}  # a frame's thumbnails, by first event id
         for path in directory.glob("*.jpg"):
+            first, _, event = path.stem.partition("-")
             with contextlib.suppress(ValueError):
-                kept.append(int(path.stem))
+                if event:
+                    self._thumbnails.setdefault(int(first), []).append(int(event))
+                else:
+                    kept.add(int(first))
+        for orphan in set(self._thumbnails) - kept:  # its frame's snapshot was deleted
+            self._delete(orphan)
         self._kept = sorted(kept)  # frames on disk, by first event id, oldest first
         self._prune()
 
@@ -84,12 +97,16 @@ class SnapshotStore:
     def enabled(self) -> bool:
         return self.size > 0
 
-    def extra(self, frame: ProcessedFrame, event_id: int) -> dict[str, Any]:
+    def extra(self, frame: ProcessedFrame, event: dict[str, Any]) -> dict[str, Any]:
         """What each logged event gets: the path of its snapshot, where its frame will have
-        one (:meth:`capture` follows on the event loop, with nothing in between)."""
+        one (:meth:`capture` follows on the event loop, with nothing in between), and of its
+        thumbnail where it has an object."""
         if not self.enabled or len(self._drawing) >= MAX_PENDING:
             return {}
-        return {"snapshot": SNAPSHOT_PATH.format(id=event_id)}
+        paths = {"snapshot": SNAPSHOT_PATH.format(id=event["id"])}
+        if "box" in event:
+            paths["thumbnail"] = THUMBNAIL_PATH.format(id=event["id"])
+        return paths
 
     def capture(self, frame: ProcessedFrame, events: list[dict[str, Any]]) -> None:
         """Event loop: start drawing ``frame`` for its ``events`` (as logged)."""
@@ -100,10 +117,14 @@ class SnapshotStore:
             return
         first = int(events[0]["id"])
         detect = self._detect_of(frame.stream_id) or StreamDetect()
+        crops = [(int(e["id"]), e["box"]) for e in events if "thumbnail" in e]
+        if crops:
+            self._thumbnails[first] = [event_id for event_id, _ in crops]
         draw = functools.partial(
             self._draw,
             frame.image,
-            self._path(first),
+            first,
+            crops,
             detections=frame.detections,
             lines=[(line, line.name) for line in detect.lines],
             zones=[(zone, zone.name) for zone in detect.zones],
@@ -112,12 +133,17 @@ class SnapshotStore:
         self._drawing[first] = drawn
         drawn.add_done_callback(functools.partial(self._drawn, frame.stream_id, first))
 
-    def _draw(self, image: Image, path: Path, **shapes: Any) -> bytes:
-        """Worker thread: the JPEG, also written to ``path`` (whole or not at all)."""
+    def _draw(
+        self, image: Image, first: int, crops: list[tuple[int, list[float]]], **shapes: Any
+    ) -> bytes:
+        """Worker thread: the thumbnails of the events ``crops`` names and the frame's JPEG,
+        written to their files (each whole or not at all); returns the frame's."""
+        image = host_array(image)  # a GPU frame is copied down once
+        for event_id, box in crops:
+            thumbnail = crop_jpeg(image, box, THUMBNAIL_SIDE, THUMBNAIL_QUALITY)
+            _write(self._thumbnail_path(first, event_id), thumbnail)
         jpeg, _, _ = render_jpeg(image, self._max_width, QUALITY, **shapes)
-        part = path.with_suffix(".part")
-        part.write_bytes(jpeg)
-        os.replace(part, path)
+        _write(self._path(first), jpeg)
         return jpeg
 
     def _drawn(self, stream_id: str, first: int, drawn: asyncio.Future[bytes]) -> None:
@@ -126,6 +152,7 @@ class SnapshotStore:
             return
         if (error := drawn.exception()) is not None:
             log.warning("stream %s: snapshot of event %d failed: %s", stream_id, first, error)
+            self._delete(first)  # thumbnails written before it failed
             return
         self._count("made")
         bisect.insort(self._kept, first)  # drawings may finish out of order
@@ -133,28 +160,51 @@ class SnapshotStore:
 
     def _prune(self) -> None:
         while len(self._kept) > self.size:
-            with contextlib.suppress(OSError):
-                self._path(self._kept.pop(0)).unlink()
+            self._delete(self._kept.pop(0))
 
-    async def get(self, event_id: int) -> bytes | None:
-        """The JPEG of ``event_id``'s frame (waiting for it to be drawn); None when there is
-        none (an unknown id, an event older than the frames kept, or a skipped one)."""
+    def _delete(self, first: int) -> None:
+        """Delete a frame's snapshot and its events' thumbnails."""
+        paths = [self._path(first)]
+        paths += [self._thumbnail_path(first, e) for e in self._thumbnails.pop(first, ())]
+        for path in paths:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    async def get(self, event_id: int, *, thumbnail: bool = False) -> bytes | None:
+        """The JPEG of ``event_id``'s frame, or with ``thumbnail`` of its object (waiting for
+        it to be drawn); None when there is none (an unknown id, an event older than the
+        frames kept, one without an object, or a skipped one)."""
         first = self._log.frame_start(event_id)
-        if first is None or "snapshot" not in (self._log.get(event_id) or {}):
+        key = "thumbnail" if thumbnail else "snapshot"
+        if first is None or key not in (self._log.get(event_id) or {}):
             return None
         drawing = self._drawing.get(first)
         if drawing is not None:
-            with contextlib.suppress(Exception):  # drawing failed: logged when it did
-                return await asyncio.shield(drawing)
-            return None
+            try:
+                jpeg = await asyncio.shield(drawing)
+            except Exception:  # drawing failed: logged when it did
+                return None
+            if not thumbnail:
+                return jpeg
+        path = self._thumbnail_path(first, event_id) if thumbnail else self._path(first)
         try:
-            return await asyncio.to_thread(self._path(first).read_bytes)
+            return await asyncio.to_thread(path.read_bytes)
         except OSError:
             return None
 
     def _path(self, first: int) -> Path:
         return self._dir / f"{first}.jpg"
 
+    def _thumbnail_path(self, first: int, event_id: int) -> Path:
+        return self._dir / f"{first}-{event_id}.jpg"
+
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
             self._metrics.event_snapshots.labels(outcome).inc()
+
+
+def _write(path: Path, data: bytes) -> None:
+    """``data`` to ``path``, whole or not at all."""
+    part = path.with_suffix(".part")
+    part.write_bytes(data)
+    os.replace(part, path)

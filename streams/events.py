@@ -198,10 +198,11 @@ class EventLog:
         events: Sequence[StreamEvent],
         name_of: Callable[[int], str],
         *,
-        extra: Callable[[int], dict[str, Any]] | None = None,
+        extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """Log one frame's ``events`` and wake the readers waiting for new ones; returns them
-        as logged. ``extra`` gives more members for an event from its id."""
+        as logged. ``extra`` gives more members for an event from its record (with its
+        ``id``)."""
         logged: list[dict[str, Any]] = []
         for event in events:
             record = {
@@ -212,7 +213,7 @@ class EventLog:
                 **event.to_json(name_of),
             }
             if extra is not None:
-                record.update(extra(self._next))
+                record.update(extra(record))
             self._events.append(record)
             logged.append(record)
             self._next += 1

@@ -106,7 +106,7 @@ class StreamManager:
         # Called on the event loop with every published frame (keep them cheap).
         self.frame_observers: list[Callable[[ProcessedFrame], None]] = []
         # More members for each event of a frame, from the frame and the event's id.
-        self.event_extras: list[Callable[[ProcessedFrame, int], dict[str, Any]]] = []
+        self.event_extras: list[Callable[[ProcessedFrame, dict[str, Any]], dict[str, Any]]] = []
         self.clips = None if options.clips is None else ClipIndex(options.clips)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -363,7 +363,7 @@ class StreamManager:
         *,
         at: float,
         name_of: Callable[[int], str],
-        extra: Callable[[int], dict[str, Any]],
+        extra: Callable[[dict[str, Any]], dict[str, Any]],
     ) -> Sequence[dict[str, Any]]:
         """Log events of a stream that happened in ``frame`` (none before its first) and show
         them, with the frame, to the event observers."""
@@ -379,18 +379,19 @@ class StreamManager:
         frame: ProcessedFrame | None,
         reader: StreamReader,
         at_mono: float,
-        event_id: int,
+        event: dict[str, Any],
         *,
         clip: bool = True,
     ) -> dict[str, Any]:
-        """More members of an event in ``frame`` (its snapshot), and its clip from around
-        ``at_mono`` where the stream keeps clips."""
+        """More members of ``event`` (as logged so far) in ``frame``: the frame's size and
+        its snapshot, and its clip from around ``at_mono`` where the stream keeps clips."""
         extra: dict[str, Any] = {}
         if frame is not None:
+            extra.update(width=frame.detections.width, height=frame.detections.height)
             for more in self.event_extras:
-                extra.update(more(frame, event_id))
+                extra.update(more(frame, {**event, **extra}))
         if clip and self.clips is not None and reader.clips is not None and reader.detect.clips:
-            clip_id = self.clips.request(reader.clips, at_mono, event_id)
+            clip_id = self.clips.request(reader.clips, at_mono, int(event["id"]))
             extra["clip"] = CLIP_PATH.format(id=clip_id)
         return extra
 

@@ -13,6 +13,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,14 @@ from fastapi.testclient import TestClient
 
 from benchmarks.events_bench import WebhookReceiver
 from engines.types import Detections
+from server.render import crop_jpeg
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhooks import WebhookSender, label, sign
 from streams.event_store import EventStore
 from streams.events import EventFilter, EventLog, StateEvent
 from streams.fanout import ProcessedFrame
+from streams.geometry import Seen
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
 from tests.helpers import (
@@ -203,6 +206,17 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         left_edge = picture[height // 4 : 3 * height // 4, round(0.6 * (width - 1))]
         yellow = (left_edge[:, 0] > 180) & (left_edge[:, 1] > 150) & (left_edge[:, 2] < 100)
         assert yellow.mean() > 0.5, yellow.mean()  # the zone's left side
+        # Its thumbnail: the bottle cut from the full frame, with its size and place in it.
+        assert event["thumbnail"] == f"/events/{event['id']}/thumbnail.jpg"
+        stream = c.get(f"/streams/{sid}").json()
+        assert (event["width"], event["height"]) == (stream["width"], stream["height"])
+        cut = decode_jpeg(c.get(event["thumbnail"]).content)
+        x1, y1, x2, y2 = event["box"]
+        side = min(event["height"], round(max(x2 - x1, y2 - y1) * 1.6), 320)
+        assert abs(cut.shape[0] - side) <= 1, (cut.shape, event)
+        state = c.get("/events", params={"type": "stream_state"}).json()["events"][0]
+        refused = c.get(f"/events/{state['id']}/thumbnail.jpg")
+        assert refused.status_code == 404 and "has no object to cut out" in refused.text
         missing = c.get("/events/12345/snapshot.jpg")
         assert missing.status_code == 404 and "STREAMDET_EVENT_SNAPSHOTS" in missing.text
         # Found again by what it was, where and when; other criteria leave it out.
@@ -245,10 +259,12 @@ def files_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-async def test_snapshots_are_kept_on_disk_for_the_last_frames_with_events(
+async def test_snapshots_and_thumbnails_are_kept_on_disk_for_the_last_frames_with_events(
     tmp_path: Path,
 ) -> None:
     image = np.full((360, 1280, 3), 90, np.uint8)
+    image[100:200, 600:700] = (220, 20, 20)  # an object: a red square
+    seen = Seen((600.0, 100.0, 700.0, 200.0), 0.9)
     frames = [
         ProcessedFrame(
             "s", n, None, float(n), 0.0, image, Detections.empty({0: "person"}, 1280, 360), 1
@@ -257,28 +273,46 @@ async def test_snapshots_are_kept_on_disk_for_the_last_frames_with_events(
     ]
     log = EventLog(size=100, start_id=10)
     store = SnapshotStore(2, 320, None, lambda _: None, directory=tmp_path, events=log)
-    for frame in frames:  # two events a frame: ids 10-11, 12-13, 14-15
-        events = [_crossing(frame.frame), _crossing(frame.frame)]
+    for frame in frames:  # two events a frame, the first with its object: 10-11, 12-13, 14-15
+        events = [replace(_crossing(frame.frame), seen=seen), _crossing(frame.frame)]
         extra = functools.partial(store.extra, frame)
         store.capture(frame, log.add("s", "", frame.captured_at, events, _name, extra=extra))
     assert log.frame_start(15) == 14 and log.frame_start(14) == 14 and log.frame_start(99) is None
+    assert "thumbnail" in (log.get(12) or {}) and "thumbnail" not in (log.get(13) or {})
     oldest = await store.get(10)  # drawn, then deleted once the two newer frames have theirs
     first, second = await store.get(12), await store.get(13)
     assert oldest is not None and first is not None and first == second  # one per frame
     assert decode_jpeg(first).shape == (90, 320, 3)  # scaled to the width asked for
     assert await store.get(15) is not None
     assert await store.get(10) is None and await store.get(11) is None
-    assert files_in(tmp_path) == ["12.jpg", "14.jpg"]
+    # The thumbnail: the object cut from the full frame with a margin, square.
+    thumbnail = await store.get(14, thumbnail=True)
+    assert thumbnail is not None
+    cut = decode_jpeg(thumbnail)
+    assert cut.shape == (160, 160, 3)  # 100 pixels and 30% of them each side
+    assert tuple(cut[80, 80]) > (200, 0, 0) and cut[80, 80, 1] < 50  # red in the middle
+    assert tuple(cut[5, 5]) == pytest.approx((90, 90, 90), abs=6)  # the frame around it
+    assert await store.get(15, thumbnail=True) is None  # no object, no thumbnail
+    assert await store.get(10, thumbnail=True) is None  # deleted with its frame
+    assert files_in(tmp_path) == ["12-12.jpg", "12.jpg", "14-14.jpg", "14.jpg"]
     # Without a picture: an event logged without one, or one the log no longer holds.
     log.add("s", "", 9.0, [_crossing(9)], _name)
     assert await store.get(16) is None and await store.get(99) is None
 
     # After a restart the files are found again, and a smaller setting keeps fewer.
     again = SnapshotStore(1, 320, None, lambda _: None, directory=tmp_path, events=log)
-    assert await again.get(13) is None and await again.get(14) is not None
-    assert files_in(tmp_path) == ["14.jpg"]
+    assert await again.get(13) is None and await again.get(14, thumbnail=True) == thumbnail
+    assert files_in(tmp_path) == ["14-14.jpg", "14.jpg"]
     off = SnapshotStore(0, 320, None, lambda _: None, directory=tmp_path / "off", events=log)
-    assert off.extra(frame, 1) == {} and not off.enabled
+    assert off.extra(frame, {"id": 1, "box": [0, 0, 1, 1]}) == {} and not off.enabled
+
+
+def test_a_thumbnail_stays_inside_the_frame_and_is_scaled_down() -> None:
+    image = np.zeros((360, 1280, 3), np.uint8)
+    tall = decode_jpeg(crop_jpeg(image, (0.0, 0.0, 50.0, 300.0), 320, 85))
+    assert tall.shape == (240, 320, 3)  # 480x360 (the frame's height), at the left edge
+    small = decode_jpeg(crop_jpeg(image, (1270.0, 350.0, 1280.0, 360.0), 320, 85))
+    assert small.shape == (16, 16, 3)  # never enlarged
 
 
 # ---- webhooks and server-sent events against a real server ----------------------------------

@@ -556,6 +556,11 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     expect(pg.locator("#no-events")).to_be_hidden()
     got = pg.evaluate("() => window.streamdet.events.filter((e) => e.type === 'zone_enter')")
     assert got and all(e["stream_id"] == stream_id and e["zone"] == "lot" for e in got), got
+    # Each shows its car, cut from the frame (the thumbnail, fetched with the page's key).
+    pg.wait_for_function(
+        "() => { const i = document.querySelector('#event-list li.zone_enter img.event-thumb');"
+        " return i && i.complete && i.naturalWidth > 0 && i.naturalHeight > 0; }"
+    )
     pg.locator("#events-panel").screenshot(path=artifacts / "viewer-events.png")
     # Each has a snapshot: the frame it happened in, fetched and shown in a dialog.
     entered.locator("button.event-snapshot").click()

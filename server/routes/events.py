@@ -241,16 +241,37 @@ async def _event_stream(log: EventLog, cursor: int, wanted: EventFilter) -> Asyn
 async def event_snapshot(event_id: int, request: Request) -> Response:
     """The frame an event happened in, as a JPEG with its boxes, zones and lines drawn;
     ``404`` once it is older than the last ``event_snapshots`` frames with events."""
-    get_manager(request)
+    return await _picture(request, event_id, thumbnail=False)
+
+
+@router.get(
+    "/events/{event_id}/thumbnail.jpg",
+    response_class=Response,
+    responses={200: {"content": {"image/jpeg": {}}}},
+)
+async def event_thumbnail(event_id: int, request: Request) -> Response:
+    """The event's object cut from its frame at full resolution (at most 320 pixels a side),
+    for a notification; ``404`` for an event without one (a stream's state, a manual event)
+    or once its snapshot is gone."""
+    return await _picture(request, event_id, thumbnail=True)
+
+
+async def _picture(request: Request, event_id: int, *, thumbnail: bool) -> Response:
+    manager = get_manager(request)
     store = get_state(request).snapshots
-    jpeg = None if store is None else await store.get(event_id)
+    jpeg = None if store is None else await store.get(event_id, thumbnail=thumbnail)
     if jpeg is None:
         size = 0 if store is None else store.size
-        raise HTTPException(
-            404,
-            f"no snapshot of event {event_id}: snapshots are kept for the last {size} frames"
-            " with events (setting STREAMDET_EVENT_SNAPSHOTS)",
-        )
+        event = manager.events.get(event_id)
+        if thumbnail and event is not None and "box" not in event:
+            why = f"event {event_id} ({event['type']}) has no object to cut out"
+        else:
+            what = "thumbnail" if thumbnail else "snapshot"
+            why = (
+                f"no {what} of event {event_id}: snapshots are kept for the last {size} frames"
+                " with events (setting STREAMDET_EVENT_SNAPSHOTS)"
+            )
+        raise HTTPException(404, why)
     return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 
 

@@ -1087,6 +1087,7 @@ function showEvent(e) {
   const text = document.createElement("span");
   text.className = "event-text";
   text.textContent = `${at} · ${stream} · ${eventText(e)}`;
+  if (e.thumbnail) li.append(eventThumbnail(e, () => showSnapshot(e, text.textContent)), " ");
   li.append(text, " ");
   if (e.snapshot) {
     li.append(eventButton("event-snapshot", "Snapshot", "The frame it happened in", () =>
@@ -1098,8 +1099,27 @@ function showEvent(e) {
   }
   const list = $("#event-list");
   list.prepend(li);
-  while (list.children.length > EVENTS_SHOWN) list.lastElementChild.remove();
+  while (list.children.length > EVENTS_SHOWN) {
+    const gone = list.lastElementChild.querySelector("img.event-thumb");
+    if (gone?.src) URL.revokeObjectURL(gone.src);
+    list.lastElementChild.remove();
+  }
   $("#no-events").hidden = true;
+}
+
+// The event's object, cut from its frame (GET /events/{id}/thumbnail.jpg, fetched with the API
+// key); a click shows the whole frame. One the server no longer has is left out.
+function eventThumbnail(e, onclick) {
+  const image = document.createElement("img");
+  image.className = "event-thumb";
+  image.alt = `${e.class_name} #${e.track_id}`;
+  image.title = "The object; click for the frame it was in";
+  image.onclick = onclick;
+  api(e.thumbnail)
+    .then((resp) => resp.blob())
+    .then((blob) => { image.src = URL.createObjectURL(blob); })
+    .catch(() => image.remove());
+  return image;
 }
 
 function eventButton(className, label, title, onclick) {
