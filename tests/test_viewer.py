@@ -498,6 +498,8 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     click(0.5, 0.9)  # a third point is refused
     expect(figure.locator(".edit-hint")).to_contain_text("two points")
     figure.locator("input.shape-name").fill("gate")
+    expect(figure.locator("input.shape-loiter")).to_be_hidden()  # zones only
+    figure.locator("input.shape-classes").fill("car, truck")  # it counts vehicles only
     figure.screenshot(path=artifacts / "viewer-line-editing.png")
     figure.locator("button.edit-save").click()
     expect(figure.locator(".tile-edit-bar")).to_be_hidden()
@@ -506,7 +508,7 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     assert detect["track"] is True
     assert detect["clips"] is True and detect["motion"] is True  # the form's boxes
     [gate] = detect["lines"]
-    assert gate["name"] == "gate"
+    assert gate["name"] == "gate" and gate["classes"] == ["car", "truck"]
     for got, want in zip(gate["points"], [(0.02, 0.5), (0.98, 0.5)], strict=True):
         assert got == pytest.approx(want, abs=2 / size["width"])
     pg.wait_for_function("(id) => window.streamdet.drawn[id].lines.length === 1", arg=canvas_id)
@@ -532,8 +534,16 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     for x, y in [(0.02, 0.02), (0.98, 0.02), (0.98, 0.98), (0.02, 0.98)]:
         click(x, y)
     figure.locator("input.shape-name").fill("lot")
+    # A misspelt class is refused by the server, named on the page; the editor stays open.
+    figure.locator("input.shape-classes").fill("car, unicorn")
+    figure.locator("input.shape-loiter").fill("2")
+    figure.locator("button.edit-save").click()
+    expect(pg.locator(f'#errors [data-key="edit:{stream_id}"]')).to_contain_text("'unicorn'")
+    expect(figure.locator(".tile-edit-bar")).to_be_visible()
+    figure.locator("input.shape-classes").fill("")  # every class, loitering after 2 s
     figure.locator("button.edit-save").click()
     expect(figure.locator(".tile-edit-bar")).to_be_hidden()
+    expect(pg.locator(f'#errors [data-key="edit:{stream_id}"]')).to_have_count(0)
     pg.wait_for_function("(id) => window.streamdet.drawn[id].zones.length === 1", arg=canvas_id)
     zone = pg.evaluate(f"() => window.streamdet.drawn['{canvas_id}'].zones[0]")
     assert zone["name"] == "lot" and len(zone["points"]) == 4
@@ -591,15 +601,21 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     expect(pg.locator("#event-list li.manual .event-text").first).to_contain_text(
         "car-region · doorbell (created from outside)"
     )
+    # An object that stays 2 s in the zone is loitering (the zone's loiter_s from the editor).
+    expect(pg.locator("#event-list li.zone_loiter .event-text").first).to_contain_text(
+        re.compile(r"#\d+ loitering in lot for 2 s"), timeout=30_000
+    )
 
     # One line removed from the line editor's list; the zone stays.
     figure.locator("button.tile-line").click()
+    expect(figure.locator("button.shape-remove")).to_have_text(["× gate (car, truck)"])
     figure.locator("button.shape-remove", has_text="gate").click()
     expect(figure.locator(".tile-edit-bar")).to_be_hidden()
     pg.wait_for_function("(id) => window.streamdet.drawn[id].lines.length === 0", arg=canvas_id)
     with httpx.Client(base_url=pg.url, timeout=30) as check:
         detect = check.get(f"/streams/{stream_id}").json()["detect"]
     assert detect["lines"] == [] and [z["name"] for z in detect["zones"]] == ["lot"]
+    assert detect["zones"][0]["loiter_s"] == 2 and detect["zones"][0]["classes"] is None
 
     # A motion mask over the top left corner (where cameras burn their clock): saved (motion
     # gating stays on), shaded on the picture, then removed from the mask editor's list.

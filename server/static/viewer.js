@@ -453,6 +453,12 @@ class Tile {
     const name = $(".shape-name", this.element);
     name.hidden = mode === "region" || mode === "mask";
     name.value = mode === "line" ? `line ${this.lines.length + 1}` : `zone ${this.zones.length + 1}`;
+    const classes = $(".shape-classes", this.element);
+    classes.hidden = name.hidden;
+    classes.value = "";
+    const loiter = $(".shape-loiter", this.element);
+    loiter.hidden = mode !== "zone";
+    loiter.value = "";
     this.listShapes(mode);
     $(".tile-edit-bar", this.element).hidden = false;
     for (const button of this.element.querySelectorAll(EDIT_BUTTONS)) button.disabled = true;
@@ -483,7 +489,10 @@ class Tile {
       const button = document.createElement("button");
       button.type = "button";
       button.className = "shape-remove";
-      button.textContent = `× ${shape.name}`;
+      const only = shape.classes?.length ? shape.classes.join(", ") : "";
+      const loiter = shape.loiter_s ? `loiter ${shape.loiter_s} s` : "";
+      const about = [only, loiter].filter(Boolean).join(" · ");
+      button.textContent = about ? `× ${shape.name} (${about})` : `× ${shape.name}`;
       button.title = `remove ${mode} ${shape.name}`;
       button.addEventListener("click", () => {
         this.patch({ [key]: this[key].filter((other) => other.name !== shape.name) });
@@ -566,12 +575,23 @@ class Tile {
       return;
     }
     const name = $(".shape-name", this.element).value.trim();
+    // Classes it counts (the server checks the names: a misspelt one is an error shown here).
+    const listed = $(".shape-classes", this.element).value.split(",").map((c) => c.trim()).filter(Boolean);
+    const classes = listed.length ? listed : null;
     if (this.editMode === "zone") {
       if (this.editing.length < REGION_MIN_POINTS || !name) {
         this.editHint(`A zone needs at least ${REGION_MIN_POINTS} points and a name.`);
         return;
       }
-      this.patch({ zones: [...this.zones, { name, points: this.editing }] });
+      const loiter = Number($(".shape-loiter", this.element).value);
+      const zone = { name, points: this.editing, classes };
+      if (loiter > 0) {
+        zone.loiter_s = loiter;
+        // How long an object stays is measured per tracked object: loitering turns tracking on.
+        this.patch({ track: true, zones: [...this.zones, zone] });
+        return;
+      }
+      this.patch({ zones: [...this.zones, zone] });
       return;
     }
     if (this.editing.length !== 2 || !name) {
@@ -579,7 +599,7 @@ class Tile {
       return;
     }
     // Crossings are counted per tracked object: adding a line switches tracking on.
-    this.patch({ track: true, lines: [...this.lines, { name, points: this.editing }] });
+    this.patch({ track: true, lines: [...this.lines, { name, points: this.editing, classes }] });
   }
 
   async patch(changes) {
