@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,6 +279,17 @@ class EventLog:
                     break
         return EventPage(found[::-1], self.last_id, 0)
 
+    def matching(self, wanted: EventFilter) -> Iterator[dict[str, Any]]:
+        """Every event the log holds that is ``wanted``, oldest first."""
+        return (event for event in self._events if wanted.matches(event))
+
+    @property
+    def kept_since(self) -> float | None:
+        """When the oldest event the log still holds was captured, where older ones (of this
+        run or before a restart) left it; None while it holds every event it ever had."""
+        oldest = self._next - len(self._events)
+        return float(self._events[0]["captured_at"]) if oldest > self._first else None
+
     def has_stream(self, stream_id: str) -> bool:
         """Whether the log holds an event of ``stream_id`` (one since removed, say)."""
         return any(event["stream_id"] == stream_id for event in self._events)
@@ -360,3 +371,36 @@ class LogReader:
         self.log.save_cursor(self.sink, through)
         if self._count is not None and n:
             self._count("sent", n)
+
+
+COUNT_KEYS = ("stream_id", "type", "class_name", "zone", "line", "direction", "label")
+"""What :func:`count_events` can count by."""
+
+
+def count_events(
+    events: Iterable[dict[str, Any]], by: Sequence[str], interval_s: float | None
+) -> list[dict[str, Any]]:
+    """How many ``events`` there are of each combination of the ``by`` members (from
+    :data:`COUNT_KEYS`; an event without one counts under None), per ``interval_s`` of
+    capture time (buckets aligned to multiples of it since the Unix epoch, so 3600 gives
+    hours and 86400 UTC days; None: one total). Rows ``{"start", "end", *by, "count"}``
+    ordered by time, then by the ``by`` members; ``start`` and ``end`` are None without an
+    interval."""
+    counts: dict[tuple[float | None, tuple[Any, ...]], int] = {}
+    for event in events:
+        start = None
+        if interval_s is not None:
+            start = (event["captured_at"] // interval_s) * interval_s
+        key = (start, tuple(event.get(member) for member in by))
+        counts[key] = counts.get(key, 0) + 1
+    rows = []
+    for (start, values), n in sorted(counts.items(), key=lambda item: _order(item[0])):
+        end = None if start is None or interval_s is None else start + interval_s
+        rows.append({"start": start, "end": end, **dict(zip(by, values, strict=True)), "count": n})
+    return rows
+
+
+def _order(key: tuple[float | None, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """Rows' order: by time, then by each member, None first, numbers and text apart."""
+    start, values = key
+    return (start or 0.0, *((v is not None, str(v)) for v in values))

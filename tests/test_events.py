@@ -30,7 +30,7 @@ from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhooks import WebhookSender, label, sign
 from streams.event_store import EventStore
-from streams.events import EventFilter, EventLog, StateEvent
+from streams.events import EventFilter, EventLog, StateEvent, count_events
 from streams.fanout import ProcessedFrame
 from streams.geometry import Seen
 from streams.lines import Crossing
@@ -128,6 +128,25 @@ def test_event_filters_find_an_audits_events() -> None:
     assert ids(has_clip=True) == [1] and ids(has_snapshot=False) == [2, 3, 4]
     page = log.read(0, 100, EventFilter(classes=frozenset({"bus"})))
     assert page.events == [] and page.next == 4  # the cursor passes what the filters leave
+    # Counted: per combination of members (None where an event has none), per interval.
+    everything = list(log.matching(EventFilter()))
+    assert count_events(everything, ["class_name"], None) == [
+        {"start": None, "end": None, "class_name": None, "count": 1},
+        {"start": None, "end": None, "class_name": "car", "count": 2},
+        {"start": None, "end": None, "class_name": "person", "count": 1},
+    ]
+    assert count_events(everything, ["stream_id", "zone"], 25.0) == [
+        {"start": 0.0, "end": 25.0, "stream_id": "a", "zone": None, "count": 1},
+        {"start": 0.0, "end": 25.0, "stream_id": "a", "zone": "dock", "count": 1},
+        {"start": 25.0, "end": 50.0, "stream_id": "b", "zone": None, "count": 1},
+        {"start": 25.0, "end": 50.0, "stream_id": "b", "zone": "yard", "count": 1},
+    ]
+    assert count_events([], ["type"], 60.0) == [] and log.kept_since is None
+    full = EventLog(size=2, start_id=1)
+    full.add("a", "", 10.0, [_crossing(f) for f in (1, 2)], _name)
+    assert full.kept_since is None  # it still holds every event it had
+    full.add("a", "", 11.0, [_crossing(3)], _name)
+    assert full.kept_since == 10.0  # event 1 (captured at 10.0) left it; 2 is the oldest
 
 
 def test_the_event_log_and_delivery_cursors_survive_a_restart(tmp_path: Path) -> None:
@@ -243,6 +262,32 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
             "/events", params={"after": page["next"], "type": "zone_enter", "wait_s": 0.5}
         ).json()
         assert later["events"] == [] and later["next"] >= page["next"]
+        # Counted for a report: per zone and class, in all or per minute, as JSON or CSV.
+        counts = c.get(
+            "/events/counts", params={"type": "zone_enter", "by": "zone,class_name"}
+        ).json()
+        assert counts["complete"] is True and counts["kept_since"] is None
+        assert counts["counts"] == [
+            {"start": None, "end": None, "zone": "shelf", "class_name": "bottle", "count": 1}
+        ]
+        minute = c.get(
+            "/events/counts",
+            params={"type": "zone_enter", "by": "class_name", "interval_s": 60, "format": "csv"},
+        )
+        assert minute.headers["content-type"].startswith("text/csv")
+        header, row = minute.text.splitlines()
+        start = at // 60 * 60
+        assert header == "start,end,class_name,count" and row == f"{start},{start + 60},bottle,1"
+        refusals: tuple[tuple[dict[str, str | int], str], ...] = (
+            ({"by": "class_name,colour"}, "['colour']"),
+            ({"by": "zone,zone"}, "a member twice"),
+            ({"interval_s": 0}, "interval_s"),
+            ({"format": "xml"}, "format"),
+            ({"classes": "unicorn"}, "'unicorn'"),
+        )
+        for query, words in refusals:
+            refused = c.get("/events/counts", params=query)
+            assert refused.status_code == 422 and words in refused.text, (query, refused.text)
         # A removed stream's events are still found by its id, as long as the log has them.
         assert c.delete(f"/streams/{sid}").status_code == 204
         kept = c.get("/events", params={"stream_id": sid, "type": "zone_enter"}).json()

@@ -22,26 +22,28 @@ on, the video around it (``/clips/{id}.mp4``) are served here too.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from server.routes.detect import parse_classes
 from server.routes.streams import get_manager
 from server.state import get_state
-from streams.events import EVENT_TYPES, EventFilter, EventLog
-from streams.manager import StreamManager
+from streams.events import COUNT_KEYS, EVENT_TYPES, EventFilter, EventLog, count_events
 
 router = APIRouter()
 HEARTBEAT_S = 15.0
 MAX_LIMIT = 1000
 MAX_WAIT_S = 60.0
 CLIP_WAIT_S = 10.0
+MAX_INTERVAL_S = 366 * 86400.0
 
 
 def parse_types(raw: str | None) -> frozenset[str] | None:
@@ -75,57 +77,9 @@ def unix_s(at: datetime | None) -> float | None:
     return (at if at.tzinfo is not None else at.replace(tzinfo=UTC)).timestamp()
 
 
-def event_filter(
-    manager: StreamManager,
-    class_names: Mapping[int, str],
-    *,
-    stream_id: str | None,
-    types: str | None,
-    classes: str | None,
-    zone: str | None,
-    line: str | None,
-    since: datetime | None,
-    until: datetime | None,
-    has_clip: bool | None,
-    has_snapshot: bool | None,
-) -> EventFilter:
-    """The filters of a ``GET /events`` call.
-
-    Raises:
-        HTTPException: 422 naming an unknown type or class or an empty time range; 404 for
-            a stream id that is neither a stream nor in the log.
-    """
-    streams = names(stream_id)
-    for sid in sorted(streams or ()):
-        if manager.describe(sid) is None and not manager.events.has_stream(sid):
-            raise HTTPException(
-                404, f"no stream {sid!r} and no event of one; list streams with GET /streams"
-            )
-    ids = parse_classes(classes, class_names)
-    start, end = unix_s(since), unix_s(until)
-    if start is not None and end is not None and end <= start:
-        raise HTTPException(422, "until: must be after since")
-    return EventFilter(
-        streams=streams,
-        types=parse_types(types),
-        classes=None if ids is None else frozenset(class_names[i] for i in ids),
-        zones=names(zone),
-        lines=names(line),
-        since=start,
-        until=end,
-        has_clip=has_clip,
-        has_snapshot=has_snapshot,
-    )
-
-
-@router.get("/events", response_model=None)
-async def read_events(
+async def wanted_events(
     request: Request,
     *,
-    after: Annotated[
-        int | None,
-        Query(description="the cursor: events with ids above it (default: the oldest kept)"),
-    ] = None,
     stream_id: Annotated[
         str | None, Query(description="comma-separated stream ids: their events only")
     ] = None,
@@ -158,6 +112,50 @@ async def read_events(
     has_snapshot: Annotated[
         bool | None, Query(description="with (true) or without a snapshot")
     ] = None,
+) -> EventFilter:
+    """The event filters of a call (``GET /events``, ``GET /events/counts``).
+
+    Raises:
+        HTTPException: 422 naming an unknown type or class or an empty time range; 404 for
+            a stream id that is neither a stream nor in the log.
+    """
+    manager = get_manager(request)
+    streams = names(stream_id)
+    for sid in sorted(streams or ()):
+        if manager.describe(sid) is None and not manager.events.has_stream(sid):
+            raise HTTPException(
+                404, f"no stream {sid!r} and no event of one; list streams with GET /streams"
+            )
+    class_names = get_state(request).pool.engine.names
+    ids = parse_classes(classes, class_names)
+    start, end = unix_s(since), unix_s(until)
+    if start is not None and end is not None and end <= start:
+        raise HTTPException(422, "until: must be after since")
+    return EventFilter(
+        streams=streams,
+        types=parse_types(event_type),
+        classes=None if ids is None else frozenset(class_names[i] for i in ids),
+        zones=names(zone),
+        lines=names(line),
+        since=start,
+        until=end,
+        has_clip=has_clip,
+        has_snapshot=has_snapshot,
+    )
+
+
+Wanted = Annotated[EventFilter, Depends(wanted_events)]
+
+
+@router.get("/events", response_model=None)
+async def read_events(
+    request: Request,
+    wanted: Wanted,
+    *,
+    after: Annotated[
+        int | None,
+        Query(description="the cursor: events with ids above it (default: the oldest kept)"),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="most events")] = 100,
     wait_s: Annotated[
         float, Query(ge=0.0, le=MAX_WAIT_S, description="long-poll up to this long for one")
@@ -167,21 +165,7 @@ async def read_events(
         Query(description="the newest `limit` events instead (oldest first), and the cursor"),
     ] = False,
 ) -> dict[str, Any] | StreamingResponse:
-    manager = get_manager(request)
-    wanted = event_filter(
-        manager,
-        get_state(request).pool.engine.names,
-        stream_id=stream_id,
-        types=event_type,
-        classes=classes,
-        zone=zone,
-        line=line,
-        since=since,
-        until=until,
-        has_clip=has_clip,
-        has_snapshot=has_snapshot,
-    )
-    log = manager.events
+    log = get_manager(request).events
     if "text/event-stream" in request.headers.get("accept", ""):
         cursor = _resume_from(request.headers.get("last-event-id"), after, log)
         return StreamingResponse(
@@ -204,6 +188,56 @@ async def read_events(
         cursor = page.next
         await log.wait(cursor, left)
     return {"events": page.events, "next": page.next, "missed": page.missed}
+
+
+@router.get("/events/counts", response_model=None)
+async def count_logged_events(
+    request: Request,
+    wanted: Wanted,
+    *,
+    interval_s: Annotated[
+        float | None,
+        Query(
+            ge=1.0,
+            le=MAX_INTERVAL_S,
+            description="seconds a row covers, from multiples of it since the Unix epoch"
+            " (3600: hours, 86400: UTC days); absent: totals",
+        ),
+    ] = None,
+    by: Annotated[
+        str,
+        Query(description=f"comma-separated members to count by, of {', '.join(COUNT_KEYS)}"),
+    ] = "stream_id,type,class_name",
+    output: Annotated[
+        Literal["json", "csv"], Query(alias="format", description="json or csv")
+    ] = "json",
+) -> dict[str, Any] | Response:
+    """How many events passed the filters, per combination of ``by`` and per ``interval_s``
+    of capture time: a traffic count's table (cars each way across a line per 15 minutes)."""
+    members = [m.strip() for m in by.split(",") if m.strip()]
+    unknown = sorted(set(members) - set(COUNT_KEYS))
+    if unknown or len(set(members)) != len(members):
+        raise HTTPException(
+            422, f"by: {unknown or 'a member twice'}: choose each at most once of {COUNT_KEYS}"
+        )
+    log = get_manager(request).events
+    rows = count_events(log.matching(wanted), members, interval_s)
+    kept_since = log.kept_since
+    complete = kept_since is None or (wanted.since is not None and wanted.since >= kept_since)
+    if output == "csv":
+        text = io.StringIO()
+        writer = csv.DictWriter(text, ["start", "end", *members, "count"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        headers = {"X-Complete": str(complete).lower()}
+        return Response(text.getvalue(), media_type="text/csv", headers=headers)
+    return {
+        "interval_s": interval_s,
+        "by": members,
+        "complete": complete,
+        "kept_since": kept_since,
+        "counts": rows,
+    }
 
 
 def _resume_from(last_event_id: str | None, after: int | None, log: EventLog) -> int:
