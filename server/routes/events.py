@@ -22,6 +22,7 @@ on, the video around it (``/clips/{id}.mp4``) are served here too.
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -221,7 +222,9 @@ async def count_logged_events(
             422, f"by: {unknown or 'a member twice'}: choose each at most once of {COUNT_KEYS}"
         )
     log = get_manager(request).events
-    rows = count_events(log.matching(wanted), members, interval_s)
+    held = log.held()
+    # 0.3 s for 100 000 events: a worker thread's, not the event loop's, which runs streams.
+    rows = await asyncio.to_thread(count_events, filter(wanted.matches, held), members, interval_s)
     kept_since = log.kept_since
     complete = kept_since is None or (wanted.since is not None and wanted.since >= kept_since)
     if output == "csv":
