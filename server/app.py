@@ -79,7 +79,12 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             None
             if settings.mqtt_url is None
             else MqttPublisher(
-                settings.mqtt_url, settings.mqtt_topic, manager.events, metrics, manager.detect
+                settings.mqtt_url,
+                settings.mqtt_topic,
+                manager.events,
+                metrics,
+                manager.detect,
+                thumbnail_of=functools.partial(snapshots.get, thumbnail=True),
             )
         )
         if publisher is not None:

@@ -11,8 +11,11 @@ Retained state for dashboards (Home Assistant sensors): ``<prefix>/<stream id>/s
 the stream's state (``live``, ``reconnecting``, ``failed``) from its ``stream_state`` events,
 and ``<prefix>/<stream id>/zones/<zone>`` what stands in each zone now, ``{"all": n,
 "<class>": n, ...}`` (objects counted once where the stream tracks), published when it
-changes, as Frigate publishes its zone counts. A zone that is removed has its topic cleared,
-and so has a stream that is removed, all of its topics.
+changes, as Frigate publishes its zone counts; ``<prefix>/<stream id>/<class>/thumbnail`` the
+JPEG thumbnail of the newest event of an object of that class (``GET
+/events/{id}/thumbnail.jpg``), as Frigate publishes ``frigate/<camera>/<object>/snapshot``
+for Home Assistant's MQTT camera ("the last person at the door"). A zone that is removed has
+its topic cleared, and so has a stream that is removed, all of its topics.
 
 The publisher reads the log with its own cursor, as a webhook does, and only while the broker
 is connected: a broker that is down or restarting gets, once it is back, what happened
@@ -29,7 +32,7 @@ import contextlib
 import json
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -82,6 +85,8 @@ class MqttPublisher:
         prefix: the topics' first level.
         events: the event log.
         metrics: counts events sent and missed, and whether the broker is connected.
+        detect_of: a stream's settings (its zones' counts are published).
+        thumbnail_of: an event's thumbnail JPEG (published, retained, per stream and class).
     """
 
     def __init__(
@@ -91,6 +96,8 @@ class MqttPublisher:
         events: EventLog,
         metrics: Metrics | None = None,
         detect_of: Callable[[str], StreamDetect | None] | None = None,
+        *,
+        thumbnail_of: Callable[[int], Awaitable[bytes | None]] | None = None,
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
         self.name = safe_url(url)
@@ -104,6 +111,8 @@ class MqttPublisher:
         self._task: asyncio.Task[None] | None = None
         self._detect_of = detect_of
         self._zones: dict[str, dict[str, dict[str, int]]] = {}  # stream -> zone -> counts
+        self._thumbnail_of = thumbnail_of
+        self._thumbnails: dict[str, set[str]] = {}  # stream -> thumbnail topics it has
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=f"streamdet-{events.last_id + 1}",
@@ -177,6 +186,9 @@ class MqttPublisher:
     async def _publish(self, events: list[dict[str, Any]]) -> int:
         """Hand ``events`` to the client, in order; how many it took (it stops at the first
         it refuses: disconnected, or its queue is full)."""
+        # Of the thumbnails a page has (many, after a broker outage), the newest of each
+        # stream and class is the one the retained topic keeps: only those are sent.
+        newest = {_thumbnail_key(e): e["id"] for e in events if "thumbnail" in e}
         for k, event in enumerate(events):
             body = json.dumps(event, separators=(",", ":"))
             for topic in (self.topic("events"), self.topic(event["stream_id"], "events")):
@@ -186,7 +198,21 @@ class MqttPublisher:
                     return k
             if event["type"] == "stream_state":
                 self._retain_state(event["stream_id"], event["state"])
+            elif "thumbnail" in event and newest[_thumbnail_key(event)] == event["id"]:
+                await self._retain_thumbnail(event)
         return len(events)
+
+    async def _retain_thumbnail(self, event: dict[str, Any]) -> None:
+        """Keep the thumbnail of ``event`` as its stream's newest of its class."""
+        if self._thumbnail_of is None:
+            return
+        jpeg = await self._thumbnail_of(int(event["id"]))
+        if jpeg is None:  # skipped under load, or deleted already
+            return
+        stream_id, class_name = _thumbnail_key(event)
+        topic = self.topic(stream_id, _level(class_name), "thumbnail")
+        self._client.publish(topic, jpeg, qos=QOS, retain=True)
+        self._thumbnails.setdefault(stream_id, set()).add(topic)
 
     def observe_frame(self, frame: ProcessedFrame) -> None:
         """Event loop, every frame: publish the stream's zone counts where they changed."""
@@ -214,9 +240,11 @@ class MqttPublisher:
         self._client.publish(self.topic(stream_id, "state"), b"", qos=QOS, retain=True)
         for zone in self._zones.pop(stream_id, {}):
             self._client.publish(self._zone_topic(stream_id, zone), b"", qos=QOS, retain=True)
+        for topic in self._thumbnails.pop(stream_id, ()):
+            self._client.publish(topic, b"", qos=QOS, retain=True)
 
     def _zone_topic(self, stream_id: str, zone: str) -> str:
-        return self.topic(stream_id, "zones", zone.replace("/", "_").replace("+", "_"))
+        return self.topic(stream_id, "zones", _level(zone))
 
     def _count(self, outcome: str, n: int) -> None:
         if self._metrics is not None:
@@ -261,6 +289,15 @@ class MqttPublisher:
             return
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._connected.set if up else self._connected.clear)
+
+
+def _level(name: str) -> str:
+    """A name as one topic level: MQTT's separator and wildcards replaced."""
+    return name.replace("/", "_").replace("+", "_").replace("#", "_")
+
+
+def _thumbnail_key(event: dict[str, Any]) -> tuple[str, str]:
+    return str(event["stream_id"]), str(event.get("class_name"))
 
 
 def zone_counts(frame: ProcessedFrame, zones: list[str]) -> dict[str, dict[str, int]]:

@@ -24,7 +24,7 @@ from loadtest.server import free_port
 from server.mqtt import check_mqtt_url, safe_url, zone_counts
 from server.settings import Settings
 from streams.fanout import ProcessedFrame
-from tests.helpers import CAR_CLIP, GATE, clip_server
+from tests.helpers import CAR_CLIP, GATE, clip_server, decode_jpeg
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
@@ -60,6 +60,7 @@ class Listener:
 
     def __init__(self, port: int) -> None:
         self.messages: list[tuple[str, str, bool]] = []
+        self.payloads: dict[str, list[bytes]] = {}  # as sent (JPEGs are not text)
         self._lock = threading.Lock()
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"test-{id(self)}")
         self._client.on_message = self._on_message
@@ -69,7 +70,9 @@ class Listener:
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         with self._lock:
-            self.messages.append((msg.topic, msg.payload.decode(), bool(msg.retain)))
+            text = msg.payload.decode(errors="replace")
+            self.messages.append((msg.topic, text, bool(msg.retain)))
+            self.payloads.setdefault(msg.topic, []).append(bytes(msg.payload))
 
     def on(self, topic: str) -> list[str]:
         with self._lock:
@@ -131,6 +134,30 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             got = [json.loads(m) for m in shared]
             assert got[: len(early)] == early
             assert [json.loads(m) for m in own][: len(early)] == early
+            # The newest thumbnail of each class the stream's events saw, retained: the one
+            # GET /events/{id}/thumbnail.jpg serves for its newest event of that class.
+            deadline = time.monotonic() + 60
+            while not (
+                newest := {
+                    e["class_name"]: e
+                    for e in c.get("/events", params={"limit": 1000}).json()["events"]
+                    if "thumbnail" in e
+                }
+            ):
+                assert time.monotonic() < deadline, "no event with an object in 60 s"
+                time.sleep(0.5)
+            for class_name, event in newest.items():
+                topic = f"streamdet/{sid}/{class_name}/thumbnail"
+                deadline = time.monotonic() + 10
+                want = c.get(event["thumbnail"]).content
+                while listener.payloads.get(topic, [b""])[-1] != want:
+                    assert time.monotonic() < deadline, (topic, listener.payloads.get(topic))
+                    time.sleep(0.1)
+                    newest_now = c.get(
+                        "/events", params={"latest": True, "classes": class_name, "limit": 1}
+                    ).json()["events"][0]
+                    want = c.get(newest_now["thumbnail"]).content  # a newer one came meanwhile
+                assert decode_jpeg(want).shape[2] == 3
             assert "streamdet_mqtt_connected 1.0" in c.get("/metrics").text
             sent = [ln for ln in c.get("/metrics").text.splitlines() if "mqtt_events_total" in ln]
             assert any('outcome="sent"' in ln and not ln.endswith(" 0.0") for ln in sent), sent
@@ -152,6 +179,12 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             while listener.on(f"streamdet/{sid}/zones/lower")[-1] and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert listener.on(f"streamdet/{sid}/zones/lower")[-1] == ""
+            for class_name in newest:
+                thumbnail = f"streamdet/{sid}/{class_name}/thumbnail"
+                deadline = time.monotonic() + 10
+                while listener.on(thumbnail)[-1] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert listener.on(thumbnail)[-1] == ""
             # A clean stop says so: offline, retained for whoever subscribes later.
             server.stop()
             assert listener.wait_for("streamdet/available", 2, 10)[-1] == "offline"
