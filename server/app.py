@@ -131,7 +131,15 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 "X-Request-Deadline-Ms",
                 "X-Request-Id",
             ],
-            expose_headers=["Retry-After"],
+            # What pictures carry besides the JPEG (/detect?format=jpeg, latest.jpg).
+            expose_headers=[
+                "Retry-After",
+                "X-Detections",
+                "X-Inference-Ms",
+                "X-Request-Id",
+                "X-Frame",
+                "X-Captured-At",
+            ],
         )
     app.include_router(viewer.router)
     app.mount(viewer.STATIC_PATH, viewer.static_files(), name="static")

@@ -14,7 +14,14 @@ from PIL import Image as PILImage
 
 from server.app import create_app
 from server.settings import Settings
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, file_stream_app, ultralytics_assets
+from tests.helpers import (
+    CACHE_DIR,
+    MODEL_PT,
+    VIDEOS,
+    decode_jpeg,
+    file_stream_app,
+    ultralytics_assets,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +71,26 @@ def test_detect_multipart_matches_contract(client: TestClient) -> None:
     assert first["class_name"] == "person" and first["confidence"] == pytest.approx(0.895, abs=0.02)
     x1, y1, x2, y2 = first["box"]
     assert 0 <= x1 < x2 <= 810 and 0 <= y1 < y2 <= 1080
+
+
+def test_detect_answers_the_picture_with_its_boxes_drawn(client: TestClient) -> None:
+    """``format=jpeg``: the image as sent, at its own size, its boxes drawn on it."""
+    files = {"image": ("bus.jpg", bus_bytes(), "image/jpeg")}
+    boxes = client.post("/detect", files=files).json()["detections"]
+    resp = client.post("/detect?format=jpeg&classes=bus", files=files)
+    assert resp.status_code == 200 and resp.headers["content-type"] == "image/jpeg"
+    assert resp.headers["x-detections"] == "1" and float(resp.headers["x-inference-ms"]) > 0
+    drawn = decode_jpeg(resp.content).astype(np.int16)
+    original = decode_jpeg(bus_bytes()).astype(np.int16)
+    assert drawn.shape == original.shape == (1080, 810, 3)
+    [bus] = [d for d in boxes if d["class_name"] == "bus"]
+    x1, y1, _, y2 = (round(v) for v in bus["box"])
+    left_side = np.abs(drawn[y1 + 40 : y2 - 40, x1 + 1] - original[y1 + 40 : y2 - 40, x1 + 1])
+    assert left_side.mean() > 40, left_side.mean()  # the bus's box, in its class's colour
+    untouched = np.abs(drawn[y1 + 40 : y2 - 40, x1 + 30] - original[y1 + 40 : y2 - 40, x1 + 30])
+    assert untouched.mean() < 8, untouched.mean()  # inside it: the picture, re-encoded
+    wrong = client.post("/detect?format=png", files=files)
+    assert wrong.status_code == 422 and "format" in wrong.text
 
 
 def test_detect_raw_body_png_and_webp(client: TestClient) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from starlette.datastructures import UploadFile
 
 from engines.batching import DeadlineExceeded, PoolClosed, QueueFull
@@ -16,10 +17,12 @@ from engines.types import DetectParams, class_ids
 from server.admission import AdmissionTicket
 from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_image
 from server.metrics import get_metrics
+from server.render import render_jpeg
 from server.state import get_state
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+JPEG_QUALITY = 90  # format=jpeg: the picture as sent, boxes drawn
 
 
 def parse_classes(
@@ -80,7 +83,11 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
     return body
 
 
-@router.post("/detect")
+@router.post(
+    "/detect",
+    response_model=None,
+    responses={200: {"content": {"application/json": {}, "image/jpeg": {}}}},
+)
 async def detect(
     request: Request,
     ticket: AdmissionTicket,
@@ -89,7 +96,11 @@ async def detect(
     iou: Annotated[float, Query(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7,
     classes: Annotated[str | None, Query(description="comma list of class ids or names")] = None,
     max_det: Annotated[int, Query(ge=1, le=1000, description="most detections")] = 300,
-) -> dict[str, Any]:
+    output: Annotated[
+        Literal["json", "jpeg"],
+        Query(alias="format", description="json, or jpeg: the image with its boxes drawn"),
+    ] = "json",
+) -> dict[str, Any] | Response:
     arrived = ticket.arrived
     state = get_state(request)
     request_id = ticket.request_id
@@ -131,17 +142,34 @@ async def detect(
         raise HTTPException(500, f"inference failed for request {request_id}: {result.error}")
     det = result.detections
     post_start = time.monotonic()
-    body: dict[str, Any] = {
-        "detections": det.to_json(),
-        "image": {"width": det.width, "height": det.height},
-        "model": engine.model_name,
-    }
-    done = time.monotonic()
-    body["timing_ms"] = {
-        "queue": round(result.queue_ms, 2),
-        "inference": round(result.inference_ms, 2),
-        "total": round((done - arrived) * 1000, 2),
-    }
+    answer: dict[str, Any] | Response
+    if output == "jpeg":  # drawn at the image's own size, off the event loop
+        jpeg, _, _ = await loop.run_in_executor(
+            state.decode_executor,
+            functools.partial(render_jpeg, image, det.width, JPEG_QUALITY, detections=det),
+        )
+        answer = Response(
+            jpeg,
+            media_type="image/jpeg",
+            headers={
+                "X-Detections": str(len(det)),
+                "X-Inference-Ms": f"{result.inference_ms:.2f}",
+                "X-Request-Id": request_id,
+            },
+        )
+        done = time.monotonic()
+    else:
+        answer = {
+            "detections": det.to_json(),
+            "image": {"width": det.width, "height": det.height},
+            "model": engine.model_name,
+        }
+        done = time.monotonic()
+        answer["timing_ms"] = {
+            "queue": round(result.queue_ms, 2),
+            "inference": round(result.inference_ms, 2),
+            "total": round((done - arrived) * 1000, 2),
+        }
     get_metrics(request).observe_stages(
         {
             "queue": result.queue_ms / 1000,
@@ -151,4 +179,4 @@ async def detect(
             "total": done - arrived,
         }
     )
-    return body
+    return answer
