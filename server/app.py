@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from server.runtime import build_pool
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.state import AppState
+from server.streams_file import StreamsFileError
 from server.webhooks import Webhooks, WebhookSender
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,15 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         manager = streams.build_manager(settings, engine_pool)
         await manager.start()
         state.streams = manager
+        if settings.streams_file is not None:
+            try:
+                names = engine_pool.engine.names
+                await streams.apply_streams_file(manager, settings.streams_file, names, os.environ)
+            except StreamsFileError as exc:
+                log.error("cannot start: %s", exc)
+                await manager.stop(settings.shutdown_timeout_s)
+                await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
+                raise
         snapshots = SnapshotStore(
             settings.event_snapshots,
             settings.event_snapshot_width,

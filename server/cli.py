@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,7 +48,14 @@ def serve(settings: Settings) -> int:
     from server.app import create_app
     from server.routes.ws import going_away
     from server.runtime import build_pool
+    from server.streams_file import StreamsFileError, read_entries
 
+    if settings.streams_file is not None:  # before the model loads: a typo fails at once
+        try:
+            read_entries(settings.streams_file, os.environ)
+        except StreamsFileError as exc:
+            log.error("cannot start: %s", exc)
+            return 2
     try:
         pool = build_pool(settings)
     except EngineError as exc:

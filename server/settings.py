@@ -102,6 +102,11 @@ class Settings(BaseSettings):
     allowed_file_dir: Path | None = Field(
         None, description="directory file:// streams may come from; unset = no file streams"
     )
+    streams_file: Path | None = Field(
+        None,
+        description="YAML file declaring streams (ids, URLs with ${ENV} variables, settings):"
+        " made to match it at start; the API cannot change them",
+    )
     max_streams: int = Field(64, ge=1, le=4096, description="most streams at once")
     stream_open_timeout_s: float = Field(
         10.0, gt=0, description="time to connect to a source before retrying"

@@ -37,6 +37,10 @@ class StreamLimitError(RuntimeError):
     """No more streams may be added (setting ``STREAMDET_MAX_STREAMS``)."""
 
 
+class StreamExistsError(RuntimeError):
+    """A stream with the id asked for exists already."""
+
+
 class ManagerClosed(RuntimeError):
     """The server is shutting down."""
 
@@ -94,6 +98,9 @@ class StreamManager:
         self._opt = options
         self._records: dict[str, StreamRecord] = {}
         self._readers: dict[str, StreamReader] = {}
+        # Each reader's token: what a reader stopped to reopen its stream (a new source) still
+        # hands over (frames in flight, its state) carries the old token and is dropped.
+        self._tokens: dict[str, object] = {}
         self._subs: dict[str, set[Subscriber]] = {}
         self._latest: dict[str, ProcessedFrame] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,22 +168,28 @@ class StreamManager:
         loop: bool = True,
         *,
         detect: StreamDetect | None = None,
+        stream_id: str | None = None,
+        from_file: bool = False,
     ) -> dict[str, Any]:
-        """Validate, persist and open a stream; returns its description.
+        """Validate, persist and open a stream (with the id ``stream_id``, or a new one);
+        returns its description.
 
         Raises:
             SourceError: malformed or disallowed URL.
+            StreamExistsError: a stream with the id ``stream_id`` exists.
             StreamLimitError: already ``max_streams`` streams.
             ManagerClosed: shutting down.
         """
         if self._closing:
             raise ManagerClosed("server shutting down")
+        if stream_id is not None and stream_id in self._records:
+            raise StreamExistsError(f"a stream with the id {stream_id!r} exists")
         if len(self._records) >= self._opt.max_streams:
             raise StreamLimitError(
                 f"already {len(self._records)} streams, the limit (setting STREAMDET_MAX_STREAMS)"
             )
         spec = parse_source(url, self._opt.allowed_file_dir, transport, loop)
-        sid = uuid.uuid4().hex[:12]
+        sid = stream_id or uuid.uuid4().hex[:12]
         record = new_record(
             sid,
             url,
@@ -185,6 +198,7 @@ class StreamManager:
             transport=transport,
             loop=spec.loop,
             detect=self._encode(detect or StreamDetect()),
+            from_file=from_file,
         )
         await asyncio.to_thread(self._store.add, record)
         self._launch(record, spec)
@@ -225,11 +239,68 @@ class StreamManager:
         log.info("stream %s: updated %s", stream_id, sorted(changes))
         return self._describe(record)
 
+    async def replace(
+        self,
+        stream_id: str,
+        url: str,
+        *,
+        name: str = "",
+        max_fps: float | None = None,
+        transport: Transport = "tcp",
+        loop: bool = True,
+        detect: StreamDetect,
+        from_file: bool = False,
+    ) -> dict[str, Any] | None:
+        """Give a stream every setting anew (``PUT /streams/{id}``, the streams file), keeping
+        its id, counts and viewers: a new source (``url``, ``transport``, ``loop``) is opened
+        in place of the old one; otherwise it changes from its next frame, as
+        :meth:`update`. Returns its description, None if unknown.
+
+        Raises:
+            SourceError: malformed or disallowed URL.
+        """
+        old = self._records.get(stream_id)
+        if old is None:
+            return None
+        spec = parse_source(url, self._opt.allowed_file_dir, transport, loop)
+        record = dataclasses.replace(
+            old,
+            url=url,
+            name=name,
+            max_fps=max_fps,
+            transport=transport,
+            loop=spec.loop,
+            detect=self._encode(detect),
+            from_file=from_file,
+        )
+        await asyncio.to_thread(self._store.replace, record)
+        if stream_id not in self._records:
+            return None  # removed meanwhile
+        self._records[stream_id] = record
+        reader = self._readers[stream_id]
+        source = (record.url, record.transport, record.loop)
+        if source == (old.url, old.transport, old.loop) and stream_id not in self._bad_detect:
+            reader.max_fps, reader.detect = record.max_fps, detect
+            return self._describe(record)
+        reader.stop()
+        self._pool.queue.discard(stream_id)
+        self._latest.pop(stream_id, None)
+        self._launch(record, spec)  # a new token: the old reader's last words are dropped
+        log.info("stream %s: reopened on %s", stream_id, redact(url))
+        if not await asyncio.to_thread(reader.join, self._opt.stop_timeout_s):
+            log.warning(
+                "stream %s: old decode thread did not exit within %.1f s",
+                stream_id,
+                self._opt.stop_timeout_s,
+            )
+        return self.describe(stream_id)
+
     async def remove(self, stream_id: str) -> bool:
         """Stop a stream, free its decoder, forget it. False if unknown."""
         record = self._records.pop(stream_id, None)
         if record is None:
             return False
+        self._tokens.pop(stream_id, None)
         reader = self._readers.pop(stream_id)
         reader.stop()
         self._pool.queue.discard(stream_id)
@@ -261,6 +332,8 @@ class StreamManager:
             "url": redact(record.url),
             "max_fps": record.max_fps,
             "transport": record.transport,
+            "loop": record.loop,
+            "from_file": record.from_file,
             "created_at": record.created_at,
             "detect": self._readers[record.id].detect.describe(self._pool.engine.names),
             **self._readers[record.id].snapshot(),
@@ -304,40 +377,42 @@ class StreamManager:
                 sub.close(code, reason)
 
     # ---- publication -------------------------------------------------------------------
-    def _publish_threadsafe(self, frame: ProcessedFrame) -> None:
-        """Engine worker thread: hand the frame to the event loop."""
+    def _publish_threadsafe(self, token: object, frame: ProcessedFrame) -> None:
+        """Engine worker thread: hand the frame of the reader with ``token`` to the event
+        loop."""
         loop = self._loop
         if loop is None:
             return
         with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
-            loop.call_soon_threadsafe(self._publish, frame)
+            loop.call_soon_threadsafe(self._publish, frame, token)
 
     def _state_threadsafe(
         self,
-        stream_id: str,
+        reader: tuple[str, object],
         previous: StreamState,
         state: StreamState,
         error: str | None,
         frame: int,
     ) -> None:
-        """Decode thread: a stream went live, lost its source or failed; logged as an event."""
+        """Decode thread: the stream of ``reader`` (its id and token) went live, lost its
+        source or failed; logged as an event."""
         event = StateEvent(previous.value, state.value, error, frame)
         loop = self._loop
         if loop is None:
             return
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._log_state, stream_id, event, time.time())
+            loop.call_soon_threadsafe(self._log_state, *reader, event, time.time())
 
-    def _log_state(self, stream_id: str, event: StateEvent, at: float) -> None:
+    def _log_state(self, stream_id: str, token: object, event: StateEvent, at: float) -> None:
         record = self._records.get(stream_id)
-        if record is None:
-            return  # removed meanwhile
+        if record is None or self._tokens.get(stream_id) is not token:
+            return  # removed, or reopened on a new source, meanwhile
         self.events.add(stream_id, record.name, at, [event], str)
 
-    def _publish(self, frame: ProcessedFrame) -> None:
+    def _publish(self, frame: ProcessedFrame, token: object) -> None:
         reader = self._readers.get(frame.stream_id)
-        if reader is None:
-            return  # removed while the frame was in flight
+        if reader is None or self._tokens.get(frame.stream_id) is not token:
+            return  # removed, or reopened on a new source, while the frame was in flight
         frame.latency_ms = (time.monotonic() - frame.decoded_mono) * 1000.0
         reader.record_latency(frame.latency_ms)
         self._latest[frame.stream_id] = frame
@@ -438,12 +513,13 @@ class StreamManager:
             self._bad_detect.add(record.id)
             log.error("stream %s: %s", record.id, error)
         config = StreamConfig(record.id, spec or placeholder, record.name, record.max_fps, detect)
+        token = self._tokens[record.id] = object()
         reader = StreamReader(
             config,
             self._opt.reader,
             self._pool.submit_latest,
-            self._publish_threadsafe,
-            on_state=functools.partial(self._state_threadsafe, record.id),
+            functools.partial(self._publish_threadsafe, token),
+            on_state=functools.partial(self._state_threadsafe, (record.id, token)),
             clips=None if self.clips is None else self.clips.recorder(record.id),
         )
         self._records[record.id] = record

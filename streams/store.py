@@ -8,6 +8,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS streams (
@@ -22,7 +23,13 @@ CREATE TABLE IF NOT EXISTS streams (
 )
 """
 # Columns added after the first release, with their definitions: an older file gains them.
-_ADDED_COLUMNS = {"detect": "TEXT NOT NULL DEFAULT '{}'"}
+_ADDED_COLUMNS = {
+    "detect": "TEXT NOT NULL DEFAULT '{}'",
+    "from_file": "INTEGER NOT NULL DEFAULT 0",
+}
+_COLUMNS = "id, url, name, max_fps, transport, loop, created_at, detect, from_file"
+_INSERT = f"INSERT INTO streams ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_SELECT = f"SELECT {_COLUMNS} FROM streams ORDER BY created_at"  # noqa: S608 (constants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +45,8 @@ class StreamRecord:
     created_at: float
     detect: str = "{}"
     """Detection parameters as JSON (:meth:`engines.types.DetectParams.describe`)."""
+    from_file: bool = False
+    """Declared in the streams file (``--streams-file``), which alone changes it."""
 
 
 class StreamStore:
@@ -62,20 +71,18 @@ class StreamStore:
 
     def add(self, record: StreamRecord) -> None:
         with closing(self._connect()) as db, db:
-            db.execute(
-                "INSERT INTO streams (id, url, name, max_fps, transport, loop, created_at, detect)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record.id,
-                    record.url,
-                    record.name,
-                    record.max_fps,
-                    record.transport,
-                    int(record.loop),
-                    record.created_at,
-                    record.detect,
-                ),
+            db.execute(_INSERT, _row(record))
+
+    def replace(self, record: StreamRecord) -> bool:
+        """Save every field of a stream that was replaced (``PUT``, the streams file); False
+        if the stream is unknown."""
+        with closing(self._connect()) as db, db:
+            cursor = db.execute(
+                "UPDATE streams SET url = ?, name = ?, max_fps = ?, transport = ?, loop = ?,"
+                " detect = ?, from_file = ? WHERE id = ?",
+                (*_row(record)[1:6], record.detect, int(record.from_file), record.id),
             )
+            return cursor.rowcount > 0
 
     def update(self, record: StreamRecord) -> bool:
         """Save what may change while a stream runs (name, max_fps, detect); False if the
@@ -93,11 +100,26 @@ class StreamStore:
 
     def load(self) -> list[StreamRecord]:
         with closing(self._connect()) as db:
-            rows = db.execute(
-                "SELECT id, url, name, max_fps, transport, loop, created_at, detect FROM streams"
-                " ORDER BY created_at"
-            ).fetchall()
-        return [StreamRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], r[7]) for r in rows]
+            rows = db.execute(_SELECT).fetchall()
+        return [
+            StreamRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], r[7], bool(r[8]))
+            for r in rows
+        ]
+
+
+def _row(record: StreamRecord) -> tuple[Any, ...]:
+    """A record as the table's columns, in :data:`_COLUMNS`' order."""
+    return (
+        record.id,
+        record.url,
+        record.name,
+        record.max_fps,
+        record.transport,
+        int(record.loop),
+        record.created_at,
+        record.detect,
+        int(record.from_file),
+    )
 
 
 def new_record(
@@ -109,5 +131,8 @@ def new_record(
     transport: str,
     loop: bool,
     detect: str = "{}",
+    from_file: bool = False,
 ) -> StreamRecord:
-    return StreamRecord(stream_id, url, name, max_fps, transport, loop, time.time(), detect)
+    return StreamRecord(
+        stream_id, url, name, max_fps, transport, loop, time.time(), detect, from_file
+    )

@@ -6,7 +6,7 @@ import io
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -140,22 +140,23 @@ def start_ort_pool(
     return pool
 
 
-def file_stream_app(tmp_path: Path) -> FastAPI:
+def file_stream_app(tmp_path: Path, **settings: Any) -> FastAPI:
     """The real app on the shared model, its stream list under ``tmp_path``, ``file://``
-    sources of the shared clips allowed, admission's latency target off. (Imports the server
-    only when called: the GPU check imports this module where FastAPI is not installed.)"""
+    sources of the shared clips allowed, admission's latency target off; ``settings``
+    override. (Imports the server only when called: the GPU check imports this module where
+    FastAPI is not installed.)"""
     from server.app import create_app
     from server.settings import Settings
 
-    return create_app(
-        Settings(
-            model=str(MODEL_PT),
-            cache_dir=CACHE_DIR,
-            data_dir=tmp_path / "data",
-            allowed_file_dir=VIDEOS[0].parent,
-            admission_deadline_ms=0,
-        )
-    )
+    given: dict[str, Any] = {
+        "model": str(MODEL_PT),
+        "cache_dir": CACHE_DIR,
+        "data_dir": tmp_path / "data",
+        "allowed_file_dir": VIDEOS[0].parent,
+        "admission_deadline_ms": 0,
+        **settings,
+    }
+    return create_app(Settings(**given))
 
 
 SYNTHETIC_NAMES = {0: "person", 2: "car", 7: "truck"}

@@ -704,3 +704,35 @@ def test_api_key_is_asked_for_and_kept_for_the_session(
         assert errors.errors == []
     finally:
         srv.stop()
+
+
+@pytest.mark.rtsp
+def test_streams_of_the_streams_file_are_shown_but_not_edited_in_the_page(
+    camera: RtspCamera,
+    page: tuple[Page, PageErrors],
+    artifacts: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    folder = tmp_path_factory.mktemp("viewer-streams-file")
+    declared = folder / "streams.yaml"
+    declared.write_text(f"streams:\n  - id: gate_cam\n    url: {camera.url('car')}\n")
+    srv = viewer_server(
+        artifacts / "viewer-streams-file-server.log",
+        streams_file=str(declared),
+        data_dir=str(folder / "data"),
+    )
+    try:
+        pg, errors = page
+        pg.goto(srv.base_url + "/")
+        row = pg.locator('#stream-rows tr[data-id="gate_cam"]')
+        expect(row.locator("button.remove")).to_be_disabled()
+        expect(row.locator("button.remove")).to_have_attribute("title", re.compile("streams file"))
+        row.locator("input.watch").check()
+        wait_for_boxes(pg, "tile-gate_cam")  # watched as any other
+        figure = pg.locator('figure[data-stream-id="gate_cam"]')
+        for editor in ("tile-region", "tile-line", "tile-zone", "tile-mask"):
+            expect(figure.locator(f"button.{editor}")).to_be_disabled()
+        expect(pg.locator("#errors .error")).to_have_count(0)
+        assert errors.errors == []
+    finally:
+        srv.stop()

@@ -11,16 +11,20 @@ a malformed URL or a source that is not allowed is a 422.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi import APIRouter, HTTPException, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engines.pool import EnginePool
 from engines.types import DetectParams
+from server import streams_file
 from server.routes.detect import parse_classes
 from server.settings import Settings
 from server.state import get_state
@@ -34,6 +38,7 @@ from streams.manager import (
     ManagerClosed,
     ManagerOptions,
     StreamChanges,
+    StreamExistsError,
     StreamLimitError,
     StreamManager,
 )
@@ -238,8 +243,22 @@ class StreamPatch(DetectIn):
         return changes
 
 
+STREAM_ID = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+"""A stream id given by its user: a camera's name in URLs and MQTT topics (``front_door``)."""
+
+
 class StreamIn(StreamPatch):
-    """Body of ``POST /streams``."""
+    """Body of ``POST /streams`` and ``PUT /streams/{id}``, and an entry of the streams
+    file."""
+
+    id: Annotated[
+        str | None,
+        Field(
+            pattern=STREAM_ID,
+            description="the stream's id (letters, digits, _ and -, at most 64): its name in"
+            " URLs and MQTT topics; default: 12 random hex digits",
+        ),
+    ] = None
 
     url: Annotated[
         str,
@@ -299,21 +318,98 @@ def get_manager(request: Request) -> StreamManager:
 async def add_stream(body: StreamIn, request: Request) -> dict[str, Any]:
     manager = get_manager(request)
     detect = body.detect(get_state(request).pool.engine.names, StreamDetect())
-    try:
+    with _refusals():
         return await manager.add(
-            body.url, body.name, body.max_fps, body.transport, body.loop, detect=detect
+            body.url,
+            body.name,
+            body.max_fps,
+            body.transport,
+            body.loop,
+            detect=detect,
+            stream_id=body.id,
         )
+
+
+@router.put("/streams/{stream_id}")
+async def put_stream(
+    stream_id: str, body: StreamIn, request: Request, response: Response
+) -> dict[str, Any]:
+    """Create the stream ``stream_id`` (201) or give it every setting anew (200): what is
+    not given takes its default. A new source (``url``, ``transport``, ``loop``) is opened in
+    place of the old one; the stream keeps its id, counts and viewers. For scripts and
+    configuration tools that declare streams: the same call twice changes nothing."""
+    if re.fullmatch(STREAM_ID, stream_id) is None:
+        raise HTTPException(422, f"stream id {stream_id[:80]!r}: letters, digits, _ and -, 1-64")
+    if body.id is not None and body.id != stream_id:
+        raise HTTPException(422, f"id: {body.id!r} in the body, {stream_id!r} in the path")
+    manager = get_manager(request)
+    check_changeable(request, stream_id)
+    detect = body.detect(get_state(request).pool.engine.names, StreamDetect())
+    with _refusals():
+        info = await manager.replace(
+            stream_id,
+            body.url,
+            name=body.name,
+            max_fps=body.max_fps,
+            transport=body.transport,
+            loop=body.loop,
+            detect=detect,
+        )
+        if info is not None:
+            return info
+        response.status_code = 201
+        return await manager.add(
+            body.url,
+            body.name,
+            body.max_fps,
+            body.transport,
+            body.loop,
+            detect=detect,
+            stream_id=stream_id,
+        )
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """The manager's refusals to add or change a stream as HTTP errors."""
+    try:
+        yield
     except SourceError as exc:
         raise HTTPException(422, f"url: {exc}") from None
-    except StreamLimitError as exc:
+    except (StreamLimitError, StreamExistsError) as exc:
         raise HTTPException(409, str(exc)) from None
     except ManagerClosed:
         raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
 
 
-@router.get("/streams")
-async def list_streams(request: Request) -> dict[str, Any]:
-    return {"streams": get_manager(request).list()}
+def check_changeable(request: Request, stream_id: str) -> None:
+    """HTTP 409 for a stream the streams file declares: the file alone changes it."""
+    info = get_manager(request).describe(stream_id)
+    if info is not None and info["from_file"]:
+        path = get_state(request).settings.streams_file
+        raise HTTPException(
+            409,
+            f"stream {stream_id!r} is declared in the streams file {path}: change it there and"
+            " restart (setting STREAMDET_STREAMS_FILE)",
+        )
+
+
+@router.get("/streams", response_model=None)
+async def list_streams(
+    request: Request,
+    output: Annotated[
+        Literal["json", "yaml"],
+        Query(alias="format", description="json, or yaml: a streams file (--streams-file)"),
+    ] = "json",
+) -> dict[str, Any] | Response:
+    streams = get_manager(request).list()
+    if output == "json":
+        return {"streams": streams}
+    return Response(
+        streams_file.to_text(streams),
+        media_type="application/yaml",
+        headers={"Content-Disposition": 'inline; filename="streams.yaml"'},
+    )
 
 
 @router.get("/streams/{stream_id}")
@@ -332,6 +428,7 @@ async def update_stream(stream_id: str, body: StreamPatch, request: Request) -> 
     current = manager.detect(stream_id)
     if current is None:
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+    check_changeable(request, stream_id)
     info = await manager.update(
         stream_id, body.changes(get_state(request).pool.engine.names, current)
     )
@@ -363,9 +460,61 @@ async def create_event(stream_id: str, body: EventIn, request: Request) -> dict[
 
 @router.delete("/streams/{stream_id}", status_code=204)
 async def delete_stream(stream_id: str, request: Request) -> Response:
+    check_changeable(request, stream_id)
     if not await get_manager(request).remove(stream_id):
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
     return Response(status_code=204)
+
+
+async def apply_streams_file(
+    manager: StreamManager, path: Path, names: Mapping[int, str], environ: Mapping[str, str]
+) -> None:
+    """Make the streams the file at ``path`` declares match it: each is added, or given every
+    setting anew (its source reopened only where it changed), and marked as the file's, so
+    the API refuses to change it; a stream the file declared before and no longer does is
+    removed. Streams added through the API are left as they are.
+
+    Raises:
+        StreamsFileError: the file or an entry of it is not right; the message names it.
+    """
+    declared = []
+    for entry in streams_file.read_entries(path, environ):
+        where = f"streams file {path}: stream {entry['id']!r}"
+        try:
+            body = StreamIn.model_validate(entry)
+            detect = body.detect(names, StreamDetect())
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
+                for error in exc.errors()
+            )
+            raise streams_file.StreamsFileError(f"{where}: {problems}") from None
+        except HTTPException as exc:
+            raise streams_file.StreamsFileError(f"{where}: {exc.detail}") from None
+        declared.append((body, detect))
+    ids = {body.id for body, _ in declared}
+    for info in manager.list():
+        if info["from_file"] and info["id"] not in ids:
+            await manager.remove(info["id"])
+            log.info("stream %s: removed, as the streams file no longer declares it", info["id"])
+    for body, detect in declared:
+        sid = str(body.id)
+        try:
+            fields: dict[str, Any] = {
+                "name": body.name,
+                "max_fps": body.max_fps,
+                "transport": body.transport,
+                "loop": body.loop,
+                "detect": detect,
+                "from_file": True,
+            }
+            if await manager.replace(sid, body.url, **fields) is None:
+                await manager.add(body.url, stream_id=sid, **fields)
+        except (SourceError, StreamLimitError) as exc:
+            raise streams_file.StreamsFileError(
+                f"streams file {path}: stream {sid!r}: {exc}"
+            ) from None
+    log.info("streams file %s: %d stream(s) declared", path, len(declared))
 
 
 def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:

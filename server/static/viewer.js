@@ -273,6 +273,7 @@ function drawMasks(ctx, masks, editing) {
 const LINE_COLOR = "#00FFFF";
 // The tile buttons that open the shape editor.
 const EDIT_BUTTONS = ".tile-region, .tile-line, .tile-zone, .tile-mask";
+const FROM_FILE = "Declared in the server's streams file (--streams-file): change it there";
 
 // Objects that crossed a counting line, each way, summed over classes.
 function lineCounts(crossings, name) {
@@ -412,6 +413,12 @@ class Tile {
     const zones = stream.detect?.zones ?? [];
     const zoneCounts = stream.zones ?? {};
     const masks = stream.detect?.motion_mask ?? [];
+    // A stream the server's streams file declares is changed in that file: no editors.
+    this.fromFile = Boolean(stream.from_file);
+    if (this.fromFile) {
+      for (const button of this.element.querySelectorAll(EDIT_BUTTONS)) button.disabled = true;
+    }
+    $(".tile-name", this.element).title = this.fromFile ? FROM_FILE : "";
     const changed = JSON.stringify([region, lines, crossings, zones, zoneCounts, masks]) !==
       JSON.stringify([this.region, this.lines, this.crossings, this.zones, this.zoneCounts, this.masks]);
     Object.assign(this, { region, lines, crossings, zones, zoneCounts, masks });
@@ -507,7 +514,7 @@ class Tile {
     delete this.element.dataset.editing;
     $(".tile-edit-bar", this.element).hidden = true;
     for (const button of this.element.querySelectorAll(EDIT_BUTTONS)) {
-      button.disabled = !this.current;
+      button.disabled = !this.current || this.fromFile;
     }
     this.paint();
   }
@@ -689,7 +696,7 @@ class Tile {
       this.current?.bitmap.close();
       this.current = { meta: pair.meta, bitmap };
       if (!this.editing) {
-        for (const b of this.element.querySelectorAll(EDIT_BUTTONS)) b.disabled = false;
+        for (const b of this.element.querySelectorAll(EDIT_BUTTONS)) b.disabled = this.fromFile;
       }
       this.paint();
       this.countFrame(pair.meta);
@@ -872,6 +879,9 @@ function renderStreams(list) {
     $(".watch", row).checked = watched.has(stream.id);
     $(".watch", row).setAttribute("aria-label", `watch ${name}`);
     $(".remove", row).setAttribute("aria-label", `remove ${name}`);
+    // A stream the server's streams file declares is changed in that file, not here.
+    $(".remove", row).disabled = Boolean(stream.from_file);
+    $(".remove", row).title = stream.from_file ? FROM_FILE : "";
     $(".state", row).textContent = stream.state ?? "?";
     $(".fps", row).textContent = streamFps(stream);
     $(".objects", row).textContent = streamObjects(stream);

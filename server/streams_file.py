@@ -1,0 +1,101 @@
+"""The streams file (``--streams-file``): cameras declared as configuration, as Frigate's and
+DeepStream's configuration files declare theirs, kept in version control and deployed with
+the server.
+
+YAML (JSON is YAML too): a list of streams, or ``{"streams": [...]}``; each entry has the
+fields of ``POST /streams`` and an ``id``::
+
+    streams:
+      - id: front_door
+        url: rtsp://admin:${FRONT_DOOR_PASSWORD}@10.0.0.5/stream1
+        classes: [person, car]
+        track: true
+        zones: [{name: porch, points: [[0, 0.6], [1, 0.6], [1, 1], [0, 1]], loiter_s: 30}]
+
+``${NAME}`` in a text is replaced by the environment variable ``NAME``, so passwords stay out
+of the file (as Frigate's ``{FRIGATE_RTSP_PASSWORD}``). At start the server makes the streams
+the file declares match it (``server.routes.streams.apply_streams_file``); ``GET
+/streams?format=yaml`` writes every stream in this form (passwords masked).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# What an export leaves out: the stream's state and counts, not its settings.
+_SETTINGS = ("id", "name", "url", "max_fps", "transport")
+
+
+class StreamsFileError(ValueError):
+    """The streams file cannot be used; the message names the file, the entry and why."""
+
+
+def read_entries(path: Path, environ: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The entries of the streams file at ``path``, ``${NAME}`` replaced from ``environ``.
+
+    Raises:
+        StreamsFileError: unreadable, not YAML, not a list of mappings, an entry without an
+            ``id`` or with one used twice, or an environment variable that is not set.
+    """
+    where = f"streams file {path} (setting STREAMDET_STREAMS_FILE)"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise StreamsFileError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise StreamsFileError(f"{where}: not YAML: {exc}") from None
+    if isinstance(data, dict) and set(data) == {"streams"}:
+        data = data["streams"]
+    if data is None:
+        data = []
+    if not isinstance(data, list) or not all(isinstance(e, dict) for e in data):
+        raise StreamsFileError(f"{where}: expected a list of streams, or {{streams: [...]}}")
+    seen: set[str] = set()
+    entries = []
+    for number, entry in enumerate(data, 1):
+        sid = entry.get("id")
+        if not isinstance(sid, str) or not sid:
+            raise StreamsFileError(f"{where}: stream {number}: give it an id (e.g. front_door)")
+        if sid in seen:
+            raise StreamsFileError(f"{where}: stream {number}: the id {sid!r} is used twice")
+        seen.add(sid)
+        entries.append(_substitute(entry, environ, f"{where}: stream {sid!r}"))
+    return entries
+
+
+def _substitute(value: Any, environ: Mapping[str, str], where: str) -> Any:
+    """``value`` with ``${NAME}`` in its texts replaced from ``environ``."""
+    if isinstance(value, str):
+
+        def variable(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in environ:
+                raise StreamsFileError(f"{where}: the environment variable {name} is not set")
+            return environ[name]
+
+        return _VARIABLE.sub(variable, value)
+    if isinstance(value, list):
+        return [_substitute(v, environ, where) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, environ, where) for k, v in value.items()}
+    return value
+
+
+def to_text(streams: Sequence[Mapping[str, Any]]) -> str:
+    """Streams as ``GET /streams`` describes them, as a streams file: their settings only
+    (``url`` as described, its password masked)."""
+    entries = [
+        {
+            **{key: stream[key] for key in _SETTINGS},
+            "loop": stream.get("loop", True),
+            **stream["detect"],
+        }
+        for stream in streams
+    ]
+    return str(yaml.safe_dump({"streams": entries}, sort_keys=False, allow_unicode=True))

@@ -1,0 +1,225 @@
+"""Streams declared with ids: ``POST /streams`` with an ``id``, ``PUT /streams/{id}`` (create,
+or replace, reopening the source only where it changed, viewers kept), the streams file
+(``--streams-file``: declared at start, ``${ENV}`` in it, the API refused on its streams, a
+stream no longer declared removed) and ``GET /streams?format=yaml``, against the real model
+and the shared clips."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from server.streams_file import StreamsFileError, read_entries, to_text
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, MODEL_PT, SHELF, file_stream_app
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def write(path: Path, data: Any) -> Path:
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def test_the_streams_file_is_read_with_its_variables_and_checked(tmp_path: Path) -> None:
+    env = {"PASSWORD": "s3cret", "HOST": "10.0.0.5"}
+    listed = [{"id": "door", "url": "rtsp://admin:${PASSWORD}@${HOST}/1", "zones": [SHELF]}]
+    assert read_entries(write(tmp_path / "a.yaml", listed), env) == [
+        {"id": "door", "url": "rtsp://admin:s3cret@10.0.0.5/1", "zones": [SHELF]}
+    ]
+    wrapped = write(tmp_path / "b.yaml", {"streams": listed})
+    assert read_entries(wrapped, env) == read_entries(tmp_path / "a.yaml", env)
+    assert read_entries(write(tmp_path / "empty.yaml", ""), env) == []
+    for name, text, words in (
+        ("novar.yaml", listed, "the environment variable HOST is not set"),
+        ("noid.yaml", [{"url": "rtsp://x/1"}], "stream 1: give it an id"),
+        ("twice.yaml", [{"id": "a", "url": "x"}, {"id": "a", "url": "y"}], "'a' is used twice"),
+        ("scalar.yaml", "just text", "expected a list of streams"),
+        ("broken.yaml", "streams: [unclosed", "not YAML"),
+    ):
+        with pytest.raises(StreamsFileError, match="STREAMDET_STREAMS_FILE") as error:
+            read_entries(write(tmp_path / name, text), {"PASSWORD": "x"})
+        assert words in str(error.value) and name in str(error.value), str(error.value)
+    with pytest.raises(StreamsFileError, match="cannot read it"):
+        read_entries(tmp_path / "missing.yaml", env)
+
+
+def test_streams_with_ids_are_put_replaced_and_reopened_keeping_their_viewers(
+    tmp_path: Path,
+) -> None:
+    bottles = {"url": f"file://{BOTTLE_CLIP}", "max_fps": 8, "classes": "bottle"}
+    with TestClient(file_stream_app(tmp_path)) as c:
+        created = c.post("/streams", json={**bottles, "id": "shelf_cam"})
+        assert created.status_code == 201 and created.json()["id"] == "shelf_cam"
+        again = c.post("/streams", json={**bottles, "id": "shelf_cam"})
+        assert again.status_code == 409 and "'shelf_cam' exists" in again.text
+        for bad in ("has space", "-leading", "x" * 65):
+            refused = c.post("/streams", json={**bottles, "id": bad})
+            assert refused.status_code == 422 and "id" in refused.text
+        # PUT creates (201), then replaces (200): the same body twice changes nothing.
+        put = c.put("/streams/cam1", json=bottles)
+        assert put.status_code == 201 and put.json()["id"] == "cam1"
+
+        def stream() -> dict[str, Any]:
+            info: dict[str, Any] = c.get("/streams/cam1").json()
+            return info
+
+        wait_until(lambda: stream()["frames_in"] >= 5, "cam1's first frames")
+        before = stream()
+        same = c.put("/streams/cam1", json=bottles)
+        assert same.status_code == 200 and same.json()["created_at"] == before["created_at"]
+        assert stream()["frames_in"] >= before["frames_in"]  # the same source, not reopened
+        # What a PUT leaves out takes its default: every class again.
+        assert c.put("/streams/cam1", json={**bottles, "classes": None}).status_code == 200
+        assert stream()["detect"]["classes"] is None
+        with c.websocket_connect("/ws/streams/cam1") as viewer:
+            assert viewer.receive_json()["width"] == before["width"]
+            # A new source is opened in place of the old one; the viewer stays connected.
+            reopened = c.put("/streams/cam1", json={"url": f"file://{CAR_CLIP}", "max_fps": 8})
+            assert reopened.status_code == 200, reopened.text
+            deadline = time.monotonic() + 60
+            while (frame := viewer.receive_json())["width"] == before["width"]:
+                assert time.monotonic() < deadline, "no frame of the new source in 60 s"
+            assert frame["stream_id"] == "cam1" and frame["width"] != before["width"]
+        info = stream()
+        assert info["url"] == f"file://{CAR_CLIP}" and info["created_at"] == before["created_at"]
+        mismatch = c.put("/streams/cam1", json={**bottles, "id": "other"})
+        assert mismatch.status_code == 422 and "'other' in the body" in mismatch.text
+        bad_path = c.put("/streams/bad%20id", json=bottles)
+        assert bad_path.status_code == 422 and "letters, digits" in bad_path.text
+        bad_url = c.put("/streams/cam1", json={"url": "ftp://nope"})
+        assert bad_url.status_code == 422 and "url" in bad_url.text
+        assert stream()["url"] == f"file://{CAR_CLIP}"  # a refused PUT changes nothing
+
+
+def test_the_streams_file_declares_streams_the_api_cannot_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLIPS", str(BOTTLE_CLIP.parent))
+    shelf = {
+        "id": "shelf",
+        "url": f"file://${{CLIPS}}/{BOTTLE_CLIP.name}",
+        "max_fps": 8,
+        "classes": ["bottle"],
+        "track": True,
+        "zones": [SHELF],
+    }
+    road = {"id": "road", "url": f"file://${{CLIPS}}/{CAR_CLIP.name}", "max_fps": 4}
+    path = write(tmp_path / "streams.yaml", {"streams": [shelf, road]})
+    with TestClient(file_stream_app(tmp_path, streams_file=path)) as c:
+        streams = {s["id"]: s for s in c.get("/streams").json()["streams"]}
+        assert set(streams) == {"shelf", "road"} and all(s["from_file"] for s in streams.values())
+        assert streams["shelf"]["url"] == f"file://{BOTTLE_CLIP}"  # ${CLIPS} filled in
+        assert streams["shelf"]["detect"]["zones"][0]["name"] == "shelf"
+        extra = c.post("/streams", json={"id": "extra", "url": f"file://{CAR_CLIP}"})
+        assert extra.status_code == 201 and extra.json()["from_file"] is False
+        for refused in (
+            c.patch("/streams/shelf", json={"conf": 0.5}),
+            c.put("/streams/shelf", json={"url": f"file://{CAR_CLIP}"}),
+            c.delete("/streams/road"),
+        ):
+            assert refused.status_code == 409, refused.text
+            assert "declared in the streams file" in refused.text and str(path) in refused.text
+        # Every stream as a streams file: the settings, not the state.
+        exported = c.get("/streams", params={"format": "yaml"})
+        assert exported.headers["content-type"].startswith("application/yaml")
+        entries = {e["id"]: e for e in yaml.safe_load(exported.text)["streams"]}
+        assert set(entries) == {"shelf", "road", "extra"}
+        assert entries["shelf"]["zones"][0]["points"] == SHELF["points"]
+        assert entries["shelf"]["classes"] == ["bottle"] and "frames_in" not in entries["shelf"]
+        wait_until(lambda: c.get("/streams/shelf").json()["frames_in"] > 0, "shelf's frames")
+
+    # Restarted with a changed file: shelf changes (no zones, 5 fps), road is no longer
+    # declared and goes, lot is new; the stream added through the API stays as it was.
+    lot = {"id": "lot", "url": f"file://{CAR_CLIP}", "classes": "car,truck", "track": True}
+    changed = {**shelf, "max_fps": 5, "zones": None}
+    write(path, [changed, lot])
+    with TestClient(file_stream_app(tmp_path, streams_file=path)) as c:
+        streams = {s["id"]: s for s in c.get("/streams").json()["streams"]}
+        assert set(streams) == {"shelf", "lot", "extra"}
+        assert streams["shelf"]["max_fps"] == 5 and streams["shelf"]["detect"]["zones"] == []
+        assert streams["lot"]["detect"]["classes"] == ["car", "truck"]
+        assert streams["lot"]["from_file"] and not streams["extra"]["from_file"]
+        assert c.patch("/streams/extra", json={"conf": 0.4}).status_code == 200
+        # The exported file, given to a fresh server, declares the same streams.
+        exported_text = c.get("/streams", params={"format": "yaml"}).text
+    fresh = write(tmp_path / "exported.yaml", exported_text)
+    with TestClient(file_stream_app(tmp_path / "fresh", streams_file=fresh)) as c:
+        again = {s["id"]: s for s in c.get("/streams").json()["streams"]}
+        assert set(again) == {"shelf", "lot", "extra"}
+        for sid, stream in again.items():
+            assert stream["detect"] == streams[sid]["detect"] | (
+                {"conf": 0.4} if sid == "extra" else {}
+            )
+
+
+def test_a_streams_file_that_does_not_fit_stops_the_start_naming_the_stream(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path / "streams.yaml",
+        [{"id": "door", "url": f"file://{CAR_CLIP}", "classes": "person,unicorn"}],
+    )
+    with (
+        pytest.raises(StreamsFileError, match=r"stream 'door': classes: unknown class name"),
+        TestClient(file_stream_app(tmp_path, streams_file=path)),
+    ):
+        pass
+    write(path, [{"id": "door", "url": f"file://{CAR_CLIP}", "max_fpss": 2}])
+    with (
+        pytest.raises(StreamsFileError, match=r"stream 'door': max_fpss: Extra inputs"),
+        TestClient(file_stream_app(tmp_path, streams_file=path)),
+    ):
+        pass
+
+
+def test_an_export_masks_passwords() -> None:
+    stream = {
+        "id": "door",
+        "name": "front door",
+        "url": "rtsp://admin:***@10.0.0.5/1",
+        "max_fps": None,
+        "transport": "tcp",
+        "loop": True,
+        "frames_in": 12,
+        "detect": {"conf": 0.25, "classes": None},
+    }
+    [entry] = yaml.safe_load(to_text([stream]))["streams"]
+    assert entry == {
+        "id": "door",
+        "name": "front door",
+        "url": "rtsp://admin:***@10.0.0.5/1",
+        "max_fps": None,
+        "transport": "tcp",
+        "loop": True,
+        "conf": 0.25,
+        "classes": None,
+    }
+
+
+def test_streamdet_serve_refuses_a_broken_streams_file_before_loading_the_model(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path / "streams.yaml", [{"url": "rtsp://camera/1"}])
+    serve = [sys.executable, "-m", "server.cli", "serve", "--model", str(MODEL_PT)]
+    done = subprocess.run(
+        [*serve, "--streams-file", str(path), "--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "cannot start" in done.stderr and "stream 1: give it an id" in done.stderr
