@@ -271,6 +271,18 @@ class StreamIn(StreamPatch):
     transport: Transport = "tcp"
     loop: bool = True
 
+    def settings(self, detect: StreamDetect, *, from_file: bool = False) -> dict[str, Any]:
+        """What :meth:`StreamManager.add` and :meth:`StreamManager.replace` take besides the
+        url and the id, ``detect`` made from this body."""
+        return {
+            "name": self.name,
+            "max_fps": self.max_fps,
+            "transport": self.transport,
+            "loop": self.loop,
+            "detect": detect,
+            "from_file": from_file,
+        }
+
 
 MAX_EVENT_DATA = 4096
 
@@ -319,15 +331,7 @@ async def add_stream(body: StreamIn, request: Request) -> dict[str, Any]:
     manager = get_manager(request)
     detect = body.detect(get_state(request).pool.engine.names, StreamDetect())
     with _refusals():
-        return await manager.add(
-            body.url,
-            body.name,
-            body.max_fps,
-            body.transport,
-            body.loop,
-            detect=detect,
-            stream_id=body.id,
-        )
+        return await manager.add(body.url, stream_id=body.id, **body.settings(detect))
 
 
 @router.put("/streams/{stream_id}")
@@ -346,27 +350,11 @@ async def put_stream(
     check_changeable(request, stream_id)
     detect = body.detect(get_state(request).pool.engine.names, StreamDetect())
     with _refusals():
-        info = await manager.replace(
-            stream_id,
-            body.url,
-            name=body.name,
-            max_fps=body.max_fps,
-            transport=body.transport,
-            loop=body.loop,
-            detect=detect,
-        )
+        info = await manager.replace(stream_id, body.url, **body.settings(detect))
         if info is not None:
             return info
         response.status_code = 201
-        return await manager.add(
-            body.url,
-            body.name,
-            body.max_fps,
-            body.transport,
-            body.loop,
-            detect=detect,
-            stream_id=stream_id,
-        )
+        return await manager.add(body.url, stream_id=stream_id, **body.settings(detect))
 
 
 @contextlib.contextmanager
@@ -500,14 +488,7 @@ async def apply_streams_file(
     for body, detect in declared:
         sid = str(body.id)
         try:
-            fields: dict[str, Any] = {
-                "name": body.name,
-                "max_fps": body.max_fps,
-                "transport": body.transport,
-                "loop": body.loop,
-                "detect": detect,
-                "from_file": True,
-            }
+            fields = body.settings(detect, from_file=True)
             if await manager.replace(sid, body.url, **fields) is None:
                 await manager.add(body.url, stream_id=sid, **fields)
         except (SourceError, StreamLimitError) as exc:
