@@ -129,7 +129,7 @@ class ServerProcess:
         log.info("server %s ready (pid %d, log %s)", self.base_url, self._proc.pid, self.log_path)
 
     def _read(self, stdout: IO[str], mode: str) -> None:
-        with stdout, self.log_path.open(mode) as out:
+        with stdout, self.log_path.open(mode, buffering=1) as out:  # lines: log_text() sees them
             for line in stdout:
                 out.write(line)
                 self._tail = [*self._tail[-49:], line]

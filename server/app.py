@@ -49,15 +49,17 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         manager = streams.build_manager(settings, engine_pool)
         await manager.start()
         state.streams = manager
+        names = engine_pool.engine.names
         if settings.streams_file is not None:
             try:
-                names = engine_pool.engine.names
                 await streams.apply_streams_file(manager, settings.streams_file, names, os.environ)
             except StreamsFileError as exc:
                 log.error("cannot start: %s", exc)
                 await manager.stop(settings.shutdown_timeout_s)
                 await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
                 raise
+        reloads = streams.StreamsFileReloads(manager, settings.streams_file, names)
+        reloads.install()  # SIGHUP applies the streams file again
         snapshots = SnapshotStore(
             settings.event_snapshots,
             settings.event_snapshot_width,
@@ -109,6 +111,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             # Stop intake, drain within the timeout, then fail what is left.
             state.shutting_down = True
             lag_watch.cancel()
+            reloads.uninstall()
             await manager.stop(settings.shutdown_timeout_s)
             await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out
             if publisher is not None:

@@ -205,6 +205,14 @@ class StreamManager:
         log.info("stream %s: added %s", sid, redact(url))
         return self._describe(record)
 
+    @property
+    def max_streams(self) -> int:
+        return self._opt.max_streams
+
+    def check_source(self, url: str, transport: Transport, loop: bool) -> None:
+        """Raises :class:`SourceError` where :meth:`add` would, for the same source."""
+        parse_source(url, self._opt.allowed_file_dir, transport, loop)
+
     def detect(self, stream_id: str) -> StreamDetect | None:
         """What a stream detects now; None if unknown."""
         reader = self._readers.get(stream_id)

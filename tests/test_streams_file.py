@@ -6,6 +6,8 @@ and the shared clips."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,12 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from fastapi.testclient import TestClient
 
+from loadtest.server import ServerProcess
 from server.streams_file import StreamsFileError, read_entries, to_text
-from tests.helpers import BOTTLE_CLIP, CAR_CLIP, MODEL_PT, SHELF, file_stream_app
+from tests.helpers import BOTTLE_CLIP, CACHE_DIR, CAR_CLIP, MODEL_PT, SHELF, file_stream_app
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -216,3 +220,35 @@ def test_streamdet_serve_refuses_a_broken_streams_file_before_loading_the_model(
     )
     assert done.returncode == 2, done.stderr
     assert "cannot start" in done.stderr and "stream 1: give it an id" in done.stderr
+
+
+def test_sighup_applies_a_changed_streams_file_and_keeps_the_streams_on_a_broken_one(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path / "streams.yaml", [{"id": "road", "url": f"file://{CAR_CLIP}"}])
+    settings: dict[str, object] = {
+        "model": str(MODEL_PT),
+        "cache_dir": str(CACHE_DIR),
+        "data_dir": str(tmp_path / "data"),
+        "allowed_file_dir": str(CAR_CLIP.parent),
+        "streams_file": str(path),
+        "workers": 1,
+    }
+    server = ServerProcess(settings, log_path=tmp_path / "server.log")
+    with server, httpx.Client(base_url=server.base_url, timeout=30) as c:
+
+        def ids() -> set[str]:
+            return {s["id"] for s in c.get("/streams").json()["streams"]}
+
+        assert ids() == {"road"}
+        shelf = {"id": "shelf", "url": f"file://{BOTTLE_CLIP}", "classes": "bottle"}
+        write(path, [shelf])
+        os.kill(server.pid, signal.SIGHUP)
+        wait_until(lambda: ids() == {"shelf"}, "the reloaded file's streams", 30)
+        assert c.get("/streams/shelf").json()["detect"]["classes"] == ["bottle"]
+        # A file that does not fit changes nothing: the error is logged, streams go on.
+        write(path, [shelf, {"id": "bad", "url": "ftp://camera/1"}])
+        os.kill(server.pid, signal.SIGHUP)
+        wait_until(lambda: "streams file not reloaded" in server.log_text(), "the error", 30)
+        assert ids() == {"shelf"} and "'bad': url" in server.log_text()
+        assert c.get("/healthz").status_code == 200

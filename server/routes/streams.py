@@ -11,10 +11,13 @@ a malformed URL or a source that is not allowed is a 422.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
+import signal
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -460,7 +463,8 @@ async def apply_streams_file(
     """Make the streams the file at ``path`` declares match it: each is added, or given every
     setting anew (its source reopened only where it changed), and marked as the file's, so
     the API refuses to change it; a stream the file declared before and no longer does is
-    removed. Streams added through the API are left as they are.
+    removed. Streams added through the API are left as they are. The whole file is checked
+    before anything changes.
 
     Raises:
         StreamsFileError: the file or an entry of it is not right; the message names it.
@@ -479,8 +483,18 @@ async def apply_streams_file(
             raise streams_file.StreamsFileError(f"{where}: {problems}") from None
         except HTTPException as exc:
             raise streams_file.StreamsFileError(f"{where}: {exc.detail}") from None
+        try:
+            manager.check_source(body.url, body.transport, body.loop)
+        except SourceError as exc:
+            raise streams_file.StreamsFileError(f"{where}: url: {exc}") from None
         declared.append((body, detect))
     ids = {body.id for body, _ in declared}
+    others = [s for s in manager.list() if not s["from_file"] and s["id"] not in ids]
+    if len(others) + len(declared) > manager.max_streams:
+        raise streams_file.StreamsFileError(
+            f"streams file {path}: {len(declared)} streams and {len(others)} added through the"
+            f" API are more than {manager.max_streams} (setting STREAMDET_MAX_STREAMS)"
+        )
     for info in manager.list():
         if info["from_file"] and info["id"] not in ids:
             await manager.remove(info["id"])
@@ -496,6 +510,54 @@ async def apply_streams_file(
                 f"streams file {path}: stream {sid!r}: {exc}"
             ) from None
     log.info("streams file %s: %d stream(s) declared", path, len(declared))
+
+
+class StreamsFileReloads:
+    """``SIGHUP`` re-applies the streams file (as nginx and Prometheus reload their
+    configuration on it): a file that does not fit is logged and changes nothing.
+
+    Args:
+        manager: the streams.
+        path: the streams file (None: nothing to reload; ``SIGHUP`` is logged).
+        names: the model's class names.
+    """
+
+    def __init__(self, manager: StreamManager, path: Path | None, names: Mapping[int, str]):
+        self._manager, self._path, self._names = manager, path, names
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[bool]] = set()
+
+    def install(self) -> None:
+        """Handle ``SIGHUP`` on the running loop (only where it runs in the main thread)."""
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.signalled)
+
+    def uninstall(self) -> None:
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+    def signalled(self) -> None:
+        if self._path is None:
+            log.warning("SIGHUP: no streams file to reload (setting STREAMDET_STREAMS_FILE)")
+            return
+        log.info("SIGHUP: reloading the streams file %s", self._path)
+        task = asyncio.create_task(self.reload())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def reload(self) -> bool:
+        """Apply the file again, one reload at a time; False (logged) if it does not fit."""
+        if self._path is None:
+            return False
+        async with self._lock:
+            try:
+                await apply_streams_file(self._manager, self._path, self._names, os.environ)
+            except streams_file.StreamsFileError as exc:
+                log.error("streams file not reloaded, the streams stay as they were: %s", exc)
+                return False
+            except ManagerClosed:
+                return False
+        return True
 
 
 def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
