@@ -10,7 +10,10 @@ WebSocket, and after a warm-up measures for a fixed time:
   of the other frames processed are reported too;
 * processed fps per stream, and slowest / fastest (fairness);
 * frame latency p50/p99 (decode to publication: the message's ``latency_ms``; and decode to
-  the client's receipt: receive time minus ``captured_at``, same host clock).
+  the client's receipt: receive time minus ``captured_at``, same host clock);
+* the server process's CPU (user + system seconds per second, from ``/proc``) and the share
+  of the frames that came in that were decoded: with ``--max-fps`` at or under the clip's
+  keyframe rate only keyframes are (``--keyframe-decode false`` on the server: all).
 
 Run (about 30 s per camera count; the machine is shared, so figures vary)::
 
@@ -86,8 +89,14 @@ class Child:
             self.proc.stdout.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process ``pid`` has used (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(
-    base: str, ws_base: str, ids: list[str], warmup_s: float, seconds_s: float
+    base: str, ws_base: str, ids: list[str], warmup_s: float, seconds_s: float, *, pid: int
 ) -> dict[str, Any]:
     counts = dict.fromkeys(ids, 0)
     server_lat: list[float] = []
@@ -118,9 +127,9 @@ async def measure(
 
         tasks = [asyncio.create_task(watch(sid)) for sid in ids]
         await asyncio.sleep(warmup_s)
-        before = await snapshot()
+        before, cpu_before, wall_before = await snapshot(), cpu_seconds(pid), time.monotonic()
         await asyncio.gather(*tasks)
-        after = await snapshot()
+        after, cpu_after, wall_after = await snapshot(), cpu_seconds(pid), time.monotonic()
 
     per_stream = {}
     for sid in ids:
@@ -128,6 +137,8 @@ async def measure(
         processed = after[sid]["frames_processed"] - before[sid]["frames_processed"]
         per_stream[sid] = {
             "frames_in": frames_in,
+            "decoded": after[sid]["frames_decoded"] - before[sid]["frames_decoded"],
+            "keyframes_only": after[sid]["keyframes_only"],
             "processed": processed,
             "drops": after[sid]["drops"] - before[sid]["drops"],
             "motion_skipped": after[sid]["motion_skipped"] - before[sid]["motion_skipped"],
@@ -140,9 +151,12 @@ async def measure(
     total_in = sum(s["frames_in"] for s in per_stream.values())
     total_done = sum(s["processed"] for s in per_stream.values())
     still = sum(s["motion_skipped"] for s in per_stream.values())
+    decoded = sum(s["decoded"] for s in per_stream.values())
     return {
         "cameras": len(ids),
         "seconds": seconds_s,
+        "server_cpu_per_s": (cpu_after - cpu_before) / (wall_after - wall_before),
+        "decoded_share": decoded / max(total_in, 1),
         "processed_share": total_done / max(total_in, 1),
         "fps_in_total": total_in / seconds_s,
         "fps_processed_total": total_done / seconds_s,
@@ -188,7 +202,11 @@ def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
         for i in range(cameras):
             resp = httpx.post(
                 f"{server.base_url}/streams",
-                json={"url": f"rtsp://127.0.0.1:{rtsp_port}/cam{i}", "motion": args.motion},
+                json={
+                    "url": f"rtsp://127.0.0.1:{rtsp_port}/cam{i}",
+                    "motion": args.motion,
+                    "max_fps": args.max_fps,
+                },
                 timeout=30,
             )
             resp.raise_for_status()
@@ -196,7 +214,14 @@ def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
             if i < cameras - 1:
                 time.sleep(args.stagger_s)  # each camera's clip at another point
         return asyncio.run(
-            measure(server.base_url, server.ws_url, ids, args.warmup_seconds, args.seconds)
+            measure(
+                server.base_url,
+                server.ws_url,
+                ids,
+                args.warmup_seconds,
+                args.seconds,
+                pid=server.pid,
+            )
         )
     finally:
         server.stop()
@@ -212,6 +237,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=15.0, help="measured time per run")
     parser.add_argument("--warmup-seconds", type=float, default=5.0)
     parser.add_argument("--motion", action="store_true", help="streams infer only motion")
+    parser.add_argument(
+        "--max-fps", type=float, default=None, help="each stream's max_fps (default: every frame)"
+    )
     parser.add_argument(
         "--stagger-s",
         type=float,
@@ -233,7 +261,8 @@ def main() -> int:
             f" {r['motion_skipped_share'] * 100:.1f}% still (skipped), wanted frames processed"
             f" {r['wanted_processed_share'] * 100:.1f}%"
             f" (at client: p50 {r['client_latency_ms_p50']:.0f} p99"
-            f" {r['client_latency_ms_p99']:.0f} ms)",
+            f" {r['client_latency_ms_p99']:.0f} ms); server CPU {r['server_cpu_per_s']:.2f}"
+            f" s/s, {r['decoded_share'] * 100:.1f}% of the frames decoded",
             flush=True,
         )
     if args.out:

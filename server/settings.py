@@ -108,6 +108,11 @@ class Settings(BaseSettings):
         " made to match it at start; the API cannot change them",
     )
     max_streams: int = Field(64, ge=1, le=4096, description="most streams at once")
+    keyframe_decode: bool = Field(
+        True,
+        description="decode only the keyframes of a stream whose keyframes come at least as"
+        " often as its max_fps samples (no B-frames): the same frames for a fraction of the CPU",
+    )
     stream_open_timeout_s: float = Field(
         10.0, gt=0, description="time to connect to a source before retrying"
     )

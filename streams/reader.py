@@ -90,6 +90,9 @@ class ReaderOptions:
     """``cuda``/``cuda:N``: NVDEC, frames stay on the GPU (GPU backends only); else CPU."""
     motion: MotionOptions = field(default_factory=MotionOptions)
     """How streams with ``motion`` on measure it."""
+    keyframe_decode: bool = True
+    """Decode only keyframes where they come as often as ``max_fps`` samples (see
+    :func:`keyframes_suffice`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,21 @@ class _Pending:
     decoded_mono: float
     image: Image
     detect: StreamDetect
+
+
+KEYFRAME_SLACK = 1.05
+"""A group of pictures may be this much longer than ``1 / max_fps`` for keyframes to do."""
+
+
+def keyframes_suffice(gop_s: float | None, max_fps: float | None, reorders: bool) -> bool:
+    """Whether decoding only a stream's keyframes gives the frames its sampling takes: it
+    samples at most ``max_fps`` frames a second and a keyframe comes every ``gop_s`` seconds
+    (the last group of pictures), at least as often; never for a stream that reorders frames
+    (B-frames: its decoder holds each picture back until the next one, a keyframe would wait
+    a whole group)."""
+    if not max_fps or gop_s is None or gop_s <= 0 or reorders:
+        return False
+    return gop_s <= KEYFRAME_SLACK / max_fps
 
 
 class RateMeter:
@@ -164,6 +182,8 @@ class StreamReader:
         self.processed = 0
         self.drops = 0
         self.skipped = 0
+        self.decoded = 0
+        self.keyframes_only = False
         self.motion_skipped = 0
         self._motion = MotionGate(options.motion)
         self.reconnects = 0
@@ -231,6 +251,8 @@ class StreamReader:
                 "fps_in": round(self._fps_in.rate(now), 2),
                 "fps_processed": round(self._fps_out.rate(now), 2),
                 "frames_in": self.frames_in,
+                "frames_decoded": self.decoded,
+                "keyframes_only": self.keyframes_only,
                 "frames_processed": self.processed,
                 "drops": self.drops,
                 "skipped": self.skipped,
@@ -343,6 +365,9 @@ class StreamReader:
         got = False
         pace_base: tuple[float, float] | None = None  # (monotonic, pts) of the first frame
         last_sent = -1e9
+        last_key: float | None = None  # when the last keyframe was (seconds of the stream)
+        reorders = bool(stream.codec_context.has_b_frames)
+        self.keyframes_only = False
         for packet in container.demux(stream):
             if self._stop.is_set():
                 return got
@@ -351,6 +376,21 @@ class StreamReader:
                     self._guard_clips(self.clips.packet, packet, stream, time.monotonic())
                 else:
                     self._guard_clips(self.clips.discard)
+            if packet.is_keyframe:
+                if packet.pts is not None and packet.time_base:
+                    # Each group of pictures is decoded whole or keyframe only, decided at its
+                    # keyframe from the last group's length: a decoder fed a P-frame whose
+                    # references it skipped would show garbage.
+                    at = float(packet.pts * packet.time_base)
+                    gop = None if last_key is None else at - last_key
+                    last_key = at
+                    self.keyframes_only = self._opt.keyframe_decode and keyframes_suffice(
+                        gop, self.max_fps, reorders or self._gpu_decode is not None
+                    )
+            elif self.keyframes_only and packet.size:
+                # A frame of the camera all the same: counted in, and as sampled out.
+                self._count_in(time.monotonic(), self.width, self.height, decoded=False)
+                continue
             try:
                 frames = packet.decode()
             except av.error.InvalidDataError as exc:
@@ -402,9 +442,14 @@ class StreamReader:
         except Exception:
             log.exception("stream %s: event clips failed", self.config.id)
 
-    def _count_in(self, now: float, width: int, height: int) -> None:
+    def _count_in(self, now: float, width: int, height: int, *, decoded: bool = True) -> None:
+        """A frame came in: decoded, or left in its packet (keyframes only: as sampled out)."""
         with self._lock:
             self.frames_in += 1
+            if decoded:
+                self.decoded += 1
+            else:
+                self.skipped += 1
             self._fps_in.tick(now)
             self._last_frame_mono = now
             self.width, self.height = width, height

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import closing
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 
@@ -26,10 +27,16 @@ from streams.detect import Roi, StreamDetect
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.lines import Crossing
 from streams.manager import ManagerOptions, StreamManager
-from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+from streams.reader import (
+    ReaderOptions,
+    StreamConfig,
+    StreamReader,
+    StreamState,
+    keyframes_suffice,
+)
 from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
 from streams.store import StreamStore, new_record
-from tests.helpers import MESSAGE_KEYS, VIDEOS, start_ort_pool
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, MESSAGE_KEYS, VIDEOS, start_ort_pool
 
 # ---- URL rules ---------------------------------------------------------------------------
 
@@ -146,6 +153,10 @@ def test_store_adds_new_columns_to_an_older_file(tmp_path: Path) -> None:
     assert not store.update(dataclasses.replace(old, id="nope"))
     (again,) = StreamStore(tmp_path / "data").load()
     assert (again.name, again.max_fps, again.detect) == ("gate 2", 2.0, '{"conf": 0.5}')
+    assert again.from_file is False  # a column added since, with its default
+    assert store.replace(dataclasses.replace(again, url="rtsp://cam/9", from_file=True))
+    (replaced,) = StreamStore(tmp_path / "data").load()
+    assert (replaced.url, replaced.from_file, replaced.name) == ("rtsp://cam/9", True, "gate 2")
 
 
 def _frame(n: int) -> ProcessedFrame:
@@ -252,6 +263,41 @@ async def test_file_stream_is_sampled_at_max_fps_and_published(
     assert file_manager.latest(info["id"]) is not None
     assert await file_manager.remove(info["id"])
     assert file_manager.describe(info["id"]) is None
+
+
+def test_keyframes_suffice_where_they_come_as_often_as_the_samples() -> None:
+    assert keyframes_suffice(1.0, 1.0, reorders=False)  # a keyframe a second, one sample
+    assert keyframes_suffice(1.04, 1.0, reorders=False)  # within the slack
+    assert not keyframes_suffice(2.0, 1.0, reorders=False)  # samples between keyframes
+    assert not keyframes_suffice(0.5, 1.0, reorders=True)  # B-frames hold pictures back
+    assert not keyframes_suffice(1.0, None, reorders=False)  # every frame sampled
+    assert not keyframes_suffice(None, 1.0, reorders=False)  # no group measured yet
+
+
+async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
+    file_manager: StreamManager,
+) -> None:
+    """The car clip has a keyframe every 4.8 s (60 frames at 12.5 fps): sampled every 5 s,
+    only its keyframes are decoded once the first group is measured; sampled every second, or
+    the bottle clip (B-frames) every 10 s, every frame is."""
+    slow = await file_manager.add(f"file://{CAR_CLIP}", max_fps=0.2)
+    every_s = await file_manager.add(f"file://{CAR_CLIP}", max_fps=1.0)
+    bottles = await file_manager.add(f"file://{BOTTLE_CLIP}", max_fps=0.1)
+    frames = await _frames_from(file_manager, slow["id"], 0, 3)
+    assert [round(f.pts or 0, 2) for f in frames] == [0.0, 4.8, 9.6]  # its keyframes
+    # Whole pictures, the very ones a decoder fed every frame gives.
+    with av.open(str(CAR_CLIP)) as clip:
+        every = {round(f.time, 2): f.to_ndarray(format="rgb24") for f in clip.decode(video=0)}
+    for frame in frames:
+        assert np.array_equal(frame.image, every[round(frame.pts or 0, 2)]), frame.pts
+    stats = {s["id"]: s for s in file_manager.list()}
+    assert stats[slow["id"]]["keyframes_only"] is True
+    decoded, came = stats[slow["id"]]["frames_decoded"], stats[slow["id"]]["frames_in"]
+    assert came >= 180 and decoded <= 60 + 3, (decoded, came)  # the first group, then keys
+    assert stats[slow["id"]]["skipped"] == came - 3  # the others counted as sampled out
+    for other in (every_s, bottles):
+        assert stats[other["id"]]["keyframes_only"] is False
+        assert stats[other["id"]]["frames_decoded"] == stats[other["id"]]["frames_in"] > 0
 
 
 async def _frames_from(

@@ -608,6 +608,7 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         max_attempts=settings.reconnect_max_attempts,
         frame_deadline_ms=settings.stream_frame_deadline_ms,
         max_pixels=settings.max_image_pixels,
+        keyframe_decode=settings.keyframe_decode,
         decode_device=settings.device if settings.decode == "cuda" else "cpu",
         motion=MotionOptions(
             threshold=settings.motion_threshold,
