@@ -75,7 +75,8 @@ class StreamSample:
         stream_id: the stream's id (a label value; the set of streams is bounded).
         fps_in: frames/s decoded from the source, recent average.
         fps_processed: frames/s that went through the engine, recent average.
-        frames_in: frames decoded since the stream was added.
+        frames_in: frames received since the stream was added.
+        frames_decoded: of those, frames decoded (all but where only keyframes are).
         frames_processed: frames run through the engine since the stream was added.
         drops: frames replaced by a newer one before the engine took them.
         reconnects: times the source was reopened after a failure.
@@ -104,6 +105,7 @@ class StreamSample:
     reconnects: int
     frames_failed: int = 0
     motion_skipped: int = 0
+    frames_decoded: int = 0
     detections: Mapping[str, int] = field(default_factory=dict)
     objects: Mapping[str, int] = field(default_factory=dict)
     tracked: Mapping[str, int] = field(default_factory=dict)
@@ -244,6 +246,11 @@ class _ScrapeCollector(Collector):
                 "Frames not inferred because nothing moved (streams with motion on)",
                 labels=["stream"],
             ),
+            "frames_decoded": CounterMetricFamily(
+                "streamdet_stream_frames_decoded",
+                "Frames decoded (the others left in their packets: keyframes only)",
+                labels=["stream"],
+            ),
         }
         detections = CounterMetricFamily(
             "streamdet_stream_detections",
@@ -295,6 +302,7 @@ class _ScrapeCollector(Collector):
             counters["reconnects"].add_metric([s.stream_id], s.reconnects)
             counters["frames_failed"].add_metric([s.stream_id], s.frames_failed)
             counters["motion_skipped"].add_metric([s.stream_id], s.motion_skipped)
+            counters["frames_decoded"].add_metric([s.stream_id], s.frames_decoded)
             for name, count in s.detections.items():
                 detections.add_metric([s.stream_id, name], count)
                 objects.add_metric([s.stream_id, name], s.objects.get(name, 0))

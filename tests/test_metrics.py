@@ -121,6 +121,7 @@ def test_stream_source_hook(client: TestClient) -> None:
                 drops=150,
                 reconnects=2,
                 frames_failed=3,
+                frames_decoded=12,
                 detections={"car": 40, "person": 7},
                 objects={"car": 2},
                 tracked={"car": 5},
@@ -139,6 +140,7 @@ def test_stream_source_hook(client: TestClient) -> None:
     assert value(samples, "streamdet_stream_frames_dropped_total", stream="cam1") == 150
     assert value(samples, "streamdet_stream_reconnects_total", stream="cam1") == 2
     assert value(samples, "streamdet_stream_frames_failed_total", stream="cam1") == 3
+    assert value(samples, "streamdet_stream_frames_decoded_total", stream="cam1") == 12
     detections = "streamdet_stream_detections_total"
     assert value(samples, detections, stream="cam1", **{"class": "car"}) == 40
     assert value(samples, detections, stream="cam1", **{"class": "person"}) == 7

@@ -575,6 +575,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             reconnects=info["reconnects"],
             frames_failed=info["frames_failed"],
             motion_skipped=info["motion_skipped"],
+            frames_decoded=info["frames_decoded"],
             detections=info["detections"],
             objects=info["objects"],
             tracked=info["tracked"],
