@@ -98,6 +98,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 metrics,
                 manager.detect,
                 thumbnail_of=functools.partial(snapshots.get, thumbnail=True),
+                enable=functools.partial(streams.set_enabled, manager),
+                enabled=manager.enabled,
             )
         )
         if publisher is not None:

@@ -17,6 +17,11 @@ JPEG thumbnail of the newest event of an object of that class (``GET
 for Home Assistant's MQTT camera ("the last person at the door"). A zone that is removed has
 its topic cleared, and so has a stream that is removed, all of its topics.
 
+Control, as Frigate's ``frigate/<camera>/enabled/set``: ``ON`` or ``OFF`` published to
+``<prefix>/<stream id>/enabled/set`` enables or disables the stream (``PATCH /streams/{id}
+{"enabled": ...}``: a privacy switch for Home Assistant), and
+``<prefix>/<stream id>/enabled/state`` holds ``ON`` or ``OFF`` (retained).
+
 The publisher reads the log with its own cursor, as a webhook does, and only while the broker
 is connected: a broker that is down or restarting gets, once it is back, what happened
 meanwhile, as far back as the log reaches; what left the log before is counted
@@ -32,7 +37,7 @@ import contextlib
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -87,6 +92,8 @@ class MqttPublisher:
         metrics: counts events sent and missed, and whether the broker is connected.
         detect_of: a stream's settings (its zones' counts are published).
         thumbnail_of: an event's thumbnail JPEG (published, retained, per stream and class).
+        enable: enables or disables a stream (``.../enabled/set``); False for an unknown one.
+        enabled: every stream and whether it is enabled (``.../enabled/state`` on connect).
     """
 
     def __init__(
@@ -98,6 +105,8 @@ class MqttPublisher:
         detect_of: Callable[[str], StreamDetect | None] | None = None,
         *,
         thumbnail_of: Callable[[int], Awaitable[bytes | None]] | None = None,
+        enable: Callable[[str, bool], Awaitable[bool]] | None = None,
+        enabled: Callable[[], Mapping[str, bool]] | None = None,
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
         self.name = safe_url(url)
@@ -112,6 +121,9 @@ class MqttPublisher:
         self._detect_of = detect_of
         self._zones: dict[str, dict[str, dict[str, int]]] = {}  # stream -> zone -> counts
         self._thumbnail_of = thumbnail_of
+        self._enable = enable
+        self._enabled = enabled
+        self._commands: set[asyncio.Task[None]] = set()
         self._thumbnails: dict[str, set[str]] = {}  # stream -> thumbnail topics it has
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
@@ -127,6 +139,7 @@ class MqttPublisher:
         client.will_set(self.topic("available"), "offline", qos=QOS, retain=True)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
         self._client = client
 
     def topic(self, *levels: str) -> str:
@@ -233,15 +246,47 @@ class MqttPublisher:
         self._zones[frame.stream_id] = now
 
     def _retain_state(self, stream_id: str, state: str) -> None:
-        """Keep a stream's state; a removed stream's retained topics are cleared."""
+        """Keep a stream's state (and whether it is enabled); a removed stream's retained
+        topics are cleared."""
         if state != "removed":
             self._client.publish(self.topic(stream_id, "state"), state, qos=QOS, retain=True)
+            self._retain_enabled(stream_id, state != "disabled")
             return
         self._client.publish(self.topic(stream_id, "state"), b"", qos=QOS, retain=True)
+        self._client.publish(self.topic(stream_id, "enabled", "state"), b"", QOS, retain=True)
         for zone in self._zones.pop(stream_id, {}):
             self._client.publish(self._zone_topic(stream_id, zone), b"", qos=QOS, retain=True)
         for topic in self._thumbnails.pop(stream_id, ()):
             self._client.publish(topic, b"", qos=QOS, retain=True)
+
+    def _retain_enabled(self, stream_id: str, on: bool) -> None:
+        self._client.publish(
+            self.topic(stream_id, "enabled", "state"), "ON" if on else "OFF", QOS, retain=True
+        )
+
+    def _announce(self) -> None:
+        """Event loop, once connected: whether each stream is enabled."""
+        for stream_id, on in (self._enabled() if self._enabled is not None else {}).items():
+            self._retain_enabled(stream_id, on)
+
+    def _command(self, topic: str, payload: bytes) -> None:
+        """Event loop: ``<prefix>/<stream id>/enabled/set`` with ``ON`` or ``OFF``."""
+        stream_id = topic[len(self.prefix) + 1 :].split("/", 1)[0]
+        value = payload.decode(errors="replace").strip().lower()
+        enable = self._enable
+        if value not in {"on", "off", "true", "false"} or enable is None:
+            log.warning("mqtt %s: %s: expected ON or OFF, got %r", self.name, topic, value[:20])
+            return
+
+        async def apply(on: bool) -> None:
+            if not await enable(stream_id, on):
+                log.warning("mqtt %s: %s: no stream %r", self.name, topic, stream_id)
+                return
+            log.info("mqtt %s: stream %s %s", self.name, stream_id, "on" if on else "off")
+
+        task = asyncio.create_task(apply(value in {"on", "true"}))
+        self._commands.add(task)
+        task.add_done_callback(self._commands.discard)
 
     def _zone_topic(self, stream_id: str, zone: str) -> str:
         return self.topic(stream_id, "zones", _level(zone))
@@ -264,10 +309,19 @@ class MqttPublisher:
             return
         log.info("mqtt %s: connected", self.name)
         client.publish(self.topic("available"), "online", qos=QOS, retain=True)
+        client.subscribe(self.topic("+", "enabled", "set"), qos=QOS)
         self._set_connected(True)
         if self._loop is not None:  # zone counts are sent again, in full
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._zones.clear)
+                self._loop.call_soon_threadsafe(self._announce)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed() or message.retain:  # a stale command is not run
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._command, message.topic, bytes(message.payload))
 
     def _on_disconnect(
         self,

@@ -94,6 +94,7 @@ def to_text(streams: Sequence[Mapping[str, Any]]) -> str:
         {
             **{key: stream[key] for key in _SETTINGS},
             "loop": stream.get("loop", True),
+            "enabled": stream.get("enabled", True),
             **stream["detect"],
         }
         for stream in streams

@@ -74,6 +74,7 @@ class StreamChanges(TypedDict, total=False):
     name: str
     max_fps: float | None
     detect: StreamDetect
+    enabled: bool
 
 
 class StreamManager:
@@ -170,6 +171,7 @@ class StreamManager:
         detect: StreamDetect | None = None,
         stream_id: str | None = None,
         from_file: bool = False,
+        enabled: bool = True,
     ) -> dict[str, Any]:
         """Validate, persist and open a stream (with the id ``stream_id``, or a new one);
         returns its description.
@@ -199,6 +201,7 @@ class StreamManager:
             loop=spec.loop,
             detect=self._encode(detect or StreamDetect()),
             from_file=from_file,
+            enabled=enabled,
         )
         await asyncio.to_thread(self._store.add, record)
         self._launch(record, spec)
@@ -227,25 +230,26 @@ class StreamManager:
             return None
         reader = self._readers[stream_id]
         detect = changes.get("detect")
+        was_enabled = record.enabled
         record = dataclasses.replace(
             record,
             name=changes.get("name", record.name),
             max_fps=changes.get("max_fps", record.max_fps),
             # Stored settings that did not fit the model stay stored until replaced.
             detect=record.detect if detect is None else self._encode(detect),
+            enabled=changes.get("enabled", record.enabled),
         )
         await asyncio.to_thread(self._store.update, record)
+        if stream_id not in self._records:
+            return None  # removed meanwhile
         self._records[stream_id] = record
         reader.max_fps = record.max_fps
         if detect is not None:
             reader.detect = detect
-        if detect is not None and stream_id in self._bad_detect:
-            try:
-                self._launch(record, self._spec(record))
-            except SourceError as exc:
-                self._launch(record, None, error=str(exc))
+        if record.enabled != was_enabled or (detect is not None and stream_id in self._bad_detect):
+            await self._relaunch(record, reader)
         log.info("stream %s: updated %s", stream_id, sorted(changes))
-        return self._describe(record)
+        return self.describe(stream_id)
 
     async def replace(
         self,
@@ -258,6 +262,7 @@ class StreamManager:
         loop: bool = True,
         detect: StreamDetect,
         from_file: bool = False,
+        enabled: bool = True,
     ) -> dict[str, Any] | None:
         """Give a stream every setting anew (``PUT /streams/{id}``, the streams file), keeping
         its id, counts and viewers: a new source (``url``, ``transport``, ``loop``) is opened
@@ -280,28 +285,51 @@ class StreamManager:
             loop=spec.loop,
             detect=self._encode(detect),
             from_file=from_file,
+            enabled=enabled,
         )
         await asyncio.to_thread(self._store.replace, record)
         if stream_id not in self._records:
             return None  # removed meanwhile
         self._records[stream_id] = record
         reader = self._readers[stream_id]
-        source = (record.url, record.transport, record.loop)
-        if source == (old.url, old.transport, old.loop) and stream_id not in self._bad_detect:
+        same = (record.url, record.transport, record.loop, record.enabled) == (
+            old.url,
+            old.transport,
+            old.loop,
+            old.enabled,
+        )
+        if same and stream_id not in self._bad_detect:
             reader.max_fps, reader.detect = record.max_fps, detect
             return self._describe(record)
-        reader.stop()
-        self._pool.queue.discard(stream_id)
-        self._latest.pop(stream_id, None)
-        self._launch(record, spec)  # a new token: the old reader's last words are dropped
-        log.info("stream %s: reopened on %s", stream_id, redact(url))
-        if not await asyncio.to_thread(reader.join, self._opt.stop_timeout_s):
+        await self._relaunch(record, reader)
+        return self.describe(stream_id)
+
+    async def _relaunch(self, record: StreamRecord, old: StreamReader) -> None:
+        """Stop ``old`` and start the stream anew as ``record`` says: on its (new) source, or
+        disabled (logged as a ``disabled`` state event), going on from ``old``'s counts,
+        analytics and frame numbers. The new reader has a new token: frames the old one
+        still hands over are not published."""
+        old.stop()
+        self._pool.queue.discard(record.id)
+        if old.alive and not await asyncio.to_thread(old.join, self._opt.stop_timeout_s):
             log.warning(
                 "stream %s: old decode thread did not exit within %.1f s",
-                stream_id,
+                record.id,
                 self._opt.stop_timeout_s,
             )
-        return self.describe(stream_id)
+        if self._records.get(record.id) is not record:
+            return  # removed or changed again meanwhile: that call launched what it needs
+        self._latest.pop(record.id, None)
+        if not record.enabled:
+            disabled = StateEvent(old.state.value, StreamState.DISABLED.value, None, old.frames_in)
+            self.events.add(record.id, record.name, time.time(), [disabled], str)
+            self._launch(record, None, carry=old)
+            return
+        try:
+            self._launch(record, self._spec(record), carry=old)
+        except SourceError as exc:
+            self._launch(record, None, error=str(exc), carry=old)
+        log.info("stream %s: opened on %s", record.id, redact(record.url))
 
     async def remove(self, stream_id: str) -> bool:
         """Stop a stream, free its decoder, forget it. False if unknown."""
@@ -341,12 +369,17 @@ class StreamManager:
             "max_fps": record.max_fps,
             "transport": record.transport,
             "loop": record.loop,
+            "enabled": record.enabled,
             "from_file": record.from_file,
             "created_at": record.created_at,
             "detect": self._readers[record.id].detect.describe(self._pool.engine.names),
             **self._readers[record.id].snapshot(),
             "subscribers": len(self._subs.get(record.id, ())),
         }
+
+    def enabled(self) -> dict[str, bool]:
+        """Every stream, and whether it is enabled."""
+        return {sid: record.enabled for sid, record in self._records.items()}
 
     def list(self) -> list[dict[str, Any]]:
         return [d for sid in self._records if (d := self.describe(sid)) is not None]
@@ -507,7 +540,17 @@ class StreamManager:
     def _encode(self, detect: StreamDetect) -> str:
         return json.dumps(detect.describe(self._pool.engine.names))
 
-    def _launch(self, record: StreamRecord, spec: SourceSpec | None, error: str = "") -> None:
+    def _launch(
+        self,
+        record: StreamRecord,
+        spec: SourceSpec | None,
+        error: str = "",
+        *,
+        carry: StreamReader | None = None,
+    ) -> None:
+        """Make and start the stream's reader for ``record`` (failed with ``error`` where
+        ``spec`` is None; not started where the stream is disabled), going on from ``carry``
+        (:meth:`StreamReader.carry_over`) where given."""
         placeholder = SourceSpec(record.url, "invalid")
         self._bad_detect.discard(record.id)
         try:
@@ -530,8 +573,13 @@ class StreamManager:
             on_state=functools.partial(self._state_threadsafe, (record.id, token)),
             clips=None if self.clips is None else self.clips.recorder(record.id),
         )
+        if carry is not None:
+            reader.carry_over(carry)
         self._records[record.id] = record
         self._readers[record.id] = reader
+        if not record.enabled:
+            reader.state = StreamState.DISABLED  # not started: no thread, camera closed
+            return
         if spec is None:
             reader.state = StreamState.FAILED
             reader.last_error = error

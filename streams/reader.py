@@ -49,6 +49,7 @@ class StreamState(enum.StrEnum):
     RECONNECTING = "reconnecting"
     STOPPED = "stopped"
     FAILED = "failed"
+    DISABLED = "disabled"  # by its user: camera closed, settings and counts kept
 
 
 class FatalSourceError(RuntimeError):
@@ -215,6 +216,22 @@ class StreamReader:
                 )
 
     # ---- control -----------------------------------------------------------------------
+    def carry_over(self, old: StreamReader) -> None:
+        """Before :meth:`start`: go on from ``old``, a stopped reader of the same stream (its
+        source replaced, or the stream enabled again): its counts, its analytics (tracks,
+        lines, zones) and its frame numbers, so a viewer's frames keep going forward and
+        in-flight results of ``old`` go through the same analytics in order."""
+        with old._lock:
+            self.frames_in, self.processed, self.drops = old.frames_in, old.processed, old.drops
+            self.skipped, self.decoded, self.failed = old.skipped, old.decoded, old.failed
+            self.motion_skipped, self.reconnects = old.motion_skipped, old.reconnects
+            self.last_latency_ms = old.last_latency_ms
+        with old._result_lock:
+            self._frame_no = max(old._frame_no, old._last_result_frame)
+            self._last_result_frame = old._last_result_frame
+            self._analytics = old._analytics
+            self._result_lock = old._result_lock
+
     def start(self) -> None:
         self._thread.start()
 
@@ -223,7 +240,10 @@ class StreamReader:
         self._stop.set()
 
     def join(self, timeout_s: float) -> bool:
-        """Wait for the thread; True once it has exited."""
+        """Wait for the thread; True once it has exited (or if it never started: a stream
+        disabled, or whose settings do not fit the model)."""
+        if self._thread.ident is None:
+            return True
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 

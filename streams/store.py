@@ -26,9 +26,10 @@ CREATE TABLE IF NOT EXISTS streams (
 _ADDED_COLUMNS = {
     "detect": "TEXT NOT NULL DEFAULT '{}'",
     "from_file": "INTEGER NOT NULL DEFAULT 0",
+    "enabled": "INTEGER NOT NULL DEFAULT 1",
 }
-_COLUMNS = "id, url, name, max_fps, transport, loop, created_at, detect, from_file"
-_INSERT = f"INSERT INTO streams ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
+_COLUMNS = "id, url, name, max_fps, transport, loop, created_at, detect, from_file, enabled"
+_INSERT = f"INSERT INTO streams ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"  # noqa: S608
 _SELECT = f"SELECT {_COLUMNS} FROM streams ORDER BY created_at"  # noqa: S608 (constants)
 
 
@@ -47,6 +48,8 @@ class StreamRecord:
     """Detection parameters as JSON (:meth:`engines.types.DetectParams.describe`)."""
     from_file: bool = False
     """Declared in the streams file (``--streams-file``), which alone changes it."""
+    enabled: bool = True
+    """Decoded and detected; a disabled stream keeps its settings and counts, camera closed."""
 
 
 class StreamStore:
@@ -79,18 +82,18 @@ class StreamStore:
         with closing(self._connect()) as db, db:
             cursor = db.execute(
                 "UPDATE streams SET url = ?, name = ?, max_fps = ?, transport = ?, loop = ?,"
-                " detect = ?, from_file = ? WHERE id = ?",
-                (*_row(record)[1:6], record.detect, int(record.from_file), record.id),
+                " detect = ?, from_file = ?, enabled = ? WHERE id = ?",
+                (*_row(record)[1:6], *_row(record)[7:], record.id),
             )
             return cursor.rowcount > 0
 
     def update(self, record: StreamRecord) -> bool:
-        """Save what may change while a stream runs (name, max_fps, detect); False if the
-        stream is unknown."""
+        """Save what may change while a stream runs (name, max_fps, detect, enabled); False
+        if the stream is unknown."""
         with closing(self._connect()) as db, db:
             cursor = db.execute(
-                "UPDATE streams SET name = ?, max_fps = ?, detect = ? WHERE id = ?",
-                (record.name, record.max_fps, record.detect, record.id),
+                "UPDATE streams SET name = ?, max_fps = ?, detect = ?, enabled = ? WHERE id = ?",
+                (record.name, record.max_fps, record.detect, int(record.enabled), record.id),
             )
             return cursor.rowcount > 0
 
@@ -102,7 +105,9 @@ class StreamStore:
         with closing(self._connect()) as db:
             rows = db.execute(_SELECT).fetchall()
         return [
-            StreamRecord(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], r[7], bool(r[8]))
+            StreamRecord(
+                r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], r[7], bool(r[8]), bool(r[9])
+            )
             for r in rows
         ]
 
@@ -119,6 +124,7 @@ def _row(record: StreamRecord) -> tuple[Any, ...]:
         record.created_at,
         record.detect,
         int(record.from_file),
+        int(record.enabled),
     )
 
 
@@ -132,7 +138,8 @@ def new_record(
     loop: bool,
     detect: str = "{}",
     from_file: bool = False,
+    enabled: bool = True,
 ) -> StreamRecord:
     return StreamRecord(
-        stream_id, url, name, max_fps, transport, loop, time.time(), detect, from_file
+        stream_id, url, name, max_fps, transport, loop, time.time(), detect, from_file, enabled
     )

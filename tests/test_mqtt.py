@@ -84,6 +84,18 @@ class Listener:
             time.sleep(0.1)
         return self.on(topic)
 
+    def wait_last(self, topic: str, payload: str, timeout_s: float) -> bool:
+        """Whether ``topic``'s newest message is ``payload`` within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (self.on(topic) or [""])[-1] != payload:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def publish(self, topic: str, payload: str) -> None:
+        self._client.publish(topic, payload, qos=1).wait_for_publish(10)
+
     def close(self) -> None:
         self._client.loop_stop()
         self._client.disconnect()
@@ -158,6 +170,21 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
                     ).json()["events"][0]
                     want = c.get(newest_now["thumbnail"]).content  # a newer one came meanwhile
                 assert decode_jpeg(want).shape[2] == 3
+            # A switch for Home Assistant: OFF disables the stream, ON opens it again, and
+            # the retained state follows.
+            enabled = f"streamdet/{sid}/enabled/state"
+            assert listener.wait_for(enabled, 1, 10)[0] == "ON"  # announced on connect
+            listener.publish(f"streamdet/{sid}/enabled/set", "OFF")
+            deadline = time.monotonic() + 10
+            while c.get(f"/streams/{sid}").json()["state"] != "disabled":
+                assert time.monotonic() < deadline, "not disabled by MQTT in 10 s"
+                time.sleep(0.1)
+            assert listener.wait_last(enabled, "OFF", 10)
+            listener.publish(f"streamdet/{sid}/enabled/set", "ON")
+            assert listener.wait_last(enabled, "ON", 10)
+            assert c.get(f"/streams/{sid}").json()["enabled"] is True
+            listener.publish(f"streamdet/{sid}/enabled/set", "maybe")  # refused, logged
+            listener.publish("streamdet/nope/enabled/set", "OFF")  # no such stream: logged
             assert "streamdet_mqtt_connected 1.0" in c.get("/metrics").text
             sent = [ln for ln in c.get("/metrics").text.splitlines() if "mqtt_events_total" in ln]
             assert any('outcome="sent"' in ln and not ln.endswith(" 0.0") for ln in sent), sent
@@ -198,6 +225,8 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
     finally:
         late.close()
     assert "mqtt mqtt://127.0.0.1" in server.log_text() and "connected" in server.log_text()
+    assert "expected ON or OFF, got 'maybe'" in server.log_text()
+    assert "no stream 'nope'" in server.log_text()
 
 
 def test_mqtt_settings_are_checked() -> None:

@@ -89,7 +89,8 @@ def test_streams_with_ids_are_put_replaced_and_reopened_keeping_their_viewers(
         assert c.put("/streams/cam1", json={**bottles, "classes": None}).status_code == 200
         assert stream()["detect"]["classes"] is None
         with c.websocket_connect("/ws/streams/cam1") as viewer:
-            assert viewer.receive_json()["width"] == before["width"]
+            first = viewer.receive_json()
+            assert first["width"] == before["width"]
             # A new source is opened in place of the old one; the viewer stays connected.
             reopened = c.put("/streams/cam1", json={"url": f"file://{CAR_CLIP}", "max_fps": 8})
             assert reopened.status_code == 200, reopened.text
@@ -97,7 +98,9 @@ def test_streams_with_ids_are_put_replaced_and_reopened_keeping_their_viewers(
             while (frame := viewer.receive_json())["width"] == before["width"]:
                 assert time.monotonic() < deadline, "no frame of the new source in 60 s"
             assert frame["stream_id"] == "cam1" and frame["width"] != before["width"]
+            assert frame["frame"] > first["frame"]  # numbers go on from the old source's
         info = stream()
+        assert info["frames_in"] > before["frames_in"]  # so do its counts
         assert info["url"] == f"file://{CAR_CLIP}" and info["created_at"] == before["created_at"]
         mismatch = c.put("/streams/cam1", json={**bottles, "id": "other"})
         assert mismatch.status_code == 422 and "'other' in the body" in mismatch.text
@@ -197,6 +200,7 @@ def test_an_export_masks_passwords() -> None:
         "max_fps": None,
         "transport": "tcp",
         "loop": True,
+        "enabled": False,
         "frames_in": 12,
         "detect": {"conf": 0.25, "classes": None},
     }
@@ -252,3 +256,51 @@ def test_sighup_applies_a_changed_streams_file_and_keeps_the_streams_on_a_broken
         wait_until(lambda: "streams file not reloaded" in server.log_text(), "the error", 30)
         assert ids() == {"shelf"} and "'bad': url" in server.log_text()
         assert c.get("/healthz").status_code == 200
+
+
+def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
+    tmp_path: Path,
+) -> None:
+    shelf = {"id": "shelf", "url": f"file://{BOTTLE_CLIP}", "max_fps": 8, "zones": [SHELF]}
+    path = write(tmp_path / "streams.yaml", [shelf])
+    with TestClient(file_stream_app(tmp_path, streams_file=path)) as c:
+        road = c.post("/streams", json={"id": "road", "url": f"file://{CAR_CLIP}"}).json()
+        assert road["enabled"] is True
+
+        def stream(sid: str) -> dict[str, Any]:
+            info: dict[str, Any] = c.get(f"/streams/{sid}").json()
+            return info
+
+        wait_until(lambda: stream("road")["frames_processed"] > 2, "road's frames")
+        off = c.patch("/streams/road", json={"enabled": False})
+        assert off.status_code == 200 and off.json()["enabled"] is False
+        assert off.json()["state"] == "disabled"
+        frames = stream("road")["frames_in"]
+        time.sleep(0.5)
+        assert stream("road")["frames_in"] == frames  # its camera is closed
+        events = c.get("/events", params={"stream_id": "road", "type": "stream_state"})
+        assert events.json()["events"][-1]["state"] == "disabled"
+        counted = stream("road")
+        assert c.patch("/streams/road", json={"enabled": True}).json()["state"] != "disabled"
+        wait_until(
+            lambda: stream("road")["frames_processed"] > counted["frames_processed"],
+            "road's frames after it was enabled",
+        )
+        again = stream("road")  # its counts go on from where they were
+        assert again["frames_in"] > counted["frames_in"]
+        assert all(again["detections"].get(k, 0) >= n for k, n in counted["detections"].items())
+        assert c.patch("/streams/road", json={"enabled": False}).status_code == 200
+        # A stream of the streams file may be switched off too, but nothing else changed.
+        assert c.patch("/streams/shelf", json={"enabled": False}).json()["state"] == "disabled"
+        both = c.patch("/streams/shelf", json={"enabled": True, "conf": 0.4})
+        assert both.status_code == 409
+        assert stream("shelf")["detect"]["zones"][0]["name"] == "shelf"  # settings kept
+    # Kept across a restart: road stays off; shelf is as its file says (on).
+    with TestClient(file_stream_app(tmp_path, streams_file=path)) as c:
+        assert stream("road")["state"] == "disabled" and stream("road")["frames_in"] == 0
+        assert stream("road")["enabled"] is False
+        wait_until(lambda: stream("shelf")["frames_in"] > 0, "shelf's frames")
+        on = c.patch("/streams/road", json={"enabled": True})
+        assert on.json()["enabled"] is True
+        wait_until(lambda: stream("road")["state"] == "live", "road live again")
+        wait_until(lambda: stream("road")["frames_processed"] > 0, "road's frames again")

@@ -327,6 +327,20 @@ def test_live_stream_boxes_errors_grid_and_reconnect(
 
     expect(car_row.locator(".objects")).to_have_text("all ≥ 0.25")
 
+    # Disabled from the list (its camera closed, a privacy switch), then enabled again: it
+    # comes back live and its tile draws boxes again.
+    car_row.locator("button.toggle", has_text="Disable").click()
+    expect(car_row.locator("td.state")).to_have_text("disabled")
+    expect(car_row.locator("button.toggle")).to_have_text("Enable")
+    expect(pg.locator("#event-list li.stream_state .event-text").first).to_contain_text(
+        "was disabled"
+    )
+    drawn_before = pg.evaluate(f"() => window.streamdet.drawn['{tile}'].frame")
+    car_row.locator("button.toggle").click()
+    expect(car_row.locator("td.state")).to_have_text("live")
+    expect(car_row.locator("button.toggle")).to_have_text("Disable")
+    wait_for_boxes(pg, tile, after_frame=drawn_before)
+
     # A class the model lacks: the server's 422 is shown, nothing is added.
     dead_url = f"rtsp://127.0.0.1:{free_port()}/nothing"
     pg.fill('#add-stream input[name="url"]', dead_url)

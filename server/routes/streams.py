@@ -232,6 +232,13 @@ class StreamPatch(DetectIn):
         float | None,
         Field(gt=0, le=1000, description="sample at most this many frames/s; null: every frame"),
     ] = None
+    enabled: Annotated[
+        bool,
+        Field(
+            description="false: the camera is closed and nothing is detected (a privacy mode),"
+            " its settings and counts kept; true opens it again"
+        ),
+    ] = True
 
     def changes(self, names: Mapping[int, str], current: StreamDetect) -> StreamChanges:
         """The fields this body set, as the manager applies them."""
@@ -241,6 +248,8 @@ class StreamPatch(DetectIn):
             changes["name"] = self.name
         if "max_fps" in given:
             changes["max_fps"] = self.max_fps
+        if "enabled" in given:
+            changes["enabled"] = self.enabled
         if given & DetectIn.model_fields.keys():
             changes["detect"] = self.detect(names, current)
         return changes
@@ -284,6 +293,7 @@ class StreamIn(StreamPatch):
             "loop": self.loop,
             "detect": detect,
             "from_file": from_file,
+            "enabled": self.enabled,
         }
 
 
@@ -360,6 +370,11 @@ async def put_stream(
         return await manager.add(body.url, stream_id=stream_id, **body.settings(detect))
 
 
+async def set_enabled(manager: StreamManager, stream_id: str, on: bool) -> bool:
+    """Enable or disable a stream (MQTT's ``.../enabled/set``); False if it is unknown."""
+    return await manager.update(stream_id, {"enabled": on}) is not None
+
+
 @contextlib.contextmanager
 def _refusals() -> Iterator[None]:
     """The manager's refusals to add or change a stream as HTTP errors."""
@@ -414,12 +429,14 @@ async def get_stream(stream_id: str, request: Request) -> dict[str, Any]:
 @router.patch("/streams/{stream_id}")
 async def update_stream(stream_id: str, body: StreamPatch, request: Request) -> dict[str, Any]:
     """Change a stream's name, rate or what it detects (only the fields given) from its next
-    frame, without reopening its source."""
+    frame, without reopening its source; or disable it (``enabled``: false closes the camera)
+    and enable it again."""
     manager = get_manager(request)
     current = manager.detect(stream_id)
     if current is None:
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
-    check_changeable(request, stream_id)
+    if body.model_fields_set != {"enabled"}:  # a file's stream may be paused, as any other
+        check_changeable(request, stream_id)
     info = await manager.update(
         stream_id, body.changes(get_state(request).pool.engine.names, current)
     )

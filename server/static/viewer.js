@@ -10,7 +10,7 @@ const RECONNECT_MAX_MS = 10000;
 // The server scales frames down to this width before JPEG-encoding them for the browser.
 const TILE_MAX_WIDTH = 640;
 // States in which a stream's last error is shown as a current problem.
-const HEALTHY_STATES = new Set(["running", "live", "streaming", "ok"]);
+const HEALTHY_STATES = new Set(["running", "live", "streaming", "ok", "disabled"]);
 
 // Ultralytics' palette, so colours look familiar to YOLO users.
 const PALETTE = [
@@ -868,8 +868,11 @@ function renderStreams(list) {
       row.innerHTML = `<td><input type="checkbox" class="watch"></td>
         <td><span class="name"></span><small class="objects muted"></small></td>
         <td class="state"></td><td class="fps"></td>
-        <td><button type="button" class="remove">Remove</button></td>`;
+        <td><button type="button" class="toggle"></button>
+          <button type="button" class="remove">Remove</button></td>`;
       $(".watch", row).addEventListener("change", (e) => setWatched(stream.id, e.target.checked));
+      $(".toggle", row).addEventListener("click", () =>
+        setEnabled(stream.id, !streams.get(stream.id)?.enabled));
       $(".remove", row).addEventListener("click", () => removeStream(stream.id));
       rows.append(row);
     }
@@ -882,6 +885,13 @@ function renderStreams(list) {
     // A stream the server's streams file declares is changed in that file, not here.
     $(".remove", row).disabled = Boolean(stream.from_file);
     $(".remove", row).title = stream.from_file ? FROM_FILE : "";
+    // Disable closes the camera and detects nothing (a privacy switch); Enable opens it again.
+    const toggle = $(".toggle", row);
+    toggle.textContent = stream.enabled === false ? "Enable" : "Disable";
+    toggle.title = stream.enabled === false
+      ? "Open the camera again and detect"
+      : "Close the camera and detect nothing, keeping its settings and counts";
+    toggle.setAttribute("aria-label", `${toggle.textContent.toLowerCase()} ${name}`);
     $(".state", row).textContent = stream.state ?? "?";
     $(".fps", row).textContent = streamFps(stream);
     $(".objects", row).textContent = streamObjects(stream);
@@ -985,6 +995,21 @@ async function addStream(event) {
     await refreshStreams();
   } catch (err) {
     showError("add", `Adding the stream failed: ${err.message}`);
+  }
+}
+
+async function setEnabled(id, enabled) {
+  try {
+    const resp = await api(`/streams/${encodeURIComponent(id)}`, {
+      method: "PATCH",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ enabled }),
+    });
+    await resp.json();
+    clearError(`enable:${id}`);
+    refreshStreams();
+  } catch (err) {
+    showError(`enable:${id}`, `${enabled ? "Enabling" : "Disabling"} stream ${id} failed: ${err.message}`);
   }
 }
 
@@ -1092,6 +1117,7 @@ function eventText(e) {
   if (e.type === "stream_state") {
     if (e.state === "live") return "is live";
     if (e.state === "removed") return "was removed";
+    if (e.state === "disabled") return "was disabled";
     const why = e.error ? `: ${e.error}` : "";
     return e.state === "failed" ? `failed${why}` : `lost its source${why}`;
   }
