@@ -19,6 +19,7 @@ from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware, ApiKeys
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
+from server.retention import DAY_S, keep_for
 from server.routes import detect, events, health, streams, viewer, ws
 from server.runtime import build_pool
 from server.settings import Settings
@@ -107,12 +108,21 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             manager.frame_observers.append(publisher.observe_frame)
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
         lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
+        retention = None
+        if settings.event_retain_days > 0:
+            retention = asyncio.create_task(
+                keep_for(
+                    settings.event_retain_days * DAY_S, manager.events, snapshots, manager.clips
+                )
+            )
         try:
             yield
         finally:
             # Stop intake, drain within the timeout, then fail what is left.
             state.shutting_down = True
             lag_watch.cancel()
+            if retention is not None:
+                retention.cancel()
             reloads.uninstall()
             await manager.stop(settings.shutdown_timeout_s)
             await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out

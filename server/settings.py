@@ -146,6 +146,12 @@ class Settings(BaseSettings):
         description="frames with events kept as JPEGs for GET /events/{id}/snapshot.jpg"
         " (about 40 kB each at 640 px); 0 = no snapshots",
     )
+    event_retain_days: float = Field(
+        0.0,
+        ge=0.0,
+        description="delete events, their snapshots, thumbnails and clips older than this many"
+        " days (a data-protection policy); 0: kept until the counting limits push them out",
+    )
     event_snapshot_width: int = Field(
         640, ge=32, le=3840, description="event snapshots wider than this are scaled down"
     )

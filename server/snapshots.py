@@ -158,6 +158,16 @@ class SnapshotStore:
         bisect.insort(self._kept, first)  # drawings may finish out of order
         self._prune()
 
+    def forget_before(self, event_id: int) -> int:
+        """Retention: delete the snapshots (and thumbnails) of frames whose events have ids
+        below ``event_id`` (a frame's events share its capture time, so they go together);
+        returns how many frames'."""
+        gone = 0
+        while self._kept and self._kept[0] < event_id:
+            self._delete(self._kept.pop(0))
+            gone += 1
+        return gone
+
     def _prune(self) -> None:
         while len(self._kept) > self.size:
             self._delete(self._kept.pop(0))

@@ -348,6 +348,18 @@ def prune_clips(directory: Path, max_bytes: int) -> int:
     return total
 
 
+def forget_clips(directory: Path, before: int, keep: frozenset[int]) -> int:
+    """Delete the clips with ids below ``before``, except ``keep``; returns how many."""
+    gone = 0
+    for path in directory.glob("*.mp4"):
+        with contextlib.suppress(ValueError, OSError):
+            clip_id = int(path.stem)
+            if clip_id < before and clip_id not in keep:
+                delete_clip(path)
+                gone += 1
+    return gone
+
+
 def delete_clip(path: Path) -> None:
     """Delete a clip and what is known of it.
 
@@ -435,6 +447,14 @@ class ClipIndex:
     async def listing(self, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
         """See :func:`list_clips` (read in a worker thread)."""
         return await asyncio.to_thread(list_clips, self.options.directory, stream_id, limit)
+
+    async def forget_before(self, event_id: int) -> int:
+        """Retention: delete the clips whose first event has an id below ``event_id`` (but
+        not one being written); returns how many."""
+        writing = set(self._writing)
+        return await asyncio.to_thread(
+            forget_clips, self.options.directory, event_id, frozenset(writing)
+        )
 
     async def delete(self, clip_id: int) -> str | None:
         """Delete a clip; why it cannot be, or None once it is gone."""

@@ -88,6 +88,10 @@ class EventStore:
     def save_cursor(self, name: str, cursor: int) -> None:
         self._ops.put(("cursor", (name, cursor)))
 
+    def forget_before(self, event_id: int) -> None:
+        """Delete the events with ids below ``event_id`` (retention by age)."""
+        self._ops.put(("forget", event_id))
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued, then stop the writer."""
         self._ops.put(None)
@@ -133,6 +137,8 @@ class EventStore:
                     "INSERT OR IGNORE INTO meta (key, value) VALUES ('first_id', ?)", (rows[0][0],)
                 )
                 written += len(rows)
+            elif kind == "forget":
+                db.execute("DELETE FROM events WHERE id < ?", (payload,))
             else:
                 db.execute(
                     "INSERT INTO cursors (name, cursor) VALUES (?, ?)"

@@ -186,6 +186,23 @@ class EventLog:
             self.store.save_cursor(name, cursor)
 
     @property
+    def oldest_id(self) -> int:
+        """The id of the oldest event the log holds (the next id when it holds none)."""
+        return self._next - len(self._events)
+
+    def forget_before(self, cutoff: float) -> int:
+        """Retention: drop the events captured before ``cutoff`` (Unix seconds), from the
+        oldest on, here and in the store; returns how many. A reader behind them is told it
+        missed them, as for events past the log's size."""
+        dropped = 0
+        while self._events and self._events[0]["captured_at"] < cutoff:
+            self._events.popleft()
+            dropped += 1
+        if dropped and self.store is not None:
+            self.store.forget_before(self.oldest_id)
+        return dropped
+
+    @property
     def last_id(self) -> int:
         """The id of the newest event (``first - 1`` before any)."""
         return self._next - 1
