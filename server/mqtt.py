@@ -9,9 +9,10 @@ publishes ``offline`` itself if the server vanishes, as its last will).
 
 Retained state for dashboards (Home Assistant sensors): ``<prefix>/<stream id>/state`` holds
 the stream's state (``live``, ``reconnecting``, ``failed``) from its ``stream_state`` events,
-and ``<prefix>/<stream id>/zones/<zone>`` what stands in each zone now, ``{"all": n,
-"<class>": n, ...}`` (objects counted once where the stream tracks), published when it
-changes, as Frigate publishes its zone counts; ``<prefix>/<stream id>/<class>/thumbnail`` the
+``<prefix>/<stream id>/objects`` what its last frame shows and ``<prefix>/<stream
+id>/zones/<zone>`` what stands in each zone now, ``{"all": n, "<class>": n, ...}`` (objects
+counted once where the stream tracks), published when they change, as Frigate publishes its
+camera and zone counts; ``<prefix>/<stream id>/<class>/thumbnail`` the
 JPEG thumbnail of the newest event of an object of that class (``GET
 /events/{id}/thumbnail.jpg``), as Frigate publishes ``frigate/<camera>/<object>/snapshot``
 for Home Assistant's MQTT camera ("the last person at the door"). A zone that is removed has
@@ -37,7 +38,7 @@ import contextlib
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -120,6 +121,7 @@ class MqttPublisher:
         self._task: asyncio.Task[None] | None = None
         self._detect_of = detect_of
         self._zones: dict[str, dict[str, dict[str, int]]] = {}  # stream -> zone -> counts
+        self._objects: dict[str, dict[str, int]] = {}  # stream -> what its last frame showed
         self._thumbnail_of = thumbnail_of
         self._enable = enable
         self._enabled = enabled
@@ -228,15 +230,23 @@ class MqttPublisher:
         self._thumbnails.setdefault(stream_id, set()).add(topic)
 
     def observe_frame(self, frame: ProcessedFrame) -> None:
-        """Event loop, every frame: publish the stream's zone counts where they changed."""
+        """Event loop, every frame: publish what the stream's frame shows, and what stands in
+        its zones, where they changed."""
+        if not self._connected.is_set():
+            return  # sent once connected (the state is cleared on connect)
+        objects = object_counts(frame)
+        if objects != self._objects.get(frame.stream_id):
+            body = json.dumps(objects, separators=(",", ":"))
+            self._client.publish(self.topic(frame.stream_id, "objects"), body, QOS, True)
+            self._objects[frame.stream_id] = objects
         detect = None if self._detect_of is None else self._detect_of(frame.stream_id)
         names = [] if detect is None else [zone.name for zone in detect.zones]
         before = self._zones.get(frame.stream_id, {})
         if not names and not before:
             return
         now = zone_counts(frame, names)
-        if now == before or not self._connected.is_set():
-            return  # unchanged; or sent once connected (the state is cleared on connect)
+        if now == before:
+            return
         for zone, counts in now.items():
             if counts != before.get(zone):
                 body = json.dumps(counts, separators=(",", ":"))
@@ -251,9 +261,18 @@ class MqttPublisher:
         if state != "removed":
             self._client.publish(self.topic(stream_id, "state"), state, qos=QOS, retain=True)
             self._retain_enabled(stream_id, state != "disabled")
+            if state == "disabled":  # it shows nothing now: the counts say so
+                nothing = json.dumps({"all": 0}, separators=(",", ":"))
+                self._client.publish(self.topic(stream_id, "objects"), nothing, QOS, True)
+                self._objects[stream_id] = {"all": 0}
+                for zone in self._zones.get(stream_id, {}):
+                    self._client.publish(self._zone_topic(stream_id, zone), nothing, QOS, True)
+                    self._zones[stream_id][zone] = {"all": 0}
             return
         self._client.publish(self.topic(stream_id, "state"), b"", qos=QOS, retain=True)
         self._client.publish(self.topic(stream_id, "enabled", "state"), b"", QOS, retain=True)
+        if self._objects.pop(stream_id, None) is not None:
+            self._client.publish(self.topic(stream_id, "objects"), b"", QOS, retain=True)
         for zone in self._zones.pop(stream_id, {}):
             self._client.publish(self._zone_topic(stream_id, zone), b"", qos=QOS, retain=True)
         for topic in self._thumbnails.pop(stream_id, ()):
@@ -314,6 +333,7 @@ class MqttPublisher:
         if self._loop is not None:  # zone counts are sent again, in full
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._zones.clear)
+                self._loop.call_soon_threadsafe(self._objects.clear)
                 self._loop.call_soon_threadsafe(self._announce)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
@@ -357,20 +377,32 @@ def _thumbnail_key(event: dict[str, Any]) -> tuple[str, str]:
 def zone_counts(frame: ProcessedFrame, zones: list[str]) -> dict[str, dict[str, int]]:
     """What stands in each of ``zones`` in ``frame``: ``{"all": n, class name: n, ...}``; a
     tracked object with two boxes (two classes) counts once, under its first."""
-    counts: dict[str, dict[str, int]] = {zone: {"all": 0} for zone in zones}
-    members = frame.zones or []
+    return _tally(frame, frame.zones or [], zones)
+
+
+def object_counts(frame: ProcessedFrame) -> dict[str, int]:
+    """What ``frame`` shows: ``{"all": n, class name: n, ...}``, each tracked object once."""
+    return _tally(frame, [("",)] * len(frame.detections), [""])[""]
+
+
+def _tally(
+    frame: ProcessedFrame, groups: Sequence[Iterable[str]], wanted: list[str]
+) -> dict[str, dict[str, int]]:
+    """Per group in ``wanted``, the detections of ``frame`` in it by class (``groups``: each
+    detection's), each tracked object once, under its first class."""
+    counts: dict[str, dict[str, int]] = {group: {"all": 0} for group in wanted}
     ids = frame.detections.track_ids
     seen: set[tuple[str, int]] = set()
-    for i, inside in enumerate(members):
+    for i, inside in enumerate(groups):
         name = frame.detections.name_of(int(frame.detections.class_ids[i]))
-        for zone in inside:
-            if zone not in counts:
+        for group in inside:
+            if group not in counts:
                 continue
             if ids is not None:
-                key = (zone, int(ids[i]))
+                key = (group, int(ids[i]))
                 if key in seen:
                     continue
                 seen.add(key)
-            counts[zone]["all"] += 1
-            counts[zone][name] = counts[zone].get(name, 0) + 1
+            counts[group]["all"] += 1
+            counts[group][name] = counts[group].get(name, 0) + 1
     return counts

@@ -4,6 +4,7 @@ the shared and the per-stream topic, with the server's availability retained."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -21,7 +22,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from engines.types import Detections
 from loadtest.server import free_port
-from server.mqtt import check_mqtt_url, safe_url, zone_counts
+from server.mqtt import check_mqtt_url, object_counts, safe_url, zone_counts
 from server.settings import Settings
 from streams.fanout import ProcessedFrame
 from tests.helpers import CAR_CLIP, GATE, clip_server, decode_jpeg
@@ -141,7 +142,9 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             # Retained state for dashboards: the stream's state, and what stands in its zone.
             assert listener.wait_for(f"streamdet/{sid}/state", 1, 10)[-1] == "live"
             zone = listener.wait_for(f"streamdet/{sid}/zones/lower", 1, 30)
-            counts = [json.loads(m) for m in zone]
+            shown = listener.wait_for(f"streamdet/{sid}/objects", 1, 30)
+            zone = zone + shown  # the frame's counts have the same form
+            counts = [json.loads(m) for m in zone if m]
             assert all(c["all"] == sum(v for k, v in c.items() if k != "all") for c in counts)
             got = [json.loads(m) for m in shared]
             assert got[: len(early)] == early
@@ -180,6 +183,7 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
                 assert time.monotonic() < deadline, "not disabled by MQTT in 10 s"
                 time.sleep(0.1)
             assert listener.wait_last(enabled, "OFF", 10)
+            assert listener.wait_last(f"streamdet/{sid}/objects", '{"all":0}', 10)
             listener.publish(f"streamdet/{sid}/enabled/set", "ON")
             assert listener.wait_last(enabled, "ON", 10)
             assert c.get(f"/streams/{sid}").json()["enabled"] is True
@@ -257,3 +261,9 @@ def test_zone_counts_count_each_tracked_object_once() -> None:
         "door": {"all": 1, "person": 1},
         "gone": {"all": 0},
     }
+    # What the frame shows: each tracked object once; untracked, each box.
+    assert object_counts(frame) == {"all": 3, "car": 2, "person": 1}
+    untracked = ProcessedFrame(
+        "s", 1, None, 0.0, 0.0, image, dataclasses.replace(detections, track_ids=None), 1
+    )
+    assert object_counts(untracked) == {"all": 4, "car": 2, "truck": 1, "person": 1}
