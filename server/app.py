@@ -19,6 +19,7 @@ from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware, ApiKeys
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
+from server.mqtt_discovery import Discovery
 from server.retention import DAY_S, keep_for
 from server.routes import detect, events, health, streams, viewer, ws
 from server.runtime import build_pool
@@ -100,7 +101,10 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 manager.detect,
                 thumbnail_of=functools.partial(snapshots.get, thumbnail=True),
                 enable=functools.partial(streams.set_enabled, manager),
-                enabled=manager.enabled,
+                roster=manager.roster,
+                discovery=Discovery(settings.mqtt_topic, settings.mqtt_discovery_prefix)
+                if settings.mqtt_discovery
+                else None,
             )
         )
         if publisher is not None:

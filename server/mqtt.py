@@ -47,6 +47,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
 from server.metrics import Metrics
+from server.mqtt_discovery import Discovery, level
 from streams.detect import StreamDetect
 from streams.events import EventLog, LogReader
 from streams.fanout import ProcessedFrame
@@ -94,7 +95,10 @@ class MqttPublisher:
         detect_of: a stream's settings (its zones' counts are published).
         thumbnail_of: an event's thumbnail JPEG (published, retained, per stream and class).
         enable: enables or disables a stream (``.../enabled/set``); False for an unknown one.
-        enabled: every stream and whether it is enabled (``.../enabled/state`` on connect).
+        roster: every stream's name and whether it is enabled (``.../enabled/state`` and the
+            discovery configs on connect).
+        discovery: announce each stream's entities to Home Assistant
+            (``server/mqtt_discovery.py``); None: do not.
     """
 
     def __init__(
@@ -107,7 +111,8 @@ class MqttPublisher:
         *,
         thumbnail_of: Callable[[int], Awaitable[bytes | None]] | None = None,
         enable: Callable[[str, bool], Awaitable[bool]] | None = None,
-        enabled: Callable[[], Mapping[str, bool]] | None = None,
+        roster: Callable[[], Mapping[str, tuple[str, bool]]] | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
         self.name = safe_url(url)
@@ -124,7 +129,9 @@ class MqttPublisher:
         self._objects: dict[str, dict[str, int]] = {}  # stream -> what its last frame showed
         self._thumbnail_of = thumbnail_of
         self._enable = enable
-        self._enabled = enabled
+        self._roster = roster
+        self._discovery = discovery
+        self._announced: dict[str, dict[str, tuple[str, ...]]] = {}  # stream -> kind -> topics
         self._commands: set[asyncio.Task[None]] = set()
         self._thumbnails: dict[str, set[str]] = {}  # stream -> thumbnail topics it has
         client = mqtt.Client(
@@ -225,15 +232,28 @@ class MqttPublisher:
         if jpeg is None:  # skipped under load, or deleted already
             return
         stream_id, class_name = _thumbnail_key(event)
-        topic = self.topic(stream_id, _level(class_name), "thumbnail")
+        topic = self.topic(stream_id, level(class_name), "thumbnail")
         self._client.publish(topic, jpeg, qos=QOS, retain=True)
         self._thumbnails.setdefault(stream_id, set()).add(topic)
+        if self._discovery is not None:  # a camera entity per class, from its first thumbnail
+            config_topic, config = self._discovery.thumbnail(
+                stream_id, str(event.get("stream_name") or ""), class_name
+            )
+            announced = self._announced.setdefault(stream_id, {})
+            if config_topic not in announced.get("cameras", ()):
+                self._client.publish(config_topic, json.dumps(config), QOS, retain=True)
+                announced["cameras"] = (*announced.get("cameras", ()), config_topic)
 
     def observe_frame(self, frame: ProcessedFrame) -> None:
         """Event loop, every frame: publish what the stream's frame shows, and what stands in
         its zones, where they changed."""
         if not self._connected.is_set():
             return  # sent once connected (the state is cleared on connect)
+        if self._discovery is not None:
+            detect = None if self._detect_of is None else self._detect_of(frame.stream_id)
+            zones = tuple(zone.name for zone in detect.zones) if detect is not None else ()
+            if self._announced.get(frame.stream_id, {}).get("zones") != zones:
+                self._announce_stream(frame.stream_id)  # new, or its zones changed
         objects = object_counts(frame)
         if objects != self._objects.get(frame.stream_id):
             body = json.dumps(objects, separators=(",", ":"))
@@ -273,6 +293,7 @@ class MqttPublisher:
         self._client.publish(self.topic(stream_id, "enabled", "state"), b"", QOS, retain=True)
         if self._objects.pop(stream_id, None) is not None:
             self._client.publish(self.topic(stream_id, "objects"), b"", QOS, retain=True)
+        self._forget_stream(stream_id)
         for zone in self._zones.pop(stream_id, {}):
             self._client.publish(self._zone_topic(stream_id, zone), b"", qos=QOS, retain=True)
         for topic in self._thumbnails.pop(stream_id, ()):
@@ -284,9 +305,36 @@ class MqttPublisher:
         )
 
     def _announce(self) -> None:
-        """Event loop, once connected: whether each stream is enabled."""
-        for stream_id, on in (self._enabled() if self._enabled is not None else {}).items():
+        """Event loop, once connected: whether each stream is enabled, and its entities."""
+        self._announced.clear()
+        for stream_id, (name, on) in (self._roster() if self._roster is not None else {}).items():
             self._retain_enabled(stream_id, on)
+            self._announce_stream(stream_id, name)
+
+    def _announce_stream(self, stream_id: str, name: str | None = None) -> None:
+        """Publish the discovery configs of a stream's switch and sensors (one per zone it has
+        now); a zone's sensor whose zone is gone is removed."""
+        if self._discovery is None:
+            return
+        if name is None:
+            roster = self._roster() if self._roster is not None else {}
+            name = roster.get(stream_id, ("", True))[0]
+        detect = None if self._detect_of is None else self._detect_of(stream_id)
+        zones = [zone.name for zone in detect.zones] if detect is not None else []
+        configs = self._discovery.stream(stream_id, name, zones)
+        announced = self._announced.setdefault(stream_id, {})
+        for topic in set(announced.get("stream", ())) - configs.keys():
+            self._client.publish(topic, b"", QOS, retain=True)
+        for topic, config in configs.items():
+            self._client.publish(topic, json.dumps(config), QOS, retain=True)
+        announced["stream"] = tuple(configs)
+        announced["zones"] = tuple(zones)
+
+    def _forget_stream(self, stream_id: str) -> None:
+        """A removed stream's entities go from Home Assistant."""
+        announced = self._announced.pop(stream_id, {})
+        for topic in (*announced.get("stream", ()), *announced.get("cameras", ())):
+            self._client.publish(topic, b"", QOS, retain=True)
 
     def _command(self, topic: str, payload: bytes) -> None:
         """Event loop: ``<prefix>/<stream id>/enabled/set`` with ``ON`` or ``OFF``."""
@@ -308,7 +356,7 @@ class MqttPublisher:
         task.add_done_callback(self._commands.discard)
 
     def _zone_topic(self, stream_id: str, zone: str) -> str:
-        return self.topic(stream_id, "zones", _level(zone))
+        return self.topic(stream_id, "zones", level(zone))
 
     def _count(self, outcome: str, n: int) -> None:
         if self._metrics is not None:
@@ -363,11 +411,6 @@ class MqttPublisher:
             return
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._connected.set if up else self._connected.clear)
-
-
-def _level(name: str) -> str:
-    """A name as one topic level: MQTT's separator and wildcards replaced."""
-    return name.replace("/", "_").replace("+", "_").replace("#", "_")
 
 
 def _thumbnail_key(event: dict[str, Any]) -> tuple[str, str]:

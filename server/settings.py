@@ -211,6 +211,18 @@ class Settings(BaseSettings):
         description="first level of the MQTT topics: <topic>/events, <topic>/<stream id>/events,"
         " <topic>/available",
     )
+    mqtt_discovery: bool = Field(
+        True,
+        description="announce each stream's switch, sensors and cameras to Home Assistant"
+        " (MQTT discovery), which creates them by itself",
+    )
+    mqtt_discovery_prefix: str = Field(
+        "homeassistant",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[^#+]+$",
+        description="Home Assistant's discovery prefix (its MQTT integration's setting)",
+    )
     webhooks: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated http(s) URLs each sent every event as it happens,"

@@ -377,9 +377,9 @@ class StreamManager:
             "subscribers": len(self._subs.get(record.id, ())),
         }
 
-    def enabled(self) -> dict[str, bool]:
-        """Every stream, and whether it is enabled."""
-        return {sid: record.enabled for sid, record in self._records.items()}
+    def roster(self) -> dict[str, tuple[str, bool]]:
+        """Every stream's name, and whether it is enabled, by id."""
+        return {sid: (record.name, record.enabled) for sid, record in self._records.items()}
 
     def list(self) -> list[dict[str, Any]]:
         return [d for sid in self._records if (d := self.describe(sid)) is not None]

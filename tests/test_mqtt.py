@@ -23,6 +23,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from engines.types import Detections
 from loadtest.server import free_port
 from server.mqtt import check_mqtt_url, object_counts, safe_url, zone_counts
+from server.mqtt_discovery import Discovery
 from server.settings import Settings
 from streams.fanout import ProcessedFrame
 from tests.helpers import CAR_CLIP, GATE, clip_server, decode_jpeg
@@ -57,7 +58,8 @@ class Broker:
 
 
 class Listener:
-    """A subscriber of ``streamdet/#``: every message with its topic and retain flag."""
+    """A subscriber of ``streamdet/#`` and ``homeassistant/#`` (discovery): every message with
+    its topic and retain flag."""
 
     def __init__(self, port: int) -> None:
         self.messages: list[tuple[str, str, bool]] = []
@@ -66,7 +68,7 @@ class Listener:
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"test-{id(self)}")
         self._client.on_message = self._on_message
         self._client.connect("127.0.0.1", port)
-        self._client.subscribe("streamdet/#", qos=1)
+        self._client.subscribe([("streamdet/#", 1), ("homeassistant/#", 1)])
         self._client.loop_start()
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
@@ -173,6 +175,26 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
                     ).json()["events"][0]
                     want = c.get(newest_now["thumbnail"]).content  # a newer one came meanwhile
                 assert decode_jpeg(want).shape[2] == 3
+            # Home Assistant is told of the stream's entities (MQTT discovery): a switch, its
+            # state, what it shows, what stands in its zone, a camera per thumbnail class.
+            device = f"streamdet_{sid}"
+            switch = json.loads(
+                listener.wait_for(f"homeassistant/switch/{device}/enabled/config", 1, 10)[-1]
+            )
+            assert switch["command_topic"] == f"streamdet/{sid}/enabled/set"
+            assert switch["state_topic"] == f"streamdet/{sid}/enabled/state"
+            assert switch["availability_topic"] == "streamdet/available"
+            assert switch["device"]["identifiers"] == [device]
+            for key, topic in (("objects", "objects"), ("zone_lower", "zones/lower")):
+                config_topic = f"homeassistant/sensor/{device}/{key}/config"
+                sensor = json.loads(listener.wait_for(config_topic, 1, 10)[-1])
+                assert sensor["state_topic"] == f"streamdet/{sid}/{topic}"
+                assert sensor["value_template"] == "{{ value_json.all }}"
+                assert sensor["unique_id"] == f"{device}_{key}"
+            for class_name in newest:
+                config_topic = f"homeassistant/camera/{device}/thumbnail_{class_name}/config"
+                camera = json.loads(listener.wait_for(config_topic, 1, 10)[-1])
+                assert camera["topic"] == f"streamdet/{sid}/{class_name}/thumbnail"
             # A switch for Home Assistant: OFF disables the stream, ON opens it again, and
             # the retained state follows.
             enabled = f"streamdet/{sid}/enabled/state"
@@ -210,6 +232,7 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             while listener.on(f"streamdet/{sid}/zones/lower")[-1] and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert listener.on(f"streamdet/{sid}/zones/lower")[-1] == ""
+            assert listener.wait_last(f"homeassistant/switch/{device}/enabled/config", "", 10)
             for class_name in newest:
                 thumbnail = f"streamdet/{sid}/{class_name}/thumbnail"
                 deadline = time.monotonic() + 10
@@ -267,3 +290,22 @@ def test_zone_counts_count_each_tracked_object_once() -> None:
         "s", 1, None, 0.0, 0.0, image, dataclasses.replace(detections, track_ids=None), 1
     )
     assert object_counts(untracked) == {"all": 4, "car": 2, "truck": 1, "person": 1}
+
+
+def test_discovery_names_entities_as_home_assistant_allows() -> None:
+    discovery = Discovery("cams", "ha")
+    configs = discovery.stream("door", "Front door", ["loading/dock #2"])
+    zone = configs["ha/sensor/streamdet_door/zone_loading_dock__2/config"]
+    assert zone["state_topic"] == "cams/door/zones/loading_dock _2"  # one topic level
+    assert zone["unique_id"] == "streamdet_door_zone_loading_dock__2"
+    assert zone["device"]["name"] == "streamdet Front door"
+    assert set(configs) == {
+        "ha/switch/streamdet_door/enabled/config",
+        "ha/sensor/streamdet_door/state/config",
+        "ha/sensor/streamdet_door/objects/config",
+        "ha/sensor/streamdet_door/zone_loading_dock__2/config",
+    }
+    topic, camera = discovery.thumbnail("door", "", "traffic light")
+    assert topic == "ha/camera/streamdet_door/thumbnail_traffic_light/config"
+    assert camera["topic"] == "cams/door/traffic light/thumbnail"
+    assert camera["device"]["name"] == "streamdet door"  # no name: its id
