@@ -22,11 +22,14 @@ from server.mqtt import MqttPublisher
 from server.mqtt_discovery import Discovery
 from server.retention import DAY_S, keep_for
 from server.routes import detect, events, health, streams, viewer, ws
+from server.routes import webhooks as webhooks_routes
+from server.routes.webhooks import make_sender
 from server.runtime import build_pool
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.state import AppState
 from server.streams_file import StreamsFileError
+from server.webhook_store import WebhookStore
 from server.webhooks import Webhooks, WebhookSender
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,10 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 for url in settings.webhooks
             ]
         )
+        webhook_store = WebhookStore(settings.data_dir)
+        for record in await asyncio.to_thread(webhook_store.load):  # added before a restart
+            webhooks.add(make_sender(record, manager.events, settings.webhook_timeout_s, metrics))
+        state.webhooks, state.webhook_store = webhooks, webhook_store
         webhooks.start()
         publisher = (
             None
@@ -144,6 +151,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.include_router(streams.router)
     app.include_router(ws.router)
     app.include_router(events.router)
+    app.include_router(webhooks_routes.router)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

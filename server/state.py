@@ -10,6 +10,8 @@ from starlette.requests import HTTPConnection
 from engines.pool import EnginePool
 from server.settings import Settings
 from server.snapshots import SnapshotStore
+from server.webhook_store import WebhookStore
+from server.webhooks import Webhooks
 from streams.manager import StreamManager
 
 
@@ -21,6 +23,8 @@ class AppState:
     shutting_down: bool = False
     streams: StreamManager | None = None
     snapshots: SnapshotStore | None = None
+    webhooks: Webhooks | None = None
+    webhook_store: WebhookStore | None = None
 
     @property
     def ready(self) -> bool:

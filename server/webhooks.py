@@ -11,6 +11,10 @@ while a receiver is down are counted (``streamdet_webhook_events_total{outcome="
 and logged, never dropped silently. With ``webhook_secret`` set each body is signed:
 ``X-Streamdet-Signature: sha256=<HMAC-SHA256 of the body, hex>``, as GitHub signs its hooks.
 On shutdown, what is left is delivered within the drain time.
+
+Webhooks come from the setting, or are added at run time (``POST /webhooks``,
+``server/routes/webhooks.py``), each with its own secret and filters (only a door camera's
+people, say), kept across restarts with their cursors.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from server.metrics import Metrics
 from server.settings import check_webhook_url
-from streams.events import EventLog, LogReader
+from streams.events import EVERY_EVENT, EventFilter, EventLog, LogReader
 
 log = logging.getLogger(__name__)
 BATCH = 100
@@ -59,6 +65,11 @@ class WebhookSender:
         secret: signs each body when set.
         timeout_s: time the receiver has to answer one POST.
         metrics: counts events sent and missed, and failed POSTs.
+        webhook_id: the id of one added at run time (its cursor is kept under it); None for
+            one of the setting (kept under its URL).
+        wanted: the events it sends (the others are passed over).
+        about: what ``GET /webhooks`` shows of one added at run time (its filter, whether
+            it signs, when it was added).
     """
 
     def __init__(
@@ -68,14 +79,40 @@ class WebhookSender:
         secret: str | None,
         timeout_s: float,
         metrics: Metrics | None = None,
+        *,
+        webhook_id: str | None = None,
+        wanted: EventFilter = EVERY_EVENT,
+        about: dict[str, Any] | None = None,
     ) -> None:
         self.url = check_webhook_url(url)
         self.name = label(url)
-        self._reader = LogReader(f"webhook {self.name}", events, self._count)
+        self.id = webhook_id
+        self.about = about or {"filter": {}, "signed": secret is not None, "created_at": None}
+        sink = f"webhook {self.name}" if webhook_id is None else f"webhook {webhook_id}"
+        self._reader = LogReader(sink, events, self._count, wanted)
         self._secret = secret
         self._timeout_s = timeout_s
         self._metrics = metrics
         self.failures = 0
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None
+        self.last_sent_at: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """How it is doing, as ``GET /webhooks`` shows it."""
+        return {
+            "id": self.id,
+            "source": "setting" if self.id is None else "api",
+            "url": self.name,
+            **self.about,
+            "pending": self.pending,
+            "sent": self.sent,
+            "missed": self.missed,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+            "last_sent_at": self.last_sent_at,
+        }
 
     @property
     def pending(self) -> int:
@@ -105,9 +142,11 @@ class WebhookSender:
                 error = await self._post(client, page.events)
                 if error is None:
                     self._reader.delivered(page.next, len(page.events))
+                    self.last_sent_at = time.time()
                     backoff = BACKOFF_INITIAL_S
                     continue
                 self.failures += 1
+                self.last_error, self.last_error_at = error, time.time()
                 if self._metrics is not None:
                     self._metrics.webhook_failures.labels(self.name).inc()
                 log.warning(
@@ -144,22 +183,50 @@ class Webhooks:
 
     def __init__(self, senders: Sequence[WebhookSender]) -> None:
         self.senders = list(senders)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[WebhookSender, asyncio.Task[None]] = {}
+        self._started = False
 
     def start(self) -> None:
+        self._started = True
         for sender in self.senders:
-            log.info("webhook %s: sending events", sender.name)
-            self._tasks.append(asyncio.create_task(sender.run(), name=f"webhook {sender.name}"))
+            self._start(sender)
+
+    def _start(self, sender: WebhookSender) -> None:
+        log.info("webhook %s: sending events", sender.id or sender.name)
+        self._tasks[sender] = asyncio.create_task(sender.run(), name=f"webhook {sender.name}")
+
+    def add(self, sender: WebhookSender) -> None:
+        """One more webhook (added at run time), sending from now on."""
+        self.senders.append(sender)
+        if self._started:
+            self._start(sender)
+
+    def find(self, webhook_id: str) -> WebhookSender | None:
+        return next((s for s in self.senders if s.id == webhook_id), None)
+
+    async def remove(self, webhook_id: str) -> bool:
+        """Stop and forget the webhook ``webhook_id`` (what it had not sent is not sent);
+        False if unknown."""
+        sender = self.find(webhook_id)
+        if sender is None:
+            return False
+        self.senders.remove(sender)
+        task = self._tasks.pop(sender, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return True
 
     async def stop(self, timeout_s: float) -> None:
         """After the log closed: wait up to ``timeout_s`` for what is left to go out, then
         cancel."""
         if not self._tasks:
             return
-        _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+        _, pending = await asyncio.wait(self._tasks.values(), timeout=timeout_s)
         for task in pending:
             task.cancel()
-        for task in self._tasks:
+        for task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             if not task.cancelled() and task.exception() is not None:

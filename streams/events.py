@@ -337,13 +337,19 @@ class LogReader:
         events: the log.
         count: told ``("sent", n)`` when the sink delivered ``n`` events and ``("missed",
             n)`` when ``n`` left the log before it could take them (e.g. a metric).
+        wanted: the events it takes (the others are passed over).
     """
 
     def __init__(
-        self, sink: str, events: EventLog, count: Callable[[str, int], None] | None = None
+        self,
+        sink: str,
+        events: EventLog,
+        count: Callable[[str, int], None] | None = None,
+        wanted: EventFilter = EVERY_EVENT,
     ) -> None:
         self.sink = sink
         self.log = events
+        self.wanted = wanted
         self.cursor = events.saved_cursor(sink)
         self.sent = self.missed = 0
         self._count = count
@@ -356,7 +362,7 @@ class LogReader:
     def next_page(self, limit: int) -> EventPage:
         """Up to ``limit`` events to deliver next; those that left the log first are counted
         (once: the cursor moves past them) and logged."""
-        page = self.log.read(self.cursor, limit)
+        page = self.log.read(self.cursor, limit, self.wanted)
         if page.missed:
             self.missed += page.missed
             if self._count is not None:
