@@ -112,6 +112,9 @@ class StreamDetect:
     """Parts of the picture whose changes are not motion (a camera's clock, a tree)."""
     motion_min_area: float | None = None
     """This stream's share of the picture that must move (``None``: the server's)."""
+    motion_threshold: int | None = None
+    """This stream's grey levels a pixel must change by to have moved (``None``: the
+    server's)."""
 
     def __post_init__(self) -> None:
         if len(self.motion_mask) > MAX_MASKS:
@@ -121,6 +124,11 @@ class StreamDetect:
             not isinstance(area, int | float) or isinstance(area, bool) or not 0 < area <= 1
         ):
             raise ValueError(f"motion_min_area: a share of the picture in (0, 1], not {area!r}")
+        level: object = self.motion_threshold
+        if level is not None and (
+            not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 255
+        ):
+            raise ValueError(f"motion_threshold: grey levels from 1 to 255, not {level!r}")
         if self.lines and not self.track:
             raise ValueError(
                 "lines: counting lines need track set to true (crossings are counted per"
@@ -137,8 +145,8 @@ class StreamDetect:
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
-        ``track``, ``lines``, ``zones``, ``clips``, ``motion``, ``motion_mask`` and
-        ``motion_min_area``."""
+        ``track``, ``lines``, ``zones``, ``clips``, ``motion``, ``motion_mask``,
+        ``motion_min_area`` and ``motion_threshold``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
@@ -149,6 +157,7 @@ class StreamDetect:
             "motion": self.motion,
             "motion_mask": [mask.to_json() for mask in self.motion_mask],
             "motion_min_area": self.motion_min_area,
+            "motion_threshold": self.motion_threshold,
         }
 
     @classmethod
@@ -182,4 +191,5 @@ class StreamDetect:
             flags["motion"],
             parse_masks(data.get("motion_mask") or ()),
             data.get("motion_min_area"),
+            data.get("motion_threshold"),
         )

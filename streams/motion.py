@@ -96,17 +96,23 @@ class MotionGate:
         """Share of the last frame's picture that moved."""
 
     def measure(
-        self, gray: npt.NDArray[np.uint8], mask: Sequence[Roi] = (), min_area: float | None = None
+        self,
+        gray: npt.NDArray[np.uint8],
+        mask: Sequence[Roi] = (),
+        min_area: float | None = None,
+        threshold: int | None = None,
     ) -> bool:
         """Whether the small grey picture ``gray`` moved against the frames before it (the
-        first one always does), outside the polygons of ``mask``, over more than ``min_area``
-        (``None``: the options'); updates the running average."""
+        first one always does), outside the polygons of ``mask``, by more than ``threshold``
+        grey levels over more than ``min_area`` (``None``: the options'); updates the running
+        average."""
         blurred = cv2.GaussianBlur(gray, (5, 5), 0).astype(np.float32)
         if self._average is None or self._average.shape != blurred.shape:
             self._average = blurred
             self.area, self.moving = 1.0, True
             return True
-        changed = np.abs(blurred - self._average) > self.options.threshold
+        level = self.options.threshold if threshold is None else threshold
+        changed = np.abs(blurred - self._average) > level
         cv2.accumulateWeighted(blurred, self._average, AVERAGE_ALPHA)
         if mask:
             watched = ~self._masked(changed.shape, tuple(mask))
@@ -128,12 +134,17 @@ class MotionGate:
         return self._mask[1]
 
     def infer(
-        self, frame: Any, now: float, mask: Sequence[Roi] = (), min_area: float | None = None
+        self,
+        frame: Any,
+        now: float,
+        mask: Sequence[Roi] = (),
+        min_area: float | None = None,
+        threshold: int | None = None,
     ) -> bool:
         """Whether the decoded ``frame`` (an ``av.VideoFrame``) at monotonic time ``now`` is
         to be inferred: it moved outside ``mask`` (see :meth:`measure`), or the last inferred
         frame is ``1 / idle_fps`` old."""
-        moved = self.measure(shrink(luma(frame)), mask, min_area)
+        moved = self.measure(shrink(luma(frame)), mask, min_area, threshold)
         if moved or now - self._last_inferred >= 1.0 / self.options.idle_fps:
             self._last_inferred = now
             return True

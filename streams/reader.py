@@ -444,7 +444,7 @@ class StreamReader:
                 last_sent = now
                 detect = self.detect
                 if detect.motion and not self._motion.infer(
-                    frame, now, detect.motion_mask, detect.motion_min_area
+                    frame, now, detect.motion_mask, detect.motion_min_area, detect.motion_threshold
                 ):
                     with self._lock:
                         self.motion_skipped += 1

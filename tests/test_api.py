@@ -252,6 +252,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "motion": False,
             "motion_mask": [],
             "motion_min_area": None,
+            "motion_threshold": None,
         }
         assert resp.json()["detect"] == detect
 

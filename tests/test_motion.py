@@ -62,6 +62,13 @@ def test_an_object_coming_in_is_motion_at_once() -> None:
     picky = MotionGate(MotionOptions(idle_fps=1.1))
     picky.measure(shrink(luma(as_frame(scene))))
     assert not picky.measure(shrink(luma(as_frame(visitor))), min_area=0.05)
+    # One that wants pixels to change more (a noisy night picture) lets a dim one pass.
+    dim = scene.copy()
+    dim[200:260, 300:380] = np.clip(scene[200:260, 300:380].astype(np.int16) + 40, 0, 255)
+    for level, moves in ((25, True), (60, False)):
+        night = MotionGate(MotionOptions(idle_fps=1.1))
+        night.measure(shrink(luma(as_frame(scene))))
+        assert night.measure(shrink(luma(as_frame(dim))), threshold=level) is moves, level
 
 
 def test_a_masked_clock_is_no_motion_and_what_moves_elsewhere_still_is() -> None:
@@ -142,6 +149,11 @@ def test_a_stream_with_motion_on_skips_still_frames_and_says_so(tmp_path: Path) 
             assert refused.status_code == 422 and "motion_min_area" in refused.text
         back = c.patch(f"/streams/{sid}", json={"motion_min_area": None}).json()
         assert back["detect"]["motion_min_area"] is None
+        level = c.patch(f"/streams/{sid}", json={"motion_threshold": 40}).json()
+        assert level["detect"]["motion_threshold"] == 40
+        for bad_level in (0, 256, 2.5, "x"):
+            refused = c.patch(f"/streams/{sid}", json={"motion_threshold": bad_level})
+            assert refused.status_code == 422 and "motion_threshold" in refused.text
         # Off again: every frame is inferred from now on, nothing more is skipped.
         off = c.patch(f"/streams/{sid}", json={"motion": False}).json()
         assert off["detect"]["motion"] is False and off["motion_area"] is None

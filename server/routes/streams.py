@@ -158,6 +158,15 @@ class DetectIn(BaseModel):
             " --motion-idle-fps), to serve more cameras on the same CPU or GPU",
         ),
     ] = False
+    motion_threshold: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=255,
+            description="this stream's grey levels a pixel must change by to count as moving"
+            " (higher for a noisy night picture); null: --motion-threshold",
+        ),
+    ] = None
     motion_min_area: Annotated[
         float | None,
         Field(
@@ -209,7 +218,10 @@ class DetectIn(BaseModel):
             if "motion_mask" in given:
                 masks = parse_masks(self.motion_mask or ())
             area = self.motion_min_area if "motion_min_area" in given else current.motion_min_area
-            return StreamDetect(params, roi, track, lines, zones, clips, motion, masks, area)
+            level = (
+                self.motion_threshold if "motion_threshold" in given else current.motion_threshold
+            )
+            return StreamDetect(params, roi, track, lines, zones, clips, motion, masks, area, level)
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
