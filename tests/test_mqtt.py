@@ -227,7 +227,7 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
                 newcomer.close()
             # A removed stream's retained topics are cleared (an empty retained message).
             assert c.delete(f"/streams/{sid}").status_code == 204
-            assert listener.wait_for(f"streamdet/{sid}/state", 2, 10)[-1] == ""
+            assert listener.wait_last(f"streamdet/{sid}/state", "", 10)
             deadline = time.monotonic() + 10
             while listener.on(f"streamdet/{sid}/zones/lower")[-1] and time.monotonic() < deadline:
                 time.sleep(0.1)

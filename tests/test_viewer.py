@@ -619,6 +619,27 @@ def test_region_is_drawn_on_a_tile_saved_and_filters_the_stream(
     expect(pg.locator("#event-list li.zone_loiter .event-text").first).to_contain_text(
         re.compile(r"#\d+ loitering in lot for 2 s"), timeout=30_000
     )
+    # The list's filters: only zone entries and exits (the doorbell goes); a class the model
+    # lacks is named on the page; the events shown, counted per hour, as a CSV file.
+    pg.select_option('#event-filter select[name="type"]', "zone_enter,zone_exit")
+    pg.wait_for_function(
+        "() => { const e = window.streamdet.events; return e.length > 0 &&"
+        " e.every((x) => x.type === 'zone_enter' || x.type === 'zone_exit'); }"
+    )
+    expect(pg.locator("#event-list li.manual")).to_have_count(0)
+    pg.fill('#event-filter input[name="classes"]', "unicorn")
+    pg.press('#event-filter input[name="classes"]', "Enter")
+    expect(pg.locator('#errors [data-key="event-filter"]')).to_contain_text("'unicorn'")
+    pg.fill('#event-filter input[name="classes"]', "")
+    pg.press('#event-filter input[name="classes"]', "Enter")
+    expect(pg.locator('#errors [data-key="event-filter"]')).to_have_count(0)
+    with pg.expect_download() as download:
+        pg.click("#event-counts")
+    table = Path(download.value.path()).read_text().splitlines()
+    assert table[0] == "start,end,stream_id,type,class_name,count", table
+    assert any(f",{stream_id},zone_enter," in row for row in table[1:]), table
+    pg.select_option('#event-filter select[name="type"]', "")
+    expect(pg.locator("#event-list li.manual")).not_to_have_count(0)
 
     # One line removed from the line editor's list; the zone stays.
     figure.locator("button.tile-line").click()

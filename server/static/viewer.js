@@ -915,6 +915,7 @@ function renderStreams(list) {
   }
   $("#no-streams").hidden = list.length > 0;
   syncTiles();
+  updateEventStreams();
 }
 
 function forgetStream(id) {
@@ -925,6 +926,7 @@ function forgetStream(id) {
   watched.delete(id);
   saveWatched();
   syncTiles();
+  updateEventStreams();
 }
 
 function setWatched(id, on) {
@@ -1226,13 +1228,21 @@ async function showClip(e, caption) {
 async function connectEvents() {
   clearTimeout(eventRetry);
   eventSource?.close();
-  const params = new URLSearchParams();
+  const params = eventFilter();
   if (lastEventId === null) {
     try {
-      const page = await (await api(`/events?latest=true&limit=${EVENTS_SHOWN}`)).json();
+      const latest = new URLSearchParams(params);
+      latest.set("latest", "true");
+      latest.set("limit", String(EVENTS_SHOWN));
+      const page = await (await api(`/events?${latest}`)).json();
       for (const e of page.events) showEvent(e);
       lastEventId = page.next;
-    } catch {
+      clearError("event-filter");
+    } catch (err) {
+      if (err.status === 422 || err.status === 404) {
+        showError("event-filter", `Event filter: ${err.message}`); // fixed in the form
+        return;
+      }
       eventRetry = setTimeout(connectEvents, EVENTS_RETRY_MS); // the error list says why
       return;
     }
@@ -1250,6 +1260,66 @@ async function connectEvents() {
     }
   };
 }
+
+// The event list's filters (GET /events' query): a stream, a type, classes.
+function eventFilter() {
+  const params = new URLSearchParams();
+  for (const [name, value] of new FormData($("#event-filter"))) {
+    if (String(value).trim()) params.set(name, String(value).trim());
+  }
+  return params;
+}
+
+// A filter changed: the list starts again with the newest events that pass it.
+function refilterEvents() {
+  for (const image of $("#event-list").querySelectorAll("img.event-thumb")) {
+    if (image.src) URL.revokeObjectURL(image.src);
+  }
+  $("#event-list").replaceChildren();
+  $("#no-events").hidden = false;
+  debug.events = [];
+  lastEventId = null;
+  connectEvents();
+}
+
+// The streams to filter on, kept in step with the stream list.
+function updateEventStreams() {
+  const select = $('#event-filter select[name="stream_id"]');
+  const chosen = select.value;
+  const options = [["", "every stream"]];
+  for (const [id, stream] of streams) options.push([id, stream.name || id]);
+  const now = options.map(([id, name]) => `${id}\u0000${name}`).join("\u0001");
+  if (select.dataset.options === now) return;
+  select.dataset.options = now;
+  select.replaceChildren(...options.map(([id, name]) => new Option(name, id, false, id === chosen)));
+  if (select.value !== chosen) refilterEvents(); // the stream it showed is gone
+}
+
+// The events the filter passes, counted per hour, stream, type and class, as a CSV file.
+async function downloadCounts() {
+  const params = eventFilter();
+  params.set("by", "stream_id,type,class_name");
+  params.set("interval_s", "3600");
+  params.set("format", "csv");
+  try {
+    const blob = await (await api(`/events/counts?${params}`)).blob();
+    const link = document.createElement("a");
+    link.href = URL.createObjectURL(blob);
+    link.download = "streamdet-event-counts.csv";
+    link.click();
+    setTimeout(() => URL.revokeObjectURL(link.href), 10_000);
+    clearError("event-filter");
+  } catch (err) {
+    showError("event-filter", `Event counts: ${err.message}`);
+  }
+}
+
+$("#event-filter").addEventListener("change", refilterEvents);
+$("#event-filter").addEventListener("submit", (event) => {
+  event.preventDefault(); // Enter in the classes box
+  refilterEvents();
+});
+$("#event-counts").addEventListener("click", downloadCounts);
 
 // ---------------------------------------------------------------- start
 
