@@ -29,7 +29,7 @@ import yaml
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # What an export leaves out: the stream's state and counts, not its settings.
-_SETTINGS = ("id", "name", "url", "max_fps", "transport")
+_SETTINGS = ("id", "name", "url", "max_fps", "transport", "loop", "enabled")
 
 
 class StreamsFileError(ValueError):
@@ -91,12 +91,6 @@ def to_text(streams: Sequence[Mapping[str, Any]]) -> str:
     """Streams as ``GET /streams`` describes them, as a streams file: their settings only
     (``url`` as described, its password masked)."""
     entries = [
-        {
-            **{key: stream[key] for key in _SETTINGS},
-            "loop": stream.get("loop", True),
-            "enabled": stream.get("enabled", True),
-            **stream["detect"],
-        }
-        for stream in streams
+        {**{key: stream[key] for key in _SETTINGS}, **stream["detect"]} for stream in streams
     ]
     return str(yaml.safe_dump({"streams": entries}, sort_keys=False, allow_unicode=True))
