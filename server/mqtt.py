@@ -249,18 +249,16 @@ class MqttPublisher:
         its zones, where they changed."""
         if not self._connected.is_set():
             return  # sent once connected (the state is cleared on connect)
-        if self._discovery is not None:
-            detect = None if self._detect_of is None else self._detect_of(frame.stream_id)
-            zones = tuple(zone.name for zone in detect.zones) if detect is not None else ()
-            if self._announced.get(frame.stream_id, {}).get("zones") != zones:
-                self._announce_stream(frame.stream_id)  # new, or its zones changed
+        names = self._zone_names(frame.stream_id)
+        if self._discovery is not None and self._announced.get(frame.stream_id, {}).get(
+            "zones"
+        ) != tuple(names):
+            self._announce_stream(frame.stream_id, zones=names)  # new, or its zones changed
         objects = object_counts(frame)
         if objects != self._objects.get(frame.stream_id):
             body = json.dumps(objects, separators=(",", ":"))
             self._client.publish(self.topic(frame.stream_id, "objects"), body, QOS, True)
             self._objects[frame.stream_id] = objects
-        detect = None if self._detect_of is None else self._detect_of(frame.stream_id)
-        names = [] if detect is None else [zone.name for zone in detect.zones]
         before = self._zones.get(frame.stream_id, {})
         if not names and not before:
             return
@@ -311,16 +309,24 @@ class MqttPublisher:
             self._retain_enabled(stream_id, on)
             self._announce_stream(stream_id, name)
 
-    def _announce_stream(self, stream_id: str, name: str | None = None) -> None:
+    def _zone_names(self, stream_id: str) -> list[str]:
+        """The names of a stream's zones now."""
+        detect = None if self._detect_of is None else self._detect_of(stream_id)
+        return [] if detect is None else [zone.name for zone in detect.zones]
+
+    def _announce_stream(
+        self, stream_id: str, name: str | None = None, zones: list[str] | None = None
+    ) -> None:
         """Publish the discovery configs of a stream's switch and sensors (one per zone it has
-        now); a zone's sensor whose zone is gone is removed."""
+        now, ``zones`` where the caller has them); a zone's sensor whose zone is gone is
+        removed."""
         if self._discovery is None:
             return
         if name is None:
             roster = self._roster() if self._roster is not None else {}
             name = roster.get(stream_id, ("", True))[0]
-        detect = None if self._detect_of is None else self._detect_of(stream_id)
-        zones = [zone.name for zone in detect.zones] if detect is not None else []
+        if zones is None:
+            zones = self._zone_names(stream_id)
         configs = self._discovery.stream(stream_id, name, zones)
         announced = self._announced.setdefault(stream_id, {})
         for topic in set(announced.get("stream", ())) - configs.keys():
