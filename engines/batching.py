@@ -62,11 +62,14 @@ class WorkItem:
 
 
 class WorkQueue:
-    """Two lanes under one lock: interactive calls (FIFO, bounded) outrank stream frames.
+    """Three lanes under one lock: interactive calls (FIFO, bounded) outrank stream frames,
+    which outrank background work (video jobs).
 
     The stream lane holds at most one frame per stream (a newer frame replaces the waiting
     one) and serves streams round-robin, so under overload every stream drops frames
-    instead of building a backlog, and none starves.
+    instead of building a backlog, and none starves. The background lane is FIFO and runs
+    only on capacity the other two leave; its producers bound it (a job keeps a few frames
+    in flight), and a live frame arriving behind it waits at most for the batch running.
     """
 
     def __init__(self, max_interactive: int) -> None:
@@ -75,6 +78,7 @@ class WorkQueue:
         self._max_interactive = max_interactive
         self._interactive: deque[WorkItem] = deque()
         self._streams: OrderedDict[str, WorkItem] = OrderedDict()
+        self._background: deque[WorkItem] = deque()
         self._cond = threading.Condition()
         self._closed = False
 
@@ -101,6 +105,15 @@ class WorkQueue:
             self._cond.notify()
             return replaced
 
+    def put_background(self, item: WorkItem) -> None:
+        """Queue background work, served when no call or stream frame waits. Raises
+        :class:`PoolClosed`."""
+        with self._cond:
+            if self._closed:
+                raise PoolClosed("the engine pool is shutting down")
+            self._background.append(item)
+            self._cond.notify()
+
     def discard(self, key: str) -> WorkItem | None:
         """Remove a stream's waiting frame (stream removed)."""
         with self._cond:
@@ -111,6 +124,8 @@ class WorkQueue:
             return self._interactive.popleft()
         if self._streams:
             return self._streams.popitem(last=False)[1]
+        if self._background:
+            return self._background.popleft()
         return None
 
     def get(self, timeout: float | None) -> WorkItem | None:
@@ -138,9 +153,10 @@ class WorkQueue:
     def drain(self) -> list[WorkItem]:
         """Take every waiting item (to fail them on a hard shutdown)."""
         with self._cond:
-            items = list(self._interactive) + list(self._streams.values())
+            items = [*self._interactive, *self._streams.values(), *self._background]
             self._interactive.clear()
             self._streams.clear()
+            self._background.clear()
             return items
 
     @property
@@ -151,6 +167,11 @@ class WorkQueue:
         """``(interactive, stream)`` items waiting."""
         with self._cond:
             return len(self._interactive), len(self._streams)
+
+    def background_depth(self) -> int:
+        """Background items waiting."""
+        with self._cond:
+            return len(self._background)
 
 
 def collect_batch(queue: WorkQueue, max_batch: int, max_wait_ms: float) -> list[WorkItem]:

@@ -148,6 +148,11 @@ class EnginePool:
         """Offer a stream frame; returns the replaced frame (count it as a drop)."""
         return self.queue.put_latest(stream_id, item)
 
+    def submit_background(self, item: WorkItem) -> None:
+        """Queue background work (a video job's frame), run on capacity that interactive
+        calls and streams leave (raises PoolClosed)."""
+        self.queue.put_background(item)
+
     async def detect(
         self, image: Image, params: DetectParams, deadline: float, request_id: str = ""
     ) -> WorkResult:

@@ -17,11 +17,12 @@ from engines.pool import EnginePool
 from server import metrics as metrics_module
 from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware, ApiKeys
+from server.jobs import JobManager
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
 from server.mqtt_discovery import Discovery
 from server.retention import DAY_S, keep_for
-from server.routes import detect, events, health, streams, viewer, ws
+from server.routes import detect, events, health, jobs, streams, viewer, ws
 from server.routes import webhooks as webhooks_routes
 from server.routes.webhooks import make_sender
 from server.runtime import build_pool
@@ -117,6 +118,18 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         if publisher is not None:
             publisher.start()
             manager.frame_observers.append(publisher.observe_frame)
+        job_manager = JobManager(
+            settings.data_dir / "jobs",
+            engine_pool.submit_background,
+            names,
+            max_jobs=settings.max_jobs,
+            concurrency=settings.job_concurrency,
+            inflight=settings.job_inflight or engine_pool.workers * engine_pool.max_batch,
+            max_pixels=settings.max_image_pixels,
+        )
+        await job_manager.start()
+        state.jobs = job_manager
+        metrics.set_job_source(job_manager.counts)
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
         lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
         retention = None
@@ -135,6 +148,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             if retention is not None:
                 retention.cancel()
             reloads.uninstall()
+            await job_manager.stop(settings.shutdown_timeout_s)  # they run again at start
             await manager.stop(settings.shutdown_timeout_s)
             await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out
             if publisher is not None:
@@ -152,6 +166,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.include_router(ws.router)
     app.include_router(events.router)
     app.include_router(webhooks_routes.router)
+    app.include_router(jobs.router)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

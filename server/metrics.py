@@ -193,6 +193,7 @@ class _ScrapeCollector(Collector):
             )
             depth.add_metric(["interactive"], interactive)
             depth.add_metric(["stream"], streams)
+            depth.add_metric(["background"], pool.queue.background_depth())
             yield depth
         wait = self._metrics.wait_source
         if wait is not None:
@@ -201,6 +202,14 @@ class _ScrapeCollector(Collector):
                 "Expected queueing delay of a new /detect call (admission control's estimate)",
                 value=wait(),
             )
+        jobs = self._metrics.job_source
+        if jobs is not None:
+            kept = GaugeMetricFamily(
+                "streamdet_jobs", "Video jobs kept, by state", labels=["state"]
+            )
+            for job_state, n in jobs().items():
+                kept.add_metric([job_state], n)
+            yield kept
         source = self._metrics.stream_source
         if source is None:
             return
@@ -343,6 +352,7 @@ class Metrics:
         self.pool: EnginePool | None = None
         self.stream_source: StreamSource | None = None
         self.wait_source: Callable[[], float] | None = None
+        self.job_source: Callable[[], dict[str, int]] | None = None
         self.requests = Counter(
             "streamdet_http_requests",
             "HTTP requests answered, by route template, method and status code",
@@ -453,6 +463,10 @@ class Metrics:
     def set_wait_source(self, source: Callable[[], float] | None) -> None:
         """Plug in the admission controller's wait estimate (seconds) for a new call."""
         self.wait_source = source
+
+    def set_job_source(self, source: Callable[[], dict[str, int]] | None) -> None:
+        """Plug in the job manager's kept jobs by state."""
+        self.job_source = source
 
     def set_stream_source(self, source: StreamSource | None) -> None:
         """Plug in (or remove) the stream manager's per-stream figures."""

@@ -237,6 +237,28 @@ class Settings(BaseSettings):
         5.0, gt=0, le=300, description="time a webhook receiver has to answer one POST"
     )
 
+    # Video jobs: POST /jobs (streams/jobs.py, server/jobs.py)
+    max_jobs: int = Field(
+        100,
+        ge=1,
+        le=100_000,
+        description="video jobs kept (<data-dir>/jobs): a new one deletes the oldest finished,"
+        " and is refused (429) when every kept job is still waiting or running",
+    )
+    max_job_upload_mb: float = Field(
+        2048.0, gt=0, description="largest video a POST /jobs may upload"
+    )
+    job_concurrency: int = Field(
+        1, ge=1, le=64, description="video jobs run at once (the others wait their turn)"
+    )
+    job_inflight: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="frames a job keeps at the engines; 0 = workers x max batch (one batch"
+        " each). A live frame arriving behind them waits at most for the batch running",
+    )
+
     # Admission control, access and metrics (server/admission.py, server/auth.py)
     admission_deadline_ms: float = Field(
         1000.0,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from engines.pool import EnginePool
+from server.jobs import JobManager
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhook_store import WebhookStore
@@ -25,6 +26,7 @@ class AppState:
     snapshots: SnapshotStore | None = None
     webhooks: Webhooks | None = None
     webhook_store: WebhookStore | None = None
+    jobs: JobManager | None = None
 
     @property
     def ready(self) -> bool:

@@ -76,6 +76,22 @@ def test_interactive_outranks_stream_frames() -> None:
     assert [b.request_id for b in batch] == ["http", "f1"]
 
 
+def test_background_work_runs_only_on_what_calls_and_streams_leave() -> None:
+    q = WorkQueue(4)
+    q.put_background(item("job1"))
+    q.put_background(item("job2"))
+    q.put_latest("cam1", item("f1", "cam1"))
+    q.put(item("http"))
+    assert q.background_depth() == 2
+    assert [b.request_id for b in collect_batch(q, 3, 0)] == ["http", "f1", "job1"]
+    assert [b.request_id for b in collect_batch(q, 3, 0)] == ["job2"]
+    q.put_background(item("job3"))
+    q.close()
+    with pytest.raises(PoolClosed):
+        q.put_background(item("job4"))
+    assert [b.request_id for b in q.drain()] == ["job3"]
+
+
 def test_stream_lane_keeps_newest_frame_and_reports_the_drop() -> None:
     q = WorkQueue(4)
     assert q.put_latest("cam1", item("old", "cam1")) is None

@@ -1,0 +1,384 @@
+"""Video jobs' lifecycle: kept under ``<data-dir>/jobs/<id>/``, run one after another (or
+``--job-concurrency`` at once) by :func:`streams.jobs.run_job`, and resumed after a restart.
+
+Each job's directory holds ``job.json`` (what it is and how it ended), the uploaded video
+(``source.*``) and the results (``frames.ndjson``, ``events.ndjson``). A job waiting or
+running when the server stops is run again from the start at the next start: its results are
+written anew. At most ``--max-jobs`` are kept: a new one deletes the oldest finished.
+
+Everything here runs on the event loop but the job itself, which runs in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.batching import WorkItem
+from streams.detect import StreamDetect
+from streams.jobs import (
+    EVENTS_FILE,
+    FRAMES_FILE,
+    JobCancelled,
+    JobError,
+    JobProgress,
+    JobSpec,
+    run_job,
+)
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "job.json"
+LIVE_ONLY = frozenset({"clips", "motion", "motion_mask", "motion_min_area", "motion_threshold"})
+"""A live stream's settings, which a job has no use for."""
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
+
+
+class JobLimitError(RuntimeError):
+    """Every kept job is still waiting or running; the message names the setting."""
+
+
+class JobsClosed(RuntimeError):
+    """The server is stopping."""
+
+
+@dataclass
+class Job:
+    """One video job.
+
+    Attributes:
+        source: what the API shows of the video: ``{"upload", "bytes"}`` or ``{"url"}`` (its
+            password masked).
+        target: what FFmpeg opens (a path in the job's directory, or the URL).
+        video: the video as probed when the job was made (size, duration, fps, codec).
+    """
+
+    id: str
+    name: str
+    created_at: float
+    source: dict[str, Any]
+    target: str
+    options: dict[str, str]
+    video: dict[str, Any]
+    detect: StreamDetect
+    fps: float | None
+    state: JobState = JobState.QUEUED
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    counts: dict[str, Any] | None = None
+    progress: JobProgress = field(default_factory=JobProgress)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    deleted: bool = False
+
+    def to_json(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """What ``GET /jobs/{id}`` answers."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": str(self.state),
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "source": self.source,
+            "video": self.video,
+            "settings": self.settings(names),
+            "progress": self.progress.to_json(),
+            "error": self.error,
+            "counts": self.counts,
+            "frames_url": f"/jobs/{self.id}/frames",
+            "events_url": f"/jobs/{self.id}/events",
+        }
+
+    def settings(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """The detection settings (those a live stream only has left out) and ``fps``."""
+        described = self.detect.describe(names)
+        kept = {key: value for key, value in described.items() if key not in LIVE_ONLY}
+        return {**kept, "fps": self.fps}
+
+    def record(self, names: Mapping[int, str]) -> dict[str, Any]:
+        """What ``job.json`` keeps: the API's form and what reopens the video."""
+        data = self.to_json(names)
+        data.pop("progress")
+        return {
+            **data,
+            "target": self.target,
+            "options": self.options,
+            "final_progress": self.progress.to_json() if self.state in FINISHED else None,
+        }
+
+
+class JobManager:
+    """The kept jobs, their queue and the tasks that run them."""
+
+    def __init__(
+        self,
+        directory: Path,
+        submit: Callable[[WorkItem], None],
+        names: Mapping[int, str],
+        *,
+        max_jobs: int,
+        concurrency: int,
+        inflight: int,
+        max_pixels: int,
+    ) -> None:
+        self.directory = directory
+        self._submit = submit
+        self._names = names
+        self._max_jobs = max_jobs
+        self._concurrency = concurrency
+        self._inflight = inflight
+        self._max_pixels = max_pixels
+        self._jobs: dict[str, Job] = {}  # in creation order
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._runners: list[asyncio.Task[None]] = []
+        self._interrupt = threading.Event()
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the kept jobs; those that were waiting or running wait again."""
+        for job in await asyncio.to_thread(self._load):
+            self._jobs[job.id] = job
+            if job.state is JobState.QUEUED:
+                self._queue.put_nowait(job.id)
+        self._runners = [
+            asyncio.create_task(self._run_forever(), name=f"jobs-{i}")
+            for i in range(self._concurrency)
+        ]
+
+    async def stop(self, timeout_s: float) -> None:
+        """Interrupt the running jobs (they run again at the next start) and wait for their
+        threads for up to ``timeout_s``."""
+        self._closed = True
+        self._interrupt.set()
+        if not self._runners:
+            return
+        for _ in self._runners:  # wakes the idle ones
+            self._queue.put_nowait("")
+        _, waiting = await asyncio.wait(self._runners, timeout=max(timeout_s, 0.1))
+        for task in waiting:
+            task.cancel()
+        if waiting:
+            log.warning("%d video job(s) still running after %.1f s", len(waiting), timeout_s)
+
+    # ---- the API's side ------------------------------------------------------------------
+    def new_id(self) -> str:
+        return uuid.uuid4().hex[:12]
+
+    def directory_of(self, job_id: str) -> Path:
+        return self.directory / job_id
+
+    async def make_room(self) -> None:
+        """Delete the oldest finished jobs until a new one fits.
+
+        Raises:
+            JobLimitError: every kept job is waiting or running.
+            JobsClosed: the server is stopping.
+        """
+        if self._closed:
+            raise JobsClosed("the server is shutting down")
+        while len(self._jobs) >= self._max_jobs:
+            oldest = next((j for j in self._jobs.values() if j.state in FINISHED), None)
+            if oldest is None:
+                raise JobLimitError(
+                    f"{len(self._jobs)} video jobs are already waiting or running"
+                    " (setting STREAMDET_MAX_JOBS)"
+                )
+            await self.delete(oldest.id)
+
+    async def add(self, job: Job) -> Job:
+        """Keep ``job`` and queue it."""
+        if self._closed:
+            raise JobsClosed("the server is shutting down")
+        self._jobs[job.id] = job
+        await asyncio.to_thread(self._save, job)
+        self._queue.put_nowait(job.id)
+        log.info("job %s: queued (%s)", job.id, job.source)
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        return self._jobs.get(job_id)
+
+    def all(self) -> list[Job]:
+        """Newest first."""
+        return list(reversed(self._jobs.values()))
+
+    def position(self, job: Job) -> int | None:
+        """How many queued jobs are ahead of ``job`` (None unless it is queued)."""
+        if job.state is not JobState.QUEUED:
+            return None
+        ahead = 0
+        for other in self._jobs.values():
+            if other is job:
+                return ahead
+            ahead += other.state is JobState.QUEUED
+        return None
+
+    async def delete(self, job_id: str) -> bool:
+        """Cancel a job if it waits or runs, and delete it and its files; False if unknown.
+        A running job's files go once its thread has stopped."""
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return False
+        job.deleted = True
+        job.cancel.set()
+        if job.state is not JobState.RUNNING:
+            await asyncio.to_thread(shutil.rmtree, self.directory_of(job_id), True)
+        log.info("job %s: deleted", job_id)
+        return True
+
+    async def wait(self, job: Job, timeout_s: float) -> None:
+        """Return once ``job`` has finished, or after ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.finished.wait(), timeout_s)
+
+    def counts(self) -> dict[str, int]:
+        """Kept jobs by state (for metrics)."""
+        out = {str(state): 0 for state in JobState}
+        for job in self._jobs.values():
+            out[str(job.state)] += 1
+        return out
+
+    # ---- running -------------------------------------------------------------------------
+    async def _run_forever(self) -> None:
+        while True:
+            job_id = await self._queue.get()
+            if self._closed:
+                return
+            job = self._jobs.get(job_id)
+            if job is None or job.state is not JobState.QUEUED or job.deleted:
+                continue
+            await self._run(job)
+
+    async def _run(self, job: Job) -> None:
+        job.state, job.started_at, job.progress = JobState.RUNNING, time.time(), JobProgress()
+        await asyncio.to_thread(self._save, job)
+        log.info("job %s: running", job.id)
+        spec = JobSpec(job.target, job.detect, job.fps, job.options, self._max_pixels)
+        try:
+            job.counts = await asyncio.to_thread(
+                run_job,
+                spec,
+                self._submit,
+                self.directory_of(job.id),
+                lambda class_id: self._names.get(class_id, str(class_id)),
+                inflight=self._inflight,
+                cancel=job.cancel,
+                interrupt=self._interrupt,
+                progress=job.progress,
+                job_id=job.id,
+            )
+            job.state = JobState.DONE
+        except JobCancelled as exc:
+            if exc.interrupted and not job.deleted:
+                job.state, job.started_at = JobState.QUEUED, None
+                await asyncio.to_thread(self._save, job)
+                log.info("job %s: interrupted; it runs again at the next start", job.id)
+                return
+            job.state = JobState.CANCELLED
+        except JobError as exc:
+            job.state, job.error = JobState.FAILED, str(exc)
+        except Exception as exc:  # a bug must cost this job, not the runner
+            log.exception("job %s: failed", job.id)
+            job.state, job.error = JobState.FAILED, f"internal error: {exc!r}"
+        job.progress.freeze()
+        job.finished_at = time.time()
+        job.finished.set()
+        if job.deleted:
+            await asyncio.to_thread(shutil.rmtree, self.directory_of(job.id), True)
+            return
+        await asyncio.to_thread(self._save, job)
+        p = job.progress
+        log.info(
+            "job %s: %s after %d frame(s) processed%s",
+            job.id,
+            job.state,
+            p.frames_processed,
+            f" ({job.error})" if job.error else "",
+        )
+
+    # ---- files ---------------------------------------------------------------------------
+    def _save(self, job: Job) -> None:
+        where = self.directory_of(job.id)
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = where / (JOB_FILE + ".tmp")
+        tmp.write_text(json.dumps(job.record(self._names)), encoding="utf-8")
+        os.replace(tmp, where / JOB_FILE)
+
+    def _load(self) -> list[Job]:
+        jobs: list[Job] = []
+        if not self.directory.is_dir():
+            return jobs
+        for path in self.directory.glob(f"*/{JOB_FILE}"):
+            try:
+                jobs.append(self._from_record(json.loads(path.read_text(encoding="utf-8"))))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("job %s: not loaded (%s); its files are kept", path.parent.name, exc)
+        jobs.sort(key=lambda job: job.created_at)
+        return jobs
+
+    def _from_record(self, data: dict[str, Any]) -> Job:
+        state = JobState(data["state"])
+        job = Job(
+            id=data["id"],
+            name=data["name"],
+            created_at=float(data["created_at"]),
+            source=data["source"],
+            target=data["target"],
+            options=data["options"],
+            video=data["video"],
+            detect=StreamDetect.from_description(data["settings"], self._names),
+            fps=data["settings"].get("fps"),
+            state=JobState.QUEUED if state is JobState.RUNNING else state,
+            started_at=data.get("started_at") if state in FINISHED else None,
+            finished_at=data.get("finished_at"),
+            error=data.get("error"),
+            counts=data.get("counts"),
+        )
+        final = data.get("final_progress")
+        if job.state in FINISHED:
+            job.finished.set()
+            if final:
+                job.progress = _progress_from(final)
+        return job
+
+
+def _progress_from(data: Mapping[str, Any]) -> JobProgress:
+    """A finished job's progress as it was kept (it no longer moves)."""
+    return JobProgress(
+        frames_read=int(data.get("frames_read", 0)),
+        frames_processed=int(data.get("frames_processed", 0)),
+        frames_failed=int(data.get("frames_failed", 0)),
+        decode_errors=int(data.get("decode_errors", 0)),
+        events=int(data.get("events", 0)),
+        position_s=float(data.get("position_s") or 0.0),
+        duration_s=data.get("duration_s"),
+        elapsed_s=data.get("elapsed_s"),
+    )
+
+
+__all__ = ["EVENTS_FILE", "FRAMES_FILE", "Job", "JobLimitError", "JobManager", "JobState"]

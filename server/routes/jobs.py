@@ -1,0 +1,382 @@
+"""Video jobs: ``POST /jobs`` (a recorded video, uploaded or by URL, and the detection
+settings of a stream), ``GET /jobs``, ``GET /jobs/{id}`` (long-polled with ``wait_s``),
+``GET /jobs/{id}/frames`` and ``/events`` (NDJSON), ``DELETE /jobs/{id}``.
+
+A job runs on what calls and live streams leave of the engines (their background lane), so
+footage is analysed as fast as the hardware allows without costing the cameras their latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import AsyncGenerator, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse
+from pydantic import Field, ValidationError, model_validator
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from server.jobs import (
+    EVENTS_FILE,
+    FRAMES_FILE,
+    LIVE_ONLY,
+    Job,
+    JobLimitError,
+    JobManager,
+    JobsClosed,
+)
+from server.routes.streams import DetectIn
+from server.state import AppState, get_state
+from streams.detect import StreamDetect
+from streams.files import VIDEO_SUFFIXES
+from streams.jobs import JobError, probe
+from streams.sources import SourceError, open_options, parse_source, redact
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+VIDEO_TYPES = {
+    "video/mp4": ".mp4",
+    "video/quicktime": ".mov",
+    "video/x-matroska": ".mkv",
+    "video/webm": ".webm",
+    "video/mp2t": ".ts",
+    "video/x-msvideo": ".avi",
+    "application/octet-stream": ".video",
+}
+WRITE_CHUNK = 4 << 20  # bytes gathered before a write to disk, off the event loop
+NDJSON = "application/x-ndjson"
+
+
+class JobIn(DetectIn):
+    """A job's settings: a stream's detection settings (``conf``, ``iou``, ``classes``,
+    ``max_det``, ``roi``, ``track``, ``lines``, ``zones``), a ``name``, ``fps``, and, for a
+    video already reachable from the server, its ``url``."""
+
+    name: Annotated[str, Field(max_length=200)] = ""
+    fps: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=1000,
+            description="at most this many frames per second of video; null: every frame",
+        ),
+    ] = None
+    url: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=2048,
+            description="the video, when not uploaded: file:// under --allowed-file-dir or"
+            " http(s)://",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _no_live_settings(self) -> JobIn:
+        for key in sorted(LIVE_ONLY):
+            if key in self.model_fields_set:
+                raise ValueError(
+                    f"{key}: a live stream's setting; a job reads all of a recorded video"
+                    " (sample fewer frames with fps)"
+                )
+        return self
+
+
+def _jobs(state: AppState) -> JobManager:
+    if state.jobs is None or state.shutting_down:
+        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"})
+    return state.jobs
+
+
+def _job(state: AppState, job_id: str) -> Job:
+    job = _jobs(state).get(job_id)
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    return job
+
+
+def _settings(raw: str | dict[str, Any] | None, where: str) -> JobIn:
+    """The settings object from JSON text or a parsed body; 422 naming what is wrong."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise HTTPException(422, f"{where}: not JSON: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise HTTPException(422, f"{where}: a JSON object of settings, not {type(raw).__name__}")
+    try:
+        return JobIn.model_validate(raw)
+    except ValidationError as exc:
+        errors = [{**error, "loc": (where, *error["loc"])} for error in exc.errors()]
+        raise RequestValidationError(errors) from None
+
+
+async def _capped(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+    """The request body, refused (413) once it passes ``limit`` bytes."""
+    too_large = HTTPException(
+        413, f"video larger than {limit / 1e6:.0f} MB (setting STREAMDET_MAX_JOB_UPLOAD_MB)"
+    )
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        yield chunk
+
+
+async def _save_body(request: Request, limit: int, path: Path) -> int:
+    """A raw video body to ``path``; its size."""
+    size, buffered = 0, bytearray()
+    with path.open("wb") as out:
+        async for chunk in _capped(request, limit):
+            buffered += chunk
+            size += len(chunk)
+            if len(buffered) >= WRITE_CHUNK:
+                await asyncio.to_thread(out.write, bytes(buffered))
+                buffered.clear()
+        await asyncio.to_thread(out.write, bytes(buffered))
+    return size
+
+
+async def _save_upload(upload: UploadFile, path: Path) -> int:
+    def copy() -> int:
+        upload.file.seek(0)
+        with path.open("wb") as out:
+            shutil.copyfileobj(upload.file, out, WRITE_CHUNK)
+            return out.tell()
+
+    return await asyncio.to_thread(copy)
+
+
+async def _receive(
+    request: Request, state: AppState, directory: Path
+) -> tuple[JobIn, dict[str, Any], str, dict[str, str]]:
+    """The job's settings and video from the request: ``(settings, source, target,
+    options)``, an uploaded video saved under ``directory``."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    settings = state.settings
+    limit = int(settings.max_job_upload_mb * 1024 * 1024)
+    if ctype == "application/json":
+        try:
+            body = json.loads(await request.body())
+        except json.JSONDecodeError as exc:
+            raise HTTPException(422, f"body: not JSON: {exc}") from None
+        job_in = _settings(body, "body")
+        if job_in.url is None:
+            raise HTTPException(
+                422,
+                "body: url: give the video's url, or upload it (multipart field 'video', or"
+                " the video as the body with its settings in the query's 'settings')",
+            )
+        try:
+            spec = parse_source(job_in.url, settings.allowed_file_dir, loop=False)
+        except SourceError as exc:
+            raise HTTPException(422, f"url: {exc}") from None
+        if spec.scheme in ("rtsp", "rtsps"):
+            raise HTTPException(
+                422,
+                "url: a job reads a recorded video (file:// or http(s)://); a live camera is a"
+                " stream (POST /streams)",
+            )
+        return job_in, {"url": redact(job_in.url)}, spec.target, open_options(spec)
+    await asyncio.to_thread(directory.mkdir, parents=True)
+    if ctype == "multipart/form-data":
+        parser = MultiPartParser(request.headers, _capped(request, limit), max_files=1)
+        try:
+            form = await parser.parse()
+        except MultiPartException as exc:
+            raise HTTPException(400, f"multipart body: {exc.message}") from None
+        try:
+            video = form.get("video")
+            if not isinstance(video, UploadFile):
+                got = ", ".join(sorted(form.keys())) or "none"
+                raise HTTPException(422, f"multipart form needs a file field 'video' (got: {got})")
+            text = form.get("settings")
+            if text is not None and not isinstance(text, str):
+                raise HTTPException(422, "multipart field 'settings' must be JSON text, not a file")
+            job_in = _settings(text, "settings")
+            suffix = Path(video.filename or "").suffix.lower()
+            path = directory / f"source{suffix if suffix in VIDEO_SUFFIXES else '.video'}"
+            size = await _save_upload(video, path)
+            filename = video.filename or path.name
+        finally:
+            await form.close()
+    elif ctype in VIDEO_TYPES or ctype.startswith("video/"):
+        job_in = _settings(request.query_params.get("settings"), "settings")
+        path = directory / f"source{VIDEO_TYPES.get(ctype, '.video')}"
+        size = await _save_body(request, limit, path)
+        filename = request.query_params.get("filename") or path.name
+    else:
+        raise HTTPException(
+            415,
+            f"Content-Type {ctype or '(none)'!r}: send multipart/form-data with a file field"
+            " 'video', the video itself (video/mp4, ...), or application/json with a 'url'",
+        )
+    if job_in.url is not None:
+        raise HTTPException(422, "url: give a url or upload a video, not both")
+    if size == 0:
+        raise HTTPException(400, "video: the upload is empty")
+    return job_in, {"upload": filename[:200], "bytes": size}, str(path), {}
+
+
+@router.post(
+    "/jobs",
+    status_code=202,
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["video"],
+                        "properties": {
+                            "video": {"type": "string", "format": "binary"},
+                            "settings": {"type": "string", "description": "JobIn as JSON"},
+                        },
+                    }
+                },
+                "video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                "application/json": {"schema": JobIn.model_json_schema()},
+            }
+        }
+    },
+)
+async def create_job(request: Request, response: Response) -> dict[str, Any]:
+    """A video job: the video uploaded (multipart field ``video`` with a ``settings`` field of
+    JSON, or the video as the body with ``settings`` in the query) or, with
+    ``application/json``, a ``url``; ``202`` with the job, which waits its turn."""
+    state = get_state(request)
+    jobs = _jobs(state)
+    try:
+        await jobs.make_room()
+    except JobLimitError as exc:
+        raise HTTPException(429, f"too many jobs: {exc}", headers={"Retry-After": "60"}) from None
+    except JobsClosed:
+        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
+    job_id = jobs.new_id()
+    directory = jobs.directory_of(job_id)
+    names = state.pool.engine.names
+    try:
+        job_in, source, target, options = await _receive(request, state, directory)
+        detect = job_in.detect(names, StreamDetect())
+        timeout = (state.settings.stream_open_timeout_s, state.settings.stream_read_timeout_s)
+        try:
+            video = await asyncio.to_thread(probe, target, options, timeout)
+        except JobError as exc:
+            raise HTTPException(415 if "upload" in source else 422, f"video: {exc}") from None
+        job = Job(
+            id=job_id,
+            name=job_in.name,
+            created_at=time.time(),
+            source=source,
+            target=target,
+            options=options,
+            video=video,
+            detect=detect,
+            fps=job_in.fps,
+        )
+        await jobs.add(job)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+        raise
+    response.headers["Location"] = f"/jobs/{job_id}"
+    return job.to_json(names)
+
+
+def _describe(jobs: JobManager, job: Job, names: Mapping[int, str]) -> dict[str, Any]:
+    data = job.to_json(names)
+    data["queue_position"] = jobs.position(job)
+    return data
+
+
+@router.get("/jobs")
+async def list_jobs(
+    request: Request,
+    state_: Annotated[
+        Literal["queued", "running", "done", "failed", "cancelled"] | None,
+        Query(alias="state", description="only jobs in this state"),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    """The kept jobs, newest first."""
+    state = get_state(request)
+    jobs = _jobs(state)
+    names = state.pool.engine.names
+    kept = [job for job in jobs.all() if state_ is None or job.state == state_]
+    return {"jobs": [_describe(jobs, job, names) for job in kept[:limit]]}
+
+
+@router.get("/jobs/{job_id}")
+async def get_job(
+    request: Request,
+    job_id: str,
+    wait_s: Annotated[
+        float, Query(ge=0, le=60, description="wait up to this long for the job to finish")
+    ] = 0,
+) -> dict[str, Any]:
+    """A job: its state, progress (frames, position in the video, fps), and once done the
+    counts (``detections`` and ``tracked`` by class, ``crossings``, ``zones``)."""
+    state = get_state(request)
+    job = _job(state, job_id)
+    if wait_s:
+        await _jobs(state).wait(job, wait_s)
+    return _describe(_jobs(state), job, state.pool.engine.names)
+
+
+async def _results(request: Request, job_id: str, name: str) -> Response:
+    state = get_state(request)
+    job = _job(state, job_id)
+    path = _jobs(state).directory_of(job.id) / name
+    headers = {"X-Job-State": str(job.state)}
+    if job.finished.is_set() and path.is_file():
+        return FileResponse(path, media_type=NDJSON, headers=headers)
+
+    def written() -> bytes:  # the whole lines so far of a job still running
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return b""
+        return data[: data.rfind(b"\n") + 1]
+
+    return Response(await asyncio.to_thread(written), media_type=NDJSON, headers=headers)
+
+
+@router.get("/jobs/{job_id}/frames", response_class=Response)
+async def job_frames(request: Request, job_id: str) -> Response:
+    """Every processed frame, a JSON line each: ``frame`` (its number in the video, from 0),
+    ``pts`` (seconds), ``width``, ``height``, ``detections`` (with ``track_id`` and
+    ``zones`` as the stream's WebSocket sends them) and ``events``; while the job runs, the
+    frames so far (``X-Job-State``)."""
+    return await _results(request, job_id, FRAMES_FILE)
+
+
+@router.get("/jobs/{job_id}/events", response_class=Response)
+async def job_events(request: Request, job_id: str) -> Response:
+    """The job's events (line crossings, zone entries, exits and loiters), a JSON line each,
+    as ``GET /events`` gives a stream's, with the ``pts`` of their frame."""
+    return await _results(request, job_id, EVENTS_FILE)
+
+
+@router.delete("/jobs/{job_id}", status_code=204)
+async def delete_job(request: Request, job_id: str) -> Response:
+    """Cancel a job that waits or runs, and delete it with its video and results."""
+    state = get_state(request)
+    if not await _jobs(state).delete(job_id):
+        raise HTTPException(404, f"no job {job_id!r}")
+    return Response(status_code=204)

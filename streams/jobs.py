@@ -1,0 +1,372 @@
+"""Video jobs: a recorded video read through as fast as the engines have room for.
+
+A job decodes a file (or an HTTP video) from start to end, sampling at most ``fps`` frames per
+second of video, and sends each sampled frame to the engine pool's background lane, which runs
+only on capacity that ``POST /detect`` calls and live streams leave. A few frames stay in
+flight (``inflight``) so batches fill on a GPU; their results are taken in frame order through
+the same analytics as a live stream's (region of interest, tracking, counting lines, zones),
+timed by the video's own clock, so a ``loiter_s`` is seconds of video.
+
+What comes out goes to two files in the job's directory, a line of JSON each:
+``frames.ndjson`` (every processed frame: its number in the file, ``pts``, size, detections
+and events) and ``events.ndjson`` (the line crossings and zone entries, exits and loiters).
+:func:`run_job` returns the counts. It runs in a thread of its own and reports progress
+through :class:`JobProgress`; nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from engines.batching import PoolClosed, WorkItem, WorkResult
+from engines.types import Image
+from streams.analytics import Analysed, StreamAnalytics
+from streams.detect import StreamDetect
+
+log = logging.getLogger(__name__)
+
+FRAMES_FILE = "frames.ndjson"
+EVENTS_FILE = "events.ndjson"
+BACKGROUND_DEADLINE_S = 24 * 3600.0
+"""A job's frame waits as long as live work keeps the engines busy: it is never dropped."""
+POLL_S = 0.25  # how often a runner waiting on a frame looks at its cancel flag
+
+
+class JobCancelled(Exception):
+    """The job was cancelled (deleted) or the server is stopping; ``interrupted`` tells
+    which: an interrupted job runs again from the start at the next start."""
+
+    def __init__(self, interrupted: bool) -> None:
+        super().__init__("interrupted by the server stopping" if interrupted else "cancelled")
+        self.interrupted = interrupted
+
+
+class JobError(RuntimeError):
+    """The video cannot be read; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a job reads and how.
+
+    Attributes:
+        source: what FFmpeg opens (a path or an HTTP URL).
+        detect: the detection settings, as a stream's (``clips`` and ``motion`` unused).
+        fps: at most this many frames per second of video; None: every frame.
+        options: FFmpeg demuxer options.
+        max_pixels: a larger frame stops the job (setting ``STREAMDET_MAX_IMAGE_PIXELS``).
+        timeout_s: FFmpeg's open and read timeouts (an HTTP video that stalls).
+    """
+
+    source: str
+    detect: StreamDetect
+    fps: float | None = None
+    options: dict[str, str] = field(default_factory=dict)
+    max_pixels: int = 50_000_000
+    timeout_s: tuple[float, float] = (10.0, 5.0)
+
+
+@dataclass
+class JobProgress:
+    """Where a running job is, written by its thread and read by the API (single values,
+    each assignment atomic)."""
+
+    frames_read: int = 0
+    frames_processed: int = 0
+    frames_failed: int = 0
+    decode_errors: int = 0
+    events: int = 0
+    position_s: float = 0.0
+    duration_s: float | None = None
+    started_mono: float | None = None
+    elapsed_s: float | None = None
+    """Set once the job has ended (:meth:`freeze`)."""
+
+    def freeze(self) -> None:
+        """The job has ended: its elapsed time stops."""
+        if self.elapsed_s is None and self.started_mono is not None:
+            self.elapsed_s = time.monotonic() - self.started_mono
+
+    def to_json(self) -> dict[str, Any]:
+        elapsed = self.elapsed_s
+        if elapsed is None and self.started_mono is not None:
+            elapsed = time.monotonic() - self.started_mono
+        share = None
+        if self.duration_s:
+            share = round(min(1.0, self.position_s / self.duration_s), 4)
+        return {
+            "frames_read": self.frames_read,
+            "frames_processed": self.frames_processed,
+            "frames_failed": self.frames_failed,
+            "decode_errors": self.decode_errors,
+            "events": self.events,
+            "position_s": round(self.position_s, 3),
+            "duration_s": None if self.duration_s is None else round(self.duration_s, 3),
+            "progress": share,
+            "elapsed_s": None if elapsed is None else round(elapsed, 3),
+            "fps": round(self.frames_processed / elapsed, 2) if elapsed else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _Sampled:
+    index: int  # the frame's number in the file, from 0
+    pts: float
+    image: Image
+    result: Future[WorkResult]
+
+
+class Sampler:
+    """Keeps frames on a grid of ``1 / fps`` seconds of video: 25 fps sampled at 10 keeps
+    10 a second, not every third frame's 8.3."""
+
+    def __init__(self, fps: float | None) -> None:
+        self._step = None if fps is None else 1.0 / fps
+        self._next: float | None = None
+
+    def keep(self, t: float) -> bool:
+        if self._step is None:
+            return True
+        if self._next is not None and t < self._next - 1e-6:
+            return False
+        # On the grid, unless the video jumped past it (a gap): then from here.
+        nxt = t if self._next is None or t > self._next + self._step else self._next
+        self._next = nxt + self._step
+        return True
+
+
+def probe(
+    source: str, options: dict[str, str] | None = None, timeout_s: tuple[float, float] = (10.0, 5.0)
+) -> dict[str, Any]:
+    """Open ``source`` and decode its first frame: ``{"width", "height", "duration_s",
+    "fps", "codec"}``.
+
+    Raises:
+        JobError: not a video FFmpeg can read, no video stream, or no frame decodes.
+    """
+    import av
+
+    try:
+        with av.open(source, options=options or {}, timeout=timeout_s) as container:
+            if not container.streams.video:
+                raise JobError("it has no video stream")
+            stream = container.streams.video[0]
+            duration = _duration(container, stream)
+            for frame in _frames(container, stream, None):
+                rate = stream.average_rate
+                return {
+                    "width": frame.width,
+                    "height": frame.height,
+                    "duration_s": None if duration is None else round(duration, 3),
+                    "fps": None if rate is None else round(float(rate), 3),
+                    "codec": stream.codec_context.name,
+                }
+            raise JobError("no frame of it decodes")
+    except av.error.FFmpegError as exc:
+        raise JobError(f"not a video FFmpeg can read: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    """FFmpeg's reason without the file's name (a path on the server)."""
+    return str(getattr(exc, "strerror", None) or exc)
+
+
+def _duration(container: Any, stream: Any) -> float | None:
+    if stream.duration is not None and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration:
+        return float(container.duration) / 1e6
+    return None
+
+
+def _frames(container: Any, stream: Any, errors: list[int] | None) -> Iterator[Any]:
+    """Every frame, a packet that does not decode skipped (and counted in ``errors[0]``)."""
+    import av
+
+    stream.thread_type = "AUTO"
+    for packet in container.demux(stream):
+        try:
+            frames = packet.decode()
+        except av.error.InvalidDataError:
+            if errors is not None:
+                errors[0] += 1
+            continue
+        yield from frames
+
+
+def run_job(
+    spec: JobSpec,
+    submit: Callable[[WorkItem], None],
+    directory: Path,
+    name_of: Callable[[int], str],
+    *,
+    inflight: int,
+    cancel: threading.Event,
+    interrupt: threading.Event,
+    progress: JobProgress,
+    job_id: str = "",
+) -> dict[str, Any]:
+    """Read the whole video through the engines; returns the counts (``GET /streams/{id}``'s
+    ``detections``, ``tracked``, ``crossings``, ``zones``).
+
+    Raises:
+        JobError: the video cannot be opened or read, or a frame is too large.
+        JobCancelled: ``cancel`` or ``interrupt`` was set, or the pool closed.
+    """
+    import av
+
+    directory.mkdir(parents=True, exist_ok=True)
+    analytics = StreamAnalytics()
+    pending: deque[_Sampled] = deque()
+    sampler = Sampler(spec.fps)
+    errors = [0]
+    progress.started_mono = time.monotonic()
+
+    def stopped() -> None:
+        if interrupt.is_set():
+            raise JobCancelled(interrupted=True)
+        if cancel.is_set():
+            raise JobCancelled(interrupted=False)
+
+    try:
+        container = av.open(spec.source, options=spec.options, timeout=spec.timeout_s)
+    except av.error.FFmpegError as exc:
+        raise JobError(f"cannot open the video: {_reason(exc)}") from None
+    with (
+        container,
+        (directory / FRAMES_FILE).open("w", encoding="utf-8") as frames_out,
+        (directory / EVENTS_FILE).open("w", encoding="utf-8") as events_out,
+    ):
+        if not container.streams.video:
+            raise JobError("the video has no video stream")
+        stream = container.streams.video[0]
+        progress.duration_s = _duration(container, stream)
+        rate = float(stream.average_rate) if stream.average_rate else 25.0
+        try:
+            for index, frame in enumerate(_frames(container, stream, errors)):
+                stopped()
+                progress.frames_read = index + 1
+                progress.decode_errors = errors[0]
+                t = frame.time if frame.time is not None else index / rate
+                progress.position_s = t
+                if not sampler.keep(t):
+                    continue
+                if frame.width * frame.height > spec.max_pixels:
+                    raise JobError(
+                        f"frames of {frame.width}x{frame.height} exceed {spec.max_pixels}"
+                        " pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
+                    )
+                image = frame.to_ndarray(format="rgb24")
+                result: Future[WorkResult] = Future()
+                submit(
+                    WorkItem(
+                        image,
+                        spec.detect.engine_params,
+                        deadline=time.monotonic() + BACKGROUND_DEADLINE_S,
+                        on_done=result.set_result,
+                        request_id=f"job:{job_id}:{index}",
+                    )
+                )
+                pending.append(_Sampled(index, t, image, result))
+                while len(pending) >= inflight:
+                    done = _finish(
+                        pending.popleft(),
+                        spec,
+                        analytics,
+                        name_of,
+                        progress=progress,
+                        stopped=stopped,
+                    )
+                    _write(frames_out, events_out, done)
+        except av.error.FFmpegError as exc:
+            raise JobError(
+                f"reading the video failed at {progress.position_s:.2f} s: {exc}"
+            ) from None
+        except PoolClosed:
+            raise JobCancelled(interrupted=True) from None
+        while pending:
+            _write(
+                frames_out,
+                events_out,
+                _finish(
+                    pending.popleft(), spec, analytics, name_of, progress=progress, stopped=stopped
+                ),
+            )
+        progress.decode_errors = errors[0]
+    counts = analytics.snapshot()
+    counts.pop("objects", None)  # the last frame's: meaningless for a whole video
+    for zone in counts.get("zones", {}).values():
+        zone.pop("now", None)
+    return counts
+
+
+def _finish(
+    sampled: _Sampled,
+    spec: JobSpec,
+    analytics: StreamAnalytics,
+    name_of: Callable[[int], str],
+    *,
+    progress: JobProgress,
+    stopped: Callable[[], None],
+) -> tuple[str, list[str]]:
+    """Wait for a frame's result and take it through the analytics, in frame order; returns
+    its line of ``frames.ndjson`` and its lines of ``events.ndjson``."""
+    while True:
+        stopped()
+        try:
+            result = sampled.result.result(timeout=POLL_S)
+            break
+        except TimeoutError:
+            continue
+    line: dict[str, Any] = {"frame": sampled.index, "pts": round(sampled.pts, 4)}
+    events: list[str] = []
+    if result.detections is None:
+        if isinstance(result.error, PoolClosed):
+            raise JobCancelled(interrupted=True)
+        progress.frames_failed += 1
+        log.warning("job %s: frame %d failed: %s", spec.source, sampled.index, result.error)
+        height, width = sampled.image.shape[:2]
+        line.update(width=width, height=height, detections=[], error=str(result.error))
+    else:
+        done: Analysed = analytics.process(
+            result.detections, spec.detect, sampled.pts, sampled.index
+        )
+        detections = done.detections.to_json()
+        if done.zones is not None:
+            for item, zones in zip(detections, done.zones, strict=True):
+                item["zones"] = zones
+        if done.dwell is not None:
+            for item, dwell in zip(detections, done.dwell, strict=True):
+                item["dwell_s"] = dwell
+        line.update(
+            width=done.detections.width, height=done.detections.height, detections=detections
+        )
+        if done.events:
+            found = [
+                {**event.to_json(name_of), "pts": round(sampled.pts, 4)} for event in done.events
+            ]
+            line["events"] = found
+            events = [_dumps(event) for event in found]
+        progress.frames_processed += 1
+    progress.events += len(events)
+    return _dumps(line), events
+
+
+def _write(frames_out: TextIO, events_out: TextIO, lines: tuple[str, list[str]]) -> None:
+    frame_line, events = lines
+    frames_out.write(frame_line + "\n")
+    for event in events:
+        events_out.write(event + "\n")
+
+
+def _dumps(value: dict[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)

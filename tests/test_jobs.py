@@ -1,0 +1,229 @@
+"""Video jobs (``POST /jobs``): a recorded video read through on the engines' background
+lane, against the real model, the real clips and the real app; no timing is asserted."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi.testclient import TestClient
+
+from engines.types import DetectParams, Engine, ModelInfo
+from streams.detect import StreamDetect
+from streams.files import iter_video_frames
+from streams.jobs import JobProgress, JobSpec, Sampler, run_job
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, file_stream_app, start_ort_pool
+
+
+def test_sampling_keeps_a_grid_of_the_videos_own_time() -> None:
+    every = Sampler(None)
+    assert all(every.keep(i / 25) for i in range(50))
+    ten = Sampler(10.0)
+    kept = [i for i in range(250) if ten.keep(i / 25)]  # 10 s of 25 fps
+    assert len(kept) == 100  # 10 a second, not every third frame's 8.3
+    assert kept[:6] == [0, 3, 5, 8, 10, 13]
+    gap = Sampler(1.0)
+    assert gap.keep(0.0) and not gap.keep(0.5) and gap.keep(1.0)
+    assert gap.keep(100.0) and not gap.keep(100.5) and gap.keep(101.0)  # on from the jump
+
+
+def test_a_jobs_frames_are_those_the_engine_gives_for_the_same_pictures(
+    tmp_path: Path, model_info: ModelInfo, ort_engine: Engine
+) -> None:
+    pool = start_ort_pool(model_info, max_wait_ms=2, max_batch=4)
+    try:
+        progress = JobProgress()
+        detect = StreamDetect(DetectParams(conf=0.25))
+        counts = run_job(
+            JobSpec(str(BOTTLE_CLIP), detect, fps=1.0),
+            pool.submit_background,
+            tmp_path,
+            lambda c: ort_engine.names[c],
+            inflight=4,
+            cancel=threading.Event(),
+            interrupt=threading.Event(),
+            progress=progress,
+        )
+    finally:
+        pool.stop(5)
+    lines = [json.loads(line) for line in (tmp_path / "frames.ndjson").read_text().splitlines()]
+    assert len(lines) == progress.frames_processed == 40  # a 39.9 s clip at 1 frame a second
+    assert progress.frames_failed == 0 and progress.frames_read == 1189
+    assert [line["pts"] for line in lines[:3]] == [0.0, 1.0056, 2.0112]
+    # The same frames decoded on their own and run through the engine directly.
+    step = [line["frame"] for line in lines]
+    frames = [f for i, f in enumerate(iter_video_frames(BOTTLE_CLIP)) if i in set(step)]
+    direct = [ort_engine.infer([frame], [detect.params])[0] for frame in frames]
+    total = 0
+    for line, ours in zip(lines, direct, strict=True):
+        got = line["detections"]
+        assert [d["class_name"] for d in got] == [ours.name_of(c) for c in ours.class_ids]
+        if got:
+            np.testing.assert_allclose([d["box"] for d in got], ours.boxes, atol=0.5)
+        total += len(got)
+    assert total > 40  # three bottles stand in every frame
+    assert counts["detections"]["bottle"] == sum(
+        1 for line in lines for d in line["detections"] if d["class_name"] == "bottle"
+    )
+
+
+def _wait_state(
+    c: TestClient, job_id: str, states: set[str], timeout_s: float = 60
+) -> dict[str, Any]:
+    end = time.monotonic() + timeout_s
+    while True:
+        job: dict[str, Any] = c.get(f"/jobs/{job_id}", params={"wait_s": 1}).json()
+        if job["state"] in states or time.monotonic() > end:
+            return job
+        time.sleep(0.05)
+
+
+def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: Path) -> None:
+    with TestClient(file_stream_app(tmp_path)) as c:
+        live = c.post("/streams", json={"url": f"file://{BOTTLE_CLIP}", "max_fps": 4}).json()
+        settings = {"name": "gate footage", "classes": "car", "track": True, "lines": [GATE]}
+        created = c.post(
+            "/jobs",
+            files={"video": ("car.mp4", CAR_CLIP.read_bytes(), "video/mp4")},
+            data={"settings": json.dumps({**settings, "fps": 4})},
+        )
+        assert created.status_code == 202, created.text
+        job = created.json()
+        assert created.headers["location"] == f"/jobs/{job['id']}"
+        assert job["source"] == {"upload": "car.mp4", "bytes": CAR_CLIP.stat().st_size}
+        assert job["video"]["width"] == 768 and job["video"]["duration_s"] == 30.16
+        assert job["settings"]["classes"] == ["car"] and "clips" not in job["settings"]
+        processed_before = c.get(f"/streams/{live['id']}").json()["frames_processed"]
+        done = c.get(f"/jobs/{job['id']}", params={"wait_s": 60}).json()
+        assert done["state"] == "done", done
+        # The camera was served all along: its frames go first, the job's on what is left.
+        assert c.get(f"/streams/{live['id']}").json()["frames_processed"] > processed_before
+        progress = done["progress"]
+        assert progress["frames_read"] == 377 and progress["progress"] > 0.99
+        frames = c.get(f"/jobs/{job['id']}/frames")
+        assert frames.headers["content-type"] == "application/x-ndjson"
+        lines = [json.loads(text) for text in frames.text.splitlines()]
+        assert len(lines) == progress["frames_processed"] == 121  # 30.16 s at 4 a second
+        assert all(b["pts"] - a["pts"] > 0.23 for a, b in itertools.pairwise(lines))
+        assert {d["class_name"] for line in lines for d in line["detections"]} == {"car"}
+        assert all("track_id" in d for line in lines for d in line["detections"])
+        events = [json.loads(t) for t in c.get(f"/jobs/{job['id']}/events").text.splitlines()]
+        crossings = done["counts"]["crossings"]["gate"]
+        assert (
+            len(events)
+            == progress["events"]
+            == sum(n for side in crossings.values() for n in side.values())
+        )
+        assert events and all(e["type"] == "line_crossing" and e["pts"] > 0 for e in events)
+        in_frames = [e for line in lines for e in line.get("events", ())]
+        assert in_frames == events
+        assert done["counts"]["tracked"]["car"] >= 2
+
+        # The video as the body, its settings in the query; and a video on the server by URL.
+        raw = c.post(
+            "/jobs",
+            params={"settings": json.dumps({"fps": 0.5, "classes": ["bottle"]})},
+            content=BOTTLE_CLIP.read_bytes(),
+            headers={"content-type": "video/mp4"},
+        )
+        by_url = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.5})
+        assert raw.status_code == by_url.status_code == 202, (raw.text, by_url.text)
+        assert by_url.json()["source"] == {"url": f"file://{BOTTLE_CLIP}"}
+        for other in (raw.json(), by_url.json()):
+            finished = c.get(f"/jobs/{other['id']}", params={"wait_s": 60}).json()
+            assert finished["state"] == "done" and finished["progress"]["frames_processed"] == 20
+            assert finished["counts"]["detections"]["bottle"] >= 40
+        listed = c.get("/jobs").json()["jobs"]
+        assert [j["id"] for j in listed] == [by_url.json()["id"], raw.json()["id"], job["id"]]
+        assert [j["id"] for j in c.get("/jobs", params={"state": "running"}).json()["jobs"]] == []
+        metrics = c.get("/metrics").text
+        assert 'streamdet_jobs{state="done"} 3.0' in metrics
+
+        assert c.delete(f"/jobs/{job['id']}").status_code == 204
+        assert c.get(f"/jobs/{job['id']}").status_code == 404
+        assert c.get(f"/jobs/{job['id']}/frames").status_code == 404
+        assert not (tmp_path / "data" / "jobs" / job["id"]).exists()
+        assert c.delete(f"/jobs/{job['id']}").status_code == 404
+
+
+def test_bad_jobs_get_clear_errors_and_a_full_server_refuses_more(tmp_path: Path) -> None:
+    video = ("car.mp4", CAR_CLIP.read_bytes(), "video/mp4")
+    with TestClient(file_stream_app(tmp_path, max_jobs=1, max_job_upload_mb=3)) as c:
+        cases: list[tuple[dict[str, Any], int, str]] = [
+            (
+                {"content": b"\x00garbage" * 100, "headers": {"content-type": "video/mp4"}},
+                415,
+                "video: not a video FFmpeg can read: Invalid data",
+            ),
+            ({"files": {"image": video}}, 422, "needs a file field 'video' (got: image)"),
+            ({"files": {"video": video}, "data": {"settings": "{"}}, 422, "settings: not JSON"),
+            ({"files": {"video": video}, "data": {"settings": '{"clips": true}'}}, 422, "clips"),
+            (
+                {"files": {"video": video}, "data": {"settings": '{"classes": "unicorn"}'}},
+                422,
+                "unicorn",
+            ),
+            ({"files": {"video": video}, "data": {"settings": '{"fps": 0}'}}, 422, "fps"),
+            ({"json": {"url": "rtsp://camera/stream"}}, 422, "a live camera is a stream"),
+            ({"json": {"url": "file:///etc/passwd"}}, 422, "outside the allowed directory"),
+            ({"json": {"fps": 1}}, 422, "give the video's url, or upload it"),
+            ({"content": b"x", "headers": {"content-type": "text/plain"}}, 415, "multipart"),
+            (
+                {"content": b"\x00" * (4 << 20), "headers": {"content-type": "video/mp4"}},
+                413,
+                "STREAMDET_MAX_JOB_UPLOAD_MB",
+            ),
+        ]
+        for kwargs, status, words in cases:
+            got = c.post("/jobs", **kwargs)
+            assert got.status_code == status and words in got.text, (kwargs.keys(), got.text)
+        assert c.get("/jobs").json() == {"jobs": []}  # nothing half-made is kept
+        assert list((tmp_path / "data" / "jobs").iterdir()) == []
+
+        first = c.post("/jobs", files={"video": video})  # every frame: it runs a while
+        assert first.status_code == 202
+        job_id = first.json()["id"]
+        running = _wait_state(c, job_id, {"running"})
+        assert running["state"] == "running"
+        refused = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}"})
+        assert refused.status_code == 429 and "STREAMDET_MAX_JOBS" in refused.text
+        assert refused.headers["retry-after"]
+        # Deleting a running job cancels it; its files go once its thread has stopped.
+        assert c.delete(f"/jobs/{job_id}").status_code == 204
+        assert c.get(f"/jobs/{job_id}").status_code == 404
+        end = time.monotonic() + 10
+        while (tmp_path / "data" / "jobs" / job_id).exists() and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not (tmp_path / "data" / "jobs" / job_id).exists()
+        # A finished job makes room for a new one: the oldest finished goes.
+        small = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25})
+        assert c.get(f"/jobs/{small.json()['id']}", params={"wait_s": 60}).json()["state"] == "done"
+        again = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25})
+        assert again.status_code == 202
+        assert [j["id"] for j in c.get("/jobs").json()["jobs"]] == [again.json()["id"]]
+
+
+def test_a_job_interrupted_by_a_restart_runs_again_from_the_start(tmp_path: Path) -> None:
+    with TestClient(file_stream_app(tmp_path)) as c:
+        created = c.post("/jobs", json={"url": f"file://{CAR_CLIP}", "classes": "car"})
+        job_id = created.json()["id"]
+        end = time.monotonic() + 60
+        while c.get(f"/jobs/{job_id}").json()["progress"]["frames_processed"] < 5:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+    # The server stopped with it half done: it waits again, and runs whole at the next start.
+    with TestClient(file_stream_app(tmp_path)) as c:
+        job = c.get(f"/jobs/{job_id}", params={"wait_s": 60}).json()
+        assert job["state"] == "done", job
+        assert job["progress"]["frames_processed"] == job["progress"]["frames_read"] == 377
+        lines = c.get(f"/jobs/{job_id}/frames").text.splitlines()
+        assert [json.loads(line)["frame"] for line in lines] == list(range(377))
+    with TestClient(file_stream_app(tmp_path)) as c:  # kept as it ended
+        kept = c.get(f"/jobs/{job_id}").json()
+        assert kept["state"] == "done" and kept["progress"] == job["progress"]
+        assert kept["counts"] == job["counts"]
