@@ -13,7 +13,10 @@ WebSocket, and after a warm-up measures for a fixed time:
   the client's receipt: receive time minus ``captured_at``, same host clock);
 * the server process's CPU (user + system seconds per second, from ``/proc``) and the share
   of the frames that came in that were decoded: with ``--max-fps`` at or under the clip's
-  keyframe rate only keyframes are (``--keyframe-decode false`` on the server: all).
+  keyframe rate only keyframes are (``--keyframe-decode false`` on the server: all);
+* with ``--job VIDEO``, a video job (``POST /jobs``, every frame) kept running through the
+  measured time, and the frames/s it got: the live figures beside a run without one show
+  what the background lane costs the cameras.
 
 Run (about 30 s per camera count; the machine is shared, so figures vary)::
 
@@ -95,8 +98,51 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def keep_a_job_running(
+    client: httpx.AsyncClient,
+    base: str,
+    video: Path,
+    until: float,
+    samples: list[tuple[float, int]],
+) -> None:
+    """Upload ``video`` as a job, again each time one ends, until ``until``; ``samples``
+    gets ``(monotonic, frames processed by every job so far)``."""
+    data = await asyncio.to_thread(video.read_bytes)
+    done_before = 0
+    while time.monotonic() < until:
+        created = await client.post(
+            f"{base}/jobs", files={"video": (video.name, data, "video/mp4")}
+        )
+        created.raise_for_status()
+        job_id = created.json()["id"]
+        while True:
+            job = (await client.get(f"{base}/jobs/{job_id}")).json()
+            processed = job["progress"]["frames_processed"]
+            samples.append((time.monotonic(), done_before + processed))
+            if job["state"] not in ("queued", "running"):
+                done_before += processed
+                break
+            if time.monotonic() >= until:
+                await client.delete(f"{base}/jobs/{job_id}")
+                return
+            await asyncio.sleep(0.5)
+
+
+def processed_between(samples: list[tuple[float, int]], start: float, end: float) -> int:
+    """Job frames processed from ``start`` to ``end`` (the samples nearest inside)."""
+    inside = [n for t, n in samples if start <= t <= end]
+    return inside[-1] - inside[0] if len(inside) > 1 else 0
+
+
 async def measure(
-    base: str, ws_base: str, ids: list[str], warmup_s: float, seconds_s: float, *, pid: int
+    base: str,
+    ws_base: str,
+    ids: list[str],
+    warmup_s: float,
+    seconds_s: float,
+    *,
+    pid: int,
+    job: Path | None = None,
 ) -> dict[str, Any]:
     counts = dict.fromkeys(ids, 0)
     server_lat: list[float] = []
@@ -126,10 +172,18 @@ async def measure(
             return {s["id"]: s for s in streams}
 
         tasks = [asyncio.create_task(watch(sid)) for sid in ids]
+        job_samples: list[tuple[float, int]] = []
+        job_task = None
+        if job is not None:
+            job_task = asyncio.create_task(
+                keep_a_job_running(client, base, job, t_end, job_samples)
+            )
         await asyncio.sleep(warmup_s)
         before, cpu_before, wall_before = await snapshot(), cpu_seconds(pid), time.monotonic()
         await asyncio.gather(*tasks)
         after, cpu_after, wall_after = await snapshot(), cpu_seconds(pid), time.monotonic()
+        if job_task is not None:
+            await job_task
 
     per_stream = {}
     for sid in ids:
@@ -168,6 +222,10 @@ async def measure(
         "latency_ms_p99": float(np.percentile(server_lat, 99)) if server_lat else None,
         "client_latency_ms_p50": float(np.percentile(client_lat, 50)) if client_lat else None,
         "client_latency_ms_p99": float(np.percentile(client_lat, 99)) if client_lat else None,
+        "job": None if job is None else job.name,
+        "job_fps": None
+        if job is None
+        else processed_between(job_samples, t_start, t_end) / seconds_s,
         "streams": per_stream,
     }
 
@@ -221,6 +279,7 @@ def run_scenario(cameras: int, args: argparse.Namespace) -> dict[str, Any]:
                 args.warmup_seconds,
                 args.seconds,
                 pid=server.pid,
+                job=args.job,
             )
         )
     finally:
@@ -246,6 +305,9 @@ def main() -> int:
         default=0.0,
         help="seconds between adding cameras, so their clips do not move at the same moments",
     )
+    parser.add_argument(
+        "--job", type=Path, default=None, help="keep a video job of this file running"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     parser.add_argument("server_args", nargs="*", help="extra `streamdet serve` flags, after --")
     args = parser.parse_args()
@@ -262,7 +324,8 @@ def main() -> int:
             f" {r['wanted_processed_share'] * 100:.1f}%"
             f" (at client: p50 {r['client_latency_ms_p50']:.0f} p99"
             f" {r['client_latency_ms_p99']:.0f} ms); server CPU {r['server_cpu_per_s']:.2f}"
-            f" s/s, {r['decoded_share'] * 100:.1f}% of the frames decoded",
+            f" s/s, {r['decoded_share'] * 100:.1f}% of the frames decoded"
+            + ("" if r["job"] is None else f"; a job beside them got {r['job_fps']:.1f} fps"),
             flush=True,
         )
     if args.out:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 JOB_FILE = "job.json"
 LIVE_ONLY = frozenset({"clips", "motion", "motion_mask", "motion_min_area", "motion_threshold"})
 """A live stream's settings, which a job has no use for."""
+JOB_NICE = 10
+"""A job's decoding yields the CPU to the cameras' and the calls' (Linux nice, per thread)."""
 
 
 class JobState(enum.StrEnum):
@@ -157,6 +161,8 @@ class JobManager:
         self._runners: list[asyncio.Task[None]] = []
         self._interrupt = threading.Event()
         self._closed = False
+        # Threads of their own: a job lowers its thread's CPU priority for good.
+        self._executor = ThreadPoolExecutor(concurrency, thread_name_prefix="job")
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -184,6 +190,7 @@ class JobManager:
             task.cancel()
         if waiting:
             log.warning("%d video job(s) still running after %.1f s", len(waiting), timeout_s)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- the API's side ------------------------------------------------------------------
     def new_id(self) -> str:
@@ -280,17 +287,21 @@ class JobManager:
         log.info("job %s: running", job.id)
         spec = JobSpec(job.target, job.detect, job.fps, job.options, self._max_pixels)
         try:
-            job.counts = await asyncio.to_thread(
-                run_job,
-                spec,
-                self._submit,
-                self.directory_of(job.id),
-                lambda class_id: self._names.get(class_id, str(class_id)),
-                inflight=self._inflight,
-                cancel=job.cancel,
-                interrupt=self._interrupt,
-                progress=job.progress,
-                job_id=job.id,
+            job.counts = await asyncio.get_running_loop().run_in_executor(
+                self._executor,
+                functools.partial(
+                    run_job,
+                    spec,
+                    self._submit,
+                    self.directory_of(job.id),
+                    lambda class_id: self._names.get(class_id, str(class_id)),
+                    inflight=self._inflight,
+                    cancel=job.cancel,
+                    interrupt=self._interrupt,
+                    progress=job.progress,
+                    job_id=job.id,
+                    nice=JOB_NICE,
+                ),
             )
             job.state = JobState.DONE
         except JobCancelled as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -175,6 +176,18 @@ def probe(
         raise JobError(f"not a video FFmpeg can read: {_reason(exc)}") from None
 
 
+def _lower_priority(nice: int) -> None:
+    """This thread's nice value raised to at least ``nice`` (Linux: per thread; threads it
+    starts inherit it). Elsewhere, or refused, nothing changes."""
+    try:
+        tid = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        if current < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed
+        log.debug("job thread priority unchanged: %s", exc)
+
+
 def _reason(exc: Exception) -> str:
     """FFmpeg's reason without the file's name (a path on the server)."""
     return str(getattr(exc, "strerror", None) or exc)
@@ -214,15 +227,22 @@ def run_job(
     interrupt: threading.Event,
     progress: JobProgress,
     job_id: str = "",
+    nice: int = 0,
 ) -> dict[str, Any]:
     """Read the whole video through the engines; returns the counts (``GET /streams/{id}``'s
     ``detections``, ``tracked``, ``crossings``, ``zones``).
+
+    ``nice`` lowers the CPU priority of the calling thread (and of FFmpeg's decoding
+    threads, which it starts) for good, on Linux: call it from a thread kept for jobs.
 
     Raises:
         JobError: the video cannot be opened or read, or a frame is too large.
         JobCancelled: ``cancel`` or ``interrupt`` was set, or the pool closed.
     """
     import av
+
+    if nice:
+        _lower_priority(nice)
 
     directory.mkdir(parents=True, exist_ok=True)
     analytics = StreamAnalytics()

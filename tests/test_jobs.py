@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 from engines.types import DetectParams, Engine, ModelInfo
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
-from streams.jobs import JobProgress, JobSpec, Sampler, run_job
+from streams.jobs import JobProgress, JobSpec, Sampler, _lower_priority, run_job
 from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, file_stream_app, start_ort_pool
 
 
@@ -30,6 +31,20 @@ def test_sampling_keeps_a_grid_of_the_videos_own_time() -> None:
     gap = Sampler(1.0)
     assert gap.keep(0.0) and not gap.keep(0.5) and gap.keep(1.0)
     assert gap.keep(100.0) and not gap.keep(100.5) and gap.keep(101.0)  # on from the jump
+
+
+def test_a_job_thread_yields_the_cpu_and_no_other_thread_does() -> None:
+    seen: list[int] = []
+
+    def job_thread() -> None:
+        _lower_priority(10)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=job_thread)
+    thread.start()
+    thread.join()
+    assert seen == [10]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 10
 
 
 def test_a_jobs_frames_are_those_the_engine_gives_for_the_same_pictures(
