@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.batching import WorkItem
+from server.job_video import VIDEO_FILE, AnnotatedVideo
 from streams.detect import StreamDetect
 from streams.jobs import (
     EVENTS_FILE,
@@ -88,6 +89,7 @@ class Job:
     video: dict[str, Any]
     detect: StreamDetect
     fps: float | None
+    render: bool = False
     state: JobState = JobState.QUEUED
     started_at: float | None = None
     finished_at: float | None = None
@@ -115,13 +117,14 @@ class Job:
             "counts": self.counts,
             "frames_url": f"/jobs/{self.id}/frames",
             "events_url": f"/jobs/{self.id}/events",
+            "video_url": f"/jobs/{self.id}/video.mp4" if self.render else None,
         }
 
     def settings(self, names: Mapping[int, str]) -> dict[str, Any]:
         """The detection settings (those a live stream only has left out) and ``fps``."""
         described = self.detect.describe(names)
         kept = {key: value for key, value in described.items() if key not in LIVE_ONLY}
-        return {**kept, "fps": self.fps}
+        return {**kept, "fps": self.fps, "render": self.render}
 
     def record(self, names: Mapping[int, str]) -> dict[str, Any]:
         """What ``job.json`` keeps: the API's form and what reopens the video."""
@@ -286,6 +289,12 @@ class JobManager:
         await asyncio.to_thread(self._save, job)
         log.info("job %s: running", job.id)
         spec = JobSpec(job.target, job.detect, job.fps, job.options, self._max_pixels)
+        sink = None
+        if job.render:
+            rates = [r for r in (job.fps, job.video.get("fps")) if r]
+            sink = AnnotatedVideo(
+                self.directory_of(job.id) / VIDEO_FILE, job.detect, min(rates, default=25.0)
+            )
         try:
             job.counts = await asyncio.get_running_loop().run_in_executor(
                 self._executor,
@@ -301,6 +310,7 @@ class JobManager:
                     progress=job.progress,
                     job_id=job.id,
                     nice=JOB_NICE,
+                    sink=sink,
                 ),
             )
             job.state = JobState.DONE
@@ -364,6 +374,7 @@ class JobManager:
             video=data["video"],
             detect=StreamDetect.from_description(data["settings"], self._names),
             fps=data["settings"].get("fps"),
+            render=bool(data["settings"].get("render", False)),
             state=JobState.QUEUED if state is JobState.RUNNING else state,
             started_at=data.get("started_at") if state in FINISHED else None,
             finished_at=data.get("finished_at"),
@@ -392,4 +403,12 @@ def _progress_from(data: Mapping[str, Any]) -> JobProgress:
     )
 
 
-__all__ = ["EVENTS_FILE", "FRAMES_FILE", "Job", "JobLimitError", "JobManager", "JobState"]
+__all__ = [
+    "EVENTS_FILE",
+    "FRAMES_FILE",
+    "VIDEO_FILE",
+    "Job",
+    "JobLimitError",
+    "JobManager",
+    "JobState",
+]

@@ -113,12 +113,28 @@ def render_jpeg(
     lines: Sequence[tuple[Line, str]] = (),
     zones: Sequence[tuple[Zone, str]] = (),
 ) -> tuple[bytes, int, int]:
-    """``image`` (RGB) scaled down to at most ``max_width`` wide, as JPEG bytes, with
-    ``region``'s outline, ``zones`` and counting ``lines`` (each with its label) and
-    ``detections`` drawn on it when given.
+    """``image`` (RGB) drawn by :func:`render` as JPEG bytes, with the JPEG's width and
+    height. Runs in a worker thread."""
+    drawn = render(image, max_width, detections=detections, region=region, lines=lines, zones=zones)
+    height, width = drawn.shape[:2]
+    return encode_jpeg(drawn, quality), width, height
+
+
+def render(
+    image: Image | Any,
+    max_width: int,
+    *,
+    detections: Detections | None = None,
+    region: Roi | None = None,
+    lines: Sequence[tuple[Line, str]] = (),
+    zones: Sequence[tuple[Zone, str]] = (),
+) -> Image:
+    """``image`` (RGB) scaled down to at most ``max_width`` wide, with ``region``'s outline,
+    ``zones`` and counting ``lines`` (each with its label) and ``detections`` drawn on it
+    when given; never ``image`` itself when anything is drawn.
 
     Runs in a worker thread (OpenCV releases the GIL; a GPU frame is copied down here, not
-    on the event loop). Returns the bytes and the JPEG's width and height.
+    on the event loop).
     """
     image = source = host_array(image)
     height, width = image.shape[:2]
@@ -142,7 +158,7 @@ def render_jpeg(
         draw_detections(image, detections, width / detections.width if detections.width else 1.0)
     for text, at, colors in tags:  # zone and line counts over the boxes: never hidden by them
         _label(image, text, at, colors)
-    return encode_jpeg(image, quality), width, height
+    return image
 
 
 def crop_jpeg(

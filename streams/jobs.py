@@ -16,6 +16,8 @@ through :class:`JobProgress`; nothing here knows about HTTP.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -26,10 +28,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from engines.batching import PoolClosed, WorkItem, WorkResult
-from engines.types import Image
+from engines.types import Detections, Image
 from streams.analytics import Analysed, StreamAnalytics
 from streams.detect import StreamDetect
 
@@ -40,6 +42,19 @@ EVENTS_FILE = "events.ndjson"
 BACKGROUND_DEADLINE_S = 24 * 3600.0
 """A job's frame waits as long as live work keeps the engines busy: it is never dropped."""
 POLL_S = 0.25  # how often a runner waiting on a frame looks at its cancel flag
+
+
+class FrameSink(Protocol):
+    """Takes each processed frame in order (a video of them drawn, ``server/job_video.py``)."""
+
+    def write(
+        self, image: Image, detections: Detections | None, pts: float, counts: dict[str, Any]
+    ) -> None:
+        """``detections`` after the analytics (None: the engine failed on the frame);
+        ``counts`` so far, as :meth:`StreamAnalytics.snapshot` gives them."""
+
+    def close(self) -> None:
+        """The job has ended (or stopped)."""
 
 
 class JobCancelled(Exception):
@@ -228,11 +243,13 @@ def run_job(
     progress: JobProgress,
     job_id: str = "",
     nice: int = 0,
+    sink: FrameSink | None = None,
 ) -> dict[str, Any]:
     """Read the whole video through the engines; returns the counts (``GET /streams/{id}``'s
     ``detections``, ``tracked``, ``crossings``, ``zones``).
 
-    ``nice`` lowers the CPU priority of the calling thread (and of FFmpeg's decoding
+    ``sink`` gets every processed frame, in order, and is closed at the end whatever
+    happens. ``nice`` lowers the CPU priority of the calling thread (and of FFmpeg's decoding
     threads, which it starts) for good, on Linux: call it from a thread kept for jobs.
 
     Raises:
@@ -261,7 +278,17 @@ def run_job(
         container = av.open(spec.source, options=spec.options, timeout=spec.timeout_s)
     except av.error.FFmpegError as exc:
         raise JobError(f"cannot open the video: {_reason(exc)}") from None
+    finish = functools.partial(
+        _finish,
+        spec=spec,
+        analytics=analytics,
+        name_of=name_of,
+        progress=progress,
+        stopped=stopped,
+        sink=sink,
+    )
     with (
+        contextlib.closing(sink) if sink is not None else contextlib.nullcontext(),
         container,
         (directory / FRAMES_FILE).open("w", encoding="utf-8") as frames_out,
         (directory / EVENTS_FILE).open("w", encoding="utf-8") as events_out,
@@ -298,15 +325,7 @@ def run_job(
                 )
                 pending.append(_Sampled(index, t, image, result))
                 while len(pending) >= inflight:
-                    done = _finish(
-                        pending.popleft(),
-                        spec,
-                        analytics,
-                        name_of,
-                        progress=progress,
-                        stopped=stopped,
-                    )
-                    _write(frames_out, events_out, done)
+                    _write(frames_out, events_out, finish(pending.popleft()))
         except av.error.FFmpegError as exc:
             raise JobError(
                 f"reading the video failed at {progress.position_s:.2f} s: {exc}"
@@ -314,13 +333,7 @@ def run_job(
         except PoolClosed:
             raise JobCancelled(interrupted=True) from None
         while pending:
-            _write(
-                frames_out,
-                events_out,
-                _finish(
-                    pending.popleft(), spec, analytics, name_of, progress=progress, stopped=stopped
-                ),
-            )
+            _write(frames_out, events_out, finish(pending.popleft()))
         progress.decode_errors = errors[0]
     counts = analytics.snapshot()
     counts.pop("objects", None)  # the last frame's: meaningless for a whole video
@@ -331,12 +344,13 @@ def run_job(
 
 def _finish(
     sampled: _Sampled,
+    *,
     spec: JobSpec,
     analytics: StreamAnalytics,
     name_of: Callable[[int], str],
-    *,
     progress: JobProgress,
     stopped: Callable[[], None],
+    sink: FrameSink | None,
 ) -> tuple[str, list[str]]:
     """Wait for a frame's result and take it through the analytics, in frame order; returns
     its line of ``frames.ndjson`` and its lines of ``events.ndjson``."""
@@ -356,6 +370,8 @@ def _finish(
         log.warning("job %s: frame %d failed: %s", spec.source, sampled.index, result.error)
         height, width = sampled.image.shape[:2]
         line.update(width=width, height=height, detections=[], error=str(result.error))
+        if sink is not None:
+            sink.write(sampled.image, None, sampled.pts, analytics.snapshot())
     else:
         done: Analysed = analytics.process(
             result.detections, spec.detect, sampled.pts, sampled.index
@@ -377,6 +393,8 @@ def _finish(
             line["events"] = found
             events = [_dumps(event) for event in found]
         progress.frames_processed += 1
+        if sink is not None:
+            sink.write(sampled.image, done.detections, sampled.pts, analytics.snapshot())
     progress.events += len(events)
     return _dumps(line), events
 

@@ -3,6 +3,7 @@ lane, against the real model, the real clips and the real app; no timing is asse
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -87,6 +88,17 @@ def test_a_jobs_frames_are_those_the_engine_gives_for_the_same_pictures(
     )
 
 
+def _decoded(mp4: bytes) -> list[tuple[float, np.ndarray]]:
+    """Every frame of an MP4 (its time and RGB picture)."""
+    import av
+
+    with av.open(io.BytesIO(mp4)) as container:
+        return [
+            (float(frame.time or 0.0), frame.to_ndarray(format="rgb24"))
+            for frame in container.decode(video=0)
+        ]
+
+
 def _wait_state(
     c: TestClient, job_id: str, states: set[str], timeout_s: float = 60
 ) -> dict[str, Any]:
@@ -105,7 +117,7 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         created = c.post(
             "/jobs",
             files={"video": ("car.mp4", CAR_CLIP.read_bytes(), "video/mp4")},
-            data={"settings": json.dumps({**settings, "fps": 4})},
+            data={"settings": json.dumps({**settings, "fps": 4, "render": True})},
         )
         assert created.status_code == 202, created.text
         job = created.json()
@@ -138,6 +150,25 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         in_frames = [e for line in lines for e in line.get("events", ())]
         assert in_frames == events
         assert done["counts"]["tracked"]["car"] >= 2
+        # The frames drawn into an MP4: one picture per processed frame, at its own time.
+        video = c.get(done["video_url"])
+        assert video.status_code == 200 and video.headers["content-type"] == "video/mp4"
+        drawn = _decoded(video.content)
+        assert len(drawn) == 121 and drawn[0][1].shape == (432, 768, 3)
+        assert [round(t, 2) for t, _ in drawn] == [round(line["pts"], 2) for line in lines]
+        sources = {i: f for i, f in enumerate(iter_video_frames(CAR_CLIP))}
+        for (_, picture), line in zip(drawn, lines, strict=True):
+            source = sources[line["frame"]].astype(np.int16)
+            # The gate is drawn across the middle of every frame; a car's box where one is.
+            gate_row = np.abs(picture[215:217].astype(np.int16) - source[215:217]).mean()
+            assert gate_row > 30, (line["frame"], gate_row)
+            for d in line["detections"]:
+                x1, y1 = (int(v) for v in d["box"][:2])
+                edge = picture[y1 + 2 : y1 + 40, max(x1, 1) - 1 : max(x1, 1) + 1]
+                ref = source[y1 + 2 : y1 + 40, max(x1, 1) - 1 : max(x1, 1) + 1]
+                assert np.abs(edge.astype(np.int16) - ref).mean() > 20, (line["frame"], d)
+        ranged = c.get(done["video_url"], headers={"range": "bytes=0-99"})
+        assert ranged.status_code == 206 and len(ranged.content) == 100
 
         # The video as the body, its settings in the query; and a video on the server by URL.
         raw = c.post(
@@ -149,6 +180,10 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         by_url = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.5})
         assert raw.status_code == by_url.status_code == 202, (raw.text, by_url.text)
         assert by_url.json()["source"] == {"url": f"file://{BOTTLE_CLIP}"}
+        undrawn = c.get(f"/jobs/{raw.json()['id']}/video.mp4")
+        assert (
+            undrawn.status_code in {404, 409} and "render" in undrawn.text
+        ) or "ends" in undrawn.text
         for other in (raw.json(), by_url.json()):
             finished = c.get(f"/jobs/{other['id']}", params={"wait_s": 60}).json()
             assert finished["state"] == "done" and finished["progress"]["frames_processed"] == 20
@@ -200,11 +235,13 @@ def test_bad_jobs_get_clear_errors_and_a_full_server_refuses_more(tmp_path: Path
         assert c.get("/jobs").json() == {"jobs": []}  # nothing half-made is kept
         assert list((tmp_path / "data" / "jobs").iterdir()) == []
 
-        first = c.post("/jobs", files={"video": video})  # every frame: it runs a while
-        assert first.status_code == 202
+        first = c.post("/jobs", files={"video": video}, data={"settings": '{"render": true}'})
+        assert first.status_code == 202  # every frame, drawn: it runs a while
         job_id = first.json()["id"]
         running = _wait_state(c, job_id, {"running"})
         assert running["state"] == "running"
+        early = c.get(f"/jobs/{job_id}/video.mp4")
+        assert early.status_code == 409 and "ready once it ends" in early.text
         refused = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}"})
         assert refused.status_code == 429 and "STREAMDET_MAX_JOBS" in refused.text
         assert refused.headers["retry-after"]

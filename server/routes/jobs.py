@@ -29,6 +29,7 @@ from server.jobs import (
     EVENTS_FILE,
     FRAMES_FILE,
     LIVE_ONLY,
+    VIDEO_FILE,
     Job,
     JobLimitError,
     JobManager,
@@ -71,6 +72,13 @@ class JobIn(DetectIn):
             description="at most this many frames per second of video; null: every frame",
         ),
     ] = None
+    render: Annotated[
+        bool,
+        Field(
+            description="draw the processed frames (boxes, track ids, region, zones, lines and"
+            " their counts) into an MP4 at GET /jobs/{id}/video.mp4"
+        ),
+    ] = False
     url: Annotated[
         str | None,
         Field(
@@ -289,6 +297,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
             video=video,
             detect=detect,
             fps=job_in.fps,
+            render=job_in.render,
         )
         await jobs.add(job)
     except BaseException:
@@ -371,6 +380,30 @@ async def job_events(request: Request, job_id: str) -> Response:
     """The job's events (line crossings, zone entries, exits and loiters), a JSON line each,
     as ``GET /events`` gives a stream's, with the ``pts`` of their frame."""
     return await _results(request, job_id, EVENTS_FILE)
+
+
+@router.get(
+    "/jobs/{job_id}/video.mp4",
+    response_class=FileResponse,
+    responses={200: {"content": {"video/mp4": {}}}},
+)
+async def job_video(request: Request, job_id: str) -> FileResponse:
+    """The processed frames drawn, as an MP4 (jobs with ``render``), once the job has ended;
+    range requests served."""
+    state = get_state(request)
+    job = _job(state, job_id)
+    if not job.render:
+        raise HTTPException(404, f'job {job_id!r} draws no video: give it "render": true')
+    if not job.finished.is_set():
+        raise HTTPException(
+            409,
+            f"job {job_id!r} is {job.state}: its video is ready once it ends"
+            f" (GET /jobs/{job_id}?wait_s=60)",
+        )
+    path = _jobs(state).directory_of(job.id) / VIDEO_FILE
+    if not await asyncio.to_thread(path.is_file):
+        raise HTTPException(404, f"job {job_id!r} ended ({job.state}) before any frame was drawn")
+    return FileResponse(path, media_type="video/mp4", headers={"X-Job-State": str(job.state)})
 
 
 @router.delete("/jobs/{job_id}", status_code=204)
