@@ -1,4 +1,5 @@
-"""``streamdet`` command line: ``serve``, ``bench``, ``export`` and ``evaluate``."""
+"""``streamdet`` command line: ``serve``, ``analyze``, ``bench``, ``export`` and
+``evaluate``."""
 
 from __future__ import annotations
 
@@ -134,6 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from server.export_cli import add_export_parsers
 
     add_export_parsers(sub)
+    analyze_p = sub.add_parser(
+        "analyze", help="read a recorded video through the model (a video job, no server)"
+    )
+    _add_settings_flags(analyze_p)
+    from server.analyze_cli import add_analyze_args
+
+    add_analyze_args(analyze_p)
     load_p = sub.add_parser("loadtest", help="run a Locust profile and check its P99 targets")
     from loadtest.runner import add_loadtest_args
 
@@ -162,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     if args.command == "serve":
         return serve(settings)
+    if args.command == "analyze":
+        from server.analyze_cli import run_analyze
+
+        return run_analyze(settings, args)
     from server.bench import run_bench
 
     return run_bench(settings, args)

@@ -7,6 +7,8 @@ import io
 import itertools
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,16 @@ from engines.types import DetectParams, Engine, ModelInfo
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.jobs import JobProgress, JobSpec, Sampler, _lower_priority, run_job
-from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, file_stream_app, start_ort_pool
+from tests.helpers import (
+    BOTTLE_CLIP,
+    CACHE_DIR,
+    CAR_CLIP,
+    GATE,
+    MODEL_PT,
+    SHELF,
+    file_stream_app,
+    start_ort_pool,
+)
 
 
 def test_sampling_keeps_a_grid_of_the_videos_own_time() -> None:
@@ -92,7 +103,7 @@ def _decoded(mp4: bytes) -> list[tuple[float, np.ndarray]]:
     """Every frame of an MP4 (its time and RGB picture)."""
     import av
 
-    with av.open(io.BytesIO(mp4)) as container:
+    with av.open(io.BytesIO(mp4), "r") as container:
         return [
             (float(frame.time or 0.0), frame.to_ndarray(format="rgb24"))
             for frame in container.decode(video=0)
@@ -279,3 +290,39 @@ def test_a_job_interrupted_by_a_restart_runs_again_from_the_start(tmp_path: Path
         kept = c.get(f"/jobs/{job_id}").json()
         assert kept["state"] == "done" and kept["progress"] == job["progress"]
         assert kept["counts"] == job["counts"]
+
+
+def test_streamdet_analyze_runs_a_job_without_a_server(tmp_path: Path) -> None:
+    streamdet = Path(sys.executable).parent / "streamdet"
+    common = ["--model", str(MODEL_PT), "--cache-dir", str(CACHE_DIR)]
+    settings = json.dumps({"classes": "bottle", "fps": 0.5, "render": True, "zones": [SHELF]})
+    out = tmp_path / "shelf"
+    run = subprocess.run(
+        [streamdet, "analyze", str(BOTTLE_CLIP), *common, "--settings", settings, "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary == json.loads((out / "job.json").read_text())
+    assert summary["progress"]["frames_processed"] == 20
+    assert summary["counts"]["detections"]["bottle"] >= 40
+    lines = [json.loads(line) for line in (out / "frames.ndjson").read_text().splitlines()]
+    assert len(lines) == 20
+    assert any(d["zones"] == ["shelf"] for line in lines for d in line["detections"])
+    assert len(_decoded((out / "video.mp4").read_bytes())) == 20
+    for args, words in (
+        ([str(tmp_path / "shelf" / "job.json")], "not a video FFmpeg can read"),
+        ([str(BOTTLE_CLIP), "--settings", '{"motion": true}'], "motion: a live stream's setting"),
+        ([str(BOTTLE_CLIP), "--settings", '{"classes": "unicorn"}'], "unicorn"),
+    ):
+        bad = subprocess.run(
+            [streamdet, "analyze", *args, *common, "--out", str(tmp_path / "bad")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert bad.returncode == 2 and words in bad.stderr, bad.stderr

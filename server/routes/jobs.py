@@ -90,7 +90,7 @@ class JobIn(DetectIn):
     ] = None
 
     @model_validator(mode="after")
-    def _no_live_settings(self) -> JobIn:
+    def _no_livesettings_of(self) -> JobIn:
         for key in sorted(LIVE_ONLY):
             if key in self.model_fields_set:
                 raise ValueError(
@@ -113,7 +113,7 @@ def _job(state: AppState, job_id: str) -> Job:
     return job
 
 
-def _settings(raw: str | dict[str, Any] | None, where: str) -> JobIn:
+def settings_of(raw: str | dict[str, Any] | None, where: str) -> JobIn:
     """The settings object from JSON text or a parsed body; 422 naming what is wrong."""
     if isinstance(raw, str):
         try:
@@ -184,7 +184,7 @@ async def _receive(
             body = json.loads(await request.body())
         except json.JSONDecodeError as exc:
             raise HTTPException(422, f"body: not JSON: {exc}") from None
-        job_in = _settings(body, "body")
+        job_in = settings_of(body, "body")
         if job_in.url is None:
             raise HTTPException(
                 422,
@@ -217,7 +217,7 @@ async def _receive(
             text = form.get("settings")
             if text is not None and not isinstance(text, str):
                 raise HTTPException(422, "multipart field 'settings' must be JSON text, not a file")
-            job_in = _settings(text, "settings")
+            job_in = settings_of(text, "settings")
             suffix = Path(video.filename or "").suffix.lower()
             path = directory / f"source{suffix if suffix in VIDEO_SUFFIXES else '.video'}"
             size = await _save_upload(video, path)
@@ -225,7 +225,7 @@ async def _receive(
         finally:
             await form.close()
     elif ctype in VIDEO_TYPES or ctype.startswith("video/"):
-        job_in = _settings(request.query_params.get("settings"), "settings")
+        job_in = settings_of(request.query_params.get("settings"), "settings")
         path = directory / f"source{VIDEO_TYPES.get(ctype, '.video')}"
         size = await _save_body(request, limit, path)
         filename = request.query_params.get("filename") or path.name

@@ -1,0 +1,133 @@
+"""``streamdet analyze VIDEO``: a video job without a server, for scripts and batch runs.
+
+The same job as ``POST /jobs`` (the same settings, checked by the same model, and the same
+results: ``frames.ndjson``, ``events.ndjson``, ``video.mp4`` with ``"render": true``, and
+``job.json`` with the counts) on an engine pool of its own, every engine worker for this one
+video. The counts go to stdout as JSON, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
+
+from engines.types import EngineError
+from server.settings import Settings
+from streams.detect import StreamDetect
+
+if TYPE_CHECKING:
+    from streams.jobs import JobProgress
+
+log = logging.getLogger("streamdet")
+
+
+def add_analyze_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("video", type=Path, help="the video file (or an http(s):// URL)")
+    parser.add_argument(
+        "--settings",
+        default="{}",
+        help='the job\'s settings as POST /jobs takes them, JSON: \'{"classes": "car",'
+        ' "track": true, "fps": 5, "lines": [...], "render": true}\'',
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the results go (default: <video>.streamdet/)"
+    )
+
+
+def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
+    from server.job_video import VIDEO_FILE, AnnotatedVideo
+    from server.routes.jobs import JobIn, settings_of
+    from server.runtime import build_pool
+    from streams.jobs import JobError, JobProgress, JobSpec, probe, run_job
+
+    source = str(args.video)
+    out: Path = args.out or Path(f"{args.video.name}.streamdet")
+    try:
+        job_in: JobIn = settings_of(args.settings, "--settings")
+    except HTTPException as exc:
+        print(f"streamdet analyze: {exc.detail}", file=sys.stderr)
+        return 2
+    except RequestValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            print(f"streamdet analyze: {where}: {error['msg']}", file=sys.stderr)
+        return 2
+    try:
+        video = probe(source)
+    except JobError as exc:
+        print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        pool = build_pool(settings)
+    except EngineError as exc:
+        print(f"streamdet analyze: {exc}", file=sys.stderr)
+        return 2
+    try:
+        names = pool.engine.names
+        try:
+            detect = job_in.detect(names, StreamDetect())
+        except HTTPException as exc:
+            print(f"streamdet analyze: --settings: {exc.detail}", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        rates = [r for r in (job_in.fps, video.get("fps")) if r]
+        sink = (
+            AnnotatedVideo(out / VIDEO_FILE, detect, min(rates, default=25.0))
+            if job_in.render
+            else None
+        )
+        progress = JobProgress()
+        done = threading.Event()
+        reporter = threading.Thread(target=_report, args=(progress, done), daemon=True)
+        reporter.start()
+        try:
+            counts = run_job(
+                JobSpec(source, detect, job_in.fps, max_pixels=settings.max_image_pixels),
+                pool.submit_background,
+                out,
+                lambda class_id: names.get(class_id, str(class_id)),
+                inflight=settings.job_inflight or pool.workers * pool.max_batch,
+                cancel=threading.Event(),
+                interrupt=threading.Event(),
+                progress=progress,
+                sink=sink,
+            )
+        except JobError as exc:
+            print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            done.set()
+            progress.freeze()
+        summary: dict[str, Any] = {
+            "video": {"source": source, **video},
+            "settings": {**detect.describe(names), "fps": job_in.fps, "render": job_in.render},
+            "progress": progress.to_json(),
+            "counts": counts,
+            "results": str(out),
+        }
+        (out / "job.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        print(json.dumps(summary, indent=2))
+        return 0
+    finally:
+        pool.stop(settings.shutdown_timeout_s)
+
+
+def _report(progress: JobProgress, done: threading.Event) -> None:
+    """A progress line on stderr every few seconds."""
+    while not done.wait(5.0):
+        p = progress.to_json()
+        total = "" if p["duration_s"] is None else f" of {p['duration_s']:.1f}"
+        print(
+            f"{p['position_s']:.1f}{total} s, {p['frames_processed']} frames,"
+            f" {p['fps'] or 0:.1f} frames/s",
+            file=sys.stderr,
+            flush=True,
+        )
