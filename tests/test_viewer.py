@@ -771,3 +771,51 @@ def test_streams_of_the_streams_file_are_shown_but_not_edited_in_the_page(
         assert errors.errors == []
     finally:
         srv.stop()
+
+
+def test_a_video_job_is_uploaded_followed_and_its_drawn_video_played(
+    server: ServerProcess, page: tuple[Page, PageErrors], artifacts: Path
+) -> None:
+    pg, errors = page
+    pg.goto(server.base_url + "/")
+    expect(pg.locator("#no-jobs")).to_be_visible()
+    form = pg.locator("#add-job")
+    # Something that is no video is refused with the server's reason, and nothing is kept.
+    form.locator('input[name="video"]').set_input_files(
+        FilePayload(name="notes.mp4", mimeType="video/mp4", buffer=b"not a video at all" * 50)
+    )
+    form.locator("button[type=submit]").click()
+    expect(pg.locator("#errors .error")).to_contain_text(
+        "Video job: 415: video: not a video FFmpeg can read"
+    )
+    pg.locator("#errors .error button").click()
+    expect(pg.locator("#job-rows tr")).to_have_count(0)
+    car = next(v for v in VIDEOS if v.name.startswith("car"))
+    form.locator('input[name="video"]').set_input_files(str(car))
+    form.locator('input[name="classes"]').fill("car")
+    form.locator('input[name="fps"]').fill("2")
+    form.locator('input[name="track"]').check()
+    form.locator("button[type=submit]").click()
+    row = pg.locator("#job-rows tr").first
+    expect(row.locator("td").first).to_have_text(car.name)
+    expect(row.locator(".job-state")).to_have_text("done", timeout=120_000)
+    expect(row.locator(".job-progress")).to_contain_text("30.1 of 30.2 s · 61 frames")
+    expect(row.locator(".job-found")).to_contain_text("car")
+    pg.locator("#jobs-panel").screenshot(path=artifacts / "viewer-jobs.png")
+    row.locator("button.job-video").click()
+    expect(pg.locator("#clip-dialog")).to_be_visible()
+    pg.wait_for_function(
+        "() => { const v = document.getElementById('clip-video');"
+        " return v.readyState >= 2 && v.duration > 25 && v.videoWidth === 768; }"
+    )
+    pg.locator("#clip-dialog").screenshot(path=artifacts / "viewer-job-video.png")
+    pg.locator("#clip-dialog button[type=submit]").click()
+    with pg.expect_download() as download:
+        row.locator("button.job-frames").click()
+    frames = Path(download.value.path()).read_text().splitlines()
+    assert len(frames) == 61
+    row.locator("button.job-delete").click()
+    expect(pg.locator("#job-rows tr")).to_have_count(0)
+    expect(pg.locator("#no-jobs")).to_be_visible()
+    expect(pg.locator("#errors .error")).to_have_count(0)
+    assert errors.errors == []

@@ -1,5 +1,5 @@
 // streamdet viewer: the stream list, live tiles (each frame's JPEG paired with its detections on
-// one WebSocket per stream) and the /detect playground. A plain ES module: no build step and no
+// one WebSocket per stream), events, video jobs and the /detect playground. A plain ES module: no build step and no
 // request to anything but this server.
 
 const KEY_STORAGE = "streamdet.apiKey";
@@ -1206,7 +1206,7 @@ async function showSnapshot(e, caption) {
 
 // An event's clip (GET /clips/{id}.mp4, fetched with the API key; the server answers once the
 // seconds after the event are recorded) played in a dialog.
-async function showClip(e, caption) {
+async function showClip(e, caption, what = `Clip of event ${e.id}`) {
   const status = $("#clip-caption");
   try {
     status.textContent = `${caption} · loading the clip…`;
@@ -1217,7 +1217,7 @@ async function showClip(e, caption) {
     status.textContent = caption;
     $("#clip-dialog").showModal();
   } catch (err) {
-    showError("clip", `Clip of event ${e.id}: ${err.message}`);
+    showError("clip", `${what}: ${err.message}`);
   }
 }
 
@@ -1321,6 +1321,157 @@ $("#event-filter").addEventListener("submit", (event) => {
 });
 $("#event-counts").addEventListener("click", downloadCounts);
 
+// ---------------------------------------------------------------- video jobs
+
+const JOB_STATES_RUNNING = new Set(["queued", "running"]);
+debug.jobs = [];
+
+function jobProgress(job) {
+  const p = job.progress;
+  if (job.state === "queued") {
+    return job.queue_position ? `waiting, ${job.queue_position} ahead` : "waiting";
+  }
+  const total = p.duration_s == null ? "" : ` of ${p.duration_s.toFixed(1)}`;
+  const rate = p.fps == null ? "" : ` · ${p.fps.toFixed(1)} frames/s`;
+  return `${p.position_s.toFixed(1)}${total} s · ${p.frames_processed} frames${rate}`;
+}
+
+// What a job found: its objects by class (each counted once where it tracked), and its lines'
+// crossings.
+function jobFound(job) {
+  if (job.error) return job.error;
+  const counts = job.counts;
+  if (!counts) return "";
+  const byClass = Object.keys(counts.tracked ?? {}).length ? counts.tracked : counts.detections;
+  const parts = Object.entries(byClass ?? {}).map(([name, n]) => `${name} ${n}`);
+  for (const [line, ways] of Object.entries(counts.crossings ?? {})) {
+    const sum = (side) => Object.values(ways[side] ?? {}).reduce((a, b) => a + b, 0);
+    parts.push(`${line}: ${sum("in")} in, ${sum("out")} out`);
+  }
+  return parts.join(", ") || "nothing";
+}
+
+function renderJobs(list) {
+  debug.jobs = list;
+  $("#no-jobs").hidden = list.length > 0;
+  $("#job-table").hidden = list.length === 0;
+  const rows = list.map((job) => {
+    const row = document.createElement("tr");
+    row.dataset.id = job.id;
+    const name = document.createElement("td");
+    name.textContent = job.name || job.source.upload || job.source.url || job.id;
+    const state = document.createElement("td");
+    const badge = document.createElement("span");
+    badge.className = "badge job-state";
+    badge.dataset.state = job.state;
+    badge.textContent = job.state;
+    state.append(badge);
+    const progress = document.createElement("td");
+    const bar = document.createElement("progress");
+    bar.max = 1;
+    bar.value = job.state === "done" ? 1 : (job.progress.progress ?? 0);
+    const text = document.createElement("span");
+    text.className = "muted job-progress";
+    text.textContent = jobProgress(job);
+    progress.append(bar, " ", text);
+    const found = document.createElement("td");
+    found.className = "job-found";
+    found.textContent = jobFound(job);
+    const actions = document.createElement("td");
+    if (job.video_url && !JOB_STATES_RUNNING.has(job.state) && job.progress.frames_processed) {
+      actions.append(eventButton("job-video", "Video", "The frames drawn, as a video", () =>
+        showJobVideo(job)));
+    }
+    if (job.progress.frames_processed) {
+      actions.append(eventButton("job-frames", "Frames", "Every frame's detections (NDJSON)", () =>
+        downloadJob(job, job.frames_url, "frames.ndjson")));
+    }
+    const label = JOB_STATES_RUNNING.has(job.state) ? "Cancel" : "Delete";
+    actions.append(eventButton("job-delete", label, `${label} this job and its files`, () =>
+      deleteJob(job.id)));
+    row.append(name, state, progress, found, actions);
+    return row;
+  });
+  $("#job-rows").replaceChildren(...rows);
+}
+
+async function refreshJobs() {
+  try {
+    renderJobs((await (await api("/jobs?limit=20")).json()).jobs);
+    clearError("jobs");
+  } catch (err) {
+    if (err.status !== 0) showError("jobs", `Video jobs: ${err.message}`);
+  }
+}
+
+async function addJob(event) {
+  event.preventDefault();
+  const form = event.target;
+  const data = new FormData(form);
+  const settings = {};
+  const classes = String(data.get("classes") ?? "").trim();
+  if (classes) settings.classes = classes;
+  const fps = String(data.get("fps") ?? "").trim();
+  if (fps) settings.fps = Number(fps);
+  settings.track = data.get("track") === "on";
+  settings.render = data.get("render") === "on";
+  const body = new FormData();
+  body.append("video", data.get("video"));
+  body.append("settings", JSON.stringify(settings));
+  const status = $("#job-upload");
+  const button = form.querySelector("button[type=submit]");
+  button.disabled = true;
+  status.textContent = "uploading…";
+  try {
+    await api("/jobs", { method: "POST", body });
+    form.reset();
+    clearError("add-job");
+    status.textContent = "";
+  } catch (err) {
+    showError("add-job", `Video job: ${err.message}`);
+    status.textContent = "";
+  } finally {
+    button.disabled = false;
+  }
+  await refreshJobs();
+}
+
+async function deleteJob(id) {
+  try {
+    await api(`/jobs/${encodeURIComponent(id)}`, { method: "DELETE" });
+  } catch (err) {
+    showError("jobs", `Video job ${id}: ${err.message}`);
+  }
+  await refreshJobs();
+}
+
+async function downloadJob(job, path, suffix) {
+  try {
+    const blob = await (await api(path)).blob();
+    const link = document.createElement("a");
+    link.href = URL.createObjectURL(blob);
+    link.download = `${job.id}-${suffix}`;
+    link.click();
+    setTimeout(() => URL.revokeObjectURL(link.href), 10_000);
+  } catch (err) {
+    showError("jobs", `Video job ${job.id}: ${err.message}`);
+  }
+}
+
+// The job's drawn video, in the clip dialog.
+async function showJobVideo(job) {
+  const caption = `${job.name || job.source.upload || job.id} · ${jobFound(job)}`;
+  await showClip({ id: job.id, clip: job.video_url }, caption, `Video of job ${job.id}`);
+}
+
+async function jobsLoop() {
+  await refreshJobs();
+  const busy = debug.jobs.some((job) => JOB_STATES_RUNNING.has(job.state));
+  setTimeout(jobsLoop, busy ? 1000 : REFRESH_MS * 2);
+}
+
+$("#add-job").addEventListener("submit", addJob);
+
 // ---------------------------------------------------------------- start
 
 async function showModel() {
@@ -1349,3 +1500,4 @@ $("#key-button").addEventListener("click", async () => {
 setUpPlayground();
 showModel().then(refreshLoop);
 connectEvents();
+jobsLoop();
