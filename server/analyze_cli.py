@@ -60,6 +60,12 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
             where = ".".join(str(p) for p in error["loc"])
             print(f"streamdet analyze: {where}: {error['msg']}", file=sys.stderr)
         return 2
+    if job_in.callback_url is not None:
+        print(
+            "streamdet analyze: callback_url: for POST /jobs; here the counts go to stdout",
+            file=sys.stderr,
+        )
+        return 2
     try:
         video = probe(source)
     except JobError as exc:

@@ -123,9 +123,12 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             engine_pool.submit_background,
             names,
             max_jobs=settings.max_jobs,
+            max_bytes=settings.jobs_max_mb * 1024 * 1024,
             concurrency=settings.job_concurrency,
             inflight=settings.job_inflight or engine_pool.workers * engine_pool.max_batch,
             max_pixels=settings.max_image_pixels,
+            callback_secret=settings.webhook_secret,
+            callback_timeout_s=settings.webhook_timeout_s,
         )
         await job_manager.start()
         state.jobs = job_manager

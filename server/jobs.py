@@ -28,8 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from engines.batching import WorkItem
 from server.job_video import VIDEO_FILE, AnnotatedVideo
+from server.webhooks import label, post_json
 from streams.detect import StreamDetect
 from streams.jobs import (
     EVENTS_FILE,
@@ -44,8 +47,11 @@ from streams.jobs import (
 log = logging.getLogger(__name__)
 
 JOB_FILE = "job.json"
+MB = 1024 * 1024  # as the settings count them
 LIVE_ONLY = frozenset({"clips", "motion", "motion_mask", "motion_min_area", "motion_threshold"})
 """A live stream's settings, which a job has no use for."""
+CALLBACK_ATTEMPTS = 6
+CALLBACK_BACKOFF_S = 1.0  # doubled after each failure: the last try about 31 s after the first
 JOB_NICE = 10
 """A job's decoding yields the CPU to the cameras' and the calls' (Linux nice, per thread)."""
 
@@ -63,6 +69,10 @@ FINISHED = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
 
 class JobLimitError(RuntimeError):
     """Every kept job is still waiting or running; the message names the setting."""
+
+
+class JobStorageError(JobLimitError):
+    """The jobs' files would take more than they may; the message names the setting."""
 
 
 class JobsClosed(RuntimeError):
@@ -90,6 +100,10 @@ class Job:
     detect: StreamDetect
     fps: float | None
     render: bool = False
+    callback_url: str | None = None
+    callback: dict[str, Any] | None = None
+    """How the callback went: ``state`` (``pending``, ``sent``, ``failed``), ``attempts``,
+    ``last_error``."""
     state: JobState = JobState.QUEUED
     started_at: float | None = None
     finished_at: float | None = None
@@ -99,6 +113,8 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
     deleted: bool = False
+    bytes: int = 0
+    """Its files' size on disk, measured when it was added and when it ended."""
 
     def to_json(self, names: Mapping[int, str]) -> dict[str, Any]:
         """What ``GET /jobs/{id}`` answers."""
@@ -115,9 +131,13 @@ class Job:
             "progress": self.progress.to_json(),
             "error": self.error,
             "counts": self.counts,
+            "bytes": self.bytes,
             "frames_url": f"/jobs/{self.id}/frames",
             "events_url": f"/jobs/{self.id}/events",
             "video_url": f"/jobs/{self.id}/video.mp4" if self.render else None,
+            "callback": None
+            if self.callback_url is None
+            else {"url": label(self.callback_url), **(self.callback or {})},
         }
 
     def settings(self, names: Mapping[int, str]) -> dict[str, Any]:
@@ -132,6 +152,7 @@ class Job:
         data.pop("progress")
         return {
             **data,
+            "callback_url": self.callback_url,
             "target": self.target,
             "options": self.options,
             "final_progress": self.progress.to_json() if self.state in FINISHED else None,
@@ -148,14 +169,21 @@ class JobManager:
         names: Mapping[int, str],
         *,
         max_jobs: int,
+        max_bytes: int = 1 << 62,
         concurrency: int,
         inflight: int,
         max_pixels: int,
+        callback_secret: str | None = None,
+        callback_timeout_s: float = 5.0,
     ) -> None:
         self.directory = directory
+        self._callback_secret = callback_secret
+        self._callback_timeout_s = callback_timeout_s
+        self._callbacks: set[asyncio.Task[None]] = set()
         self._submit = submit
         self._names = names
         self._max_jobs = max_jobs
+        self._max_bytes = max_bytes
         self._concurrency = concurrency
         self._inflight = inflight
         self._max_pixels = max_pixels
@@ -174,6 +202,8 @@ class JobManager:
             self._jobs[job.id] = job
             if job.state is JobState.QUEUED:
                 self._queue.put_nowait(job.id)
+            elif job.callback is not None and job.callback.get("state") == "pending":
+                self._call_back(job)  # the server stopped before it was sent
         self._runners = [
             asyncio.create_task(self._run_forever(), name=f"jobs-{i}")
             for i in range(self._concurrency)
@@ -184,6 +214,8 @@ class JobManager:
         threads for up to ``timeout_s``."""
         self._closed = True
         self._interrupt.set()
+        for task in self._callbacks:  # kept as pending: sent at the next start
+            task.cancel()
         if not self._runners:
             return
         for _ in self._runners:  # wakes the idle ones
@@ -202,28 +234,48 @@ class JobManager:
     def directory_of(self, job_id: str) -> Path:
         return self.directory / job_id
 
-    async def make_room(self) -> None:
-        """Delete the oldest finished jobs until a new one fits.
+    async def make_room(self, incoming: int = 0) -> None:
+        """Delete the oldest finished jobs until a new one fits: one more job, and
+        ``incoming`` more bytes (its video, uploaded).
 
         Raises:
             JobLimitError: every kept job is waiting or running.
+            JobStorageError: the video does not fit beside the jobs waiting or running, or
+                alone passes what every job together may keep.
             JobsClosed: the server is stopping.
         """
         if self._closed:
             raise JobsClosed("the server is shutting down")
-        while len(self._jobs) >= self._max_jobs:
+        if incoming > self._max_bytes:
+            raise JobStorageError(
+                f"a video of {incoming / MB:.1f} MB is more than the {self._max_bytes / MB:.0f}"
+                " MB every job together may keep (setting STREAMDET_JOBS_MAX_MB)"
+            )
+        while len(self._jobs) >= self._max_jobs or self.bytes_used() + incoming > self._max_bytes:
             oldest = next((j for j in self._jobs.values() if j.state in FINISHED), None)
             if oldest is None:
-                raise JobLimitError(
-                    f"{len(self._jobs)} video jobs are already waiting or running"
-                    " (setting STREAMDET_MAX_JOBS)"
+                if len(self._jobs) >= self._max_jobs:
+                    raise JobLimitError(
+                        f"{len(self._jobs)} video jobs are already waiting or running"
+                        " (setting STREAMDET_MAX_JOBS)"
+                    )
+                raise JobStorageError(
+                    f"jobs waiting or running keep {self.bytes_used() / MB:.1f} MB: another"
+                    f" {incoming / MB:.1f} MB would pass {self._max_bytes / MB:.0f} MB"
+                    " (setting STREAMDET_JOBS_MAX_MB)"
                 )
             await self.delete(oldest.id)
+
+    def bytes_used(self) -> int:
+        """What the kept jobs' files take (each measured when it was added and when it
+        ended)."""
+        return sum(job.bytes for job in self._jobs.values())
 
     async def add(self, job: Job) -> Job:
         """Keep ``job`` and queue it."""
         if self._closed:
             raise JobsClosed("the server is shutting down")
+        job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
         self._jobs[job.id] = job
         await asyncio.to_thread(self._save, job)
         self._queue.put_nowait(job.id)
@@ -327,12 +379,17 @@ class JobManager:
             log.exception("job %s: failed", job.id)
             job.state, job.error = JobState.FAILED, f"internal error: {exc!r}"
         job.progress.freeze()
+        job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
         job.finished_at = time.time()
         job.finished.set()
         if job.deleted:
             await asyncio.to_thread(shutil.rmtree, self.directory_of(job.id), True)
             return
+        if job.callback_url is not None:
+            job.callback = {"state": "pending", "attempts": 0, "last_error": None}
         await asyncio.to_thread(self._save, job)
+        if job.callback_url is not None:
+            self._call_back(job)
         p = job.progress
         log.info(
             "job %s: %s after %d frame(s) processed%s",
@@ -341,6 +398,34 @@ class JobManager:
             p.frames_processed,
             f" ({job.error})" if job.error else "",
         )
+
+    # ---- callbacks -----------------------------------------------------------------------
+    def _call_back(self, job: Job) -> None:
+        task = asyncio.create_task(self._send_callback(job), name=f"job-callback-{job.id}")
+        self._callbacks.add(task)
+        task.add_done_callback(self._callbacks.discard)
+
+    async def _send_callback(self, job: Job) -> None:
+        """POST ``{"job": ...}`` (as ``GET /jobs/{id}`` gives it) to the job's
+        ``callback_url``, signed as webhooks are; retried with backoff, then given up."""
+        assert job.callback_url is not None and job.callback is not None
+        delay = CALLBACK_BACKOFF_S
+        async with httpx.AsyncClient(timeout=self._callback_timeout_s) as client:
+            for attempt in range(1, CALLBACK_ATTEMPTS + 1):
+                payload = {"job": job.to_json(self._names)}
+                error = await post_json(client, job.callback_url, payload, self._callback_secret)
+                job.callback.update(attempts=attempt, last_error=error)
+                if error is None:
+                    job.callback["state"] = "sent"
+                    break
+                log.warning("job %s: callback not delivered (%s)", job.id, error)
+                if attempt == CALLBACK_ATTEMPTS:
+                    job.callback["state"] = "failed"
+                    break
+                await asyncio.sleep(delay)
+                delay *= 2
+        if not job.deleted:
+            await asyncio.to_thread(self._save, job)
 
     # ---- files ---------------------------------------------------------------------------
     def _save(self, job: Job) -> None:
@@ -356,7 +441,9 @@ class JobManager:
             return jobs
         for path in self.directory.glob(f"*/{JOB_FILE}"):
             try:
-                jobs.append(self._from_record(json.loads(path.read_text(encoding="utf-8"))))
+                job = self._from_record(json.loads(path.read_text(encoding="utf-8")))
+                job.bytes = _size(path.parent)
+                jobs.append(job)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("job %s: not loaded (%s); its files are kept", path.parent.name, exc)
         jobs.sort(key=lambda job: job.created_at)
@@ -375,6 +462,8 @@ class JobManager:
             detect=StreamDetect.from_description(data["settings"], self._names),
             fps=data["settings"].get("fps"),
             render=bool(data["settings"].get("render", False)),
+            callback_url=data.get("callback_url"),
+            callback={k: v for k, v in (data.get("callback") or {}).items() if k != "url"} or None,
             state=JobState.QUEUED if state is JobState.RUNNING else state,
             started_at=data.get("started_at") if state in FINISHED else None,
             finished_at=data.get("finished_at"),
@@ -387,6 +476,17 @@ class JobManager:
             if final:
                 job.progress = _progress_from(final)
         return job
+
+
+def _size(directory: Path) -> int:
+    """Bytes of the files in ``directory`` (0 if it is gone)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
 
 
 def _progress_from(data: Mapping[str, Any]) -> JobProgress:
@@ -411,4 +511,5 @@ __all__ = [
     "JobLimitError",
     "JobManager",
     "JobState",
+    "JobStorageError",
 ]

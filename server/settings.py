@@ -245,6 +245,13 @@ class Settings(BaseSettings):
         description="video jobs kept (<data-dir>/jobs): a new one deletes the oldest finished,"
         " and is refused (429) when every kept job is still waiting or running",
     )
+    jobs_max_mb: int = Field(
+        20_480,
+        ge=1,
+        le=100_000_000,
+        description="video jobs' files (<data-dir>/jobs: uploads, results, drawn videos) kept up"
+        " to about this size; the oldest finished go first",
+    )
     max_job_upload_mb: float = Field(
         2048.0, gt=0, description="largest video a POST /jobs may upload"
     )

@@ -51,6 +51,24 @@ def label(url: str) -> str:
     return f"{parts.scheme}://{host}{parts.path}"
 
 
+async def post_json(
+    client: httpx.AsyncClient, url: str, payload: object, secret: str | None
+) -> str | None:
+    """POST ``payload`` as JSON, signed with ``secret`` if given; the reason it failed (an
+    error, or a status outside 2xx), or None."""
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    headers = {"Content-Type": "application/json", "User-Agent": "streamdet"}
+    if secret:
+        headers[SIGNATURE_HEADER] = sign(secret, body)
+    try:
+        response = await client.post(url, content=body, headers=headers)
+    except Exception as exc:  # any failure is the caller's to retry
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if not 200 <= response.status_code < 300:
+        return f"HTTP {response.status_code}"
+    return None
+
+
 def sign(secret: str, body: bytes) -> str:
     """The signature header's value for ``body``."""
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
@@ -161,17 +179,7 @@ class WebhookSender:
 
     async def _post(self, client: httpx.AsyncClient, events: Sequence[object]) -> str | None:
         """POST one batch; the reason it failed, or None."""
-        body = json.dumps({"events": events}, separators=(",", ":")).encode()
-        headers = {"Content-Type": "application/json", "User-Agent": "streamdet"}
-        if self._secret:
-            headers[SIGNATURE_HEADER] = sign(self._secret, body)
-        try:
-            response = await client.post(self.url, content=body, headers=headers)
-        except Exception as exc:  # any failure is retried; the sender lives on
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if not 200 <= response.status_code < 300:
-            return f"HTTP {response.status_code}"
-        return None
+        return await post_json(client, self.url, {"events": events}, self._secret)
 
     def _count(self, outcome: str, n: int) -> None:
         if self._metrics is not None:

@@ -3,6 +3,7 @@ lane, against the real model, the real clips and the real app; no timing is asse
 
 from __future__ import annotations
 
+import csv
 import io
 import itertools
 import json
@@ -17,7 +18,9 @@ from typing import Any
 import numpy as np
 from fastapi.testclient import TestClient
 
+from benchmarks.events_bench import WebhookReceiver
 from engines.types import DetectParams, Engine, ModelInfo
+from server.webhooks import sign
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.jobs import JobProgress, JobSpec, Sampler, _lower_priority, run_job
@@ -160,6 +163,20 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         assert events and all(e["type"] == "line_crossing" and e["pts"] > 0 for e in events)
         in_frames = [e for line in lines for e in line.get("events", ())]
         assert in_frames == events
+        # The same as CSV: a row per detection, a row per event.
+        table = c.get(f"/jobs/{job['id']}/frames", params={"format": "csv"})
+        assert table.headers["content-type"].startswith("text/csv")
+        rows = list(csv.DictReader(io.StringIO(table.text)))
+        assert len(rows) == sum(len(line["detections"]) for line in lines)
+        first = next(line for line in lines if line["detections"])
+        assert rows[0]["frame"] == str(first["frame"]) and rows[0]["class_name"] == "car"
+        assert float(rows[0]["x1"]) == first["detections"][0]["box"][0]
+        event_rows = list(
+            csv.DictReader(io.StringIO(c.get(f"/jobs/{job['id']}/events?format=csv").text))
+        )
+        assert [(r["line"], r["direction"], r["pts"]) for r in event_rows] == [
+            (e["line"], e["direction"], str(e["pts"])) for e in events
+        ]
         assert done["counts"]["tracked"]["car"] >= 2
         # The frames drawn into an MP4: one picture per processed frame, at its own time.
         video = c.get(done["video_url"])
@@ -326,3 +343,60 @@ def test_streamdet_analyze_runs_a_job_without_a_server(tmp_path: Path) -> None:
             check=False,
         )
         assert bad.returncode == 2 and words in bad.stderr, bad.stderr
+
+
+def test_a_job_calls_back_when_it_ends_signed_and_retried(tmp_path: Path) -> None:
+    receiver = WebhookReceiver(refuse=1)  # the first try fails: the callback is retried
+    try:
+        with TestClient(file_stream_app(tmp_path, webhook_secret="s3cret")) as c:
+            bad = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "callback_url": "ftp://x"})
+            assert bad.status_code == 422 and "callback_url" in bad.text
+            created = c.post(
+                "/jobs",
+                json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25, "callback_url": receiver.url},
+            )
+            assert created.status_code == 202
+            job_id = created.json()["id"]
+            end = time.monotonic() + 60
+            while not receiver.calls:
+                assert time.monotonic() < end, "no callback"
+                time.sleep(0.1)
+            _, headers, body = receiver.calls[0]
+            assert headers["X-Streamdet-Signature"] == sign("s3cret", body)
+            sent = json.loads(body)["job"]
+            assert sent["id"] == job_id and sent["state"] == "done"
+            assert sent["counts"]["detections"]["bottle"] >= 20
+            while c.get(f"/jobs/{job_id}").json()["callback"]["state"] == "pending":
+                assert time.monotonic() < end
+                time.sleep(0.1)
+            callback = c.get(f"/jobs/{job_id}").json()["callback"]
+            assert callback == {
+                "url": receiver.url.split("?")[0],  # its token is not shown
+                "state": "sent",
+                "attempts": 2,
+                "last_error": None,
+            }
+            assert len(receiver.calls) == 1
+    finally:
+        receiver.close()
+
+
+def test_jobs_keep_their_files_under_the_size_they_may_take(tmp_path: Path) -> None:
+    car = {"video": ("car.mp4", CAR_CLIP.read_bytes(), "video/mp4")}
+    jobs_dir = tmp_path / "data" / "jobs"
+    with TestClient(file_stream_app(tmp_path, jobs_max_mb=4)) as c:
+        first = c.post("/jobs", files=car, data={"settings": '{"fps": 0.5}'}).json()
+        done = c.get(f"/jobs/{first['id']}", params={"wait_s": 60}).json()
+        assert done["state"] == "done" and done["bytes"] > CAR_CLIP.stat().st_size
+        # A second car clip does not fit beside the first: the oldest finished job goes.
+        second = c.post("/jobs", files=car)  # every frame: it runs a while
+        assert second.status_code == 202
+        assert [j["id"] for j in c.get("/jobs").json()["jobs"]] == [second.json()["id"]]
+        assert _wait_state(c, second.json()["id"], {"running"})["state"] == "running"
+        # A third does not fit beside one still running, and is not kept.
+        third = c.post("/jobs", files=car)
+        assert third.status_code == 507 and "STREAMDET_JOBS_MAX_MB" in third.text
+        huge = c.post("/jobs", content=b"\0" * (5 << 20), headers={"content-type": "video/mp4"})
+        assert huge.status_code == 413 and "STREAMDET_JOBS_MAX_MB" in huge.text
+        assert [p.name for p in jobs_dir.iterdir()] == [second.json()["id"]]
+        assert c.delete(f"/jobs/{second.json()['id']}").status_code == 204

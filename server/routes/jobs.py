@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
+import io
 import json
 import logging
 import shutil
@@ -17,11 +19,12 @@ import time
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -34,6 +37,7 @@ from server.jobs import (
     JobLimitError,
     JobManager,
     JobsClosed,
+    JobStorageError,
 )
 from server.routes.streams import DetectIn
 from server.state import AppState, get_state
@@ -79,6 +83,14 @@ class JobIn(DetectIn):
             " their counts) into an MP4 at GET /jobs/{id}/video.mp4"
         ),
     ] = False
+    callback_url: Annotated[
+        str | None,
+        Field(
+            max_length=2048,
+            description='an http(s) URL sent POST {"job": ...} once the job ends, signed'
+            " with --webhook-secret as webhooks are, retried with backoff",
+        ),
+    ] = None
     url: Annotated[
         str | None,
         Field(
@@ -89,8 +101,17 @@ class JobIn(DetectIn):
         ),
     ] = None
 
+    @field_validator("callback_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{value!r} is not an http:// or https:// URL")
+        return value
+
     @model_validator(mode="after")
-    def _no_livesettings_of(self) -> JobIn:
+    def _no_live_settings(self) -> JobIn:
         for key in sorted(LIVE_ONLY):
             if key in self.model_fields_set:
                 raise ValueError(
@@ -134,7 +155,7 @@ def settings_of(raw: str | dict[str, Any] | None, where: str) -> JobIn:
 async def _capped(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
     """The request body, refused (413) once it passes ``limit`` bytes."""
     too_large = HTTPException(
-        413, f"video larger than {limit / 1e6:.0f} MB (setting STREAMDET_MAX_JOB_UPLOAD_MB)"
+        413, f"video larger than {limit / 2**20:.0f} MB (setting STREAMDET_MAX_JOB_UPLOAD_MB)"
     )
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
@@ -270,17 +291,22 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
     ``application/json``, a ``url``; ``202`` with the job, which waits its turn."""
     state = get_state(request)
     jobs = _jobs(state)
-    try:
-        await jobs.make_room()
-    except JobLimitError as exc:
-        raise HTTPException(429, f"too many jobs: {exc}", headers={"Retry-After": "60"}) from None
-    except JobsClosed:
-        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
+    await _make_room(jobs, 0, state.settings.jobs_max_mb)
     job_id = jobs.new_id()
     directory = jobs.directory_of(job_id)
     names = state.pool.engine.names
     try:
         job_in, source, target, options = await _receive(request, state, directory)
+        if "bytes" in source:  # room for the upload beside what is kept
+            try:
+                await jobs.make_room(source["bytes"])
+            except JobStorageError as exc:
+                too_large = source["bytes"] > state.settings.jobs_max_mb * 1024 * 1024
+                raise HTTPException(413 if too_large else 507, str(exc)) from None
+            except JobLimitError as exc:
+                raise HTTPException(
+                    429, f"too many jobs: {exc}", headers={"Retry-After": "60"}
+                ) from None
         detect = job_in.detect(names, StreamDetect())
         timeout = (state.settings.stream_open_timeout_s, state.settings.stream_read_timeout_s)
         try:
@@ -298,6 +324,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
             detect=detect,
             fps=job_in.fps,
             render=job_in.render,
+            callback_url=job_in.callback_url,
         )
         await jobs.add(job)
     except BaseException:
@@ -306,6 +333,18 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
         raise
     response.headers["Location"] = f"/jobs/{job_id}"
     return job.to_json(names)
+
+
+async def _make_room(jobs: JobManager, incoming: int, max_mb: int) -> None:
+    """Room for one more job with ``incoming`` bytes, or the HTTP error saying why not."""
+    try:
+        await jobs.make_room(incoming)
+    except JobStorageError as exc:
+        raise HTTPException(413 if incoming > max_mb * 1024 * 1024 else 507, str(exc)) from None
+    except JobLimitError as exc:
+        raise HTTPException(429, f"too many jobs: {exc}", headers={"Retry-After": "60"}) from None
+    except JobsClosed:
+        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
 
 
 def _describe(jobs: JobManager, job: Job, names: Mapping[int, str]) -> dict[str, Any]:
@@ -348,38 +387,85 @@ async def get_job(
     return _describe(_jobs(state), job, state.pool.engine.names)
 
 
-async def _results(request: Request, job_id: str, name: str) -> Response:
+Output = Annotated[
+    Literal["ndjson", "csv"],
+    Query(alias="format", description="ndjson, or csv for a spreadsheet"),
+]
+FRAME_COLUMNS = [
+    "frame", "pts", "class_name", "confidence", "x1", "y1", "x2", "y2", "track_id", "zones",
+]  # fmt: skip
+EVENT_COLUMNS = [
+    "frame", "pts", "type", "line", "zone", "direction", "class_name", "track_id",
+    "confidence", "x1", "y1", "x2", "y2", "dwell_s",
+]  # fmt: skip
+
+
+def _frame_rows(line: dict[str, Any]) -> list[dict[str, Any]]:
+    """A frame's detections, a row each."""
+    return [
+        {
+            "frame": line["frame"],
+            "pts": line["pts"],
+            **{k: d.get(k) for k in ("class_name", "confidence", "track_id")},
+            **dict(zip(("x1", "y1", "x2", "y2"), d["box"], strict=True)),
+            "zones": " ".join(d.get("zones", ())),
+        }
+        for d in line["detections"]
+    ]
+
+
+def _event_rows(event: dict[str, Any]) -> list[dict[str, Any]]:
+    box = dict(zip(("x1", "y1", "x2", "y2"), event.get("box") or (), strict=False))
+    return [{**{k: v for k, v in event.items() if k in EVENT_COLUMNS}, **box}]
+
+
+async def _results(request: Request, job_id: str, name: str, output: str) -> Response:
     state = get_state(request)
     job = _job(state, job_id)
     path = _jobs(state).directory_of(job.id) / name
     headers = {"X-Job-State": str(job.state)}
-    if job.finished.is_set() and path.is_file():
+    if output == "ndjson" and job.finished.is_set() and path.is_file():
         return FileResponse(path, media_type=NDJSON, headers=headers)
 
-    def written() -> bytes:  # the whole lines so far of a job still running
+    def written() -> bytes:  # the whole lines so far (a job still running: those written)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return b""
         return data[: data.rfind(b"\n") + 1]
 
+    def as_csv() -> str:
+        columns, rows = (
+            (FRAME_COLUMNS, _frame_rows) if name == FRAMES_FILE else (EVENT_COLUMNS, _event_rows)
+        )
+        text = io.StringIO()
+        writer = csv.DictWriter(text, columns, lineterminator="\n", extrasaction="ignore")
+        writer.writeheader()
+        for raw in written().splitlines():
+            writer.writerows(rows(json.loads(raw)))
+        return text.getvalue()
+
+    if output == "csv":
+        headers["Content-Disposition"] = f'attachment; filename="{job.id}-{name[:-7]}.csv"'
+        return Response(await asyncio.to_thread(as_csv), media_type="text/csv", headers=headers)
     return Response(await asyncio.to_thread(written), media_type=NDJSON, headers=headers)
 
 
 @router.get("/jobs/{job_id}/frames", response_class=Response)
-async def job_frames(request: Request, job_id: str) -> Response:
+async def job_frames(request: Request, job_id: str, output: Output = "ndjson") -> Response:
     """Every processed frame, a JSON line each: ``frame`` (its number in the video, from 0),
     ``pts`` (seconds), ``width``, ``height``, ``detections`` (with ``track_id`` and
     ``zones`` as the stream's WebSocket sends them) and ``events``; while the job runs, the
-    frames so far (``X-Job-State``)."""
-    return await _results(request, job_id, FRAMES_FILE)
+    frames so far (``X-Job-State``). ``format=csv``: a row per detection."""
+    return await _results(request, job_id, FRAMES_FILE, output)
 
 
 @router.get("/jobs/{job_id}/events", response_class=Response)
-async def job_events(request: Request, job_id: str) -> Response:
+async def job_events(request: Request, job_id: str, output: Output = "ndjson") -> Response:
     """The job's events (line crossings, zone entries, exits and loiters), a JSON line each,
-    as ``GET /events`` gives a stream's, with the ``pts`` of their frame."""
-    return await _results(request, job_id, EVENTS_FILE)
+    as ``GET /events`` gives a stream's, with the ``pts`` of their frame. ``format=csv``: a
+    row each."""
+    return await _results(request, job_id, EVENTS_FILE, output)
 
 
 @router.get(
