@@ -13,6 +13,9 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from engines.types import Detections
 from streams.detect import StreamDetect
 from streams.events import StreamEvent
@@ -64,10 +67,15 @@ class StreamAnalytics:
         taken with; frames must come in order."""
         if detect.roi is not None:
             detections = detect.roi.filter(detections)
+        need: float | npt.NDArray[np.float32] = detect.params.conf
+        if detect.filters is not None:  # sizes and shapes; each class's own confidence
+            detections, need = detect.filters.apply(detections, detect.params.conf)
+            if not detect.track:
+                detections = detections.select(detections.scores >= need)
         new_objects: list[int] = []
         if detect.track:
             # The engine ran at LOW_CONF: boxes under the stream's conf only carry on tracks.
-            confident = detections.scores >= detect.params.conf
+            confident = detections.scores >= need
             low = None if confident.all() else detections.select(~confident)
             high = detections if low is None else detections.select(confident)
             tracked = self._tracker.update(high, t, low=low)

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.types import Detections, DetectParams, class_ids
+from streams.filters import ObjectFilters
 from streams.geometry import Point, anchors, check_polygon, parse_points, polygon_contains
 from streams.lines import Line, parse_lines
 from streams.zones import Zone, parse_zones
@@ -115,6 +116,8 @@ class StreamDetect:
     motion_threshold: int | None = None
     """This stream's grey levels a pixel must change by to have moved (``None``: the
     server's)."""
+    filters: ObjectFilters | None = None
+    """Per-class minimum confidence, sizes and shapes (:mod:`streams.filters`)."""
 
     def __post_init__(self) -> None:
         if len(self.motion_mask) > MAX_MASKS:
@@ -138,15 +141,22 @@ class StreamDetect:
     @property
     def engine_params(self) -> DetectParams:
         """What the engine runs with: ``params``, with the confidence lowered to
-        :data:`LOW_CONF` where the stream tracks."""
-        if self.track and self.params.conf > LOW_CONF:
-            return dataclasses.replace(self.params, conf=LOW_CONF)
-        return self.params
+        :data:`LOW_CONF` where the stream tracks, and to the lowest class ``min_conf`` of its
+        ``filters``."""
+        conf = self.params.conf
+        lowest = None if self.filters is None else self.filters.lowest_conf()
+        if lowest is not None:
+            conf = min(conf, lowest)  # the others are held to params.conf after
+        if self.track:
+            conf = min(conf, LOW_CONF)
+        return (
+            self.params if conf == self.params.conf else dataclasses.replace(self.params, conf=conf)
+        )
 
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
         ``track``, ``lines``, ``zones``, ``clips``, ``motion``, ``motion_mask``,
-        ``motion_min_area`` and ``motion_threshold``."""
+        ``motion_min_area``, ``motion_threshold`` and ``filters`` (by class name)."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
@@ -158,6 +168,7 @@ class StreamDetect:
             "motion_mask": [mask.to_json() for mask in self.motion_mask],
             "motion_min_area": self.motion_min_area,
             "motion_threshold": self.motion_threshold,
+            "filters": {} if self.filters is None else self.filters.to_json(names),
         }
 
     @classmethod
@@ -192,4 +203,5 @@ class StreamDetect:
             parse_masks(data.get("motion_mask") or ()),
             data.get("motion_min_area"),
             data.get("motion_threshold"),
+            ObjectFilters.parse(data["filters"], names) if data.get("filters") else None,
         )

@@ -253,6 +253,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "motion_mask": [],
             "motion_min_area": None,
             "motion_threshold": None,
+            "filters": {},
         }
         assert resp.json()["detect"] == detect
 

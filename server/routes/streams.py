@@ -35,6 +35,7 @@ from streams.clips import ClipOptions
 from streams.detect import MAX_MASKS, Roi, StreamDetect, parse_masks
 from streams.event_store import EventStore
 from streams.events import EventLog
+from streams.filters import ObjectFilters
 from streams.geometry import MAX_NAME
 from streams.lines import MAX_LINES, parse_lines
 from streams.manager import (
@@ -99,6 +100,29 @@ class ZoneIn(BaseModel):
     classes: Annotated[
         list[int | str] | str | None,
         Field(description="class ids or names it counts (Frigate's zone objects); null: every"),
+    ] = None
+
+
+class FilterIn(BaseModel):
+    """What one class's detections must be to be kept (Frigate's object filters)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_conf: Annotated[
+        float | None,
+        Field(ge=0.0, le=1.0, description="this class's minimum confidence (instead of conf)"),
+    ] = None
+    min_area: Annotated[
+        float | None, Field(ge=0.0, le=1.0, description="smallest box, a share of the frame")
+    ] = None
+    max_area: Annotated[
+        float | None, Field(ge=0.0, le=1.0, description="largest box, a share of the frame")
+    ] = None
+    min_ratio: Annotated[
+        float | None, Field(gt=0.0, description="narrowest box: its width over its height")
+    ] = None
+    max_ratio: Annotated[
+        float | None, Field(gt=0.0, description="widest box: its width over its height")
     ] = None
 
 
@@ -185,6 +209,15 @@ class DetectIn(BaseModel):
         ),
     ] = None
 
+    filters: Annotated[
+        dict[str, FilterIn] | None,
+        Field(
+            description="per class (name or id): min_conf, min_area and max_area (shares of"
+            " the frame), min_ratio and max_ratio (width over height); detections that fail"
+            " are dropped before they are tracked or counted; null or {}: none",
+        ),
+    ] = None
+
     def detect(self, names: Mapping[int, str], current: StreamDetect) -> StreamDetect:
         """``current`` with the fields this body set; HTTP 422 for a class the model lacks or
         a bad region."""
@@ -221,7 +254,13 @@ class DetectIn(BaseModel):
             level = (
                 self.motion_threshold if "motion_threshold" in given else current.motion_threshold
             )
-            return StreamDetect(params, roi, track, lines, zones, clips, motion, masks, area, level)
+            filters = current.filters
+            if "filters" in given:
+                raw = {k: f.model_dump(exclude_none=True) for k, f in (self.filters or {}).items()}
+                filters = ObjectFilters.parse(raw, names) if raw else None
+            return StreamDetect(
+                params, roi, track, lines, zones, clips, motion, masks, area, level, filters
+            )
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 
