@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.pool import EnginePool
 from server import metrics as metrics_module
@@ -22,7 +24,7 @@ from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
 from server.mqtt_discovery import Discovery
 from server.retention import DAY_S, keep_for
-from server.routes import detect, events, health, jobs, streams, viewer, ws
+from server.routes import detect, events, health, jobs, kserve, streams, viewer, ws
 from server.routes import webhooks as webhooks_routes
 from server.routes.webhooks import make_sender
 from server.runtime import build_pool
@@ -170,6 +172,10 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.include_router(events.router)
     app.include_router(webhooks_routes.router)
     app.include_router(jobs.router)
+    app.include_router(kserve.router)
+    # Under /v2 errors answer {"error": ...}, as the KServe v2 protocol's clients expect.
+    app.add_exception_handler(StarletteHTTPException, kserve.v2_http_error)
+    app.add_exception_handler(RequestValidationError, kserve.v2_http_error)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

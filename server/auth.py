@@ -176,7 +176,12 @@ def is_open(method: str, path: str) -> bool:
 
 
 def _readonly_allowed(method: str, path: str) -> bool:
-    return method in SAFE_METHODS or method == "WEBSOCKET" or (method, path) in READONLY_WRITES
+    return (
+        method in SAFE_METHODS
+        or method == "WEBSOCKET"
+        or (method, path) in READONLY_WRITES
+        or (method == "POST" and path.startswith("/v2/models/") and path.endswith("/infer"))
+    )
 
 
 def check_connection(conn: HTTPConnection, keys: ApiKeys) -> AuthFailure | None:

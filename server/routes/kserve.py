@@ -1,0 +1,447 @@
+"""The KServe v2 / Open Inference Protocol over HTTP (``/v2/...``), as Triton Inference Server
+and KServe speak it, so Triton's own clients (``tritonclient.http``) and any other v2 client
+detect with streamdet unchanged: server and model metadata, health, readiness, and ``infer``
+with the binary tensor data extension.
+
+The served model takes one of two inputs: ``image_bytes`` (BYTES ``[N]``: encoded JPEG, PNG or
+WebP images, as Triton ensembles that decode on the server take them) or ``images`` (UINT8
+``[N, H, W, 3]``: RGB pixels). It answers as TensorRT's EfficientNMS plugin does, the outputs
+Triton users of YOLO read: ``num_detections`` (INT32 ``[N, 1]``), ``detection_boxes`` (FP32
+``[N, K, 4]``, ``x1, y1, x2, y2`` in the image's pixels), ``detection_scores`` (FP32 ``[N, K]``)
+and ``detection_classes`` (INT32 ``[N, K]``), ``K`` the most detections of any image in the
+request (the others padded with zeros). The request's ``parameters`` take ``/detect``'s
+``conf``, ``iou``, ``classes`` and ``max_det``.
+
+Each image runs through the same admission control, interactive lane and deadline as a
+``POST /detect`` call. Errors answer ``{"error": "..."}``, the protocol's form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.batching import DeadlineExceeded, PoolClosed, QueueFull
+from engines.types import Detections, DetectParams, Image
+from server.admission import AdmissionTicket
+from server.images import ImageError, decode_image
+from server.routes.detect import parse_classes, read_body_capped
+from server.state import AppState, get_state
+
+router = APIRouter(prefix="/v2", tags=["KServe v2"])
+PREFIX = "/v2"
+VERSION = "1"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_IMAGES = 256  # images in one request
+NP_TYPES: dict[str, npt.DTypeLike] = {
+    "UINT8": np.uint8,
+    "INT32": np.int32,
+    "FP32": np.float32,
+}
+INPUTS: list[dict[str, Any]] = [
+    {"name": "image_bytes", "datatype": "BYTES", "shape": [-1]},
+    {"name": "images", "datatype": "UINT8", "shape": [-1, -1, -1, 3]},
+]
+OUTPUTS: list[dict[str, Any]] = [
+    {"name": "num_detections", "datatype": "INT32", "shape": [-1, 1]},
+    {"name": "detection_boxes", "datatype": "FP32", "shape": [-1, -1, 4]},
+    {"name": "detection_scores", "datatype": "FP32", "shape": [-1, -1]},
+    {"name": "detection_classes", "datatype": "INT32", "shape": [-1, -1]},
+]
+
+
+def is_v2(request: Request) -> bool:
+    path: str = request.url.path
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+async def v2_http_error(request: Request, exc: Exception) -> Response:
+    """The app's HTTP errors under ``/v2``: ``{"error": "..."}`` as the protocol (and
+    tritonclient) expects; elsewhere FastAPI's own."""
+    from fastapi.exception_handlers import (
+        http_exception_handler,
+        request_validation_exception_handler,
+    )
+
+    if isinstance(exc, RequestValidationError):
+        if not is_v2(request):
+            return await request_validation_exception_handler(request, exc)
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()
+        )
+        return JSONResponse({"error": problems}, status_code=422)
+    assert isinstance(exc, StarletteHTTPException)
+    if not is_v2(request):
+        return await http_exception_handler(request, exc)
+    detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def _model_name(state: AppState) -> str:
+    """The served model's name without its file's suffix (``yolov8n``)."""
+    return PurePath(state.pool.engine.model_name).stem
+
+
+def _check_model(state: AppState, name: str, version: str | None) -> None:
+    served = _model_name(state)
+    if name not in {served, state.pool.engine.model_name}:
+        raise HTTPException(404, f"unknown model {name!r}; this server serves {served!r}")
+    if version not in (None, "", VERSION):
+        raise HTTPException(404, f"model {name!r} has no version {version!r}; it has {VERSION!r}")
+
+
+@router.get("")
+async def server_metadata(request: Request) -> dict[str, Any]:
+    """The server: name, version and the protocol extensions it speaks."""
+    return {
+        "name": "streamdet",
+        "version": request.app.version,
+        "extensions": ["binary_tensor_data", "parameters", "model_configuration"],
+    }
+
+
+@router.get("/health/live")
+async def live() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> Response:
+    state = get_state(request)
+    return Response(status_code=200 if state.ready else 503)
+
+
+@router.get("/models/{model_name}")
+@router.get("/models/{model_name}/versions/{version}")
+async def model_metadata(
+    request: Request, model_name: str, version: str | None = None
+) -> dict[str, Any]:
+    """The model: its versions, platform, inputs (give one of them) and outputs."""
+    state = get_state(request)
+    _check_model(state, model_name, version)
+    return {
+        "name": model_name,
+        "versions": [VERSION],
+        "platform": f"streamdet_{state.settings.backend}",
+        "inputs": INPUTS,
+        "outputs": OUTPUTS,
+    }
+
+
+@router.get("/models/{model_name}/config")
+@router.get("/models/{model_name}/versions/{version}/config")
+async def model_config(
+    request: Request, model_name: str, version: str | None = None
+) -> dict[str, Any]:
+    """Triton's model configuration, as far as it applies: the largest batch an engine runs,
+    dynamic batching's wait, and the class names."""
+    state = get_state(request)
+    _check_model(state, model_name, version)
+    engine = state.pool.engine
+    return {
+        "name": model_name,
+        "platform": f"streamdet_{state.settings.backend}",
+        "max_batch_size": state.pool.max_batch,
+        "input": [{"name": i["name"], "data_type": f"TYPE_{i['datatype']}"} for i in INPUTS],
+        "output": [{"name": o["name"], "data_type": f"TYPE_{o['datatype']}"} for o in OUTPUTS],
+        "dynamic_batching": {
+            "max_queue_delay_microseconds": int(state.settings.max_wait_ms * 1000)
+        },
+        "instance_group": [{"count": state.pool.workers}],
+        "parameters": {"names": {"string_value": json.dumps(engine.names)}},
+    }
+
+
+@router.get("/models/{model_name}/ready")
+@router.get("/models/{model_name}/versions/{version}/ready")
+async def model_ready(request: Request, model_name: str, version: str | None = None) -> Response:
+    state = get_state(request)
+    _check_model(state, model_name, version)
+    return Response(status_code=200 if state.ready else 503)
+
+
+# ---------------------------------------------------------------------------- infer
+
+
+def _split(body: bytes, header: str | None) -> tuple[dict[str, Any], bytes]:
+    """The request's JSON and the binary data after it."""
+    size = len(body)
+    if header is not None:
+        if not header.isdigit() or int(header) > size:
+            raise HTTPException(
+                400, f"{HEADER_LENGTH}: {header!r} is not a length within the {size}-byte body"
+            )
+        size = int(header)
+    try:
+        request = json.loads(body[:size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HTTPException(400, f"the inference request is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise HTTPException(400, "the inference request must be a JSON object")
+    return request, body[size:]
+
+
+def _shape(tensor: Mapping[str, Any], name: str) -> list[int]:
+    shape = tensor.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise HTTPException(400, f"input {name!r}: shape must be a list of sizes, not {shape!r}")
+    return shape
+
+
+def _raw(tensor: Mapping[str, Any], name: str, binary: bytes, offset: int) -> tuple[bytes, int]:
+    """An input's binary data (binary tensor data extension), and the offset after it."""
+    size = (tensor.get("parameters") or {}).get("binary_data_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise HTTPException(400, f"input {name!r}: binary_data_size must be a byte count")
+    if offset + size > len(binary):
+        raise HTTPException(
+            400, f"input {name!r}: binary_data_size {size} runs past the end of the body"
+        )
+    return binary[offset : offset + size], offset + size
+
+
+def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
+    """BYTES elements: each a 4-byte little-endian length and its bytes."""
+    items: list[bytes] = []
+    at = 0
+    while at < len(raw):
+        if at + 4 > len(raw):
+            raise HTTPException(400, f"input {name!r}: a BYTES element's length is cut off")
+        (length,) = struct.unpack_from("<I", raw, at)
+        at += 4
+        if at + length > len(raw):
+            raise HTTPException(400, f"input {name!r}: a BYTES element runs past its data")
+        items.append(raw[at : at + length])
+        at += length
+    return items
+
+
+async def _images(
+    state: AppState, request: dict[str, Any], binary: bytes, loop: asyncio.AbstractEventLoop
+) -> list[Image]:
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise HTTPException(
+            400,
+            "give exactly one input: 'image_bytes' (BYTES, encoded images) or 'images'"
+            " (UINT8 [N, H, W, 3], RGB)",
+        )
+    tensor = inputs[0]
+    name, datatype = tensor.get("name"), tensor.get("datatype")
+    shape = _shape(tensor, str(name))
+    binary_given = "binary_data_size" in (tensor.get("parameters") or {})
+    if name == "image_bytes":
+        if datatype != "BYTES" or len(shape) != 1:
+            raise HTTPException(400, f"input 'image_bytes': BYTES [N], not {datatype} {shape}")
+        if not binary_given:
+            raise HTTPException(
+                400,
+                "input 'image_bytes': send the encoded images as binary data"
+                " (tritonclient's binary_data=True)",
+            )
+        items = _bytes_elements(_raw(tensor, name, binary, 0)[0], name)
+        if len(items) != shape[0]:
+            raise HTTPException(
+                400, f"input 'image_bytes': shape says {shape[0]} images, the data has {len(items)}"
+            )
+        _check_count(len(items))
+        decode = state.decode_executor
+        limit = state.settings.max_image_pixels
+        try:
+            return list(
+                await asyncio.gather(
+                    *(loop.run_in_executor(decode, decode_image, item, limit) for item in items)
+                )
+            )
+        except ImageError as exc:
+            raise HTTPException(exc.status_code, f"input 'image_bytes': {exc.message}") from None
+    if name == "images":
+        if datatype != "UINT8" or len(shape) != 4 or shape[3] != 3:
+            raise HTTPException(400, f"input 'images': UINT8 [N, H, W, 3], not {datatype} {shape}")
+        n, height, width = shape[:3]
+        _check_count(n)
+        if height * width > state.settings.max_image_pixels or not height or not width:
+            raise HTTPException(
+                413 if height * width else 400,
+                f"input 'images': {width}x{height} images; at most"
+                f" {state.settings.max_image_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)",
+            )
+        if binary_given:
+            raw = _raw(tensor, name, binary, 0)[0]
+            pixels = np.frombuffer(raw, np.uint8)
+        else:
+            try:
+                pixels = np.asarray(tensor.get("data"), np.uint8).reshape(-1)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise HTTPException(400, f"input 'images': data is not UINT8: {exc}") from None
+        if pixels.size != n * height * width * 3:
+            raise HTTPException(
+                400,
+                f"input 'images': {pixels.size} values for shape {shape}"
+                f" ({n * height * width * 3} expected)",
+            )
+        batch = pixels.reshape(n, height, width, 3)
+        return [np.ascontiguousarray(batch[i]) for i in range(n)]
+    raise HTTPException(
+        400, f"unknown input {name!r}: give 'image_bytes' (BYTES) or 'images' (UINT8)"
+    )
+
+
+def _check_count(n: int) -> None:
+    if not 1 <= n <= MAX_IMAGES:
+        raise HTTPException(400, f"1 to {MAX_IMAGES} images a request, not {n}")
+
+
+def _params(request: dict[str, Any], names: Mapping[int, str]) -> DetectParams:
+    given = request.get("parameters") or {}
+    if not isinstance(given, dict):
+        raise HTTPException(400, "parameters must be a JSON object")
+
+    def number(key: str, default: float, low: float, high: float) -> float:
+        value = given.get(key, default)
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or not low <= value <= high
+        ):
+            raise HTTPException(400, f"parameter {key!r}: a number from {low} to {high}")
+        return float(value)
+
+    max_det = number("max_det", 300, 1, 1000)
+    if max_det != int(max_det):
+        raise HTTPException(400, "parameter 'max_det': a whole number from 1 to 1000")
+    classes = given.get("classes")
+    if classes is not None and not isinstance(classes, str | list):
+        raise HTTPException(400, "parameter 'classes': ids or names, comma-separated")
+    try:
+        wanted = parse_classes(classes, names)
+    except HTTPException as exc:
+        raise HTTPException(400, f"parameter 'classes': {exc.detail}") from None
+    return DetectParams(
+        conf=number("conf", 0.25, 0, 1),
+        iou=number("iou", 0.7, 0, 1),
+        classes=wanted,
+        max_det=int(max_det),
+    )
+
+
+def _outputs(results: Sequence[Detections]) -> dict[str, npt.NDArray[Any]]:
+    n = len(results)
+    k = max((len(r) for r in results), default=0)
+    counts = np.array([[len(r)] for r in results], np.int32)
+    boxes = np.zeros((n, k, 4), np.float32)
+    scores = np.zeros((n, k), np.float32)
+    classes = np.zeros((n, k), np.int32)
+    for i, r in enumerate(results):
+        boxes[i, : len(r)] = r.boxes
+        scores[i, : len(r)] = r.scores
+        classes[i, : len(r)] = r.class_ids
+    return {
+        "num_detections": counts,
+        "detection_boxes": boxes,
+        "detection_scores": scores,
+        "detection_classes": classes,
+    }
+
+
+def _response(
+    request: dict[str, Any], model: str, outputs: dict[str, npt.NDArray[Any]]
+) -> Response:
+    wanted = request.get("outputs")
+    params = request.get("parameters") or {}
+    all_binary = bool(params.get("binary_data_output", False))
+    chosen: list[tuple[str, bool]] = []
+    if wanted is None:
+        chosen = [(name, all_binary) for name in outputs]
+    else:
+        if not isinstance(wanted, list):
+            raise HTTPException(400, "outputs must be a list")
+        for item in wanted:
+            name = item.get("name") if isinstance(item, dict) else None
+            if name not in outputs:
+                known = ", ".join(outputs)
+                raise HTTPException(400, f"unknown output {name!r}; the model has {known}")
+            binary = (item.get("parameters") or {}).get("binary_data", all_binary)
+            chosen.append((name, bool(binary)))
+    described: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for name, binary in chosen:
+        array = outputs[name]
+        datatype: str = next(o["datatype"] for o in OUTPUTS if o["name"] == name)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary:
+            blob = np.ascontiguousarray(array, NP_TYPES[datatype]).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        described.append(entry)
+    answer: dict[str, Any] = {"model_name": model, "model_version": VERSION, "outputs": described}
+    if isinstance(request.get("id"), str):
+        answer["id"] = request["id"]
+    header = json.dumps(answer, separators=(",", ":")).encode()
+    if not blobs:
+        return Response(header, media_type="application/json")
+    return Response(
+        header + b"".join(blobs),
+        media_type="application/octet-stream",
+        headers={HEADER_LENGTH: str(len(header))},
+    )
+
+
+@router.post("/models/{model_name}/infer")
+@router.post("/models/{model_name}/versions/{version}/infer")
+async def infer(
+    request: Request, ticket: AdmissionTicket, model_name: str, version: str | None = None
+) -> Response:
+    """Detect objects in a batch of images (see the module's description)."""
+    state = get_state(request)
+    _check_model(state, model_name, version)
+    engine = state.pool.engine
+    body = await read_body_capped(request, state.settings.max_upload_bytes)
+    inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
+    params = _params(inference, engine.names)
+    loop = asyncio.get_running_loop()
+    images = await _images(state, inference, binary, loop)
+    ticket.decoded(0.0)
+    rid = ticket.request_id
+    try:
+        results = await asyncio.gather(
+            *(
+                state.pool.detect(image, params, ticket.hard_deadline, f"{rid}:{i}")
+                for i, image in enumerate(images)
+            )
+        )
+    except QueueFull as exc:
+        ticket.reject("queue_full")
+        raise HTTPException(429, f"server busy: {exc}", headers=ticket.retry_after()) from None
+    except PoolClosed:
+        ticket.reject("shutting_down")
+        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
+    found: list[Detections] = []
+    for result in results:
+        if isinstance(result.error, DeadlineExceeded):
+            ticket.reject("expired")
+            raise HTTPException(
+                503,
+                f"request not served within its deadline ({result.error};"
+                " STREAMDET_REQUEST_TIMEOUT_MS or X-Request-Deadline-Ms)",
+                headers=ticket.retry_after(),
+            )
+        if result.error is not None or result.detections is None:
+            raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
+        found.append(result.detections)
+    return _response(inference, model_name, _outputs(found))

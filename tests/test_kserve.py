@@ -1,0 +1,145 @@
+"""The KServe v2 routes driven by Triton's own HTTP client (``tritonclient.http``) against a
+real ``streamdet serve`` process: what a Triton user's code gets is what ``POST /detect``
+answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from loadtest.server import ServerProcess
+from server.images import decode_image
+from tests.helpers import clip_server, ultralytics_assets
+
+MODEL = "yolov8n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = clip_server(tmp_path_factory.mktemp("kserve"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[triton.InferenceServerClient]:
+    c = triton.InferenceServerClient(url=server.base_url.removeprefix("http://"))
+    yield c
+    c.close()
+
+
+def _detect(server: ServerProcess, jpeg: bytes, **query: Any) -> list[dict[str, Any]]:
+    answer = httpx.post(
+        f"{server.base_url}/detect",
+        content=jpeg,
+        headers={"content-type": "image/jpeg"},
+        params=query,
+        timeout=60,
+    )
+    answer.raise_for_status()
+    found: list[dict[str, Any]] = answer.json()["detections"]
+    return found
+
+
+def _same(result: triton.InferResult, i: int, expected: list[dict[str, Any]]) -> None:
+    n = int(result.as_numpy("num_detections")[i, 0])
+    assert n == len(expected) > 0
+    boxes = result.as_numpy("detection_boxes")[i, :n]
+    np.testing.assert_allclose(boxes, [d["box"] for d in expected], atol=0.01)
+    np.testing.assert_allclose(
+        result.as_numpy("detection_scores")[i, :n], [d["confidence"] for d in expected], atol=1e-4
+    )
+    assert result.as_numpy("detection_classes")[i, :n].tolist() == [d["class_id"] for d in expected]
+    # Padded after its own detections: zeros.
+    assert not result.as_numpy("detection_scores")[i, n:].any()
+
+
+def test_tritons_client_detects_as_detect_does(
+    server: ServerProcess, client: triton.InferenceServerClient
+) -> None:
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.get_server_metadata()["name"] == "streamdet"
+    assert client.is_model_ready(MODEL)
+    metadata = client.get_model_metadata(MODEL)
+    assert [i["name"] for i in metadata["inputs"]] == ["image_bytes", "images"]
+    assert [o["name"] for o in metadata["outputs"]] == [
+        "num_detections",
+        "detection_boxes",
+        "detection_scores",
+        "detection_classes",
+    ]
+    config = client.get_model_config(MODEL)
+    assert config["max_batch_size"] >= 1 and config["dynamic_batching"]
+
+    assets = ultralytics_assets()
+    bus, zidane = ((assets / name).read_bytes() for name in ("bus.jpg", "zidane.jpg"))
+    # Encoded images, two in one request, sent and answered as binary data (the default).
+    encoded = triton.InferInput("image_bytes", [2], "BYTES")
+    encoded.set_data_from_numpy(np.array([bus, zidane], dtype=np.object_))
+    result = client.infer(MODEL, [encoded], request_id="r1")
+    assert result.get_response()["id"] == "r1"
+    _same(result, 0, _detect(server, bus))
+    _same(result, 1, _detect(server, zidane))
+    # /detect's parameters, as request parameters.
+    people = client.infer(MODEL, [encoded], parameters={"classes": "person", "conf": 0.5})
+    _same(people, 0, _detect(server, bus, classes="person", conf=0.5))
+
+    # RGB pixels, with only the outputs asked for, as JSON.
+    pixels = decode_image(bus, 50_000_000)
+    raw = triton.InferInput("images", [1, *pixels.shape], "UINT8")
+    raw.set_data_from_numpy(pixels[np.newaxis])
+    asked = [
+        triton.InferRequestedOutput(name, binary_data=False)
+        for name in ("num_detections", "detection_boxes", "detection_scores", "detection_classes")
+    ]
+    as_json = client.infer(MODEL, [raw], outputs=asked)
+    assert "data" in as_json.get_response()["outputs"][0]
+    _same(as_json, 0, _detect(server, bus))
+    # A tiny picture as JSON values: nothing in it, and the batch dimension is kept.
+    blank = triton.InferInput("images", [1, 8, 8, 3], "UINT8")
+    blank.set_data_from_numpy(np.zeros((1, 8, 8, 3), np.uint8), binary_data=False)
+    empty = client.infer(MODEL, [blank])
+    assert empty.as_numpy("num_detections").tolist() == [[0]]
+    assert empty.as_numpy("detection_boxes").shape == (1, 0, 4)
+
+
+def test_v2_errors_say_what_is_wrong_in_the_protocols_form(
+    server: ServerProcess, client: triton.InferenceServerClient
+) -> None:
+    encoded = triton.InferInput("image_bytes", [1], "BYTES")
+    encoded.set_data_from_numpy(np.array([b"not an image"], dtype=np.object_))
+    good = triton.InferInput("image_bytes", [1], "BYTES")
+    good.set_data_from_numpy(
+        np.array([(ultralytics_assets() / "bus.jpg").read_bytes()], np.object_)
+    )
+    floats = triton.InferInput("images", [1, 4, 4, 3], "FP32")
+    floats.set_data_from_numpy(np.zeros((1, 4, 4, 3), np.float32))
+    cases: list[tuple[str, Any, dict[str, Any], str]] = [
+        ("other", [good], {}, "unknown model 'other'; this server serves 'yolov8n'"),
+        (MODEL, [encoded], {}, "input 'image_bytes': "),
+        (MODEL, [good], {"parameters": {"classes": "unicorn"}}, "unicorn"),
+        (MODEL, [good], {"parameters": {"conf": 2}}, "parameter 'conf'"),
+        (MODEL, [floats], {}, "input 'images': UINT8 [N, H, W, 3], not FP32"),
+        (MODEL, [good], {"outputs": [triton.InferRequestedOutput("masks")]}, "unknown output"),
+    ]
+    for model, inputs, extra, words in cases:
+        with pytest.raises(InferenceServerException) as failed:
+            client.infer(model, inputs, **extra)
+        assert words in str(failed.value), str(failed.value)
+    # Plain HTTP clients get the same form, with the right status.
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        assert c.get("/v2/models/other").json() == {
+            "error": "unknown model 'other'; this server serves 'yolov8n'"
+        }
+        not_json = c.post(f"/v2/models/{MODEL}/infer", content=b"{")
+        assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]
+        two = c.post(f"/v2/models/{MODEL}/infer", json={"inputs": []})
+        assert two.status_code == 400 and "exactly one input" in two.json()["error"]
+        assert c.get("/jobs/nope").json() == {"detail": "no job 'nope'"}  # elsewhere: FastAPI's
