@@ -136,6 +136,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         state.jobs = job_manager
         metrics.set_job_source(job_manager.counts)
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
+        manager.frame_observers.append(metrics.observe_stream_frame)
         lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
         retention = None
         if settings.event_retain_days > 0:

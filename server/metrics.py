@@ -45,6 +45,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.pool import EnginePool
+from streams.fanout import ProcessedFrame
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class StreamSample:
         fps_processed: frames/s that went through the engine, recent average.
         frames_in: frames received since the stream was added.
         frames_decoded: of those, frames decoded (all but where only keyframes are).
+        state: connecting, live, reconnecting, failed, stopped or disabled.
         frames_processed: frames run through the engine since the stream was added.
         drops: frames replaced by a newer one before the engine took them.
         reconnects: times the source was reopened after a failure.
@@ -106,6 +108,7 @@ class StreamSample:
     frames_failed: int = 0
     motion_skipped: int = 0
     frames_decoded: int = 0
+    state: str = ""
     detections: Mapping[str, int] = field(default_factory=dict)
     objects: Mapping[str, int] = field(default_factory=dict)
     tracked: Mapping[str, int] = field(default_factory=dict)
@@ -187,6 +190,11 @@ class _ScrapeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         pool = self._metrics.pool
         if pool is not None:
+            yield GaugeMetricFamily(
+                "streamdet_ready",
+                "1 once the model is loaded and warmed and the engines take work (GET /readyz)",
+                value=1.0 if pool.ready else 0.0,
+            )
             interactive, streams = pool.queue.depth()
             depth = GaugeMetricFamily(
                 "streamdet_queue_depth", "Items waiting for an engine, by lane", labels=["lane"]
@@ -302,7 +310,15 @@ class _ScrapeCollector(Collector):
             "Tracked objects that stayed in a stream's zone its loiter_s, by class",
             labels=["stream", "zone", "class"],
         )
+        state = GaugeMetricFamily(
+            "streamdet_stream_state",
+            "1 for the state each stream is in (connecting, live, reconnecting, failed, stopped,"
+            " disabled): alert on reconnecting or failed",
+            labels=["stream", "state"],
+        )
         for s in samples:
+            if s.state:
+                state.add_metric([s.stream_id, s.state], 1)
             fps.add_metric([s.stream_id, "in"], s.fps_in)
             fps.add_metric([s.stream_id, "processed"], s.fps_processed)
             counters["frames_received"].add_metric([s.stream_id], s.frames_in)
@@ -327,6 +343,7 @@ class _ScrapeCollector(Collector):
                 zone_exits.add_metric([s.stream_id, zone, name], count)
             for (zone, name), count in s.zone_loiters.items():
                 zone_loiters.add_metric([s.stream_id, zone, name], count)
+        yield state
         yield fps
         yield from counters.values()
         yield detections
@@ -373,6 +390,13 @@ class Metrics:
             ["stage"],
             buckets=LATENCY_BUCKETS,
             registry=reg,
+        )
+        self.stream_latency = Histogram(
+            "streamdet_stream_frame_latency_seconds",
+            "Time from a stream frame's decode to its publication to viewers, events and MQTT"
+            " (queue, inference, tracking and analytics), every stream",
+            registry=reg,
+            buckets=LATENCY_BUCKETS,
         )
         self.batch_size = Histogram(
             "streamdet_batch_size",
@@ -471,6 +495,10 @@ class Metrics:
     def set_stream_source(self, source: StreamSource | None) -> None:
         """Plug in (or remove) the stream manager's per-stream figures."""
         self.stream_source = source
+
+    def observe_stream_frame(self, frame: ProcessedFrame) -> None:
+        """A stream frame published (a stream manager's frame observer)."""
+        self.stream_latency.observe(frame.latency_ms / 1000.0)
 
     def observe_batch(self, size: int, elapsed_s: float) -> None:
         """A batch observer for :attr:`EnginePool.batch_observers` (runs on a worker thread)."""

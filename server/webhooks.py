@@ -111,6 +111,10 @@ class WebhookSender:
         self._secret = secret
         self._timeout_s = timeout_s
         self._metrics = metrics
+        if metrics is not None:  # its series from the start, at 0: rates and alerts see them
+            metrics.webhook_failures.labels(self.name)
+            for outcome in ("sent", "missed"):
+                metrics.webhook_events.labels(self.name, outcome)
         self.failures = 0
         self.last_error: str | None = None
         self.last_error_at: float | None = None

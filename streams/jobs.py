@@ -110,7 +110,8 @@ class JobProgress:
     def freeze(self) -> None:
         """The job has ended: its elapsed time stops."""
         if self.elapsed_s is None and self.started_mono is not None:
-            self.elapsed_s = time.monotonic() - self.started_mono
+            # Rounded as shown, so a job read back after a restart shows the same figures.
+            self.elapsed_s = round(time.monotonic() - self.started_mono, 3)
 
     def to_json(self) -> dict[str, Any]:
         elapsed = self.elapsed_s

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
@@ -415,8 +416,9 @@ async def infer(
     inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
     params = _params(inference, engine.names)
     loop = asyncio.get_running_loop()
+    started = time.monotonic()
     images = await _images(state, inference, binary, loop)
-    ticket.decoded(0.0)
+    ticket.decoded(time.monotonic() - started)  # admission checks the deadline again
     rid = ticket.request_id
     try:
         results = await asyncio.gather(

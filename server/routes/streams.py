@@ -644,6 +644,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             frames_failed=info["frames_failed"],
             motion_skipped=info["motion_skipped"],
             frames_decoded=info["frames_decoded"],
+            state=info["state"],
             detections=info["detections"],
             objects=info["objects"],
             tracked=info["tracked"],

@@ -1,0 +1,177 @@
+"""The shipped Grafana dashboard and Prometheus alert rules (``deploy/``), evaluated by a real
+Prometheus (Debian's) scraping a real ``streamdet serve`` with a live stream, a camera that is
+down, a webhook, a video job and ``/detect`` calls: every query has data (but the GPU's, on a
+machine without one), every rule loads and evaluates, and the camera that is down is
+alerted on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from benchmarks.events_bench import WebhookReceiver
+from loadtest.server import ServerProcess, free_port
+from tests.helpers import BOTTLE_CLIP, REPO, clip_server, ultralytics_assets
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+DASHBOARD = REPO / "deploy" / "grafana" / "streamdet.json"
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
+NEEDS_A_GPU = {"GPU"}  # panels with no data on a machine without an NVIDIA GPU
+INTERVAL = "30s"  # $__rate_interval, at a 1 s scrape
+
+
+def _dashboard_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [
+        (panel["title"], target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+    ]
+
+
+def _concrete(expr: str) -> str:
+    """A dashboard query as Grafana sends it: its variables given values."""
+    return expr.replace("$__rate_interval", INTERVAL).replace("$stream", ".*")
+
+
+@pytest.fixture(scope="module")
+def prometheus_bin() -> str:
+    if not Path(PROMETHEUS).exists() or not Path(PROMTOOL).exists():
+        pytest.fail(
+            f"Prometheus not found at {PROMETHEUS}: run scripts/system-deps.sh (Debian package"
+            " prometheus)"
+        )
+    return PROMETHEUS
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[WebhookReceiver]:
+    r = WebhookReceiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, receiver: WebhookReceiver
+) -> Iterator[ServerProcess]:
+    srv = clip_server(tmp_path_factory.mktemp("monitoring"), webhooks=receiver.url)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_the_rules_file_is_valid_for_promtool(prometheus_bin: str) -> None:
+    checked = subprocess.run(
+        [PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+    assert {"StreamdetDown", "StreamdetStreamDown", "StreamdetDetectP99High"} <= {
+        r["alert"] for r in rules
+    }
+
+
+def test_dashboard_and_alerts_have_data_from_a_real_server(
+    prometheus_bin: str, server: ServerProcess, tmp_path: Path
+) -> None:
+    base = server.base_url
+    with httpx.Client(base_url=base, timeout=60) as c:
+        live = c.post(
+            "/streams",
+            json={
+                "url": f"file://{BOTTLE_CLIP}",
+                "max_fps": 5,
+                "track": True,
+                "zones": [{"name": "all", "points": [[0, 0], [1, 0], [1, 1], [0, 1]]}],
+            },
+        )
+        assert live.status_code == 201, live.text
+        down = c.post("/streams", json={"id": "dead_cam", "url": "rtsp://127.0.0.1:9/none"})
+        assert down.status_code == 201, down.text
+        job = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25})
+        assert job.status_code == 202, job.text
+        bus = (ultralytics_assets() / "bus.jpg").read_bytes()
+        config = tmp_path / "prometheus.yml"
+        port = free_port()
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(ALERTS)],
+                    "scrape_configs": [
+                        {
+                            "job_name": "streamdet",
+                            "static_configs": [{"targets": [base.removeprefix("http://")]}],
+                        }
+                    ],
+                }
+            )
+        )
+        prometheus_log = (tmp_path / "prometheus.log").open("w")
+        prometheus = subprocess.Popen(
+            [
+                prometheus_bin,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=prometheus_log,
+        )
+        prom = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+        try:
+
+            def query(expr: str) -> list[dict[str, Any]]:
+                answer = prom.get("/api/v1/query", params={"query": expr}).json()
+                assert answer["status"] == "success", (expr, answer)
+                result: list[dict[str, Any]] = answer["data"]["result"]
+                return result
+
+            end = time.monotonic() + 90
+            missing: list[tuple[str, str]] = []
+            while time.monotonic() < end:
+                for _ in range(3):  # calls to /detect keep coming, as in real use
+                    assert c.post("/detect", content=bus).status_code == 200
+                try:
+                    missing = [
+                        (title, expr)
+                        for title, expr in _dashboard_queries()
+                        if title not in NEEDS_A_GPU and not query(_concrete(expr))
+                    ]
+                except httpx.TransportError:  # Prometheus still starting
+                    missing = [("prometheus", "not up")]
+                if not missing:
+                    break
+                time.sleep(1)
+            assert not missing, f"queries without data: {missing}"
+            rules = prom.get("/api/v1/rules").json()["data"]["groups"][0]["rules"]
+            assert {r["name"] for r in rules} == {
+                r["alert"] for r in yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+            }
+            assert all(r["health"] == "ok" for r in rules), rules
+            # The camera that is down is alerted on (pending for its 2 minutes), the live
+            # one is not.
+            pending: list[dict[str, Any]] = []
+            while time.monotonic() < end and not pending:
+                alerts = prom.get("/api/v1/alerts").json()["data"]["alerts"]
+                pending = [a for a in alerts if a["labels"]["alertname"] == "StreamdetStreamDown"]
+                time.sleep(0.5)
+            assert [a["labels"]["stream"] for a in pending] == ["dead_cam"]
+            assert pending[0]["state"] == "pending"
+            assert query("streamdet_ready")[0]["value"][1] == "1"
+        finally:
+            prom.close()
+            prometheus.terminate()
+            prometheus.wait(10)
+            prometheus_log.close()
