@@ -21,7 +21,7 @@ from streams.detect import StreamDetect
 from streams.events import StreamEvent
 from streams.geometry import seen_by_track
 from streams.lines import Crossing, LineCounter
-from streams.track import Tracker
+from streams.track import STATIONARY_S, Tracker
 from streams.zones import ZoneCounter, ZoneEvent
 
 
@@ -36,12 +36,15 @@ class Analysed:
         zones: per detection, the zones it stands in; ``None`` where the stream has no zones.
         dwell: per detection, seconds its object has been in each of its zones (tracked
             streams with zones; ``None`` otherwise).
+        still: per detection, seconds its object has stood still (tracked streams; ``None``
+            otherwise); from :data:`streams.track.STATIONARY_S` on it is stationary.
     """
 
     detections: Detections
     events: tuple[StreamEvent, ...] = ()
     zones: list[list[str]] | None = None
     dwell: list[dict[str, float]] | None = None
+    still: list[float] | None = None
 
 
 class StreamAnalytics:
@@ -54,6 +57,7 @@ class StreamAnalytics:
         self._lock = threading.Lock()  # the counts, read by the event loop
         self._detections: Counter[str] = Counter()  # by class name, since added
         self._objects: dict[str, int] = {}  # by class name, in the last frame
+        self._stationary: dict[str, int] = {}  # of those, objects standing still
         self._tracked: Counter[str] = Counter()  # objects (tracks) by class name
         self._crossings: Counter[tuple[str, str, str]] = Counter()  # line, direction, class
         self._zone_now: dict[str, dict[str, int]] = {}  # zone -> class -> in the last frame
@@ -73,6 +77,7 @@ class StreamAnalytics:
             if not detect.track:
                 detections = detections.select(detections.scores >= need)
         new_objects: list[int] = []
+        still: list[float] | None = None
         if detect.track:
             # The engine ran at LOW_CONF: boxes under the stream's conf only carry on tracks.
             confident = detections.scores >= need
@@ -80,6 +85,8 @@ class StreamAnalytics:
             high = detections if low is None else detections.select(confident)
             tracked = self._tracker.update(high, t, low=low)
             detections, new_objects = tracked.detections, tracked.new_objects
+            assert detections.track_ids is not None
+            still = self._tracker.still_seconds(detections.track_ids)
         else:
             self._tracker.clear()
         live = self._tracker.live_ids() if detect.lines or detect.zones else []
@@ -114,6 +121,17 @@ class StreamAnalytics:
             objects = Counter(name(c) for c in detections.class_ids)
             self._detections.update(objects)
             self._objects = dict(objects)
+            self._stationary = (
+                {}
+                if still is None
+                else dict(
+                    Counter(
+                        name(c)
+                        for c, s in zip(detections.class_ids, still, strict=True)
+                        if s >= STATIONARY_S
+                    )
+                )
+            )
             self._tracked.update(name(c) for c in new_objects)
             self._crossings.update((c.line, c.direction, name(c.class_id)) for c in crossings)
             if detect.zones:
@@ -128,7 +146,7 @@ class StreamAnalytics:
             seen = seen_by_track(detections)
             crossings = [replace(c, seen=seen.get(c.track_id)) for c in crossings]
             zone_events = [replace(e, seen=seen.get(e.track_id)) for e in zone_events]
-        return Analysed(detections, (*crossings, *zone_events), members, dwell)
+        return Analysed(detections, (*crossings, *zone_events), members, dwell, still)
 
     def snapshot(self) -> dict[str, Any]:
         """The counts, as ``GET /streams/{id}`` shows them: ``detections`` and ``objects`` by
@@ -154,6 +172,7 @@ class StreamAnalytics:
             return {
                 "detections": dict(self._detections),
                 "objects": dict(self._objects),
+                "stationary": dict(self._stationary),
                 "tracked": dict(self._tracked),
                 "crossings": crossings,
                 "zones": zones,

@@ -18,12 +18,37 @@ import numpy as np
 
 from engines.types import Detections, Image
 from streams.events import StreamEvent
+from streams.track import STATIONARY_S
 
 WS_NORMAL = 1000
 WS_GOING_AWAY = 1001
 MAX_CARRIED = 1024
 """Events kept for a viewer that is not reading; the oldest go beyond this (a viewer that far
 behind is stalled; the counts in ``GET /streams/{id}`` and ``GET /events`` stay whole)."""
+
+
+def detections_json(
+    detections: Detections,
+    zones: Sequence[list[str]] | None,
+    dwell: Sequence[dict[str, float]] | None,
+    still: Sequence[float] | None = None,
+) -> list[dict[str, Any]]:
+    """Detections as the API sends them, each with the ``zones`` it stands in and its
+    ``dwell_s`` in each, and (tracked) ``still_s``, how long its object has stood still, and
+    ``stationary`` from :data:`streams.track.STATIONARY_S` on, where a stream's (or a job's)
+    analytics gave them."""
+    out = detections.to_json()
+    if still is not None:
+        for item, still_s in zip(out, still, strict=True):
+            item["still_s"] = round(still_s, 2)
+            item["stationary"] = still_s >= STATIONARY_S
+    if zones is not None:
+        for item, names in zip(out, zones, strict=True):
+            item["zones"] = names
+    if dwell is not None:
+        for item, seconds in zip(out, dwell, strict=True):
+            item["dwell_s"] = seconds
+    return out
 
 
 def host_array(image: Image | Any) -> Image:
@@ -56,6 +81,7 @@ class ProcessedFrame:
         zones: per detection, the names of the zones it stands in (streams with zones).
         dwell: per detection, seconds its object has been in each of its zones (tracked
             streams with zones).
+        still: per detection, seconds its object has stood still (tracked streams).
         latency_ms: decode to publication, set when published.
     """
 
@@ -70,6 +96,7 @@ class ProcessedFrame:
     events: tuple[StreamEvent, ...] = ()
     zones: list[list[str]] | None = None
     dwell: list[dict[str, float]] | None = None
+    still: list[float] | None = None
     latency_ms: float = 0.0
     _json: str | None = field(default=None, repr=False)
 
@@ -78,13 +105,7 @@ class ProcessedFrame:
         or entered or exited a zone also carries these ``events``, and on a stream with zones
         each detection lists the ``zones`` it stands in (and, tracked, its ``dwell_s`` in
         each)."""
-        detections = self.detections.to_json()
-        if self.zones is not None:
-            for item, zones in zip(detections, self.zones, strict=True):
-                item["zones"] = zones
-        if self.dwell is not None:
-            for item, dwell in zip(detections, self.dwell, strict=True):
-                item["dwell_s"] = dwell
+        detections = detections_json(self.detections, self.zones, self.dwell, self.still)
         message = {
             "stream_id": self.stream_id,
             "frame": self.frame,

@@ -17,6 +17,7 @@ through :class:`JobProgress`; nothing here knows about HTTP.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -34,6 +35,7 @@ from engines.batching import PoolClosed, WorkItem, WorkResult
 from engines.types import Detections, Image
 from streams.analytics import Analysed, StreamAnalytics
 from streams.detect import StreamDetect
+from streams.fanout import detections_json
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +191,13 @@ def probe(
                 }
             raise JobError("no frame of it decodes")
     except av.error.FFmpegError as exc:
-        raise JobError(f"not a video FFmpeg can read: {_reason(exc)}") from None
+        hint = ""
+        if source.startswith(("http://", "https://")) and getattr(exc, "errno", 0) == errno.EIO:
+            hint = (
+                " (over HTTP, an MP4 whose index is at its end needs a server that answers"
+                " range requests)"
+            )
+        raise JobError(f"not a video FFmpeg can read: {_reason(exc)}{hint}") from None
 
 
 def _lower_priority(nice: int) -> None:
@@ -337,7 +345,8 @@ def run_job(
             _write(frames_out, events_out, finish(pending.popleft()))
         progress.decode_errors = errors[0]
     counts = analytics.snapshot()
-    counts.pop("objects", None)  # the last frame's: meaningless for a whole video
+    for last_frame in ("objects", "stationary"):  # meaningless for a whole video
+        counts.pop(last_frame, None)
     for zone in counts.get("zones", {}).values():
         zone.pop("now", None)
     return counts
@@ -377,13 +386,7 @@ def _finish(
         done: Analysed = analytics.process(
             result.detections, spec.detect, sampled.pts, sampled.index
         )
-        detections = done.detections.to_json()
-        if done.zones is not None:
-            for item, zones in zip(detections, done.zones, strict=True):
-                item["zones"] = zones
-        if done.dwell is not None:
-            for item, dwell in zip(detections, done.dwell, strict=True):
-                item["dwell_s"] = dwell
+        detections = detections_json(done.detections, done.zones, done.dwell, done.still)
         line.update(
             width=done.detections.width, height=done.detections.height, detections=detections
         )

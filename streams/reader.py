@@ -535,5 +535,6 @@ class StreamReader:
                     events=done.events,
                     zones=done.zones,
                     dwell=done.dwell,
+                    still=done.still,
                 )
             )

@@ -50,6 +50,12 @@ another class (class-aware NMS keeps a ``car`` and a ``truck`` box on one vehicl
 that id rather than starting a track."""
 VELOCITY_SMOOTHING = 0.5
 """Weight of the newest velocity measurement against the running estimate."""
+STATIONARY_S = 10.0
+"""An object that has stood still this long is stationary (a parked car, a person waiting):
+its detections say so, and its stream counts it apart."""
+STILL_IOU = 0.8
+"""A track whose box still overlaps the box it settled at by this much has not moved: a
+parked car's box jitters well within it, a walking person leaves it in a step."""
 
 Boxes = npt.NDArray[np.float64]
 
@@ -103,6 +109,8 @@ class Tracker:
         self._velocity = np.zeros((0, 4))  # pixels/s per coordinate
         self._seen_at = np.zeros(0)
         self._hits = np.zeros(0, np.int64)
+        self._settled = np.zeros((0, 4))  # where each track has stood since _settled_at
+        self._settled_at = np.zeros(0)
         self._next_id = 1
 
     def __len__(self) -> int:
@@ -113,6 +121,14 @@ class Tracker:
         """The ids of the live tracks, seen in this frame or recently."""
         ids: list[int] = self._ids.tolist()
         return ids
+
+    def still_seconds(self, ids: npt.NDArray[np.int64]) -> list[float]:
+        """For each track id, how long its object has stood still: seconds from when it
+        settled (its box moved less than :data:`STILL_IOU` since) to when it was last seen;
+        0 for an id no live track has."""
+        row_of = {track_id: row for row, track_id in enumerate(self._ids.tolist())}
+        still = self._seen_at - self._settled_at
+        return [float(still[row_of[i]]) if i in row_of else 0.0 for i in ids.tolist()]
 
     def clear(self) -> None:
         """End every track (ids are not reused: a later track gets a new one)."""
@@ -227,6 +243,7 @@ class Tracker:
             self._velocity[rows],
         )
         self._seen_at, self._hits = self._seen_at[rows], self._hits[rows]
+        self._settled, self._settled_at = self._settled[rows], self._settled_at[rows]
 
     def _start(self, ids: npt.NDArray[np.int64], boxes: Boxes, t: float) -> None:
         self._ids = np.concatenate([self._ids, ids])
@@ -234,6 +251,8 @@ class Tracker:
         self._velocity = np.concatenate([self._velocity, np.zeros_like(boxes)])
         self._seen_at = np.concatenate([self._seen_at, np.full(len(ids), t)])
         self._hits = np.concatenate([self._hits, np.ones(len(ids), np.int64)])
+        self._settled = np.concatenate([self._settled, boxes])
+        self._settled_at = np.concatenate([self._settled_at, np.full(len(ids), t)])
 
     def _follow(self, rows: npt.NDArray[np.int64], boxes: Boxes, dt: Boxes) -> None:
         """Tracks ``rows`` seen again at ``boxes``, ``dt`` seconds after they were last seen."""
@@ -248,3 +267,20 @@ class Tracker:
         self._boxes[rows] = boxes
         self._seen_at[rows] = self._seen_at[rows] + dt
         self._hits[rows] += 1
+        moved = _pairwise_iou(boxes, self._settled[rows]) < STILL_IOU
+        if moved.any():  # settles anew where it is now
+            self._settled[rows[moved]] = boxes[moved]
+            self._settled_at[rows[moved]] = self._seen_at[rows[moved]]
+
+
+def _pairwise_iou(a: Boxes, b: Boxes) -> npt.NDArray[np.float64]:
+    """IoU of each box of ``a`` with the box of ``b`` in the same row."""
+    x1 = np.maximum(a[:, 0], b[:, 0])
+    y1 = np.maximum(a[:, 1], b[:, 1])
+    x2 = np.minimum(a[:, 2], b[:, 2])
+    y2 = np.minimum(a[:, 3], b[:, 3])
+    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
+    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    union = area_a + area_b - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1.0), 0.0)

@@ -16,10 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import uvicorn
 from fastapi.testclient import TestClient
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
 
 from benchmarks.events_bench import WebhookReceiver
 from engines.types import DetectParams, Engine, ModelInfo
+from loadtest.server import free_port
 from server.webhooks import sign
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
@@ -163,6 +168,23 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         assert events and all(e["type"] == "line_crossing" and e["pts"] > 0 for e in events)
         in_frames = [e for line in lines for e in line.get("events", ())]
         assert in_frames == events
+        # Counted per 10 s of video, by line and direction: a traffic count of the footage.
+        counted = c.get(
+            f"/jobs/{job['id']}/counts", params={"by": "line,direction", "interval_s": 10}
+        ).json()
+        assert counted["by"] == ["line", "direction"] and counted["state"] == "done"
+        expected_rows: dict[tuple[float, str], int] = {}
+        for e in events:
+            key = (e["pts"] // 10 * 10, e["direction"])
+            expected_rows[key] = expected_rows.get(key, 0) + 1
+        assert {
+            (row["start"], row["direction"]): row["count"] for row in counted["counts"]
+        } == expected_rows
+        assert all(row["end"] - row["start"] == 10 for row in counted["counts"])
+        as_csv = c.get(f"/jobs/{job['id']}/counts", params={"format": "csv", "by": "line"})
+        assert as_csv.text.splitlines() == ["start,end,line,count", f",,gate,{len(events)}"]
+        refused = c.get(f"/jobs/{job['id']}/counts", params={"by": "stream_id"})
+        assert refused.status_code == 422 and "stream_id" in refused.text
         # The same as CSV: a row per detection, a row per event.
         table = c.get(f"/jobs/{job['id']}/frames", params={"format": "csv"})
         assert table.headers["content-type"].startswith("text/csv")
@@ -400,3 +422,33 @@ def test_jobs_keep_their_files_under_the_size_they_may_take(tmp_path: Path) -> N
         assert huge.status_code == 413 and "STREAMDET_JOBS_MAX_MB" in huge.text
         assert [p.name for p in jobs_dir.iterdir()] == [second.json()["id"]]
         assert c.delete(f"/jobs/{second.json()['id']}").status_code == 204
+
+
+def test_a_job_reads_a_video_served_over_http(tmp_path: Path) -> None:
+    # A web server that answers range requests, as nginx or object storage do: FFmpeg seeks
+    # an MP4 whose index is at its end.
+    port = free_port()
+    files = Starlette(routes=[Mount("/", StaticFiles(directory=BOTTLE_CLIP.parent))])
+    web = uvicorn.Server(uvicorn.Config(files, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}/{BOTTLE_CLIP.name}"
+    try:
+        end = time.monotonic() + 30
+        while not web.started:
+            assert time.monotonic() < end, "web server did not start"
+            time.sleep(0.05)
+        with TestClient(file_stream_app(tmp_path)) as c:
+            created = c.post("/jobs", json={"url": url, "fps": 0.5, "classes": "bottle"})
+            assert created.status_code == 202, created.text
+            assert created.json()["video"]["duration_s"] == 39.855
+            job = c.get(f"/jobs/{created.json()['id']}", params={"wait_s": 60}).json()
+            assert job["state"] == "done" and job["progress"]["frames_processed"] == 20
+            assert job["source"] == {"url": url}
+            missing = c.post("/jobs", json={"url": url.replace(BOTTLE_CLIP.name, "gone.mp4")})
+            assert missing.status_code == 422 and "video: not a video FFmpeg can read" in (
+                missing.text
+            )
+    finally:
+        web.should_exit = True
+        thread.join(10)

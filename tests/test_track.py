@@ -17,6 +17,7 @@ from engines.types import Detections, DetectParams, Engine
 from engines.yolo import box_iou
 from streams.analytics import StreamAnalytics
 from streams.detect import LOW_CONF, Roi, StreamDetect
+from streams.fanout import detections_json
 from streams.files import iter_video_frames
 from streams.lines import Crossing, Line, LineCounter, parse_lines
 from streams.track import MAX_AGE_S, MIN_HITS, Tracker
@@ -96,6 +97,30 @@ def test_flicker_and_class_flips_are_not_counted_twice() -> None:
             assert result.detections.track_ids.tolist() == [1, 1]  # the same object
         counted += result.new_objects
     assert counted == [2 if MIN_HITS % 2 == 0 else 7]  # once, with its class at the time
+
+
+def test_a_parked_object_becomes_stationary_and_a_moving_one_does_not() -> None:
+    analytics = StreamAnalytics()
+    detect = StreamDetect(track=True)
+    for i in range(25):  # 12 s at 2 fps: a parked car jittering a pixel, a walker
+        t = i * 0.5
+        jitter = i % 2
+        frame = dets(
+            [[100 + jitter, 100, 300 + jitter, 200], [600 + 20 * i, 500, 640 + 20 * i, 600]]
+        )
+        done = analytics.process(frame, detect, t, i + 1)
+    assert done.still is not None
+    parked, walker = done.still
+    assert parked == pytest.approx(12.0) and walker == 0.0
+    message = detections_json(done.detections, None, None, done.still)
+    assert [(d["still_s"], d["stationary"]) for d in message] == [(12.0, True), (0.0, False)]
+    assert analytics.snapshot()["stationary"] == {"car": 1}
+    # The parked car drives off: it settles anew where it stops.
+    moved = analytics.process(dets([[400, 100, 600, 200]]), detect, 12.5, 26)
+    assert moved.still == [0.0]
+    assert analytics.snapshot()["stationary"] == {}
+    untracked = StreamAnalytics().process(dets([[0, 0, 10, 10]]), StreamDetect(), 0.0, 1)
+    assert untracked.still is None
 
 
 def test_bad_settings_are_refused() -> None:

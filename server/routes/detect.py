@@ -12,13 +12,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from starlette.datastructures import UploadFile
 
-from engines.batching import DeadlineExceeded, PoolClosed, QueueFull
-from engines.types import DetectParams, class_ids
-from server.admission import AdmissionTicket
+from engines.batching import DeadlineExceeded, PoolClosed, QueueFull, WorkResult
+from engines.types import DetectParams, Image, class_ids
+from server.admission import AdmissionTicket, Ticket
 from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_image
 from server.metrics import get_metrics
 from server.render import render_jpeg
-from server.state import get_state
+from server.state import AppState, get_state
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -83,6 +83,45 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
     return body
 
 
+async def run_admitted(
+    state: AppState, ticket: Ticket, images: Sequence[Image], params: DetectParams
+) -> list[WorkResult]:
+    """Run ``images`` as interactive calls under ``ticket``'s deadline, each with detections;
+    raises the HTTP error ``/detect`` answers otherwise: 429 (queue full), 503 (shutting
+    down, or not served within the deadline), 500 (the engine failed)."""
+    rid = ticket.request_id
+    try:
+        results = await asyncio.gather(
+            *(
+                state.pool.detect(
+                    image, params, ticket.hard_deadline, rid if len(images) == 1 else f"{rid}:{i}"
+                )
+                for i, image in enumerate(images)
+            )
+        )
+    except QueueFull as exc:
+        ticket.reject("queue_full")
+        raise HTTPException(429, f"server busy: {exc}", headers=ticket.retry_after()) from None
+    except PoolClosed:
+        ticket.reject("shutting_down")
+        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
+    for result in results:
+        if isinstance(result.error, DeadlineExceeded):
+            ticket.reject("expired")
+            source = (
+                "X-Request-Deadline-Ms" if ticket.from_client else "STREAMDET_REQUEST_TIMEOUT_MS"
+            )
+            raise HTTPException(
+                503,
+                f"request not served within {(ticket.hard_deadline - ticket.arrived) * 1000:.0f}"
+                f" ms ({result.error}; {source})",
+                headers=ticket.retry_after(),
+            )
+        if result.error is not None or result.detections is None:
+            raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
+    return results
+
+
 @router.post(
     "/detect",
     response_model=None,
@@ -121,26 +160,9 @@ async def detect(
         raise HTTPException(exc.status_code, exc.message) from None
     preprocess_s = time.monotonic() - pre_start
     ticket.decoded(preprocess_s)  # admission checks the deadline again: 429 if now too late
-    try:
-        result = await state.pool.detect(image, params, ticket.hard_deadline, request_id)
-    except QueueFull as exc:
-        ticket.reject("queue_full")
-        raise HTTPException(429, f"server busy: {exc}", headers=ticket.retry_after()) from None
-    except PoolClosed:
-        ticket.reject("shutting_down")
-        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
-    if isinstance(result.error, DeadlineExceeded):
-        ticket.reject("expired")
-        source = "X-Request-Deadline-Ms" if ticket.from_client else "STREAMDET_REQUEST_TIMEOUT_MS"
-        raise HTTPException(
-            503,
-            f"request not served within {(ticket.hard_deadline - arrived) * 1000:.0f} ms"
-            f" ({result.error}; {source})",
-            headers=ticket.retry_after(),
-        )
-    if result.error is not None or result.detections is None:
-        raise HTTPException(500, f"inference failed for request {request_id}: {result.error}")
+    (result,) = await run_admitted(state, ticket, [image], params)
     det = result.detections
+    assert det is not None  # run_admitted answered every error
     post_start = time.monotonic()
     answer: dict[str, Any] | Response
     if output == "jpeg":  # drawn at the image's own size, off the event loop

@@ -39,9 +39,11 @@ from server.jobs import (
     JobsClosed,
     JobStorageError,
 )
+from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.streams import DetectIn
 from server.state import AppState, get_state
 from streams.detect import StreamDetect
+from streams.events import COUNT_KEYS, count_events
 from streams.files import VIDEO_SUFFIXES
 from streams.jobs import JobError, probe
 from streams.sources import SourceError, open_options, parse_source, redact
@@ -466,6 +468,46 @@ async def job_events(request: Request, job_id: str, output: Output = "ndjson") -
     as ``GET /events`` gives a stream's, with the ``pts`` of their frame. ``format=csv``: a
     row each."""
     return await _results(request, job_id, EVENTS_FILE, output)
+
+
+JOB_COUNT_KEYS = tuple(key for key in COUNT_KEYS if key not in ("stream_id", "label"))
+
+
+@router.get("/jobs/{job_id}/counts", response_model=None)
+async def job_counts(
+    request: Request,
+    job_id: str,
+    interval_s: Annotated[
+        float | None,
+        Query(
+            ge=0.1, le=MAX_INTERVAL_S, description="seconds of video a row covers; absent: totals"
+        ),
+    ] = None,
+    by: Annotated[
+        str, Query(description=f"comma-separated members, of {', '.join(JOB_COUNT_KEYS)}")
+    ] = "type,class_name",
+    output: Annotated[
+        Literal["json", "csv"], Query(alias="format", description="json or csv")
+    ] = "json",
+) -> dict[str, Any] | Response:
+    """The job's events counted per combination of ``by`` and per ``interval_s`` of video
+    (rows from 0 s of the video): people in and out each minute of the footage."""
+    state = get_state(request)
+    job = _job(state, job_id)
+    members = count_members(by, JOB_COUNT_KEYS)
+    path = _jobs(state).directory_of(job.id) / EVENTS_FILE
+
+    def count() -> list[dict[str, Any]]:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            lines = []
+        # Timed by the video's own clock: captured_at is the event's pts here.
+        timed = ({**event, "captured_at": event["pts"]} for event in map(json.loads, lines))
+        return count_events(timed, members, interval_s)
+
+    rows = await asyncio.to_thread(count)
+    return counts_answer(rows, members, interval_s, output, {"state": str(job.state)})
 
 
 @router.get(

@@ -33,11 +33,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.batching import DeadlineExceeded, PoolClosed, QueueFull
 from engines.types import Detections, DetectParams, Image
 from server.admission import AdmissionTicket
 from server.images import ImageError, decode_image
-from server.routes.detect import parse_classes, read_body_capped
+from server.routes.detect import parse_classes, read_body_capped, run_admitted
 from server.state import AppState, get_state
 
 router = APIRouter(prefix="/v2", tags=["KServe v2"])
@@ -419,31 +418,6 @@ async def infer(
     started = time.monotonic()
     images = await _images(state, inference, binary, loop)
     ticket.decoded(time.monotonic() - started)  # admission checks the deadline again
-    rid = ticket.request_id
-    try:
-        results = await asyncio.gather(
-            *(
-                state.pool.detect(image, params, ticket.hard_deadline, f"{rid}:{i}")
-                for i, image in enumerate(images)
-            )
-        )
-    except QueueFull as exc:
-        ticket.reject("queue_full")
-        raise HTTPException(429, f"server busy: {exc}", headers=ticket.retry_after()) from None
-    except PoolClosed:
-        ticket.reject("shutting_down")
-        raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
-    found: list[Detections] = []
-    for result in results:
-        if isinstance(result.error, DeadlineExceeded):
-            ticket.reject("expired")
-            raise HTTPException(
-                503,
-                f"request not served within its deadline ({result.error};"
-                " STREAMDET_REQUEST_TIMEOUT_MS or X-Request-Deadline-Ms)",
-                headers=ticket.retry_after(),
-            )
-        if result.error is not None or result.detections is None:
-            raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
-        found.append(result.detections)
+    results = await run_admitted(state, ticket, images, params)
+    found = [result.detections for result in results if result.detections is not None]
     return _response(inference, model_name, _outputs(found))
