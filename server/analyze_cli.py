@@ -84,11 +84,8 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
             print(f"streamdet analyze: --settings: {exc.detail}", file=sys.stderr)
             return 2
         out.mkdir(parents=True, exist_ok=True)
-        rates = [r for r in (job_in.fps, video.get("fps")) if r]
         sink = (
-            AnnotatedVideo(out / VIDEO_FILE, detect, min(rates, default=25.0))
-            if job_in.render
-            else None
+            AnnotatedVideo(out / VIDEO_FILE, detect, job_in.fps, video) if job_in.render else None
         )
         progress = JobProgress()
         done = threading.Event()

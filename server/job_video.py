@@ -5,6 +5,7 @@ browser at the video's speed. Written by the job's thread as its results come, i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,16 @@ TIME_BASE = Fraction(1, 1000)
 
 
 class AnnotatedVideo:
-    """The MP4 at ``path``, opened at the first frame (its size comes with it)."""
+    """The MP4 at ``path`` of a job sampling ``fps`` frames a second (None: every frame) of a
+    video probed as ``video``, opened at the first frame (its size comes with it)."""
 
-    def __init__(self, path: Path, detect: StreamDetect, rate: float) -> None:
+    def __init__(
+        self, path: Path, detect: StreamDetect, fps: float | None, video: Mapping[str, Any]
+    ) -> None:
         self._path = path
         self._detect = detect
-        self._rate = Fraction(rate).limit_denominator(1001) if rate > 0 else Fraction(25)
+        rate = min((r for r in (fps, video.get("fps")) if r), default=25.0)
+        self._rate = Fraction(rate).limit_denominator(1001)
         self._container: Any = None
         self._stream: Any = None
         self._size = (0, 0)

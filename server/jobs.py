@@ -343,10 +343,8 @@ class JobManager:
         spec = JobSpec(job.target, job.detect, job.fps, job.options, self._max_pixels)
         sink = None
         if job.render:
-            rates = [r for r in (job.fps, job.video.get("fps")) if r]
-            sink = AnnotatedVideo(
-                self.directory_of(job.id) / VIDEO_FILE, job.detect, min(rates, default=25.0)
-            )
+            path = self.directory_of(job.id) / VIDEO_FILE
+            sink = AnnotatedVideo(path, job.detect, job.fps, job.video)
         try:
             job.counts = await asyncio.get_running_loop().run_in_executor(
                 self._executor,
