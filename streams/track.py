@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.types import Detections
-from engines.yolo import box_iou
+from engines.yolo import box_iou, box_iou_rows
 
 IOU_MATCH = 0.2
 """Least IoU between a track's predicted box and a detection for them to be paired."""
@@ -267,20 +267,7 @@ class Tracker:
         self._boxes[rows] = boxes
         self._seen_at[rows] = self._seen_at[rows] + dt
         self._hits[rows] += 1
-        moved = _pairwise_iou(boxes, self._settled[rows]) < STILL_IOU
+        moved = box_iou_rows(boxes, self._settled[rows]) < STILL_IOU
         if moved.any():  # settles anew where it is now
             self._settled[rows[moved]] = boxes[moved]
             self._settled_at[rows[moved]] = self._seen_at[rows[moved]]
-
-
-def _pairwise_iou(a: Boxes, b: Boxes) -> npt.NDArray[np.float64]:
-    """IoU of each box of ``a`` with the box of ``b`` in the same row."""
-    x1 = np.maximum(a[:, 0], b[:, 0])
-    y1 = np.maximum(a[:, 1], b[:, 1])
-    x2 = np.minimum(a[:, 2], b[:, 2])
-    y2 = np.minimum(a[:, 3], b[:, 3])
-    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
-    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
-    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    union = area_a + area_b - inter
-    return np.where(union > 0, inter / np.where(union > 0, union, 1.0), 0.0)

@@ -9,6 +9,8 @@ import torch
 from engines.types import DetectParams
 from engines.yolo import (
     LetterboxMeta,
+    box_iou,
+    box_iou_rows,
     group_by_shape,
     letterbox,
     nms,
@@ -99,3 +101,14 @@ def test_detect_params_reject_out_of_range() -> None:
         DetectParams(conf=1.5)
     with pytest.raises(ValueError, match="max_det"):
         DetectParams(max_det=0)
+
+
+def test_row_iou_is_the_diagonal_of_the_iou_matrix() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((40, 4)) * 100
+    a[:, 2:] += a[:, :2]
+    b = a + rng.random((40, 4)) * 20
+    b[5] = [0, 0, 0, 0]  # an empty box overlaps nothing
+    rows = box_iou_rows(a, b)
+    np.testing.assert_allclose(rows, np.diag(box_iou(a, b)))
+    assert rows[5] == 0.0 and box_iou_rows(a[:1], a[:1]) == pytest.approx([1.0])
