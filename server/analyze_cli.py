@@ -44,6 +44,7 @@ def add_analyze_args(parser: argparse.ArgumentParser) -> None:
 
 def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
     from server.job_video import VIDEO_FILE, AnnotatedVideo
+    from server.jobs import job_settings
     from server.routes.jobs import JobIn, settings_of
     from server.runtime import build_pool
     from streams.jobs import JobError, JobProgress, JobSpec, probe, run_job
@@ -111,7 +112,7 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
             progress.freeze()
         summary: dict[str, Any] = {
             "video": {"source": source, **video},
-            "settings": {**detect.describe(names), "fps": job_in.fps, "render": job_in.render},
+            "settings": job_settings(detect, names, job_in.fps, job_in.render),
             "progress": progress.to_json(),
             "counts": counts,
             "results": str(out),

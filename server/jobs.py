@@ -142,9 +142,7 @@ class Job:
 
     def settings(self, names: Mapping[int, str]) -> dict[str, Any]:
         """The detection settings (those a live stream only has left out) and ``fps``."""
-        described = self.detect.describe(names)
-        kept = {key: value for key, value in described.items() if key not in LIVE_ONLY}
-        return {**kept, "fps": self.fps, "render": self.render}
+        return job_settings(self.detect, names, self.fps, self.render)
 
     def record(self, names: Mapping[int, str]) -> dict[str, Any]:
         """What ``job.json`` keeps: the API's form and what reopens the video."""
@@ -157,6 +155,16 @@ class Job:
             "options": self.options,
             "final_progress": self.progress.to_json() if self.state in FINISHED else None,
         }
+
+
+def job_settings(
+    detect: StreamDetect, names: Mapping[int, str], fps: float | None, render: bool
+) -> dict[str, Any]:
+    """A job's settings as the API and ``streamdet analyze`` show them: the detection
+    settings, those only a live stream has left out, with ``fps`` and ``render``."""
+    described = detect.describe(names)
+    kept = {key: value for key, value in described.items() if key not in LIVE_ONLY}
+    return {**kept, "fps": fps, "render": render}
 
 
 class JobManager:
@@ -377,12 +385,13 @@ class JobManager:
             log.exception("job %s: failed", job.id)
             job.state, job.error = JobState.FAILED, f"internal error: {exc!r}"
         job.progress.freeze()
-        job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
         job.finished_at = time.time()
-        job.finished.set()
         if job.deleted:
+            job.finished.set()
             await asyncio.to_thread(shutil.rmtree, self.directory_of(job.id), True)
             return
+        job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
+        job.finished.set()  # what a waiter reads is complete
         if job.callback_url is not None:
             job.callback = {"state": "pending", "attempts": 0, "last_error": None}
         await asyncio.to_thread(self._save, job)

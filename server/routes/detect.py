@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
@@ -38,22 +38,26 @@ def parse_classes(
         raise HTTPException(422, str(exc)) from None
 
 
-async def read_body_capped(request: Request, limit: int) -> bytes:
-    """Read the request body, refusing (413) once it passes ``limit`` bytes."""
-    too_large = HTTPException(
-        413, f"upload larger than {limit / 1e6:.1f} MB (setting STREAMDET_MAX_UPLOAD_MB)"
-    )
+async def capped_stream(
+    request: Request, limit: int, too_large: str
+) -> AsyncGenerator[bytes, None]:
+    """The request body's chunks, refused with 413 ``too_large`` once they pass ``limit``
+    bytes (at once where the declared length does)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks: list[bytes] = []
+        raise HTTPException(413, too_large)
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
+            raise HTTPException(413, too_large)
+        yield chunk
+
+
+async def read_body_capped(request: Request, limit: int) -> bytes:
+    """Read the request body, refusing (413) once it passes ``limit`` bytes."""
+    too_large = f"upload larger than {limit / 1e6:.1f} MB (setting STREAMDET_MAX_UPLOAD_MB)"
+    body = b"".join([chunk async for chunk in capped_stream(request, limit, too_large)])
     request._body = body  # lets request.form() parse what we already read
     return body
 

@@ -39,6 +39,7 @@ from server.jobs import (
     JobsClosed,
     JobStorageError,
 )
+from server.routes.detect import capped_stream
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.streams import DetectIn
 from server.state import AppState, get_state
@@ -154,20 +155,10 @@ def settings_of(raw: str | dict[str, Any] | None, where: str) -> JobIn:
         raise RequestValidationError(errors) from None
 
 
-async def _capped(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+def _capped(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
     """The request body, refused (413) once it passes ``limit`` bytes."""
-    too_large = HTTPException(
-        413, f"video larger than {limit / 2**20:.0f} MB (setting STREAMDET_MAX_JOB_UPLOAD_MB)"
-    )
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        yield chunk
+    too_large = f"video larger than {limit / 2**20:.0f} MB (setting STREAMDET_MAX_JOB_UPLOAD_MB)"
+    return capped_stream(request, limit, too_large)
 
 
 async def _save_body(request: Request, limit: int, path: Path) -> int:

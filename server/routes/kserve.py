@@ -201,16 +201,16 @@ def _shape(tensor: Mapping[str, Any], name: str) -> list[int]:
     return shape
 
 
-def _raw(tensor: Mapping[str, Any], name: str, binary: bytes, offset: int) -> tuple[bytes, int]:
-    """An input's binary data (binary tensor data extension), and the offset after it."""
+def _raw(tensor: Mapping[str, Any], name: str, binary: bytes) -> bytes:
+    """The one input's binary data (binary tensor data extension): the body after the JSON."""
     size = (tensor.get("parameters") or {}).get("binary_data_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise HTTPException(400, f"input {name!r}: binary_data_size must be a byte count")
-    if offset + size > len(binary):
+    if size > len(binary):
         raise HTTPException(
             400, f"input {name!r}: binary_data_size {size} runs past the end of the body"
         )
-    return binary[offset : offset + size], offset + size
+    return binary[:size]
 
 
 def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
@@ -252,7 +252,7 @@ async def _images(
                 "input 'image_bytes': send the encoded images as binary data"
                 " (tritonclient's binary_data=True)",
             )
-        items = _bytes_elements(_raw(tensor, name, binary, 0)[0], name)
+        items = _bytes_elements(_raw(tensor, name, binary), name)
         if len(items) != shape[0]:
             raise HTTPException(
                 400, f"input 'image_bytes': shape says {shape[0]} images, the data has {len(items)}"
@@ -280,7 +280,7 @@ async def _images(
                 f" {state.settings.max_image_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)",
             )
         if binary_given:
-            raw = _raw(tensor, name, binary, 0)[0]
+            raw = _raw(tensor, name, binary)
             pixels = np.frombuffer(raw, np.uint8)
         else:
             try:
