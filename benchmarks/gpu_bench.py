@@ -280,6 +280,59 @@ def run_streams(
     return stats
 
 
+def decode_only(clips: list[Path], streams: int, seconds: float, device: str) -> float:
+    """Frames/s that ``streams`` decode threads reach with no engine: the host's ceiling for
+    the end-to-end run (above it, end-to-end is decode-bound, not engine-bound)."""
+    from engines.nvdec import VideoDecoder
+
+    stop = threading.Event()
+    counts = [0] * streams
+
+    def reader(k: int) -> None:
+        while not stop.is_set():
+            for _ in VideoDecoder(clips[k % len(clips)], device=device):
+                counts[k] += 1
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(streams)]
+    for t in threads:
+        t.start()
+    stop.wait(1.0)
+    before = sum(counts)
+    stop.wait(seconds)
+    after = sum(counts)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    return round((after - before) / seconds, 1)
+
+
+def nvdec_saturation(
+    pool: EnginePool, clips: list[Path], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The unpaced run again with NVDEC decode (frames stay on the GPU), where it works."""
+    from engines.nvdec import nvdec_unavailable
+
+    if (reason := nvdec_unavailable(args.device)) is not None:
+        return {"e2e_nvdec_note": reason}
+    with BusySampler() as busy:
+        sat = run_streams(
+            pool,
+            clips=clips,
+            streams=args.streams,
+            fps=0.0,
+            seconds=args.seconds,
+            warmup_s=2.0,
+            decode_device="cuda",
+        )
+    return {
+        "e2e_nvdec_img_s": round(sat.done / args.seconds, 1),
+        "e2e_nvdec_gpu_busy_pct": busy.mean,
+        "e2e_nvdec_errors": sat.errors,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -311,7 +364,15 @@ def run(args: argparse.Namespace) -> int:
         "max_batch": args.max_batch,
         "workers": args.workers,
     }
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = args.out_dir / f"{figures['date']}-{slug}-gpu.json"
+
+    def save() -> None:  # after every phase: a later phase that fails keeps the earlier ones
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(figures, indent=2, allow_nan=False) + "\n")
+
     figures.update(check_parity(engine, data))
+    save()
     log.info("parity with the CPU engine: %s", figures["boxes_match_cpu"])
     clips = sorted((data / "videos").glob("*.mp4"))
     frames = list(iter_video_frames(clips[-1], limit=64))
@@ -319,7 +380,10 @@ def run(args: argparse.Namespace) -> int:
     figures.update(engine_only(engine, frames, batches, args.engine_seconds))
     engine.close()
     figures["engine_img_s"] = figures["engine_infer_img_s"][str(args.max_batch)]
+    save()
 
+    figures["decode_only_fps"] = decode_only(clips, args.streams, 5.0, args.decode)
+    save()
     pool = EnginePool(
         lambda: TorchEngine(config),
         workers=args.workers,
@@ -329,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
     )
     pool.start()
     try:
+        cpu0 = time.process_time()
         with BusySampler() as busy:
             sat = run_streams(
                 pool,
@@ -339,6 +404,12 @@ def run(args: argparse.Namespace) -> int:
                 warmup_s=2.0,
                 decode_device=args.decode,
             )
+        figures["host_cpu_cores_busy"] = round(
+            (time.process_time() - cpu0) / (args.seconds + 2.0), 2
+        )
+        if args.nvdec_too and args.decode != "cuda":
+            figures.update(nvdec_saturation(pool, clips, args))
+            save()
         paced = run_streams(
             pool,
             clips=clips,
@@ -380,10 +451,7 @@ def run(args: argparse.Namespace) -> int:
         "frame_latency_p99_ms<=50": p99 is not None and p99 <= TARGETS["frame_latency_p99_ms"],
         "boxes_match_cpu": figures["boxes_match_cpu"],
     }
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    out = args.out_dir / f"{figures['date']}-{slug}-gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2, allow_nan=False) + "\n")
+    save()
     print(json.dumps(figures, indent=2))
     print(f"wrote {out}")
     return 0
@@ -409,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
     parser.add_argument("--workers", type=int, default=2, help="engine workers (CUDA streams)")
     parser.add_argument("--decode", default="cpu", help="cpu, or cuda for NVDEC")
+    parser.add_argument(
+        "--nvdec-too",
+        action="store_true",
+        help="also measure the unpaced run with NVDEC decode (skipped where unavailable)",
+    )
     parser.add_argument("--device", default="cuda", help="engine device (cpu only for a smoke run)")
     args = parser.parse_args(argv)
     logging.basicConfig(

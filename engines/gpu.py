@@ -21,6 +21,7 @@ letterbox and NMS are checked against :mod:`engines.yolo` on a machine without a
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -129,8 +130,13 @@ def placement(height: int, width: int, shape: tuple[int, int], imgsz: int) -> Pl
     return Placement(new_h=new_h, new_w=new_w, top=top, left=left, meta=meta)
 
 
+@functools.lru_cache(maxsize=64)
 def _linear_taps(src: int, dst: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """OpenCV's INTER_LINEAR taps: source indices and 11-bit fixed-point weights."""
+    """OpenCV's INTER_LINEAR taps: source indices and 11-bit fixed-point weights.
+
+    Cached per size pair and device: a camera's frames all need the same taps, and building
+    them is a dozen small kernels.
+    """
     pos = (torch.arange(dst, dtype=torch.float64, device=device) + 0.5) * (src / dst) - 0.5
     frac = pos.to(torch.float32)  # OpenCV computes the position in float
     first = torch.floor(frac)
@@ -141,7 +147,7 @@ def _linear_taps(src: int, dst: int, device: torch.device) -> tuple[torch.Tensor
     idx = idx.clamp(0, src - 1)
     w0 = torch.round((1.0 - frac) * RESIZE_ONE).to(torch.int32)
     w1 = torch.round(frac * RESIZE_ONE).to(torch.int32)
-    return idx, (idx + 1).clamp(max=src - 1), w0, w1
+    return idx, (idx + 1).clamp(max=src - 1), w0[:, None], w1[:, None]
 
 
 def resize_linear(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -153,21 +159,24 @@ def resize_linear(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     shifts) and is bit-exact for downscaling (checked against cv2 in the tests).
 
     Args:
-        image: ``(h, w, C)`` uint8.
+        image: ``(h, w, C)`` uint8, or ``(N, h, w, C)``: a batch of same-size frames resized
+            in one pass (the same kernels whatever N).
         height: output rows.
         width: output columns.
 
     Returns:
-        ``(height, width, C)`` uint8.
+        ``(height, width, C)`` (or ``(N, height, width, C)``) uint8.
     """
-    h, w = int(image.shape[0]), int(image.shape[1])
+    h, w = int(image.shape[-3]), int(image.shape[-2])
     x0, x1, ax0, ax1 = _linear_taps(w, width, image.device)
     y0, y1, by0, by1 = _linear_taps(h, height, image.device)
-    src = image.to(torch.int32)
-    rows = src[:, x0] * ax0[None, :, None] + src[:, x1] * ax1[None, :, None]  # scaled by 2^11
-    top = ((rows[y0] >> 4) * by0[:, None, None]) >> 16
-    bottom = ((rows[y1] >> 4) * by1[:, None, None]) >> 16
-    return ((top + bottom + 2) >> 2).clamp_(0, 255).to(torch.uint8)
+    # Columns first, gathered as uint8 so the int32 intermediate is output-wide, not input-wide.
+    left = image.index_select(-2, x0).to(torch.int32)
+    right = image.index_select(-2, x1).to(torch.int32)
+    rows = left.mul_(ax0).add_(right.mul_(ax1)).bitwise_right_shift_(4)  # scaled by 2^7
+    top = rows.index_select(-3, y0).mul_(by0[:, None]).bitwise_right_shift_(16)
+    bottom = rows.index_select(-3, y1).mul_(by1[:, None]).bitwise_right_shift_(16)
+    return top.add_(bottom).add_(2).bitwise_right_shift_(2).clamp_(0, 255).to(torch.uint8)
 
 
 def letterbox_into(
@@ -178,20 +187,31 @@ def letterbox_into(
     ``out`` is a ``(bucket, 3, H, W)`` float tensor on the frames' device; rows past the frames
     (bucket padding) are filled with the pad grey so they never produce NaNs. The resize is
     :func:`resize_linear`, so the network sees the pixels the CPU engine's letterbox gives it.
+    Frames of one size (a camera's, or cameras of one resolution) are resized and written
+    together: the kernels launched per batch grow with the number of distinct sizes, not frames.
     """
     if len(frames) > out.shape[0]:
         raise ValueError(f"{len(frames)} frames do not fit a batch buffer of {out.shape[0]}")
     shape = (int(out.shape[2]), int(out.shape[3]))
     out.fill_(PAD_VALUE / 255.0)
     metas: list[LetterboxMeta] = []
+    sizes: dict[tuple[int, int], list[int]] = {}
     for i, frame in enumerate(frames):
         h, w = int(frame.shape[0]), int(frame.shape[1])
+        metas.append(placement(h, w, shape, imgsz).meta)
+        sizes.setdefault((h, w), []).append(i)
+    for (h, w), idxs in sizes.items():
         p = placement(h, w, shape, imgsz)
+        group = frames[idxs[0]][None] if len(idxs) == 1 else torch.stack([frames[i] for i in idxs])
         if (p.new_h, p.new_w) != (h, w):
-            frame = resize_linear(frame, p.new_h, p.new_w)  # noqa: PLW2901
-        region = out[i, :, p.top : p.top + p.new_h, p.left : p.left + p.new_w]
-        region.copy_(frame.permute(2, 0, 1)).mul_(1.0 / 255.0)
-        metas.append(p.meta)
+            group = resize_linear(group, p.new_h, p.new_w)
+        pixels = group.permute(0, 3, 1, 2).to(out.dtype).mul_(1.0 / 255.0)
+        region = (slice(p.top, p.top + p.new_h), slice(p.left, p.left + p.new_w))
+        if idxs == list(range(idxs[0], idxs[0] + len(idxs))):  # a run: a plain slice
+            out[idxs[0] : idxs[0] + len(idxs), :, region[0], region[1]] = pixels
+        else:
+            rows = torch.tensor(idxs, dtype=torch.long).to(out.device, non_blocking=True)
+            out[rows, :, region[0], region[1]] = pixels
     return metas
 
 
@@ -556,10 +576,16 @@ class GpuDetector(ConfiguredEngine):
         self._runner = BucketRunner(forward, workspace, dtype, use_graphs=self._use_graphs)
 
     def warmup(self) -> None:
-        """Run (and on CUDA capture) every batch bucket once at the square input shape."""
-        frame = np.full((self._imgsz, self._imgsz, 3), PAD_VALUE, np.uint8)
-        for bucket in self._buckets:
-            self.infer([frame] * bucket, [DetectParams()] * bucket)
+        """Run (and on CUDA capture) every batch bucket once at the square input shape and,
+        for a model that takes rectangular inputs, at a 16:9 camera frame's letterbox shape:
+        a capture costs tens of milliseconds, which must not land on a live camera's first
+        frames of each batch size."""
+        frames = [np.full((self._imgsz, self._imgsz, 3), PAD_VALUE, np.uint8)]
+        if self._dynamic_hw:
+            frames.append(np.full((self._imgsz * 9 // 16, self._imgsz, 3), PAD_VALUE, np.uint8))
+        for frame in frames:
+            for bucket in self._buckets:
+                self.infer([frame] * bucket, [DetectParams()] * bucket)
 
     def infer(self, images: Sequence[Frame], params: Sequence[DetectParams]) -> list[Detections]:
         """Detections for each image (host arrays or device tensors), one params each."""

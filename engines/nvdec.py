@@ -10,6 +10,7 @@ build of torch or no NVDEC for the codec, the decoder says why and decodes on th
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,21 @@ def nvdec_unavailable(device: str = "cuda") -> str | None:
         return f"no CUDA device visible to torch {torch.__version__}"
     if device != "cuda" and not device.startswith("cuda:"):
         return f"device {device!r} is not a CUDA device"
+    return _nvdec_probe(int(device.split(":", 1)[1]) if ":" in device else 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _nvdec_probe(index: int) -> str | None:
+    """Open FFmpeg's CUDA device once: a GPU without a video decoder exposed (a VM or container
+    without the driver's NVDEC library) fails here (``[Errno 95] Operation not supported`` on
+    one such machine) rather than on every stream's open."""
+    import av
+    from av.codec.hwaccel import HWAccel
+
+    try:
+        HWAccel("cuda", device=index, allow_software_fallback=True).create(av.Codec("h264", "r"))
+    except Exception as exc:  # FFmpeg's error, whatever its errno: report it, decode on the CPU
+        return f"FFmpeg cannot open CUDA device {index} for decoding: {exc}"
     return None
 
 
@@ -142,8 +158,9 @@ class VideoDecoder:
         self._decode = GpuDecode(device)
         self.reason = self._decode.reason
         self.on_gpu = self._decode.on_gpu
-        if not self.on_gpu:
-            log.info("video %s: decoding on the CPU (%s)", self.source, self.reason)
+        if not self.on_gpu:  # a note only where GPU decode was asked for and is not possible
+            level = logging.DEBUG if device == "cpu" else logging.INFO
+            log.log(level, "video %s: decoding on the CPU (%s)", self.source, self.reason)
 
     def __iter__(self) -> Iterator[Image | Any]:
         import av

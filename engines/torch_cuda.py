@@ -20,6 +20,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,10 +77,6 @@ def load_detection_model(path: Path, device: torch.device) -> torch.nn.Module:
         raise ModelError(
             f"model {path}: is a {type(model).__name__}; streamdet serves detection models"
         )
-    head = model.model[-1]
-    # Rebuild the anchor grid inside every forward: a cached grid is a tensor that a shape
-    # change replaces, and a captured graph would keep reading the freed one.
-    head.dynamic = True
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -113,11 +110,41 @@ def checkpoint_info(path: Path, imgsz: int = 640) -> ModelInfo:
     )
 
 
+class AnchorsPerShape:
+    """The detection head's anchor grid kept per input shape, so CUDA graphs can capture it.
+
+    Ultralytics' head rebuilds its grid when the input shape changes, with ``torch.arange`` on
+    the host copied to the device: inside a graph capture that copy is illegal ("Cannot copy
+    between CPU and CUDA tensors during CUDA graph capture"), and a graph captured at one shape
+    would read a grid the next shape's rebuild freed. So the grid each shape got in its eager
+    pass (the runner runs two before capturing) is stored and put back before every later
+    call at that shape: no rebuild happens inside a capture, and every captured graph's grid
+    stays alive.
+    """
+
+    def __init__(self, model: Any, max_shapes: int = 64) -> None:
+        self._model = model  # Ultralytics' DetectionModel (untyped)
+        self._head: Any = model.model[-1]
+        self._head.dynamic = False
+        self._grids: dict[tuple[int, ...], tuple[object, object, object]] = {}
+        self._max_shapes = max_shapes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        key = tuple(x.shape)
+        grid = self._grids.get(key)
+        if grid is not None:
+            self._head.anchors, self._head.strides, self._head.shape = grid
+        out = self._model(x)
+        if grid is None and len(self._grids) < self._max_shapes:
+            self._grids[key] = (self._head.anchors, self._head.strides, self._head.shape)
+        pred: torch.Tensor = out[0] if isinstance(out, tuple | list) else out
+        return pred
+
+
 def _load(path: Path, device: torch.device, dtype: torch.dtype) -> Forward:
     """The model's forward pass on ``device`` in ``dtype``, from a ``.pt`` or ``.torchscript``."""
     if path.suffix.lower() != ".torchscript":
-        module: Forward = load_detection_model(path, device).to(dtype)
-        return module
+        return AnchorsPerShape(load_detection_model(path, device).to(dtype))
     traced = load_torchscript(path, device)[0].to(dtype)
 
     def run_traced(x: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ if [ "${1:-run}" = rehearse ]; then
   fi
   PATH="$venv/bin:$PATH" GPU_CHECK_DEVICE=cpu GPU_CHECK_SITE=/tmp/streamdet-rehearse-site \
     OUT=${OUT:-/tmp/streamdet-rehearse-out} \
-    GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4" \
+    GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4 --nvdec-too" \
     bash "$0" run
   exit $?
 fi
@@ -90,6 +90,6 @@ tests_rc=${PIPESTATUS[0]}
 set -e
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH is a list of flags
 timeout 200 python3 -m benchmarks.gpu_bench run --data .gpu --out-dir "$out_dir" --device "$device" \
-  ${GPU_CHECK_BENCH:---streams 32 --fps 30 --seconds 15 --engine-seconds 3}
+  ${GPU_CHECK_BENCH:---streams 32 --fps 30 --seconds 15 --engine-seconds 3 --nvdec-too}
 echo "gpu tests exit $tests_rc; total $(( $(date +%s) - start )) s"
 exit "$tests_rc"

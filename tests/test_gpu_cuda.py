@@ -107,6 +107,16 @@ def _assert_match(ours: list[Detections], ref: list[Detections], conf_tol: float
         assert not problems, problems
 
 
+def test_warmup_captures_every_bucket_at_square_and_16_9(cuda_engine: TorchEngine) -> None:
+    """A camera's first batch of any size replays a graph instead of capturing one (runs first:
+    the later tests add shapes of their own)."""
+    if not ON_CUDA:
+        pytest.skip("graphs are captured on CUDA only")
+    assert cuda_engine._runner is not None
+    shapes = 2 if cuda_engine._dynamic_hw else 1
+    assert cuda_engine._runner.captured == len(cuda_engine._buckets) * shapes
+
+
 def test_fp16_cuda_matches_fp32_cpu(
     cuda_engine: TorchEngine, frames: list[np.ndarray], cpu_results: list[Detections]
 ) -> None:

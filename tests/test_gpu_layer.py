@@ -102,6 +102,33 @@ def test_letterbox_into_gives_the_cpu_engines_pixels(frames: list[np.ndarray]) -
         assert torch.all((out[1] * 255).round() == PAD_VALUE)
 
 
+def test_letterbox_into_a_mixed_batch_equals_one_frame_at_a_time(
+    frames: list[np.ndarray],
+) -> None:
+    """Frames of one size are resized together; interleaved sizes (not a run of rows) and
+    repeats land in their own rows with the pixels a lone letterbox gives them."""
+    video = [f for f in frames if f.shape[:2] == frames[-1].shape[:2]]
+    other = [f for f in frames if f.shape[:2] != frames[-1].shape[:2]]
+    batch = [video[0], other[0], video[1], video[2], other[0]]
+    tensors = [torch.from_numpy(f.copy()) for f in batch]
+    out = torch.empty((6, 3, 640, 640))
+    metas = letterbox_into(tensors, out, 640)
+    for i, tensor in enumerate(tensors):
+        alone = torch.empty((1, 3, 640, 640))
+        (meta,) = letterbox_into([tensor], alone, 640)
+        assert metas[i] == meta
+        assert torch.equal(out[i], alone[0]), f"row {i}"
+    assert torch.all((out[5] * 255).round() == PAD_VALUE)
+
+
+def test_resize_linear_of_a_batch_equals_each_frame(frames: list[np.ndarray]) -> None:
+    same = [f for f in frames if f.shape[:2] == frames[-1].shape[:2]][:3]
+    batch = torch.from_numpy(np.stack(same))
+    resized = resize_linear(batch, 300, 500)
+    for i, frame in enumerate(same):
+        assert torch.equal(resized[i], resize_linear(torch.from_numpy(frame.copy()), 300, 500))
+
+
 def test_letterbox_into_refuses_more_frames_than_the_buffer() -> None:
     frame = torch.zeros((10, 10, 3), dtype=torch.uint8)
     with pytest.raises(ValueError, match="do not fit"):
@@ -217,3 +244,34 @@ def test_torch_backend_needs_a_pt_checkpoint(model_info: ModelInfo) -> None:
     )
     with pytest.raises(ModelError, match=r"\.pt checkpoint"):
         load_backend("torch")(config).load()
+
+
+def test_torch_model_keeps_each_shapes_anchor_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back at a shape it has seen, the ``.pt`` model reuses that shape's grid: no host
+    ``arange`` copied up (illegal inside a CUDA graph capture) and the grid a captured graph
+    reads is never freed by another shape's rebuild."""
+    from ultralytics.nn.modules import head as ultralytics_head
+
+    from engines.torch_cuda import AnchorsPerShape, load_detection_model
+
+    built: list[tuple[int, ...]] = []
+    make_anchors = ultralytics_head.make_anchors
+
+    def counting(feats: list[torch.Tensor], *args: object) -> object:
+        built.append(tuple(feats[0].shape))
+        return make_anchors(feats, *args)
+
+    monkeypatch.setattr(ultralytics_head, "make_anchors", counting)
+    forward = AnchorsPerShape(load_detection_model(MODEL_PT, CPU))
+    wide, square = torch.rand((2, 3, 384, 640)), torch.rand((1, 3, 640, 640))
+    with torch.inference_mode():
+        first = forward(wide)
+        forward(square)
+        grid = forward._head.anchors
+        again = forward(wide)
+        assert forward._head.anchors is not grid  # the wide shape's own grid is back
+        forward(square)
+        assert forward._head.anchors is grid
+    assert len(built) == 2, built
+    assert first.shape == (2, 84, 5040)
+    assert torch.equal(first, again)

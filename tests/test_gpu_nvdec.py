@@ -51,3 +51,15 @@ def test_cpu_decode_when_asked() -> None:
     assert not decoder.on_gpu and decoder.reason == "CPU decode requested"
     first = next(iter(decoder))
     assert isinstance(first, np.ndarray) and first.dtype == np.uint8 and first.shape[2] == 3
+
+
+def test_ffmpeg_probe_names_a_cuda_device_it_cannot_open() -> None:
+    """A GPU VM whose driver exposes no NVDEC fails FFmpeg's device open (seen on the H200
+    machine: errno 95); the probe reports that once instead of each stream failing to open."""
+    from engines.nvdec import _nvdec_probe
+
+    reason = _nvdec_probe(0)
+    if reason is None:
+        pytest.skip("FFmpeg opens CUDA device 0 here")
+    assert reason.startswith("FFmpeg cannot open CUDA device 0 for decoding: ")
+    assert _nvdec_probe(0) is reason  # probed once per device
