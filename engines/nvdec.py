@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +47,62 @@ def nvdec_unavailable(device: str = "cuda") -> str | None:
     return _nvdec_probe(int(device.split(":", 1)[1]) if ":" in device else 0)
 
 
+CU_CTX_SCHED_BLOCKING_SYNC = 0x04
+
+
+def share_primary_context(index: int) -> str | None:
+    """Give device ``index``'s primary CUDA context the flags FFmpeg's NVDEC requires.
+
+    Decoded frames must live in torch's context (the device's primary one) for DLPack to hand
+    them over, so FFmpeg is asked to use it (``primary_ctx``, PyAV's default for hardware-owned
+    frames). FFmpeg insists on ``CU_CTX_SCHED_BLOCKING_SYNC`` there and refuses a primary
+    context already active with other flags ("Primary context already active with
+    incompatible flags", ``[Errno 95] Operation not supported``), which is what torch leaves
+    once it has run anything. Since CUDA 11 the flags of an active primary context can be
+    changed (``cuDevicePrimaryCtxSetFlags_v2``): done here, through the driver library that
+    any CUDA process has loaded. Waits then block instead of spinning, which frees CPU for
+    the decode threads.
+
+    Returns:
+        None when set, else why not.
+    """
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return f"the CUDA driver library cannot be loaded ({exc})"
+    set_flags = getattr(cuda, "cuDevicePrimaryCtxSetFlags_v2", None) or getattr(
+        cuda, "cuDevicePrimaryCtxSetFlags", None
+    )
+    if set_flags is None:
+        return "the CUDA driver has no cuDevicePrimaryCtxSetFlags"
+    device = ctypes.c_int()
+    steps: tuple[tuple[str, Callable[[], int]], ...] = (
+        ("cuInit", lambda: int(cuda.cuInit(0))),
+        ("cuDeviceGet", lambda: int(cuda.cuDeviceGet(ctypes.byref(device), index))),
+        ("cuDevicePrimaryCtxSetFlags", lambda: int(set_flags(device, CU_CTX_SCHED_BLOCKING_SYNC))),
+    )
+    for step, call in steps:
+        if (code := call()) != 0:
+            return f"{step} failed with CUDA error {code} on device {index}"
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def _nvdec_probe(index: int) -> str | None:
-    """Open FFmpeg's CUDA device once: a GPU without a video decoder exposed (a VM or container
-    without the driver's NVDEC library) fails here (``[Errno 95] Operation not supported`` on
-    one such machine) rather than on every stream's open."""
+    """Open FFmpeg's CUDA device once, in torch's context, as every stream will: a GPU whose
+    driver exposes no decoder, or a context FFmpeg cannot share, fails here (naming why)
+    rather than on each stream's open."""
+    if (reason := share_primary_context(index)) is not None:
+        return f"NVDEC cannot share CUDA device {index}'s context with torch: {reason}"
     import av
     from av.codec.hwaccel import HWAccel
 
     try:
-        HWAccel("cuda", device=index, allow_software_fallback=True).create(av.Codec("h264", "r"))
+        HWAccel("cuda", device=index, allow_software_fallback=True, is_hw_owned=True).create(
+            av.Codec("h264", "r")
+        )
     except Exception as exc:  # FFmpeg's error, whatever its errno: report it, decode on the CPU
         return f"FFmpeg cannot open CUDA device {index} for decoding: {exc}"
     return None
@@ -134,6 +180,13 @@ class GpuDecode:
                 # An engine reads it from its own stream: finish the conversion first.
                 torch.cuda.current_stream().synchronize()
             return on_device
+        if self.on_gpu:  # FFmpeg's software fallback: NVDEC did not take this stream
+            self.on_gpu = False
+            self.reason = (
+                f"FFmpeg decoded {frame.format.name} frames in software: NVDEC did not take"
+                " this stream (codec, profile or size)"
+            )
+            log.warning("decoding on the CPU: %s", self.reason)
         rgb: Image = np.ascontiguousarray(frame.to_ndarray(format="rgb24"))
         return rgb
 
@@ -148,13 +201,25 @@ class VideoDecoder:
         source: path or URL PyAV can open.
         device: ``cuda``/``cuda:N`` to try NVDEC, ``cpu`` to decode on the CPU.
         options: FFmpeg options for ``av.open`` (e.g. ``rtsp_transport``).
+        threads: CPU decode threading: ``auto`` (FFmpeg's frame and slice threads, as many as
+            cores: fastest for one video), ``slice`` (no frame delay) or ``one`` (a thread per
+            video: least overhead when many videos decode at once).
     """
 
+    THREADS = ("auto", "slice", "one")
+
     def __init__(
-        self, source: str | Path, device: str = "cpu", options: dict[str, str] | None = None
+        self,
+        source: str | Path,
+        device: str = "cpu",
+        options: dict[str, str] | None = None,
+        threads: str = "auto",
     ) -> None:
+        if threads not in self.THREADS:
+            raise ValueError(f"threads must be one of {self.THREADS}, got {threads!r}")
         self.source = str(source)
         self._options = options or {}
+        self._threads = threads
         self._decode = GpuDecode(device)
         self.reason = self._decode.reason
         self.on_gpu = self._decode.on_gpu
@@ -168,6 +233,9 @@ class VideoDecoder:
         hwaccel = self._decode.hwaccel()
         with av.open(self.source, options=self._options, hwaccel=hwaccel) as container:
             stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
+            if self._threads == "one":
+                stream.codec_context.thread_count = 1
+            else:
+                stream.thread_type = "AUTO" if self._threads == "auto" else "SLICE"
             for frame in container.decode(stream):
                 yield self._decode.convert(frame)

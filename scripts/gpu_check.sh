@@ -65,7 +65,7 @@ if [ "${1:-run}" = rehearse ]; then
   fi
   PATH="$venv/bin:$PATH" GPU_CHECK_DEVICE=cpu GPU_CHECK_SITE=/tmp/streamdet-rehearse-site \
     OUT=${OUT:-/tmp/streamdet-rehearse-out} \
-    GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4 --nvdec-too" \
+    GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4 --nvdec-too --decode-seconds 1" \
     bash "$0" run
   exit $?
 fi
@@ -83,9 +83,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 python3 -c "import torch, av; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(0), 'pyav', av.__version__)"
 # -c /dev/null: the project's pytest config names plugins (pytest-asyncio) the GPU image lacks.
+# A test that hangs must not hide the others' results: a per-test limit where the image has
+# pytest-timeout, and a summary line per failure (-ra), whole, in the log.
+per_test=()
+python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 75)
 set +e
-timeout 150 python3 -m pytest -q -c /dev/null -p no:cacheprovider --rootdir . \
-  tests/test_gpu_cuda.py 2>&1 | tee "$out_dir/gpu-pytest.log"
+timeout 170 python3 -m pytest -q -ra --tb=short -c /dev/null -p no:cacheprovider --rootdir . \
+  "${per_test[@]}" tests/test_gpu_cuda.py 2>&1 | tee "$out_dir/gpu-pytest.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH is a list of flags

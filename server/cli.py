@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,7 +48,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from server.app import create_app
-    from server.routes.ws import going_away
+    from server.routes.ws import going_away, viewers_gone
     from server.runtime import build_pool
     from server.streams_file import StreamsFileError, read_entries
 
@@ -69,6 +70,12 @@ def serve(settings: Settings) -> int:
             # Viewers get 1001 (going away) now, before uvicorn drops sockets with 1012.
             going_away(app)
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # The 1001s queued above are sent by the viewers' own tasks: let them go out
+            # before uvicorn closes whatever is still open with 1012.
+            await viewers_gone(app, timeout_s=2.0)
+            await super().shutdown(sockets)
 
     Server(
         uvicorn.Config(

@@ -106,6 +106,7 @@ class StreamManager:
         self._latest: dict[str, ProcessedFrame] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._viewers_gone: asyncio.Event | None = None
         self._bad_detect: set[str] = set()  # streams held back by stored settings
         self.events = events or EventLog(options.event_log_size)
         # Called on the event loop with each frame that had events and those events as
@@ -406,6 +407,21 @@ class StreamManager:
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self._subs.get(sub.stream_id, set()).discard(sub)
+        if self._viewers_gone is not None and not self.viewers():
+            self._viewers_gone.set()
+
+    def viewers(self) -> int:
+        """Subscribers still attached (a viewer leaves once its close frame is sent)."""
+        return sum(len(subs) for subs in self._subs.values())
+
+    async def wait_viewers_gone(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no viewer is attached; whether none is."""
+        if not self.viewers():
+            return True
+        self._viewers_gone = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._viewers_gone.wait(), timeout_s)
+        return not self.viewers()
 
     def latest(self, stream_id: str) -> ProcessedFrame | None:
         """The last published frame of a stream (with its image)."""

@@ -46,7 +46,7 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["run", "--data", str(data), "--out-dir", str(out), "--device", "cpu"]
     argv += ["--streams", "2", "--fps", "4", "--seconds", "2", "--engine-seconds", "0.2"]
-    argv += ["--max-batch", "2", "--workers", "1"]
+    argv += ["--max-batch", "2", "--workers", "1", "--decode-seconds", "0.5"]
     assert gpu_bench.main(argv) == 0
 
     (written,) = out.glob("*-cpu-gpu.json")
@@ -60,3 +60,6 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert report["gpu_busy_pct"] is None and "NVML unavailable" in report["gpu_busy_note"]
     assert isinstance(report["frame_latency_p99_ms"], float)
     assert report["targets_met"]["boxes_match_cpu"] is True
+    sweep = report["decode_only_by_setting"]
+    assert {"auto", "slice", "one"} <= sweep.keys() and all(v > 0 for v in sweep.values())
+    assert report["decode_threads"] in sweep and report["switch_interval_ms"] in (0.5, 5.0)

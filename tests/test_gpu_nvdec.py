@@ -53,7 +53,7 @@ def test_cpu_decode_when_asked() -> None:
     assert isinstance(first, np.ndarray) and first.dtype == np.uint8 and first.shape[2] == 3
 
 
-def test_ffmpeg_probe_names_a_cuda_device_it_cannot_open() -> None:
+def test_nvdec_probe_names_a_cuda_device_it_cannot_use() -> None:
     """A GPU VM whose driver exposes no NVDEC fails FFmpeg's device open (seen on the H200
     machine: errno 95); the probe reports that once instead of each stream failing to open."""
     from engines.nvdec import _nvdec_probe
@@ -61,5 +61,20 @@ def test_ffmpeg_probe_names_a_cuda_device_it_cannot_open() -> None:
     reason = _nvdec_probe(0)
     if reason is None:
         pytest.skip("FFmpeg opens CUDA device 0 here")
-    assert reason.startswith("FFmpeg cannot open CUDA device 0 for decoding: ")
+    assert "CUDA device 0" in reason, reason
     assert _nvdec_probe(0) is reason  # probed once per device
+
+
+def test_a_software_fallback_frame_turns_the_stream_to_cpu_decode() -> None:
+    """NVDEC asked for, FFmpeg decoding in software anyway (allow_software_fallback): the frame
+    still comes out as RGB, and the stream says it decodes on the CPU and why."""
+    from engines.nvdec import GpuDecode
+
+    decode = GpuDecode("cpu")
+    decode.on_gpu = True  # as if NVDEC had been granted at open
+    with av.open(str(VIDEOS[0])) as container:
+        frame = next(container.decode(video=0))
+    rgb = decode.convert(frame)
+    assert isinstance(rgb, np.ndarray) and rgb.shape == (frame.height, frame.width, 3)
+    assert not decode.on_gpu and decode.hwaccel() is None
+    assert decode.reason is not None and "in software" in decode.reason

@@ -105,3 +105,11 @@ def going_away(app: FastAPI) -> None:
     state = getattr(app.state, "streamdet", None)
     if state is not None and state.streams is not None:
         state.streams.going_away()
+
+
+async def viewers_gone(app: FastAPI, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until every viewer told :func:`going_away` has been sent
+    its 1001, so the HTTP server's own shutdown (1012 to any socket left) finds none."""
+    state = getattr(app.state, "streamdet", None)
+    if state is not None and state.streams is not None:
+        await state.streams.wait_viewers_gone(timeout_s)
