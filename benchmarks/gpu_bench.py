@@ -341,14 +341,10 @@ def decode_sweep(clips: list[Path], args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def nvdec_saturation(
-    pool: EnginePool, clips: list[Path], args: argparse.Namespace
-) -> dict[str, Any]:
-    """The unpaced run again with NVDEC decode (frames stay on the GPU), where it works."""
-    from engines.nvdec import nvdec_unavailable
-
-    if (reason := nvdec_unavailable(args.device)) is not None:
-        return {"e2e_nvdec_note": reason}
+def saturate(
+    pool: EnginePool, clips: list[Path], args: argparse.Namespace, decode_device: str
+) -> tuple[StreamStats, BusySampler]:
+    """The unpaced end-to-end run (streams decode as fast as they can), GPU busy sampled."""
     with BusySampler() as busy:
         sat = run_streams(
             pool,
@@ -357,8 +353,21 @@ def nvdec_saturation(
             fps=0.0,
             seconds=args.seconds,
             warmup_s=2.0,
-            decode_device="cuda",
+            decode_device=decode_device,
+            decode_threads=args.decode_threads,
         )
+    return sat, busy
+
+
+def nvdec_saturation(
+    pool: EnginePool, clips: list[Path], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The unpaced run again with NVDEC decode (frames stay on the GPU), where it works."""
+    from engines.nvdec import nvdec_unavailable
+
+    if (reason := nvdec_unavailable(args.device)) is not None:
+        return {"e2e_nvdec_note": reason}
+    sat, busy = saturate(pool, clips, args, "cuda")
     return {
         "e2e_nvdec_img_s": round(sat.done / args.seconds, 1),
         "e2e_nvdec_gpu_busy_pct": busy.mean,
@@ -427,17 +436,7 @@ def run(args: argparse.Namespace) -> int:
     pool.start()
     try:
         cpu0 = time.process_time()
-        with BusySampler() as busy:
-            sat = run_streams(
-                pool,
-                clips=clips,
-                streams=args.streams,
-                fps=0.0,
-                seconds=args.seconds,
-                warmup_s=2.0,
-                decode_device=args.decode,
-                decode_threads=args.decode_threads,
-            )
+        sat, busy = saturate(pool, clips, args, args.decode)
         figures["host_cpu_cores_busy"] = round(
             (time.process_time() - cpu0) / (args.seconds + 2.0), 2
         )
