@@ -50,6 +50,8 @@ def serve(settings: Settings) -> int:
     from server.app import create_app
     from server.routes.ws import going_away, viewers_gone
     from server.runtime import build_pool
+
+    sys.setswitchinterval(settings.gil_switch_ms / 1000)
     from server.streams_file import StreamsFileError, read_entries
 
     if settings.streams_file is not None:  # before the model loads: a typo fails at once

@@ -92,6 +92,13 @@ class Settings(BaseSettings):
     )
     decode_threads: int = Field(2, ge=1, le=64, description="threads decoding uploads")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="drain time on shutdown")
+    gil_switch_ms: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="how long a Python thread keeps the GIL before handing it over"
+        " (sys.setswitchinterval); shorter lets decode threads win it back from busy workers",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = Field(True, description="one uvicorn log line per HTTP request")
 

@@ -304,3 +304,20 @@ def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
         assert on.json()["enabled"] is True
         wait_until(lambda: stream("road")["state"] == "live", "road live again")
         wait_until(lambda: stream("road")["frames_processed"] > 0, "road's frames again")
+
+
+def test_serve_hands_the_gil_over_every_gil_switch_ms(tmp_path: Path) -> None:
+    """``--gil-switch-ms`` (default 1) is set before anything starts: the broken streams file
+    stops this start right after it."""
+    from server.cli import serve
+    from server.settings import Settings
+
+    assert Settings().gil_switch_ms == 1.0
+    path = write(tmp_path / "streams.yaml", [{"url": "rtsp://camera/1"}])
+    before = sys.getswitchinterval()
+    try:
+        settings = Settings(streams_file=path, gil_switch_ms=0.7, data_dir=tmp_path / "data")
+        assert serve(settings) == 2
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    finally:
+        sys.setswitchinterval(before)
