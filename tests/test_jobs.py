@@ -452,3 +452,49 @@ def test_a_job_reads_a_video_served_over_http(tmp_path: Path) -> None:
     finally:
         web.should_exit = True
         thread.join(10)
+
+
+def test_following_a_jobs_frames_streams_each_as_it_is_done(tmp_path: Path) -> None:
+    """``GET /jobs/{id}/frames?follow=true`` against a real server: lines arrive while the
+    job runs, the response ends by itself when the job does, and holds every frame."""
+    import httpx
+
+    from loadtest.server import ServerProcess
+
+    settings: dict[str, object] = {
+        "model": str(MODEL_PT),
+        "imgsz": 640,
+        "cache_dir": str(CACHE_DIR),
+        "data_dir": str(tmp_path / "data"),
+        "shutdown_timeout_s": 5,
+    }
+    server = ServerProcess(settings, log_path=tmp_path / "server.log", ready_timeout_s=180)
+    server.start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            created = client.post(
+                "/jobs",
+                files={"video": ("car.mp4", CAR_CLIP.read_bytes(), "video/mp4")},
+                data={"settings": json.dumps({"fps": 8, "classes": "car"})},
+            )
+            assert created.status_code == 202, created.text
+            job_id = created.json()["id"]
+            refused = client.get(f"/jobs/{job_id}/frames?follow=true&format=csv")
+            assert refused.status_code == 422 and "format=csv" in refused.text
+            followed: list[dict[str, Any]] = []
+            state_at_first = ""
+            with client.stream("GET", f"/jobs/{job_id}/frames", params={"follow": True}) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"] == "application/x-ndjson"
+                for text in r.iter_lines():
+                    followed.append(json.loads(text))
+                    if len(followed) == 1:
+                        state_at_first = client.get(f"/jobs/{job_id}").json()["state"]
+            done = client.get(f"/jobs/{job_id}").json()
+            whole = client.get(f"/jobs/{job_id}/frames").text.splitlines()
+    finally:
+        server.stop(30)
+    assert state_at_first == "running"  # streamed while the job ran, not after
+    assert done["state"] == "done"
+    assert len(followed) == done["progress"]["frames_processed"] == 241  # 30.16 s at 8 a second
+    assert followed == [json.loads(text) for text in whole]

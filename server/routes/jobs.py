@@ -16,14 +16,14 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import Field, ValidationError, field_validator, model_validator
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -412,11 +412,59 @@ def _event_rows(event: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**{k: v for k, v in event.items() if k in EVENT_COLUMNS}, **box}]
 
 
-async def _results(request: Request, job_id: str, name: str, output: str) -> Response:
+FOLLOW_CHECK_S = 0.25
+"""How often a followed result file is read for new lines while its job runs."""
+
+Follow = Annotated[
+    bool,
+    Query(
+        description="stream the lines as the job writes them (NDJSON) and end when it ends,"
+        " like tail -f; without it a running job gives the lines so far"
+    ),
+]
+
+
+def _whole_lines(path: Path, offset: int) -> bytes:
+    """The complete lines of ``path`` from byte ``offset`` (none if it is gone)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return b""
+    return data[: data.rfind(b"\n") + 1]
+
+
+async def _follow(request: Request, jobs: JobManager, job: Job, path: Path) -> AsyncIterator[bytes]:
+    """Each batch of new whole lines of ``path`` until ``job`` has ended (and its last lines
+    are out), is deleted, or the client has gone."""
+    offset = 0
+    while True:
+        ended = job.finished.is_set()  # read before the file: no line written after is lost
+        chunk = await asyncio.to_thread(_whole_lines, path, offset)
+        if chunk:
+            offset += len(chunk)
+            yield chunk
+        if ended or jobs.get(job.id) is None or await request.is_disconnected():
+            return
+        with contextlib.suppress(TimeoutError):  # wakes at the end, or to read what is new
+            await asyncio.wait_for(job.finished.wait(), FOLLOW_CHECK_S)
+
+
+async def _results(
+    request: Request, job_id: str, name: str, output: str, follow: bool = False
+) -> Response:
     state = get_state(request)
     job = _job(state, job_id)
-    path = _jobs(state).directory_of(job.id) / name
+    jobs = _jobs(state)
+    path = jobs.directory_of(job.id) / name
     headers = {"X-Job-State": str(job.state)}
+    if follow:
+        if output != "ndjson":
+            raise HTTPException(422, "follow streams NDJSON: leave out format=csv")
+        return StreamingResponse(
+            _follow(request, jobs, job, path), media_type=NDJSON, headers=headers
+        )
     if output == "ndjson" and job.finished.is_set() and path.is_file():
         return FileResponse(path, media_type=NDJSON, headers=headers)
 
@@ -445,20 +493,25 @@ async def _results(request: Request, job_id: str, name: str, output: str) -> Res
 
 
 @router.get("/jobs/{job_id}/frames", response_class=Response)
-async def job_frames(request: Request, job_id: str, output: Output = "ndjson") -> Response:
+async def job_frames(
+    request: Request, job_id: str, output: Output = "ndjson", follow: Follow = False
+) -> Response:
     """Every processed frame, a JSON line each: ``frame`` (its number in the video, from 0),
     ``pts`` (seconds), ``width``, ``height``, ``detections`` (with ``track_id`` and
     ``zones`` as the stream's WebSocket sends them) and ``events``; while the job runs, the
-    frames so far (``X-Job-State``). ``format=csv``: a row per detection."""
-    return await _results(request, job_id, FRAMES_FILE, output)
+    frames so far (``X-Job-State``), or with ``follow=true`` each frame as it is done.
+    ``format=csv``: a row per detection."""
+    return await _results(request, job_id, FRAMES_FILE, output, follow)
 
 
 @router.get("/jobs/{job_id}/events", response_class=Response)
-async def job_events(request: Request, job_id: str, output: Output = "ndjson") -> Response:
+async def job_events(
+    request: Request, job_id: str, output: Output = "ndjson", follow: Follow = False
+) -> Response:
     """The job's events (line crossings, zone entries, exits and loiters), a JSON line each,
-    as ``GET /events`` gives a stream's, with the ``pts`` of their frame. ``format=csv``: a
-    row each."""
-    return await _results(request, job_id, EVENTS_FILE, output)
+    as ``GET /events`` gives a stream's, with the ``pts`` of their frame; ``follow=true``
+    streams them as they happen. ``format=csv``: a row each."""
+    return await _results(request, job_id, EVENTS_FILE, output, follow)
 
 
 JOB_COUNT_KEYS = tuple(key for key in COUNT_KEYS if key not in ("stream_id", "label"))
