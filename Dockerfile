@@ -20,10 +20,11 @@ COPY streams streams
 COPY server server
 COPY loadtest loadtest
 # PyPI's torch wheels for Linux carry their own CUDA libraries; TensorRT comes with the gpu
-# extra. pycuda is not used: device buffers and streams come from torch. The project itself is
-# the local source (versions are bounded in pyproject.toml), hence no == pin here.
+# extra, Triton's gRPC service with the grpc one. pycuda is not used: device buffers and
+# streams come from torch. The project itself is the local source (versions are bounded in
+# pyproject.toml), hence no == pin here.
 # hadolint ignore=DL3013
-RUN pip install ".[gpu]"
+RUN pip install ".[gpu,grpc]"
 
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
@@ -52,7 +53,8 @@ ENV PATH=/opt/streamdet/bin:$PATH \
 VOLUME ["/cache"]
 USER 10001:10001
 WORKDIR /cache
-EXPOSE 8000
+# 8001: KServe v2 gRPC, served when STREAMDET_GRPC_PORT=8001 is set.
+EXPOSE 8000 8001
 # Ready = model loaded and warmed (engine builds on first start can take minutes).
 HEALTHCHECK --interval=15s --timeout=3s --start-period=600s --retries=3 \
   CMD ["python3", "-c", "import os, sys, urllib.request; port = os.environ.get('STREAMDET_PORT', '8000'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/readyz', timeout=2).status == 200 else 1)"]

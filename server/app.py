@@ -145,11 +145,18 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                     settings.event_retain_days * DAY_S, manager.events, snapshots, manager.clips
                 )
             )
+        grpc_server = None
+        if settings.grpc_port:
+            from server import grpc_v2
+
+            grpc_server = await grpc_v2.start(app, settings)
         try:
             yield
         finally:
             # Stop intake, drain within the timeout, then fail what is left.
             state.shutting_down = True
+            if grpc_server is not None:
+                await grpc_server.stop(min(settings.shutdown_timeout_s, 5.0))
             lag_watch.cancel()
             if retention is not None:
                 retention.cancel()

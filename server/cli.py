@@ -60,6 +60,14 @@ def serve(settings: Settings) -> int:
         except StreamsFileError as exc:
             log.error("cannot start: %s", exc)
             return 2
+    if settings.grpc_port:  # before the model loads: a missing extra fails at once
+        from server.grpc_v2 import GrpcUnavailable, _modules
+
+        try:
+            _modules()
+        except GrpcUnavailable as exc:
+            log.error("cannot start: %s", exc)
+            return 2
     try:
         pool = build_pool(settings)
     except EngineError as exc:

@@ -82,6 +82,13 @@ class Settings(BaseSettings):
     # HTTP
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="KServe v2 gRPC (Triton's GRPCInferenceService, its clients' port 8001);"
+        " 0: off. Needs the grpc extra",
+    )
     max_upload_mb: float = Field(20.0, gt=0, description="largest accepted upload")
     max_image_pixels: int = Field(
         50_000_000, ge=1, description="largest decoded image (width x height)"

@@ -4,16 +4,19 @@ answers."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from loadtest.server import ServerProcess
+from loadtest.server import ServerProcess, free_port
 from server.images import decode_image
 from tests.helpers import clip_server, ultralytics_assets
 
@@ -21,11 +24,25 @@ MODEL = "yolov8n"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = clip_server(tmp_path_factory.mktemp("kserve"))
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, grpc_port: int) -> Iterator[ServerProcess]:
+    srv = clip_server(tmp_path_factory.mktemp("kserve"), grpc_port=grpc_port)
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_client(
+    server: ServerProcess, grpc_port: int
+) -> Iterator[triton_grpc.InferenceServerClient]:
+    c = triton_grpc.InferenceServerClient(url=f"127.0.0.1:{grpc_port}")
+    yield c
+    c.close()
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +160,81 @@ def test_v2_errors_say_what_is_wrong_in_the_protocols_form(
         two = c.post(f"/v2/models/{MODEL}/infer", json={"inputs": []})
         assert two.status_code == 400 and "exactly one input" in two.json()["error"]
         assert c.get("/jobs/nope").json() == {"detail": "no job 'nope'"}  # elsewhere: FastAPI's
+
+
+def test_tritons_grpc_client_detects_as_detect_does(
+    server: ServerProcess, grpc_client: triton_grpc.InferenceServerClient
+) -> None:
+    """The same service over gRPC (``--grpc-port``): metadata, config, both inputs, the
+    parameters, and errors with the HTTP side's message and the matching status."""
+    c = grpc_client
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready(MODEL)
+    assert c.get_server_metadata(as_json=True)["name"] == "streamdet"
+    metadata = c.get_model_metadata(MODEL, as_json=True)
+    assert [i["name"] for i in metadata["inputs"]] == ["image_bytes", "images"]
+    assert metadata["outputs"][1] == {
+        "name": "detection_boxes",
+        "datatype": "FP32",
+        "shape": ["-1", "-1", "4"],
+    }
+    config = c.get_model_config(MODEL, as_json=True)["config"]
+    assert int(config["max_batch_size"]) >= 1 and "yolov8n" in config["name"]
+    assert config["input"][0]["data_type"] == "TYPE_STRING"
+    assert "person" in config["parameters"]["names"]["string_value"]
+
+    bus, zidane = ((ultralytics_assets() / n).read_bytes() for n in ("bus.jpg", "zidane.jpg"))
+    encoded = triton_grpc.InferInput("image_bytes", [2], "BYTES")
+    encoded.set_data_from_numpy(np.array([bus, zidane], dtype=np.object_))
+    result = c.infer(MODEL, [encoded], request_id="g1", client_timeout=60)
+    assert result.get_response().id == "g1"
+    _same(result, 0, _detect(server, bus))
+    _same(result, 1, _detect(server, zidane))
+    people = c.infer(MODEL, [encoded], parameters={"classes": "person", "conf": 0.5})
+    _same(people, 0, _detect(server, bus, classes="person", conf=0.5))
+    pixels = decode_image(bus, 50_000_000)
+    raw = triton_grpc.InferInput("images", [1, *pixels.shape], "UINT8")
+    raw.set_data_from_numpy(pixels[np.newaxis])
+    two = [triton_grpc.InferRequestedOutput(n) for n in ("num_detections", "detection_boxes")]
+    asked = c.infer(MODEL, [raw], outputs=two)
+    assert [o.name for o in asked.get_response().outputs] == ["num_detections", "detection_boxes"]
+    expected = _detect(server, bus)
+    assert int(asked.as_numpy("num_detections")[0, 0]) == len(expected)
+    np.testing.assert_allclose(
+        asked.as_numpy("detection_boxes")[0], [d["box"] for d in expected], atol=0.01
+    )
+
+    not_image = triton_grpc.InferInput("image_bytes", [1], "BYTES")
+    not_image.set_data_from_numpy(np.array([b"not an image"], dtype=np.object_))
+    cases: list[tuple[str, Any, dict[str, Any], str, str]] = [
+        ("other", [encoded], {}, "StatusCode.NOT_FOUND", "unknown model 'other'"),
+        (MODEL, [not_image], {}, "StatusCode.INVALID_ARGUMENT", "input 'image_bytes': "),
+        (MODEL, [encoded], {"parameters": {"conf": 2}}, "INVALID_ARGUMENT", "parameter 'conf'"),
+        (
+            MODEL,
+            [encoded],
+            {"outputs": [triton_grpc.InferRequestedOutput("masks")]},
+            "INVALID_ARGUMENT",
+            "unknown output 'masks'",
+        ),
+    ]
+    for model, inputs, extra, status, words in cases:
+        with pytest.raises(InferenceServerException) as failed:
+            c.infer(model, inputs, **extra)
+        assert status in str(failed.value.status()) and words in failed.value.message(), str(
+            failed.value
+        )
+
+
+def test_a_grpc_port_without_the_grpc_extra_stops_the_start_saying_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from server.cli import serve
+    from server.settings import Settings
+
+    monkeypatch.setitem(sys.modules, "grpc", None)  # as if grpcio were not installed
+    before = sys.getswitchinterval()
+    try:
+        assert serve(Settings(grpc_port=8001, data_dir=tmp_path / "data")) == 2
+    finally:
+        sys.setswitchinterval(before)
+    assert "STREAMDET_GRPC_PORT needs gRPC" in caplog.text and ".[grpc]" in caplog.text

@@ -1,0 +1,279 @@
+"""The KServe v2 / Open Inference Protocol over gRPC: Triton's ``GRPCInferenceService``, so
+``tritonclient.grpc`` (and any client of that service) detects with streamdet unchanged.
+
+It serves on ``--grpc-port`` (Triton's is 8001; 0, the default, leaves it off) beside the HTTP
+port, in the same event loop, and answers exactly as ``/v2`` over HTTP does
+(:mod:`server.routes.kserve`): the same model metadata, inputs (``image_bytes`` BYTES or
+``images`` UINT8 ``[N, H, W, 3]``), EfficientNMS-style outputs and ``/detect`` parameters,
+through the same admission control and deadline, the call's gRPC deadline taking the place of
+``X-Request-Deadline-Ms``. Errors carry the HTTP side's message with the matching gRPC status
+(400 ``INVALID_ARGUMENT``, 404 ``NOT_FOUND``, 429 ``RESOURCE_EXHAUSTED``, 503 ``UNAVAILABLE``).
+
+The service's messages come with ``tritonclient[grpc]`` (its generated ``service_pb2``), an
+extra: ``pip install -e ".[grpc]"``; a server asked for a gRPC port without it stops at
+start, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import struct
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, HTTPException
+from starlette.datastructures import Headers
+
+from server.admission import DEADLINE_HEADER, AdmissionController
+from server.routes.detect import run_admitted
+from server.routes.kserve import (
+    INPUTS,
+    NP_TYPES,
+    OUTPUTS,
+    VERSION,
+    _check_model,
+    _images,
+    _model_name,
+    _outputs,
+    _params,
+)
+from server.settings import Settings
+from server.state import AppState
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT"}
+STATUS_CODES |= {422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+class GrpcUnavailable(RuntimeError):
+    """gRPC was asked for and its packages are missing; the message says what to install."""
+
+
+def _modules() -> tuple[Any, Any, Any, Any]:
+    """grpc and Triton's generated service modules, or :class:`GrpcUnavailable`."""
+    try:
+        import grpc
+        from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+    except ImportError as exc:
+        raise GrpcUnavailable(
+            f"setting STREAMDET_GRPC_PORT needs gRPC and Triton's service definitions ({exc}):"
+            ' pip install -e ".[grpc]", or leave the gRPC port at 0'
+        ) from None
+    return grpc, service_pb2, service_pb2_grpc, model_config_pb2
+
+
+def _parameter(value: Any) -> Any:
+    """An ``InferParameter``'s value, whichever of its kinds it holds."""
+    kind = value.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(value, kind)
+
+
+def _as_v2_json(request: Any) -> tuple[dict[str, Any], bytes]:
+    """A ``ModelInferRequest`` as the HTTP protocol's JSON and binary body, so one reading of
+    the inputs serves both: raw contents (what ``tritonclient.grpc`` sends) become binary
+    data, typed contents become ``data`` (BYTES as length-prefixed binary)."""
+    inputs: list[dict[str, Any]] = []
+    binary = b""
+    for i, tensor in enumerate(request.inputs):
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+        }
+        if i < len(request.raw_input_contents):
+            raw = request.raw_input_contents[i]
+        elif tensor.datatype == "BYTES":
+            raw = b"".join(
+                struct.pack("<I", len(item)) + item for item in tensor.contents.bytes_contents
+            )
+        else:
+            raw = None
+            entry["data"] = list(tensor.contents.uint_contents)
+        if raw is not None:
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            binary = raw if i == 0 else binary
+        inputs.append(entry)
+    parameters = {key: _parameter(value) for key, value in request.parameters.items()}
+    return {"inputs": inputs, "parameters": parameters}, binary
+
+
+def make_servicer(app: FastAPI) -> Any:
+    """The ``GRPCInferenceService`` servicer answering for ``app``'s model and pool."""
+    grpc, pb, pb_grpc, config_pb = _modules()
+
+    def answers(
+        method: Callable[[Any, Any, Any], Awaitable[Any]],
+    ) -> Callable[[Any, Any, Any], Awaitable[Any]]:
+        """HTTP errors raised by the shared v2 code become the gRPC status of the same
+        meaning, with the same message."""
+
+        @functools.wraps(method)
+        async def call(self: Any, request: Any, context: Any) -> Any:
+            try:
+                return await method(self, request, context)
+            except HTTPException as exc:
+                name = STATUS_CODES.get(exc.status_code, "INTERNAL")
+                await context.abort(getattr(grpc.StatusCode, name), str(exc.detail))
+
+        return call
+
+    base: Any = pb_grpc.GRPCInferenceServiceServicer
+
+    class Servicer(base):  # type: ignore[misc]
+        def _state(self) -> AppState:
+            state: AppState = app.state.streamdet
+            return state
+
+        @answers
+        async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ServerLiveResponse(live=True)
+
+        @answers
+        async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ServerReadyResponse(ready=self._state().ready)
+
+        @answers
+        async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return pb.ServerMetadataResponse(
+                name="streamdet",
+                version=app.version,
+                extensions=["parameters", "model_configuration"],
+            )
+
+        @answers
+        async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+            state = self._state()
+            _check_model(state, request.name, request.version)
+            return pb.ModelReadyResponse(ready=state.ready)
+
+        @answers
+        async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+            state = self._state()
+            _check_model(state, request.name, request.version)
+            tensors = pb.ModelMetadataResponse.TensorMetadata
+            return pb.ModelMetadataResponse(
+                name=request.name,
+                versions=[VERSION],
+                platform=f"streamdet_{state.settings.backend}",
+                inputs=[tensors(**t) for t in INPUTS],
+                outputs=[tensors(**t) for t in OUTPUTS],
+            )
+
+        @answers
+        async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
+            state = self._state()
+            _check_model(state, request.name, request.version)
+            types = {"BYTES": "TYPE_STRING", "UINT8": "TYPE_UINT8"}
+            types |= {"INT32": "TYPE_INT32", "FP32": "TYPE_FP32"}
+
+            def dtype(datatype: str) -> Any:
+                return config_pb.DataType.Value(types[datatype])
+
+            config = config_pb.ModelConfig(
+                name=request.name,
+                platform=f"streamdet_{state.settings.backend}",
+                max_batch_size=state.pool.max_batch,
+                input=[
+                    config_pb.ModelInput(name=t["name"], data_type=dtype(t["datatype"]))
+                    for t in INPUTS
+                ],
+                output=[
+                    config_pb.ModelOutput(name=t["name"], data_type=dtype(t["datatype"]))
+                    for t in OUTPUTS
+                ],
+                dynamic_batching=config_pb.ModelDynamicBatching(
+                    max_queue_delay_microseconds=int(state.settings.max_wait_ms * 1000)
+                ),
+                instance_group=[config_pb.ModelInstanceGroup(count=state.pool.workers)],
+                parameters={
+                    "names": config_pb.ModelParameter(
+                        string_value=json.dumps(state.pool.engine.names)
+                    )
+                },
+            )
+            return pb.ModelConfigResponse(config=config)
+
+        @answers
+        async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+            state = self._state()
+            _check_model(state, request.model_name, request.model_version)
+            controller: AdmissionController | None = getattr(app.state, "admission", None)
+            if controller is None or not state.ready:
+                raise HTTPException(503, "model not loaded yet")
+            left_s = context.time_remaining()  # the call's gRPC deadline, if it has one
+            headers = Headers(
+                {} if left_s is None else {DEADLINE_HEADER: f"{max(left_s, 0.001) * 1000:.0f}"}
+            )
+            metadata = dict(context.invocation_metadata() or ())
+            request_id = str(metadata.get("x-request-id") or request.id or uuid.uuid4().hex[:12])
+            ticket = controller.admit(time.monotonic(), headers, request_id)
+            try:
+                inference, binary = _as_v2_json(request)
+                params = _params(inference, state.pool.engine.names)
+                started = time.monotonic()
+                images = await _images(state, inference, binary, asyncio.get_running_loop())
+                ticket.decoded(time.monotonic() - started)
+                results = await run_admitted(state, ticket, images, params)
+            finally:
+                ticket.release()
+            found = [r.detections for r in results if r.detections is not None]
+            outputs = _outputs(found)
+            wanted = [o.name for o in request.outputs] or list(outputs)
+            unknown = [name for name in wanted if name not in outputs]
+            if unknown:
+                known = ", ".join(outputs)
+                raise HTTPException(400, f"unknown output {unknown[0]!r}; the model has {known}")
+            datatypes = {o["name"]: o["datatype"] for o in OUTPUTS}
+            return pb.ModelInferResponse(
+                model_name=request.model_name,
+                model_version=VERSION,
+                id=request.id,
+                outputs=[
+                    pb.ModelInferResponse.InferOutputTensor(
+                        name=name, datatype=datatypes[name], shape=list(outputs[name].shape)
+                    )
+                    for name in wanted
+                ],
+                raw_output_contents=[
+                    np.ascontiguousarray(outputs[name], NP_TYPES[datatypes[name]]).tobytes()
+                    for name in wanted
+                ],
+            )
+
+    return Servicer()
+
+
+async def start(app: FastAPI, settings: Settings) -> Any:
+    """Serve ``GRPCInferenceService`` on ``settings.grpc_port``; returns the server (stop it
+    with ``await server.stop(grace_s)``).
+
+    Raises:
+        GrpcUnavailable: the packages are not installed.
+        RuntimeError: the port cannot be bound (the message names the setting).
+    """
+    grpc, _, pb_grpc, _ = _modules()
+    limit = settings.max_upload_bytes + 64 * 1024  # the images, and the request around them
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ]
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(app), server)
+    address = f"{settings.host}:{settings.grpc_port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"cannot serve gRPC on {address} (setting STREAMDET_GRPC_PORT): {exc}"
+        ) from None
+    await server.start()
+    log.info("KServe v2 gRPC on %s (model %s)", address, _model_name(app.state.streamdet))
+    return server
