@@ -78,6 +78,21 @@ def _same(result: triton.InferResult, i: int, expected: list[dict[str, Any]]) ->
     assert not result.as_numpy("detection_scores")[i, n:].any()
 
 
+def _two_encoded(
+    module: Any, client: Any, server: ServerProcess, bus: bytes, zidane: bytes, request_id: str
+) -> Any:
+    """Two encoded images in one request through ``module``'s client (tritonclient.http or
+    .grpc), answered as ``/detect`` answers each, then with ``/detect``'s parameters."""
+    encoded = module.InferInput("image_bytes", [2], "BYTES")
+    encoded.set_data_from_numpy(np.array([bus, zidane], dtype=np.object_))
+    result = client.infer(MODEL, [encoded], request_id=request_id)
+    _same(result, 0, _detect(server, bus))
+    _same(result, 1, _detect(server, zidane))
+    people = client.infer(MODEL, [encoded], parameters={"classes": "person", "conf": 0.5})
+    _same(people, 0, _detect(server, bus, classes="person", conf=0.5))
+    return result
+
+
 def test_tritons_client_detects_as_detect_does(
     server: ServerProcess, client: triton.InferenceServerClient
 ) -> None:
@@ -98,15 +113,8 @@ def test_tritons_client_detects_as_detect_does(
     assets = ultralytics_assets()
     bus, zidane = ((assets / name).read_bytes() for name in ("bus.jpg", "zidane.jpg"))
     # Encoded images, two in one request, sent and answered as binary data (the default).
-    encoded = triton.InferInput("image_bytes", [2], "BYTES")
-    encoded.set_data_from_numpy(np.array([bus, zidane], dtype=np.object_))
-    result = client.infer(MODEL, [encoded], request_id="r1")
+    result = _two_encoded(triton, client, server, bus, zidane, "r1")
     assert result.get_response()["id"] == "r1"
-    _same(result, 0, _detect(server, bus))
-    _same(result, 1, _detect(server, zidane))
-    # /detect's parameters, as request parameters.
-    people = client.infer(MODEL, [encoded], parameters={"classes": "person", "conf": 0.5})
-    _same(people, 0, _detect(server, bus, classes="person", conf=0.5))
 
     # RGB pixels, with only the outputs asked for, as JSON.
     pixels = decode_image(bus, 50_000_000)
@@ -183,14 +191,10 @@ def test_tritons_grpc_client_detects_as_detect_does(
     assert "person" in config["parameters"]["names"]["string_value"]
 
     bus, zidane = ((ultralytics_assets() / n).read_bytes() for n in ("bus.jpg", "zidane.jpg"))
+    result = _two_encoded(triton_grpc, c, server, bus, zidane, "g1")
+    assert result.get_response().id == "g1"
     encoded = triton_grpc.InferInput("image_bytes", [2], "BYTES")
     encoded.set_data_from_numpy(np.array([bus, zidane], dtype=np.object_))
-    result = c.infer(MODEL, [encoded], request_id="g1", client_timeout=60)
-    assert result.get_response().id == "g1"
-    _same(result, 0, _detect(server, bus))
-    _same(result, 1, _detect(server, zidane))
-    people = c.infer(MODEL, [encoded], parameters={"classes": "person", "conf": 0.5})
-    _same(people, 0, _detect(server, bus, classes="person", conf=0.5))
     pixels = decode_image(bus, 50_000_000)
     raw = triton_grpc.InferInput("images", [1, *pixels.shape], "UINT8")
     raw.set_data_from_numpy(pixels[np.newaxis])
