@@ -37,7 +37,8 @@ class Analysed:
         dwell: per detection, seconds its object has been in each of its zones (tracked
             streams with zones; ``None`` otherwise).
         still: per detection, seconds its object has stood still (tracked streams; ``None``
-            otherwise); from :data:`streams.track.STATIONARY_S` on it is stationary.
+            otherwise); from ``stationary_s`` on it is stationary.
+        stationary_s: the stream's ``stationary_s`` (or :data:`streams.track.STATIONARY_S`).
     """
 
     detections: Detections
@@ -45,6 +46,7 @@ class Analysed:
     zones: list[list[str]] | None = None
     dwell: list[dict[str, float]] | None = None
     still: list[float] | None = None
+    stationary_s: float = STATIONARY_S
 
 
 class StreamAnalytics:
@@ -128,7 +130,7 @@ class StreamAnalytics:
                     Counter(
                         name(c)
                         for c, s in zip(detections.class_ids, still, strict=True)
-                        if s >= STATIONARY_S
+                        if s >= detect.stationary_after_s
                     )
                 )
             )
@@ -146,7 +148,14 @@ class StreamAnalytics:
             seen = seen_by_track(detections)
             crossings = [replace(c, seen=seen.get(c.track_id)) for c in crossings]
             zone_events = [replace(e, seen=seen.get(e.track_id)) for e in zone_events]
-        return Analysed(detections, (*crossings, *zone_events), members, dwell, still)
+        return Analysed(
+            detections,
+            (*crossings, *zone_events),
+            members,
+            dwell,
+            still,
+            detect.stationary_after_s,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """The counts, as ``GET /streams/{id}`` shows them: ``detections`` and ``objects`` by

@@ -21,6 +21,7 @@ from engines.types import Detections, DetectParams, class_ids
 from streams.filters import ObjectFilters
 from streams.geometry import Point, anchors, check_polygon, parse_points, polygon_contains
 from streams.lines import Line, parse_lines
+from streams.track import STATIONARY_S
 from streams.zones import Zone, parse_zones
 
 
@@ -86,6 +87,7 @@ def parse_masks(raw: Sequence[Sequence[Sequence[float]]]) -> tuple[Roi, ...]:
     return tuple(masks)
 
 
+DAY_S = 86_400.0
 LOW_CONF = 0.1
 """On a tracked stream the engine keeps detections down to this confidence: those under the
 stream's ``conf`` only carry on tracks that lost their confident detection (ByteTrack's second
@@ -118,6 +120,9 @@ class StreamDetect:
     server's)."""
     filters: ObjectFilters | None = None
     """Per-class minimum confidence, sizes and shapes (:mod:`streams.filters`)."""
+    stationary_s: float | None = None
+    """Seconds a tracked object stands still before it is stationary (``None``:
+    :data:`streams.track.STATIONARY_S`): short at a doorway, long in a car park."""
 
     def __post_init__(self) -> None:
         if len(self.motion_mask) > MAX_MASKS:
@@ -132,11 +137,21 @@ class StreamDetect:
             not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 255
         ):
             raise ValueError(f"motion_threshold: grey levels from 1 to 255, not {level!r}")
+        still: object = self.stationary_s
+        if still is not None and (
+            not isinstance(still, int | float) or isinstance(still, bool) or not 0 < still <= DAY_S
+        ):
+            raise ValueError(f"stationary_s: seconds in (0, {DAY_S:.0f}], not {still!r}")
         if self.lines and not self.track:
             raise ValueError(
                 "lines: counting lines need track set to true (crossings are counted per"
                 " tracked object)"
             )
+
+    @property
+    def stationary_after_s(self) -> float:
+        """When a still object counts as stationary: ``stationary_s`` or the default."""
+        return STATIONARY_S if self.stationary_s is None else float(self.stationary_s)
 
     @property
     def engine_params(self) -> DetectParams:
@@ -156,7 +171,8 @@ class StreamDetect:
     def describe(self, names: Mapping[int, str]) -> dict[str, Any]:
         """JSON form: the parameters (classes by name), ``roi`` (``null``: whole frame),
         ``track``, ``lines``, ``zones``, ``clips``, ``motion``, ``motion_mask``,
-        ``motion_min_area``, ``motion_threshold`` and ``filters`` (by class name)."""
+        ``motion_min_area``, ``motion_threshold``, ``filters`` (by class name) and
+        ``stationary_s``."""
         return {
             **self.params.describe(names),
             "roi": None if self.roi is None else self.roi.to_json(),
@@ -169,6 +185,7 @@ class StreamDetect:
             "motion_min_area": self.motion_min_area,
             "motion_threshold": self.motion_threshold,
             "filters": {} if self.filters is None else self.filters.to_json(names),
+            "stationary_s": self.stationary_s,
         }
 
     @classmethod
@@ -204,4 +221,5 @@ class StreamDetect:
             data.get("motion_min_area"),
             data.get("motion_threshold"),
             ObjectFilters.parse(data["filters"], names) if data.get("filters") else None,
+            data.get("stationary_s"),
         )

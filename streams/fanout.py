@@ -32,16 +32,17 @@ def detections_json(
     zones: Sequence[list[str]] | None,
     dwell: Sequence[dict[str, float]] | None,
     still: Sequence[float] | None = None,
+    stationary_s: float = STATIONARY_S,
 ) -> list[dict[str, Any]]:
     """Detections as the API sends them, each with the ``zones`` it stands in and its
     ``dwell_s`` in each, and (tracked) ``still_s``, how long its object has stood still, and
-    ``stationary`` from :data:`streams.track.STATIONARY_S` on, where a stream's (or a job's)
-    analytics gave them."""
+    ``stationary`` from ``stationary_s`` on, where a stream's (or a job's) analytics gave
+    them."""
     out = detections.to_json()
     if still is not None:
         for item, still_s in zip(out, still, strict=True):
             item["still_s"] = round(still_s, 2)
-            item["stationary"] = still_s >= STATIONARY_S
+            item["stationary"] = still_s >= stationary_s
     if zones is not None:
         for item, names in zip(out, zones, strict=True):
             item["zones"] = names
@@ -82,6 +83,7 @@ class ProcessedFrame:
         dwell: per detection, seconds its object has been in each of its zones (tracked
             streams with zones).
         still: per detection, seconds its object has stood still (tracked streams).
+        stationary_s: from how many seconds still an object is stationary.
         latency_ms: decode to publication, set when published.
     """
 
@@ -97,6 +99,7 @@ class ProcessedFrame:
     zones: list[list[str]] | None = None
     dwell: list[dict[str, float]] | None = None
     still: list[float] | None = None
+    stationary_s: float = STATIONARY_S
     latency_ms: float = 0.0
     _json: str | None = field(default=None, repr=False)
 
@@ -105,7 +108,9 @@ class ProcessedFrame:
         or entered or exited a zone also carries these ``events``, and on a stream with zones
         each detection lists the ``zones`` it stands in (and, tracked, its ``dwell_s`` in
         each)."""
-        detections = detections_json(self.detections, self.zones, self.dwell, self.still)
+        detections = detections_json(
+            self.detections, self.zones, self.dwell, self.still, self.stationary_s
+        )
         message = {
             "stream_id": self.stream_id,
             "frame": self.frame,

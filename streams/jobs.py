@@ -386,7 +386,9 @@ def _finish(
         done: Analysed = analytics.process(
             result.detections, spec.detect, sampled.pts, sampled.index
         )
-        detections = detections_json(done.detections, done.zones, done.dwell, done.still)
+        detections = detections_json(
+            done.detections, done.zones, done.dwell, done.still, done.stationary_s
+        )
         line.update(
             width=done.detections.width, height=done.detections.height, detections=detections
         )

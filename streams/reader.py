@@ -536,5 +536,6 @@ class StreamReader:
                     zones=done.zones,
                     dwell=done.dwell,
                     still=done.still,
+                    stationary_s=done.stationary_s,
                 )
             )

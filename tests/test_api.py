@@ -254,11 +254,18 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             "motion_min_area": None,
             "motion_threshold": None,
             "filters": {},
+            "stationary_s": None,
         }
         assert resp.json()["detect"] == detect
 
         resp = c.patch(f"/streams/{sid}", json={"max_det": 5})  # only what is given changes
         assert resp.status_code == 200, resp.text
+        assert resp.json()["detect"] == {**detect, "max_det": 5}
+        resp = c.patch(f"/streams/{sid}", json={"stationary_s": 30})  # a car park's wait
+        assert resp.json()["detect"] == {**detect, "max_det": 5, "stationary_s": 30}
+        resp = c.patch(f"/streams/{sid}", json={"stationary_s": 0})
+        assert resp.status_code == 422 and "stationary_s" in resp.text
+        resp = c.patch(f"/streams/{sid}", json={"stationary_s": None})
         assert resp.json()["detect"] == {**detect, "max_det": 5}
         resp = c.patch(f"/streams/{sid}", json={"classes": None})
         assert resp.json()["detect"] == {**detect, "max_det": 5, "classes": None}

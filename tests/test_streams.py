@@ -344,6 +344,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             "motion_min_area": None,
             "motion_threshold": None,
             "filters": {},
+            "stationary_s": None,
         }
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)

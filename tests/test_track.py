@@ -341,3 +341,27 @@ def test_settings_round_trip_and_older_descriptions_still_load() -> None:
     assert (loaded.track, loaded.lines) == (False, ())
     with pytest.raises(ValueError, match="track"):
         StreamDetect.from_description({**older, "track": "yes"}, names)
+
+
+def test_a_streams_stationary_s_sets_when_a_still_object_is_stationary() -> None:
+    """A doorway stream (3 s) calls the parked car stationary where the default (10 s) does
+    not yet; the setting is checked and round-trips through the stored description."""
+    doorway, default = StreamAnalytics(), StreamAnalytics()
+    quick, plain = StreamDetect(track=True, stationary_s=3), StreamDetect(track=True)
+    for i in range(11):  # 5 s at 2 fps
+        frame = dets([[100, 100, 300, 200]])
+        short = doorway.process(frame, quick, i * 0.5, i + 1)
+        long = default.process(frame, plain, i * 0.5, i + 1)
+    assert short.still is not None and long.still is not None
+    assert short.still[0] == long.still[0] == pytest.approx(5.0)
+    assert detections_json(short.detections, None, None, short.still, short.stationary_s)[0][
+        "stationary"
+    ]
+    assert not detections_json(long.detections, None, None, long.still, long.stationary_s)[0][
+        "stationary"
+    ]
+    assert doorway.snapshot()["stationary"] == {"car": 1} and default.snapshot()["stationary"] == {}
+    names = {2: "car"}
+    assert StreamDetect.from_description(quick.describe(names), names) == quick
+    with pytest.raises(ValueError, match="stationary_s"):
+        StreamDetect(track=True, stationary_s=0)

@@ -208,6 +208,15 @@ class DetectIn(BaseModel):
             " motion: a camera's clock, a tree in the wind; null or []: none",
         ),
     ] = None
+    stationary_s: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=86_400,
+            description="seconds a tracked object stands still before it is 'stationary'"
+            " (short at a doorway, long in a car park); null: 10",
+        ),
+    ] = None
 
     filters: Annotated[
         dict[str, FilterIn] | None,
@@ -258,8 +267,9 @@ class DetectIn(BaseModel):
             if "filters" in given:
                 raw = {k: f.model_dump(exclude_none=True) for k, f in (self.filters or {}).items()}
                 filters = ObjectFilters.parse(raw, names) if raw else None
+            still = self.stationary_s if "stationary_s" in given else current.stationary_s
             return StreamDetect(
-                params, roi, track, lines, zones, clips, motion, masks, area, level, filters
+                params, roi, track, lines, zones, clips, motion, masks, area, level, filters, still
             )
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
