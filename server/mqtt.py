@@ -12,7 +12,10 @@ the stream's state (``live``, ``reconnecting``, ``failed``) from its ``stream_st
 ``<prefix>/<stream id>/objects`` what its last frame shows and ``<prefix>/<stream
 id>/zones/<zone>`` what stands in each zone now, ``{"all": n, "<class>": n, ...}`` (objects
 counted once where the stream tracks), published when they change, as Frigate publishes its
-camera and zone counts; ``<prefix>/<stream id>/<class>/thumbnail`` the
+camera and zone counts; ``<prefix>/<stream id>/active`` the same for the objects that are not
+stationary (tracked streams: still under the stream's ``stationary_s``; untracked, every
+object), as Frigate's ``<camera>/<object>/active``: a parked car is in ``objects``, not in
+``active``; ``<prefix>/<stream id>/<class>/thumbnail`` the
 JPEG thumbnail of the newest event of an object of that class (``GET
 /events/{id}/thumbnail.jpg``), as Frigate publishes ``frigate/<camera>/<object>/snapshot``
 for Home Assistant's MQTT camera ("the last person at the door"). A zone that is removed has
@@ -55,6 +58,8 @@ from streams.fanout import ProcessedFrame
 log = logging.getLogger(__name__)
 BATCH = 100
 QOS = 1
+COUNT_TOPICS = ("objects", "active")
+"""A stream's retained counts of what its last frame shows: all, and those not stationary."""
 MAX_INFLIGHT = 1000
 """Publications the client keeps unacknowledged before the publisher waits for the broker."""
 
@@ -126,7 +131,8 @@ class MqttPublisher:
         self._task: asyncio.Task[None] | None = None
         self._detect_of = detect_of
         self._zones: dict[str, dict[str, dict[str, int]]] = {}  # stream -> zone -> counts
-        self._objects: dict[str, dict[str, int]] = {}  # stream -> what its last frame showed
+        # (stream, "objects" | "active") -> what its last frame showed
+        self._objects: dict[tuple[str, str], dict[str, int]] = {}
         self._thumbnail_of = thumbnail_of
         self._enable = enable
         self._roster = roster
@@ -254,11 +260,12 @@ class MqttPublisher:
             "zones"
         ) != tuple(names):
             self._announce_stream(frame.stream_id, zones=names)  # new, or its zones changed
-        objects = object_counts(frame)
-        if objects != self._objects.get(frame.stream_id):
-            body = json.dumps(objects, separators=(",", ":"))
-            self._client.publish(self.topic(frame.stream_id, "objects"), body, QOS, True)
-            self._objects[frame.stream_id] = objects
+        for kind, counts in (("objects", object_counts(frame)), ("active", active_counts(frame))):
+            key = (frame.stream_id, kind)
+            if counts != self._objects.get(key):
+                body = json.dumps(counts, separators=(",", ":"))
+                self._client.publish(self.topic(frame.stream_id, kind), body, QOS, True)
+                self._objects[key] = counts
         before = self._zones.get(frame.stream_id, {})
         if not names and not before:
             return
@@ -281,16 +288,18 @@ class MqttPublisher:
             self._retain_enabled(stream_id, state != "disabled")
             if state == "disabled":  # it shows nothing now: the counts say so
                 nothing = json.dumps({"all": 0}, separators=(",", ":"))
-                self._client.publish(self.topic(stream_id, "objects"), nothing, QOS, True)
-                self._objects[stream_id] = {"all": 0}
+                for kind in COUNT_TOPICS:
+                    self._client.publish(self.topic(stream_id, kind), nothing, QOS, True)
+                    self._objects[(stream_id, kind)] = {"all": 0}
                 for zone in self._zones.get(stream_id, {}):
                     self._client.publish(self._zone_topic(stream_id, zone), nothing, QOS, True)
                     self._zones[stream_id][zone] = {"all": 0}
             return
         self._client.publish(self.topic(stream_id, "state"), b"", qos=QOS, retain=True)
         self._client.publish(self.topic(stream_id, "enabled", "state"), b"", QOS, retain=True)
-        if self._objects.pop(stream_id, None) is not None:
-            self._client.publish(self.topic(stream_id, "objects"), b"", QOS, retain=True)
+        for kind in COUNT_TOPICS:
+            if self._objects.pop((stream_id, kind), None) is not None:
+                self._client.publish(self.topic(stream_id, kind), b"", QOS, retain=True)
         self._forget_stream(stream_id)
         for zone in self._zones.pop(stream_id, {}):
             self._client.publish(self._zone_topic(stream_id, zone), b"", qos=QOS, retain=True)
@@ -432,6 +441,13 @@ def zone_counts(frame: ProcessedFrame, zones: list[str]) -> dict[str, dict[str, 
 def object_counts(frame: ProcessedFrame) -> dict[str, int]:
     """What ``frame`` shows: ``{"all": n, class name: n, ...}``, each tracked object once."""
     return _tally(frame, [("",)] * len(frame.detections), [""])[""]
+
+
+def active_counts(frame: ProcessedFrame) -> dict[str, int]:
+    """:func:`object_counts` of the objects that are not stationary."""
+    still = frame.still or [0.0] * len(frame.detections)
+    groups = [() if s >= frame.stationary_s else ("",) for s in still]
+    return _tally(frame, groups, [""])[""]
 
 
 def _tally(

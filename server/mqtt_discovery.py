@@ -7,7 +7,8 @@ Each stream is a device (``streamdet <name>``) with:
 - a switch ``detection`` (``<prefix>/<id>/enabled/set`` and ``.../enabled/state``);
 - a sensor ``state`` (``live``, ``reconnecting``, ``failed``, ``disabled``);
 - a sensor ``objects``: what its last frame shows in all, the count of each class as
-  attributes (``<prefix>/<id>/objects``);
+  attributes (``<prefix>/<id>/objects``), and ``active objects``, the same for those not
+  stationary (``<prefix>/<id>/active``);
 - a sensor per zone, ``<zone> objects``, the same for what stands in it;
 - a camera per class it had an event of, ``<class>``: the newest thumbnail
   (``<prefix>/<id>/<class>/thumbnail``).
@@ -52,6 +53,9 @@ class Discovery:
             },
             self._topic("sensor", stream_id, "objects"): self._counts(
                 stream_id, name, "objects", "objects", self._state(stream_id, "objects")
+            ),
+            self._topic("sensor", stream_id, "active"): self._counts(
+                stream_id, name, "active", "active objects", self._state(stream_id, "active")
             ),
         }
         for zone in zones:

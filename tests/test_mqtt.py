@@ -22,7 +22,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from engines.types import Detections
 from loadtest.server import free_port
-from server.mqtt import check_mqtt_url, object_counts, safe_url, zone_counts
+from server.mqtt import active_counts, check_mqtt_url, object_counts, safe_url, zone_counts
 from server.mqtt_discovery import Discovery
 from server.settings import Settings
 from streams.fanout import ProcessedFrame
@@ -145,7 +145,8 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             assert listener.wait_for(f"streamdet/{sid}/state", 1, 10)[-1] == "live"
             zone = listener.wait_for(f"streamdet/{sid}/zones/lower", 1, 30)
             shown = listener.wait_for(f"streamdet/{sid}/objects", 1, 30)
-            zone = zone + shown  # the frame's counts have the same form
+            active = listener.wait_for(f"streamdet/{sid}/active", 1, 30)
+            zone = zone + shown + active  # the frame's counts have the same form
             counts = [json.loads(m) for m in zone if m]
             assert all(c["all"] == sum(v for k, v in c.items() if k != "all") for c in counts)
             got = [json.loads(m) for m in shared]
@@ -185,7 +186,8 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
             assert switch["state_topic"] == f"streamdet/{sid}/enabled/state"
             assert switch["availability_topic"] == "streamdet/available"
             assert switch["device"]["identifiers"] == [device]
-            for key, topic in (("objects", "objects"), ("zone_lower", "zones/lower")):
+            sensors = (("objects", "objects"), ("active", "active"), ("zone_lower", "zones/lower"))
+            for key, topic in sensors:
                 config_topic = f"homeassistant/sensor/{device}/{key}/config"
                 sensor = json.loads(listener.wait_for(config_topic, 1, 10)[-1])
                 assert sensor["state_topic"] == f"streamdet/{sid}/{topic}"
@@ -206,6 +208,7 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
                 time.sleep(0.1)
             assert listener.wait_last(enabled, "OFF", 10)
             assert listener.wait_last(f"streamdet/{sid}/objects", '{"all":0}', 10)
+            assert listener.wait_last(f"streamdet/{sid}/active", '{"all":0}', 10)
             listener.publish(f"streamdet/{sid}/enabled/set", "ON")
             assert listener.wait_last(enabled, "ON", 10)
             assert c.get(f"/streams/{sid}").json()["enabled"] is True
@@ -290,6 +293,12 @@ def test_zone_counts_count_each_tracked_object_once() -> None:
         "s", 1, None, 0.0, 0.0, image, dataclasses.replace(detections, track_ids=None), 1
     )
     assert object_counts(untracked) == {"all": 4, "car": 2, "truck": 1, "person": 1}
+    assert active_counts(untracked) == object_counts(untracked)  # untracked: all active
+    # Tracked: the parked car (still 30 s, over the stream's 10) is not active, the rest are.
+    frame.still = [30.0, 30.0, 0.5, 2.0]
+    assert active_counts(frame) == {"all": 2, "car": 1, "person": 1}
+    frame.stationary_s = 60.0  # a car park's stream: nobody is stationary yet
+    assert active_counts(frame) == object_counts(frame)
 
 
 def test_discovery_names_entities_as_home_assistant_allows() -> None:
@@ -303,6 +312,7 @@ def test_discovery_names_entities_as_home_assistant_allows() -> None:
         "ha/switch/streamdet_door/enabled/config",
         "ha/sensor/streamdet_door/state/config",
         "ha/sensor/streamdet_door/objects/config",
+        "ha/sensor/streamdet_door/active/config",
         "ha/sensor/streamdet_door/zone_loading_dock__2/config",
     }
     topic, camera = discovery.thumbnail("door", "", "traffic light")
