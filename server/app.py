@@ -112,6 +112,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 thumbnail_of=functools.partial(snapshots.get, thumbnail=True),
                 enable=functools.partial(streams.set_enabled, manager),
                 roster=manager.roster,
+                name_of=manager.name_of,
                 discovery=Discovery(settings.mqtt_topic, settings.mqtt_discovery_prefix)
                 if settings.mqtt_discovery
                 else None,

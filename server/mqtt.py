@@ -102,6 +102,8 @@ class MqttPublisher:
         enable: enables or disables a stream (``.../enabled/set``); False for an unknown one.
         roster: every stream's name and whether it is enabled (``.../enabled/state`` and the
             discovery configs on connect).
+        name_of: a stream's name now: a renamed stream's entities are announced again (at
+            its next frame) under the new name.
         discovery: announce each stream's entities to Home Assistant
             (``server/mqtt_discovery.py``); None: do not.
     """
@@ -117,6 +119,7 @@ class MqttPublisher:
         thumbnail_of: Callable[[int], Awaitable[bytes | None]] | None = None,
         enable: Callable[[str, bool], Awaitable[bool]] | None = None,
         roster: Callable[[], Mapping[str, tuple[str, bool]]] | None = None,
+        name_of: Callable[[str], str | None] | None = None,
         discovery: Discovery | None = None,
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
@@ -136,6 +139,7 @@ class MqttPublisher:
         self._thumbnail_of = thumbnail_of
         self._enable = enable
         self._roster = roster
+        self._name_of = name_of
         self._discovery = discovery
         self._announced: dict[str, dict[str, tuple[str, ...]]] = {}  # stream -> kind -> topics
         self._commands: set[asyncio.Task[None]] = set()
@@ -256,10 +260,13 @@ class MqttPublisher:
         if not self._connected.is_set():
             return  # sent once connected (the state is cleared on connect)
         names = self._zone_names(frame.stream_id)
-        if self._discovery is not None and self._announced.get(frame.stream_id, {}).get(
-            "zones"
-        ) != tuple(names):
-            self._announce_stream(frame.stream_id, zones=names)  # new, or its zones changed
+        if self._discovery is not None:
+            announced = self._announced.get(frame.stream_id, {})
+            name = None if self._name_of is None else self._name_of(frame.stream_id)
+            if announced.get("zones") != tuple(names) or (
+                name is not None and announced.get("name") != (name,)
+            ):  # new, renamed, or its zones changed
+                self._announce_stream(frame.stream_id, name, zones=names)
         for kind, counts in (("objects", object_counts(frame)), ("active", active_counts(frame))):
             key = (frame.stream_id, kind)
             if counts != self._objects.get(key):
@@ -344,6 +351,7 @@ class MqttPublisher:
             self._client.publish(topic, json.dumps(config), QOS, retain=True)
         announced["stream"] = tuple(configs)
         announced["zones"] = tuple(zones)
+        announced["name"] = (name,)
 
     def _forget_stream(self, stream_id: str) -> None:
         """A removed stream's entities go from Home Assistant."""

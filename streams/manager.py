@@ -378,6 +378,11 @@ class StreamManager:
             "subscribers": len(self._subs.get(record.id, ())),
         }
 
+    def name_of(self, stream_id: str) -> str | None:
+        """A stream's name (``None``: no such stream)."""
+        record = self._records.get(stream_id)
+        return None if record is None else record.name
+
     def roster(self) -> dict[str, tuple[str, bool]]:
         """Every stream's name, and whether it is enabled, by id."""
         return {sid: (record.name, record.enabled) for sid, record in self._records.items()}

@@ -193,6 +193,13 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
                 assert sensor["state_topic"] == f"streamdet/{sid}/{topic}"
                 assert sensor["value_template"] == "{{ value_json.all }}"
                 assert sensor["unique_id"] == f"{device}_{key}"
+            # Renamed in the API: Home Assistant's device is announced again under the name.
+            assert c.patch(f"/streams/{sid}", json={"name": "Loading bay"}).status_code == 200
+            renamed = f"homeassistant/sensor/{device}/objects/config"
+            deadline = time.monotonic() + 10
+            while json.loads(listener.on(renamed)[-1])["device"]["name"] != "streamdet Loading bay":
+                assert time.monotonic() < deadline, listener.on(renamed)[-1]
+                time.sleep(0.1)
             for class_name in newest:
                 config_topic = f"homeassistant/camera/{device}/thumbnail_{class_name}/config"
                 camera = json.loads(listener.wait_for(config_topic, 1, 10)[-1])
