@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import struct
 import time
@@ -33,7 +32,6 @@ from starlette.datastructures import Headers
 from server.admission import DEADLINE_HEADER, AdmissionController
 from server.routes.detect import run_admitted
 from server.routes.kserve import (
-    INPUTS,
     NP_TYPES,
     OUTPUTS,
     VERSION,
@@ -42,6 +40,8 @@ from server.routes.kserve import (
     _model_name,
     _outputs,
     _params,
+    model_config_json,
+    model_metadata_json,
 )
 from server.settings import Settings
 from server.state import AppState
@@ -107,6 +107,7 @@ def _as_v2_json(request: Any) -> tuple[dict[str, Any], bytes]:
 def make_servicer(app: FastAPI) -> Any:
     """The ``GRPCInferenceService`` servicer answering for ``app``'s model and pool."""
     grpc, pb, pb_grpc, config_pb = _modules()
+    from google.protobuf import json_format
 
     def answers(
         method: Callable[[Any, Any, Any], Awaitable[Any]],
@@ -157,46 +158,15 @@ def make_servicer(app: FastAPI) -> Any:
         async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
             state = self._state()
             _check_model(state, request.name, request.version)
-            tensors = pb.ModelMetadataResponse.TensorMetadata
-            return pb.ModelMetadataResponse(
-                name=request.name,
-                versions=[VERSION],
-                platform=f"streamdet_{state.settings.backend}",
-                inputs=[tensors(**t) for t in INPUTS],
-                outputs=[tensors(**t) for t in OUTPUTS],
-            )
+            answer = pb.ModelMetadataResponse()
+            return json_format.ParseDict(model_metadata_json(state, request.name), answer)
 
         @answers
         async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
             state = self._state()
             _check_model(state, request.name, request.version)
-            types = {"BYTES": "TYPE_STRING", "UINT8": "TYPE_UINT8"}
-            types |= {"INT32": "TYPE_INT32", "FP32": "TYPE_FP32"}
-
-            def dtype(datatype: str) -> Any:
-                return config_pb.DataType.Value(types[datatype])
-
-            config = config_pb.ModelConfig(
-                name=request.name,
-                platform=f"streamdet_{state.settings.backend}",
-                max_batch_size=state.pool.max_batch,
-                input=[
-                    config_pb.ModelInput(name=t["name"], data_type=dtype(t["datatype"]))
-                    for t in INPUTS
-                ],
-                output=[
-                    config_pb.ModelOutput(name=t["name"], data_type=dtype(t["datatype"]))
-                    for t in OUTPUTS
-                ],
-                dynamic_batching=config_pb.ModelDynamicBatching(
-                    max_queue_delay_microseconds=int(state.settings.max_wait_ms * 1000)
-                ),
-                instance_group=[config_pb.ModelInstanceGroup(count=state.pool.workers)],
-                parameters={
-                    "names": config_pb.ModelParameter(
-                        string_value=json.dumps(state.pool.engine.names)
-                    )
-                },
+            config = json_format.ParseDict(
+                model_config_json(state, request.name), config_pb.ModelConfig()
             )
             return pb.ModelConfigResponse(config=config)
 

@@ -109,6 +109,7 @@ def test_tritons_client_detects_as_detect_does(
     ]
     config = client.get_model_config(MODEL)
     assert config["max_batch_size"] >= 1 and config["dynamic_batching"]
+    assert config["input"][0]["data_type"] == "TYPE_STRING"  # Triton's name for BYTES
 
     assets = ultralytics_assets()
     bus, zidane = ((assets / name).read_bytes() for name in ("bus.jpg", "zidane.jpg"))

@@ -468,13 +468,6 @@ async def _results(
     if output == "ndjson" and job.finished.is_set() and path.is_file():
         return FileResponse(path, media_type=NDJSON, headers=headers)
 
-    def written() -> bytes:  # the whole lines so far (a job still running: those written)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return b""
-        return data[: data.rfind(b"\n") + 1]
-
     def as_csv() -> str:
         columns, rows = (
             (FRAME_COLUMNS, _frame_rows) if name == FRAMES_FILE else (EVENT_COLUMNS, _event_rows)
@@ -482,14 +475,15 @@ async def _results(
         text = io.StringIO()
         writer = csv.DictWriter(text, columns, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
-        for raw in written().splitlines():
+        for raw in _whole_lines(path, 0).splitlines():  # a running job: those written
             writer.writerows(rows(json.loads(raw)))
         return text.getvalue()
 
     if output == "csv":
         headers["Content-Disposition"] = f'attachment; filename="{job.id}-{name[:-7]}.csv"'
         return Response(await asyncio.to_thread(as_csv), media_type="text/csv", headers=headers)
-    return Response(await asyncio.to_thread(written), media_type=NDJSON, headers=headers)
+    lines = await asyncio.to_thread(_whole_lines, path, 0)
+    return Response(lines, media_type=NDJSON, headers=headers)
 
 
 @router.get("/jobs/{job_id}/frames", response_class=Response)

@@ -130,13 +130,23 @@ async def model_metadata(
     """The model: its versions, platform, inputs (give one of them) and outputs."""
     state = get_state(request)
     _check_model(state, model_name, version)
+    return model_metadata_json(state, model_name)
+
+
+def model_metadata_json(state: AppState, name: str) -> dict[str, Any]:
+    """The model's metadata as the protocol's JSON (the gRPC service parses the same)."""
     return {
-        "name": model_name,
+        "name": name,
         "versions": [VERSION],
         "platform": f"streamdet_{state.settings.backend}",
         "inputs": INPUTS,
         "outputs": OUTPUTS,
     }
+
+
+CONFIG_TYPES = {"BYTES": "TYPE_STRING", "UINT8": "TYPE_UINT8", "INT32": "TYPE_INT32"}
+CONFIG_TYPES["FP32"] = "TYPE_FP32"
+"""Tensor datatypes as Triton's model configuration names them (BYTES is TYPE_STRING)."""
 
 
 @router.get("/models/{model_name}/config")
@@ -148,18 +158,22 @@ async def model_config(
     dynamic batching's wait, and the class names."""
     state = get_state(request)
     _check_model(state, model_name, version)
-    engine = state.pool.engine
+    return model_config_json(state, model_name)
+
+
+def model_config_json(state: AppState, name: str) -> dict[str, Any]:
+    """Triton's model configuration as JSON (the gRPC service parses the same)."""
     return {
-        "name": model_name,
+        "name": name,
         "platform": f"streamdet_{state.settings.backend}",
         "max_batch_size": state.pool.max_batch,
-        "input": [{"name": i["name"], "data_type": f"TYPE_{i['datatype']}"} for i in INPUTS],
-        "output": [{"name": o["name"], "data_type": f"TYPE_{o['datatype']}"} for o in OUTPUTS],
+        "input": [{"name": i["name"], "data_type": CONFIG_TYPES[i["datatype"]]} for i in INPUTS],
+        "output": [{"name": o["name"], "data_type": CONFIG_TYPES[o["datatype"]]} for o in OUTPUTS],
         "dynamic_batching": {
             "max_queue_delay_microseconds": int(state.settings.max_wait_ms * 1000)
         },
         "instance_group": [{"count": state.pool.workers}],
-        "parameters": {"names": {"string_value": json.dumps(engine.names)}},
+        "parameters": {"names": {"string_value": json.dumps(state.pool.engine.names)}},
     }
 
 
