@@ -61,10 +61,10 @@ def serve(settings: Settings) -> int:
             log.error("cannot start: %s", exc)
             return 2
     if settings.grpc_port:  # before the model loads: a missing extra fails at once
-        from server.grpc_v2 import GrpcUnavailable, _modules
+        from server.grpc_v2 import GrpcUnavailable, grpc_modules
 
         try:
-            _modules()
+            grpc_modules()
         except GrpcUnavailable as exc:
             log.error("cannot start: %s", exc)
             return 2

@@ -56,7 +56,7 @@ class GrpcUnavailable(RuntimeError):
     """gRPC was asked for and its packages are missing; the message says what to install."""
 
 
-def _modules() -> tuple[Any, Any, Any, Any]:
+def grpc_modules() -> tuple[Any, Any, Any, Any]:
     """grpc and Triton's generated service modules, or :class:`GrpcUnavailable`."""
     try:
         import grpc
@@ -106,7 +106,7 @@ def _as_v2_json(request: Any) -> tuple[dict[str, Any], bytes]:
 
 def make_servicer(app: FastAPI) -> Any:
     """The ``GRPCInferenceService`` servicer answering for ``app``'s model and pool."""
-    grpc, pb, pb_grpc, config_pb = _modules()
+    grpc, pb, pb_grpc, config_pb = grpc_modules()
     from google.protobuf import json_format
 
     def answers(
@@ -228,7 +228,7 @@ async def start(app: FastAPI, settings: Settings) -> Any:
         GrpcUnavailable: the packages are not installed.
         RuntimeError: the port cannot be bound (the message names the setting).
     """
-    grpc, _, pb_grpc, _ = _modules()
+    grpc, _, pb_grpc, _ = grpc_modules()
     limit = settings.max_upload_bytes + 64 * 1024  # the images, and the request around them
     server = grpc.aio.server(
         options=[
