@@ -5,7 +5,10 @@ decode it, convert the frame) and has to win it back each time. A thread running
 (an engine worker launching kernels, a busy event loop) keeps it for a whole switch interval
 before handing it over, so every frame can wait several intervals: the convoy effect. This
 measures one decode thread's frames/s alone and beside ``--spinners`` pure-Python threads, at
-each switch interval::
+each switch interval, and the same stream decoded in a decode process
+(:mod:`streams.decode_procs`: the frames reach this process as shared-memory arrays through
+the server's own reader, which takes the lock once per batch of messages, not per FFmpeg
+call)::
 
     python -m benchmarks.gil_bench --out benchmarks/results/<date>-cpu2-gil.json
 """
@@ -37,8 +40,40 @@ def decode_fps(clip: Path, seconds: float, threads: str) -> float:
     return frames / (time.monotonic() - start)
 
 
-def beside_spinners(clip: Path, seconds: float, threads: str, spinners: int) -> float:
-    """:func:`decode_fps` while ``spinners`` threads run pure Python."""
+def process_fps(clip: Path, seconds: float) -> float:
+    """Frames/s that reach this process from ``clip`` decoded (unpaced, looping) in a decode
+    process, through the server's :class:`~streams.decode_procs.RemoteReader`."""
+    from engines.batching import WorkItem
+    from streams.decode_procs import DecodeHub
+    from streams.reader import ReaderOptions, StreamConfig, StreamState
+    from streams.sources import parse_source
+
+    frames = [0]
+
+    def submit(stream_id: str, item: WorkItem) -> WorkItem | None:
+        frames[0] += 1  # and dropped: its slot goes back to the process
+        return None
+
+    hub = DecodeHub(1, ReaderOptions(file_fps=0))
+    config = StreamConfig("gil", parse_source(clip.resolve().as_uri(), clip.resolve().parent))
+    reader = hub.reader(config, submit, lambda frame: None)
+    reader.start()
+    try:
+        if not reader.wait_state({StreamState.LIVE}, 30.0):
+            raise RuntimeError(f"the decode process did not open {clip}: {reader.last_error}")
+        time.sleep(1.0)
+        before, start = frames[0], time.monotonic()
+        time.sleep(seconds)
+        return (frames[0] - before) / (time.monotonic() - start)
+    finally:
+        hub.shutdown(5.0)
+
+
+def beside_spinners(
+    clip: Path, seconds: float, threads: str, spinners: int, *, process: bool = False
+) -> float:
+    """:func:`decode_fps` (:func:`process_fps` with ``process``) while ``spinners`` threads
+    run pure Python."""
     stop = threading.Event()
 
     def spin() -> None:
@@ -50,7 +85,7 @@ def beside_spinners(clip: Path, seconds: float, threads: str, spinners: int) -> 
     for t in busy:
         t.start()
     try:
-        return decode_fps(clip, seconds, threads)
+        return process_fps(clip, seconds) if process else decode_fps(clip, seconds, threads)
     finally:
         stop.set()
         for t in busy:
@@ -74,14 +109,21 @@ def main(argv: list[str] | None = None) -> int:
                 sys.setswitchinterval(switch_ms / 1000)
                 alone = decode_fps(args.clip, args.seconds, threads)
                 contended = beside_spinners(args.clip, args.seconds, threads, args.spinners)
-                rows.append(
-                    {
-                        "threads": threads,
-                        "switch_ms": switch_ms,
-                        "alone_fps": round(alone, 1),
-                        "beside_spinners_fps": round(contended, 1),
-                    }
-                )
+                row = {
+                    "threads": threads,
+                    "switch_ms": switch_ms,
+                    "alone_fps": round(alone, 1),
+                    "beside_spinners_fps": round(contended, 1),
+                }
+                if threads == "auto":  # what a decode process uses
+                    row["process_alone_fps"] = round(process_fps(args.clip, args.seconds), 1)
+                    row["process_beside_spinners_fps"] = round(
+                        beside_spinners(
+                            args.clip, args.seconds, threads, args.spinners, process=True
+                        ),
+                        1,
+                    )
+                rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         sys.setswitchinterval(default_s)

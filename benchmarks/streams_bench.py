@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -93,9 +94,19 @@ class Child:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds the process ``pid`` has used (Linux ``/proc``)."""
+    """User + system CPU seconds the process ``pid`` and its live children (decode processes)
+    have used (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # the thread ended
+            continue
+        for child in children:
+            with contextlib.suppress(OSError):  # the child ended
+                used += cpu_seconds(int(child))
+    return used
 
 
 async def keep_a_job_running(

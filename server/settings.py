@@ -122,6 +122,14 @@ class Settings(BaseSettings):
         " made to match it at start; the API cannot change them",
     )
     max_streams: int = Field(64, ge=1, le=4096, description="most streams at once")
+    decode_processes: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="processes that decode streams outside the server's interpreter lock"
+        " (frames come back in shared memory); 0: decode threads in the server process."
+        " Streams that keep clips or decode with NVDEC decode in the server process",
+    )
     keyframe_decode: bool = Field(
         True,
         description="decode only the keyframes of a stream whose keyframes come at least as"

@@ -1,7 +1,8 @@
 """StreamManager: the set of live streams, their persistence, and the fan-out of their
 detections to subscribers.
 
-Threads: each stream decodes on its own thread (``StreamReader``); detections arrive on
+Threads: each stream decodes on its own thread (``StreamReader``), in this process or in a
+decode process (:mod:`streams.decode_procs`, a ``RemoteReader`` here); detections arrive on
 engine worker threads and are handed to the event loop with ``call_soon_threadsafe``;
 everything else here (subscribers, the stream table) lives on the event loop.
 """
@@ -23,6 +24,7 @@ from typing import Any, TypedDict
 
 from engines.pool import EnginePool
 from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
+from streams.decode_procs import DecodeHub, RemoteReader
 from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
@@ -57,6 +59,8 @@ class ManagerOptions:
         stop_timeout_s: how long to wait for a decode thread to exit.
         event_log_size: events kept for ``GET /events`` and webhooks.
         clips: where event clips go and how long they are (``None``: no clips).
+        decode_processes: processes that decode streams (0: decode threads in this process);
+            streams that keep clips or decode with NVDEC decode here all the same.
     """
 
     reader: ReaderOptions
@@ -66,6 +70,7 @@ class ManagerOptions:
     stop_timeout_s: float = 10.0
     event_log_size: int = 10_000
     clips: ClipOptions | None = None
+    decode_processes: int = 0
 
 
 class StreamChanges(TypedDict, total=False):
@@ -117,6 +122,12 @@ class StreamManager:
         # More members for each event of a frame, from the frame and the event's id.
         self.event_extras: list[Callable[[ProcessedFrame, dict[str, Any]], dict[str, Any]]] = []
         self.clips = None if options.clips is None else ClipIndex(options.clips)
+        self._hub: DecodeHub | None = None
+        if options.decode_processes > 0:
+            # A stream's frames the server may hold: waiting, in a batch, the latest, with
+            # each viewer's queue.
+            slots = min(64, max(8, options.ws_queue_size + 4))
+            self._hub = DecodeHub(options.decode_processes, options.reader, slots)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -159,6 +170,8 @@ class StreamManager:
                 )
         self._readers.clear()
         self._latest.clear()
+        if self._hub is not None:
+            await asyncio.to_thread(self._hub.shutdown, 5.0)
 
     # ---- control API -------------------------------------------------------------------
     async def add(
@@ -247,7 +260,12 @@ class StreamManager:
         reader.max_fps = record.max_fps
         if detect is not None:
             reader.detect = detect
-        if record.enabled != was_enabled or (detect is not None and stream_id in self._bad_detect):
+        moves = detect is not None and self._remote(detect) != isinstance(reader, RemoteReader)
+        if (
+            record.enabled != was_enabled
+            or (detect is not None and stream_id in self._bad_detect)
+            or moves  # clips on or off: decoded here or in a decode process from now on
+        ):
             await self._relaunch(record, reader)
         log.info("stream %s: updated %s", stream_id, sorted(changes))
         return self.describe(stream_id)
@@ -299,6 +317,7 @@ class StreamManager:
             old.loop,
             old.enabled,
         )
+        same = same and self._remote(detect) == isinstance(reader, RemoteReader)
         if same and stream_id not in self._bad_detect:
             reader.max_fps, reader.detect = record.max_fps, detect
             return self._describe(record)
@@ -558,6 +577,14 @@ class StreamManager:
         transport: Transport = "udp" if record.transport == "udp" else "tcp"
         return parse_source(record.url, self._opt.allowed_file_dir, transport, record.loop)
 
+    def _remote(self, detect: StreamDetect) -> bool:
+        """Whether a stream detecting ``detect`` decodes in a decode process: where there
+        are some, unless it keeps clips (the recorder takes its packets here) or decodes
+        with NVDEC (its frames are on this process's GPU)."""
+        return (
+            self._hub is not None and self._opt.reader.decode_device == "cpu" and not detect.clips
+        )
+
     def _encode(self, detect: StreamDetect) -> str:
         return json.dumps(detect.describe(self._pool.engine.names))
 
@@ -586,14 +613,20 @@ class StreamManager:
             log.error("stream %s: %s", record.id, error)
         config = StreamConfig(record.id, spec or placeholder, record.name, record.max_fps, detect)
         token = self._tokens[record.id] = object()
-        reader = StreamReader(
-            config,
-            self._opt.reader,
-            self._pool.submit_latest,
-            functools.partial(self._publish_threadsafe, token),
-            on_state=functools.partial(self._state_threadsafe, (record.id, token)),
-            clips=None if self.clips is None else self.clips.recorder(record.id),
-        )
+        publish = functools.partial(self._publish_threadsafe, token)
+        on_state = functools.partial(self._state_threadsafe, (record.id, token))
+        reader: StreamReader
+        if self._hub is not None and self._remote(detect):
+            reader = self._hub.reader(config, self._pool.submit_latest, publish, on_state=on_state)
+        else:
+            reader = StreamReader(
+                config,
+                self._opt.reader,
+                self._pool.submit_latest,
+                publish,
+                on_state=on_state,
+                clips=None if self.clips is None else self.clips.recorder(record.id),
+            )
         if carry is not None:
             reader.carry_over(carry)
         self._records[record.id] = record

@@ -94,6 +94,10 @@ class ReaderOptions:
     keyframe_decode: bool = True
     """Decode only keyframes where they come as often as ``max_fps`` samples (see
     :func:`keyframes_suffice`)."""
+    file_fps: float | None = None
+    """How fast ``file://`` sources play: ``None`` at their own timestamps (as the camera
+    they stand for), ``0`` as fast as they decode, else this many frames a second
+    (benchmarks: every stream at one rate, or unpaced)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +158,9 @@ class StreamReader:
         clips: keeps the stream's recent video and writes event clips, while its
             ``detect.clips`` is on.
     """
+
+    LOG_STATES = True
+    """Log each change of state (a decode process leaves it to the server's reader)."""
 
     def __init__(
         self,
@@ -288,6 +295,7 @@ class StreamReader:
                 "width": self.width,
                 "height": self.height,
                 "decode": "cuda" if self._gpu_decode and self._gpu_decode.on_gpu else "cpu",
+                "decode_process": None,
             }
 
     # ---- thread ------------------------------------------------------------------------
@@ -300,7 +308,7 @@ class StreamReader:
         with self._changed:
             self._changed.notify_all()
             previous = self.state
-            if state != previous:
+            if state != previous and self.LOG_STATES:
                 log.info(
                     "stream %s: %s -> %s%s",
                     self.config.id,
@@ -384,6 +392,7 @@ class StreamReader:
 
         got = False
         pace_base: tuple[float, float] | None = None  # (monotonic, pts) of the first frame
+        played = 0  # frames since then
         last_sent = -1e9
         last_key: float | None = None  # when the last keyframe was (seconds of the stream)
         reorders = bool(stream.codec_context.has_b_frames)
@@ -422,11 +431,14 @@ class StreamReader:
                     got = True
                     self._set_state(StreamState.LIVE)
                 pts = frame.time
-                if self.config.spec.is_file and pts is not None:
+                file_fps = self._opt.file_fps
+                if self.config.spec.is_file and pts is not None and file_fps != 0:
                     # A file decodes faster than real time; pace it like the camera it stands for.
                     if pace_base is None:
                         pace_base = (now, pts)
-                    wait = pace_base[0] + (pts - pace_base[1]) - now
+                    played += 1
+                    at = (played - 1) / file_fps if file_fps else pts - pace_base[1]
+                    wait = pace_base[0] + at - now
                     if wait > 0 and self._stop.wait(wait):
                         return got
                     now = time.monotonic()
@@ -449,11 +461,16 @@ class StreamReader:
                     with self._lock:
                         self.motion_skipped += 1
                     continue
-                if self._gpu_decode is None:
-                    self._offer(frame.to_ndarray(format="rgb24"), pts, now)
-                else:
-                    self._offer(self._gpu_decode.convert(frame), pts, now)
+                self._deliver(frame, pts, now)
         return got
+
+    def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
+        """Hand a sampled ``av.VideoFrame`` on to the engines (a decode process sends it to
+        the server process instead: :mod:`streams.decode_procs`)."""
+        if self._gpu_decode is None:
+            self._offer(frame.to_ndarray(format="rgb24"), pts, now)
+        else:
+            self._offer(self._gpu_decode.convert(frame), pts, now)
 
     def _guard_clips(self, step: Callable[..., None], *args: Any) -> None:
         """Run a clip step; a failure costs clips, never the stream."""

@@ -228,12 +228,15 @@ def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
     p.stop(5)
 
 
-@pytest.fixture
-async def file_manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
+@pytest.fixture(params=[0, 2], ids=["decode-threads", "decode-processes"])
+async def file_manager(
+    pool: EnginePool, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[StreamManager]:
     options = ManagerOptions(
         reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
         allowed_file_dir=VIDEOS[0].parent,
         ws_queue_size=4,
+        decode_processes=request.param,
     )
     manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
     await manager.start()

@@ -42,7 +42,7 @@ def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
     p.stop(5)
 
 
-def manager_options() -> ManagerOptions:
+def manager_options(decode_processes: int = 0) -> ManagerOptions:
     reader = ReaderOptions(
         open_timeout_s=3,
         read_timeout_s=2,
@@ -50,12 +50,21 @@ def manager_options() -> ManagerOptions:
         backoff_max_s=1.0,
         frame_deadline_ms=5000,
     )
-    return ManagerOptions(reader=reader, allowed_file_dir=None, ws_queue_size=4, stop_timeout_s=10)
+    return ManagerOptions(
+        reader=reader,
+        allowed_file_dir=None,
+        ws_queue_size=4,
+        stop_timeout_s=10,
+        decode_processes=decode_processes,
+    )
 
 
-@pytest.fixture
-async def manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
-    m = StreamManager(pool, StreamStore(tmp_path / "data"), manager_options())
+@pytest.fixture(params=[0, 1], ids=["decode-threads", "decode-processes"])
+async def manager(
+    pool: EnginePool, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[StreamManager]:
+    """Streams decoded on threads of this process, and in a decode process."""
+    m = StreamManager(pool, StreamStore(tmp_path / "data"), manager_options(request.param))
     await m.start()
     yield m
     await m.stop(10)

@@ -1,0 +1,707 @@
+"""Decode processes: streams decoded outside the server's interpreter lock.
+
+A stream's decode thread spends most of its time in FFmpeg, which runs without Python's
+interpreter lock, but it takes the lock back several times a frame (demux, decode, convert),
+and beside busy Python threads (engine workers, analytics, the event loop) each time waits for
+it: on an H200 machine 32 decode threads in the server process reached 1458 frames/s with 6.3
+of 16 cores busy while the GPU engine took 2966 (``benchmarks/results/2026-12-01-nvidia-h200-
+gpu.json``; ``benchmarks/gil_bench.py`` shows the hand-over cost on its own).
+
+With ``decode_processes`` above 0 the server starts that many child processes (``python -m
+streams.decode_procs``) and spreads its streams over them. A child runs the same
+:class:`~streams.reader.StreamReader` loop for each of its streams (open, reconnect with
+backoff, keyframe-only decode, file pacing, ``max_fps`` sampling, motion gating) and writes
+each sampled frame as RGB into a ring of slots in shared memory that it made for the stream.
+The server process maps the ring, and a frame's array is a view of its slot, not a copy; the
+slot goes back to the child when the last reference to the array is gone (the engine has run
+and every viewer has had it). Where more than half of a stream's slots are taken (something
+keeps its frames), the server copies frames out instead, so keeping frames costs copies, not
+frames; a frame that finds every slot taken all the same (the server is not reading) is dropped
+and counted, like any frame the engines could not take in time.
+
+Streams that keep event clips (the recorder needs the packets) and streams decoded by NVDEC
+(frames already on the GPU) decode in the server process, as without decode processes.
+
+Messages (pickled tuples, one pipe each way per child):
+
+- server to child: ``("init", options, slots, shm_dir, log_level)``, ``("open", key, config)``,
+  ``("set", key, max_fps, detect)``, ``("stop", key)``, ``("quit",)``;
+- child to server: ``("ring", key, gen, path, slots, height, width)``, ``("frame", key, gen,
+  slot, pts, decoded_mono)``, ``("state", key, state, error)``, ``("counts", key, deltas,
+  latest)``, ``("exited", key)``.
+
+A child whose server goes away (its pipe closes) stops its streams and exits; a child that
+dies is started again and its streams reopen on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from engines.batching import WorkItem
+from engines.types import Image
+from streams.detect import StreamDetect
+from streams.fanout import ProcessedFrame
+from streams.reader import (
+    FrameSink,
+    PublishFn,
+    ReaderOptions,
+    StateFn,
+    StreamConfig,
+    StreamReader,
+    StreamState,
+)
+
+log = logging.getLogger(__name__)
+
+HEADER = 64
+"""Bytes before a ring's first slot: one busy flag per slot (so at most 64 slots)."""
+MAX_SLOTS = HEADER
+COUNTED = ("frames_in", "decoded", "skipped", "motion_skipped", "reconnects", "drops")
+"""The counters a child keeps for the server's :class:`RemoteReader` (sent as increments)."""
+REPORT_S = 0.2
+"""How often a child sends its streams' counters (when they changed)."""
+QUICK_EXIT_S = 2.0
+"""A child that dies sooner than this after starting is not started again (it would again)."""
+
+
+def shm_dir() -> str:
+    """Where rings are made: ``/dev/shm`` (memory) where there is one."""
+    memory = "/dev/shm"  # noqa: S108 (files made by mkstemp: private, unique)
+    return memory if os.path.isdir(memory) else tempfile.gettempdir()
+
+
+# ---- the child ----------------------------------------------------------------------------
+
+
+class _Ring:
+    """A stream's frames of one size, in a file of shared memory (child side)."""
+
+    def __init__(self, gen: int, slots: int, height: int, width: int, directory: str) -> None:
+        self.gen, self.slots, self.height, self.width = gen, slots, height, width
+        self.slot_bytes = height * width * 3
+        size = HEADER + slots * self.slot_bytes
+        fd, self.path = tempfile.mkstemp(prefix="streamdet-frames-", dir=directory)
+        try:
+            try:
+                # Reserved now: a full /dev/shm fails here with a message, not later with a
+                # SIGBUS on the first write.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                os.unlink(self.path)
+                raise OSError(
+                    f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory} for"
+                    f" {slots} frames of {width}x{height} ({exc.strerror}): give the server more"
+                    " (docker run --shm-size) or decode in the server process"
+                    " (setting STREAMDET_DECODE_PROCESSES=0)"
+                ) from exc
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._next = 0
+
+    def take(self) -> int | None:
+        """A free slot, marked busy; None when the server holds every one."""
+        for i in range(self.slots):
+            slot = (self._next + i) % self.slots
+            if self.mm[slot] == 0:
+                self.mm[slot] = 1
+                self._next = slot + 1
+                return slot
+        return None
+
+    def write(self, slot: int, frame: Any) -> None:
+        dst = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
+        dst.reshape(self.height, self.width, 3)[...] = frame.to_ndarray(format="rgb24")
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _unused_submit(stream_id: str, item: WorkItem) -> WorkItem | None:
+    raise AssertionError("a decode process sends frames to the server, not to a pool")
+
+
+def _unused_publish(frame: ProcessedFrame) -> None:
+    raise AssertionError("a decode process publishes nothing")
+
+
+class _ChildReader(StreamReader):
+    """A stream's decode thread in a decode process: its frames go into shared memory and
+    its states and counters to the server."""
+
+    LOG_STATES = False  # the server's reader logs them
+
+    def __init__(
+        self, key: str, config: StreamConfig, child: _Child, options: ReaderOptions
+    ) -> None:
+        super().__init__(config, options, _unused_submit, _unused_publish)
+        self._key = key
+        self._child = child
+        self._ring: _Ring | None = None
+        self._rings: list[_Ring] = []
+        self._gens = itertools.count(1)
+        self._reported = dict.fromkeys(COUNTED, 0)
+
+    def _set_state(self, state: StreamState, error: str | None = None) -> None:
+        super()._set_state(state, error)
+        self.report()
+        self._child.post(("state", self._key, state.value, error))
+
+    def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
+        ring = self._ring
+        if ring is None or (ring.height, ring.width) != (frame.height, frame.width):
+            ring = _Ring(
+                next(self._gens), self._child.slots, frame.height, frame.width, self._child.dir
+            )
+            self._ring = ring
+            self._rings.append(ring)
+            message = ("ring", self._key, ring.gen, ring.path, ring.slots, ring.height, ring.width)
+            self._child.post(message)
+        slot = ring.take()
+        if slot is None:
+            with self._lock:
+                self.drops += 1
+            return
+        ring.write(slot, frame)
+        self._child.post(("frame", self._key, ring.gen, slot, pts, now))
+
+    def report(self) -> None:
+        """Send the counters that changed since the last report."""
+        now = time.monotonic()
+        with self._lock:
+            values = {name: getattr(self, name) for name in COUNTED}
+            latest = (
+                self.width,
+                self.height,
+                self.keyframes_only,
+                self._fps_in.rate(now),
+                self._last_frame_mono,
+                self._motion.area,
+            )
+        deltas = {k: v - self._reported[k] for k, v in values.items() if v != self._reported[k]}
+        self._reported = values
+        self._child.post(("counts", self._key, deltas, latest))
+
+    def _run(self) -> None:
+        try:
+            super()._run()
+        except Exception:
+            log.exception("stream %s: decode thread failed", self.config.id)
+        finally:
+            self.report()
+            for ring in self._rings:
+                ring.unlink()  # the server unlinked those it mapped; these it never will
+            self._child.forget(self._key, self)
+            self._child.post(("exited", self._key))
+
+
+class _Child:
+    """A decode process: its streams' threads and the pipe to the server."""
+
+    def __init__(self, events: Connection, options: ReaderOptions, slots: int, directory: str):
+        self.slots, self.dir, self._opt = slots, directory, options
+        self._events = events
+        self._send_lock = threading.Lock()
+        self._readers: dict[str, _ChildReader] = {}
+        self._gone = threading.Event()  # the server stopped listening
+
+    def post(self, message: tuple[Any, ...]) -> None:
+        if self._gone.is_set():
+            return
+        try:
+            with self._send_lock:
+                self._events.send(message)
+        except OSError:  # the server is gone: stop everything
+            self._gone.set()
+            for reader in list(self._readers.values()):
+                reader.stop()
+
+    def forget(self, key: str, reader: _ChildReader) -> None:
+        if self._readers.get(key) is reader:
+            del self._readers[key]
+
+    def handle(self, message: tuple[Any, ...]) -> None:
+        kind, key = message[0], message[1]
+        if kind == "open":
+            reader = self._readers[key] = _ChildReader(key, message[2], self, self._opt)
+            reader.start()
+        elif kind == "set":
+            reader = self._readers.get(key) or _missing(key)
+            reader.max_fps, reader.detect = message[2], message[3]
+        elif kind == "stop" and (gone := self._readers.pop(key, None)) is not None:
+            gone.stop()
+
+    def report_loop(self) -> None:
+        while not self._gone.wait(REPORT_S):
+            for reader in list(self._readers.values()):
+                if reader.alive:
+                    reader.report()
+
+    def shutdown(self, timeout_s: float) -> None:
+        readers = list(self._readers.values())
+        for reader in readers:
+            reader.stop()
+        end = time.monotonic() + timeout_s
+        for reader in readers:
+            reader.join(max(0.0, end - time.monotonic()))
+        self._gone.set()
+
+
+def _missing(key: str) -> _ChildReader:
+    raise KeyError(f"no stream {key} in this decode process")
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    """``python -m streams.decode_procs --cmd-fd N --evt-fd M``: started by :class:`DecodeHub`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cmd-fd", type=int, required=True)
+    parser.add_argument("--evt-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
+    commands = Connection(args.cmd_fd, writable=False)
+    events = Connection(args.evt_fd, readable=False)
+    try:
+        _, options, slots, directory, level = commands.recv()
+    except EOFError:
+        return 0
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s [decode %(process)d] %(name)s: %(message)s",
+    )
+    child = _Child(events, options, slots, directory)
+    threading.Thread(target=child.report_loop, name="decode-report", daemon=True).start()
+    try:
+        while True:
+            try:
+                message = commands.recv()
+            except (EOFError, OSError):
+                log.warning("the server closed its pipe: stopping")
+                break
+            if message[0] == "quit":
+                break
+            try:
+                child.handle(message)
+            except Exception:  # one stream's bad command must not end the others
+                log.exception("decode process: cannot %s", message[:2])
+    finally:
+        child.shutdown(options.read_timeout_s + 1.0)
+    return 0
+
+
+# ---- the server side ----------------------------------------------------------------------
+
+
+class _Mapped:
+    """A ring the server mapped: frames are views of its slots."""
+
+    def __init__(self, gen: int, path: str, slots: int, height: int, width: int) -> None:
+        self.gen, self.slots, self.height, self.width = gen, slots, height, width
+        self.slot_bytes = height * width * 3
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, HEADER + slots * self.slot_bytes)
+        finally:
+            os.close(fd)
+        os.unlink(path)  # both sides have it mapped: gone with the last of them, crash or not
+
+    def frame(self, slot: int) -> Image:
+        """Slot ``slot`` as an image: a view of it, free again once no array refers to it; or,
+        where more than half the slots are taken (someone keeps frames: a viewer's queue, a
+        test's list), a copy, and the slot is free at once, so a consumer that keeps frames
+        costs copies, never the stream's frames."""
+        flat = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
+        if sum(self.mm[: self.slots]) > self.slots // 2:
+            image = flat.reshape(self.height, self.width, 3).copy()
+            _free(self.mm, slot)
+            return image
+        weakref.finalize(flat, _free, self.mm, slot)
+        return flat.reshape(self.height, self.width, 3)
+
+    def free(self, slot: int) -> None:
+        _free(self.mm, slot)
+
+
+def _free(mm: mmap.mmap, slot: int) -> None:
+    with contextlib.suppress(ValueError):  # closed
+        mm[slot] = 0
+
+
+@dataclass(eq=False)
+class _Proc:
+    index: int
+    popen: subprocess.Popen[bytes]
+    commands: Connection
+    events: Connection
+    started: float
+    readers: dict[str, RemoteReader] = field(default_factory=dict)
+    rings: dict[str, _Mapped] = field(default_factory=dict)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class DecodeHub:
+    """The server's decode processes: starts them (at the first stream), gives each stream
+    to the one with the fewest, and hands what they send to the streams' readers on one
+    receiving thread.
+
+    Args:
+        processes: how many.
+        options: every stream's reader options.
+        slots: frames of one stream the server may hold at once (waiting for an engine, in
+            a batch, with viewers); more are dropped.
+    """
+
+    def __init__(self, processes: int, options: ReaderOptions, slots: int = 8) -> None:
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be 1..{MAX_SLOTS}, not {slots}")
+        self._n = processes
+        self._opt = options
+        self._slots = slots
+        self._procs: list[_Proc | None] = [None] * processes
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        self._closed = False
+        self._wake_r, self._wake_w = Pipe(duplex=False)
+        self._thread: threading.Thread | None = None
+
+    # ---- streams ---------------------------------------------------------------------------
+    def reader(
+        self,
+        config: StreamConfig,
+        submit: FrameSink,
+        publish: PublishFn,
+        *,
+        on_state: StateFn | None = None,
+    ) -> RemoteReader:
+        """A reader for ``config`` that decodes in one of the processes once started."""
+        key = f"{config.id}#{next(self._keys)}"
+        return RemoteReader(
+            self, key, config, options=self._opt, submit=submit, publish=publish, on_state=on_state
+        )
+
+    def open(self, reader: RemoteReader) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("decode processes are shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._receive, name="decode-hub", daemon=True
+                )
+                self._thread.start()
+            index = min(
+                range(self._n),
+                key=lambda i: -1 if (p := self._procs[i]) is None else len(p.readers),
+            )
+            proc = self._procs[index] or self._start(index)
+            proc.readers[reader.key] = reader
+        self._send(proc, ("open", reader.key, reader.remote_config()))
+
+    def update(self, reader: RemoteReader) -> None:
+        if (proc := self._proc_of(reader)) is not None:
+            self._send(proc, ("set", reader.key, reader.max_fps, reader.detect))
+
+    def close(self, reader: RemoteReader) -> None:
+        if (proc := self._proc_of(reader)) is not None:
+            self._send(proc, ("stop", reader.key))
+
+    def process_of(self, reader: RemoteReader) -> int | None:
+        proc = self._proc_of(reader)
+        return None if proc is None else proc.index
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Ask every process to stop its streams and exit; kill what has not after
+        ``timeout_s``."""
+        with self._lock:
+            self._closed = True
+            procs = [p for p in self._procs if p is not None]
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                self._send(proc, ("quit",))
+        end = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.popen.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("decode process %d did not exit: killed", proc.popen.pid)
+                proc.popen.kill()
+                proc.popen.wait()
+        with self._lock:
+            left = [r for p in procs for r in p.readers.values()]
+            self._procs = [None] * self._n
+        for reader in left:
+            reader.remote_exited()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    # ---- processes -------------------------------------------------------------------------
+    def _start(self, index: int) -> _Proc:
+        """Start process ``index`` (with ``self._lock`` held)."""
+        cmd_r, cmd_w = Pipe(duplex=False)
+        evt_r, evt_w = Pipe(duplex=False)
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        popen = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "streams.decode_procs",
+                "--cmd-fd",
+                str(cmd_r.fileno()),
+                "--evt-fd",
+                str(evt_w.fileno()),
+            ],
+            pass_fds=(cmd_r.fileno(), evt_w.fileno()),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        cmd_r.close()
+        evt_w.close()
+        level = logging.getLogger().getEffectiveLevel()
+        cmd_w.send(("init", self._opt, self._slots, shm_dir(), level))
+        proc = _Proc(index, popen, cmd_w, evt_r, time.monotonic())
+        self._procs[index] = proc
+        log.info("decode process %d started (pid %d)", index, popen.pid)
+        self._wake()
+        return proc
+
+    def _send(self, proc: _Proc, message: tuple[Any, ...]) -> None:
+        try:
+            with proc.send_lock:
+                proc.commands.send(message)
+        except OSError as exc:  # it died: the receiving thread restarts it
+            log.warning("decode process %d: cannot send %s: %s", proc.index, message[0], exc)
+
+    def _proc_of(self, reader: RemoteReader) -> _Proc | None:
+        with self._lock:
+            for proc in self._procs:
+                if proc is not None and reader.key in proc.readers:
+                    return proc
+        return None
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w.fileno(), b"x")
+
+    def _receive(self) -> None:
+        wake = self._wake_r
+        while True:
+            with self._lock:
+                if self._closed and all(p is None for p in self._procs):
+                    return
+                procs = {p.events: p for p in self._procs if p is not None}
+            for ready in wait([wake, *procs], timeout=1.0):
+                if ready is wake:
+                    os.read(wake.fileno(), 4096)
+                    continue
+                conn = cast(Connection, ready)
+                proc = procs[conn]
+                try:
+                    while True:
+                        self._dispatch(proc, conn.recv())
+                        if not conn.poll():
+                            break
+                except (EOFError, OSError):
+                    self._lost(proc)
+                except Exception:
+                    log.exception("decode process %d: bad message", proc.index)
+
+    def _dispatch(self, proc: _Proc, message: tuple[Any, ...]) -> None:
+        kind, key = message[0], message[1]
+        reader = proc.readers.get(key)
+        if kind == "frame":
+            _, _, gen, slot, pts, decoded_mono = message
+            ring = proc.rings.get(key)
+            if ring is None or ring.gen != gen:
+                return  # its ring could not be mapped, or is gone
+            if reader is None or reader.stopping:
+                ring.free(slot)
+                return
+            reader.remote_frame(ring.frame(slot), pts, decoded_mono)
+        elif kind == "ring":
+            _, _, gen, path, slots, height, width = message
+            try:
+                proc.rings[key] = _Mapped(gen, path, slots, height, width)
+            except OSError as exc:
+                log.warning("stream %s: cannot map its frames: %s", key, exc)
+                proc.rings.pop(key, None)
+        elif kind == "counts" and reader is not None:
+            reader.remote_counts(message[2], message[3])
+        elif kind == "state" and reader is not None:
+            reader.remote_state(StreamState(message[2]), message[3])
+        elif kind == "exited":
+            proc.rings.pop(key, None)
+            with self._lock:
+                proc.readers.pop(key, None)
+            if reader is not None:
+                reader.remote_exited()
+
+    def _lost(self, proc: _Proc) -> None:
+        """Process ``proc`` died (or closed its pipe): start it again and reopen its streams
+        there, unless it died at once or the hub is shutting down."""
+        code = proc.popen.poll()
+        if code is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.popen.wait(1.0)
+        with self._lock:
+            readers = [r for r in proc.readers.values() if not r.stopping]
+            stopped = [r for r in proc.readers.values() if r.stopping]
+            proc.readers.clear()
+            proc.rings.clear()
+            if self._procs[proc.index] is proc:
+                self._procs[proc.index] = None
+            quick = time.monotonic() - proc.started < QUICK_EXIT_S
+            closed = self._closed
+        for reader in stopped:
+            reader.remote_exited()
+        if closed:
+            for reader in readers:
+                reader.remote_exited()
+            return
+        why = f"decode process {proc.index} (pid {proc.popen.pid}) exited with code {code}"
+        if quick:
+            log.error("%s right after it started: not starting it again", why)
+            for reader in readers:
+                reader.remote_state(
+                    StreamState.FAILED,
+                    f"{why} right after it started (its log says why); setting"
+                    " STREAMDET_DECODE_PROCESSES=0 decodes in the server process",
+                )
+                reader.remote_exited()
+            return
+        log.error("%s: starting it again for its %d streams", why, len(readers))
+        for reader in readers:
+            reader.remote_state(StreamState.RECONNECTING, f"{why}; started again")
+            with contextlib.suppress(RuntimeError):
+                self.open(reader)
+
+
+class RemoteReader(StreamReader):
+    """The server's side of a stream decoded in a decode process: the same counts, state,
+    analytics and publishing as a :class:`StreamReader`, with frames, states and the input
+    counters coming from the process."""
+
+    def __init__(
+        self,
+        hub: DecodeHub,
+        key: str,
+        config: StreamConfig,
+        *,
+        options: ReaderOptions,
+        submit: FrameSink,
+        publish: PublishFn,
+        on_state: StateFn | None = None,
+    ) -> None:
+        self._hub = hub
+        self.key = key
+        self._started = False
+        self._exited = threading.Event()
+        self._remote_fps_in = 0.0
+        self._remote_motion_area = 0.0
+        super().__init__(config, options, submit, publish, on_state=on_state)
+
+    # detect and max_fps are read by the process's thread: changes are sent there.
+    @property
+    def detect(self) -> StreamDetect:
+        return self._detect
+
+    @detect.setter
+    def detect(self, detect: StreamDetect) -> None:
+        self._detect = detect
+        if self._started:
+            self._hub.update(self)
+
+    @property
+    def max_fps(self) -> float | None:
+        return self._max_fps
+
+    @max_fps.setter
+    def max_fps(self, max_fps: float | None) -> None:
+        self._max_fps = max_fps
+        if self._started:
+            self._hub.update(self)
+
+    def remote_config(self) -> StreamConfig:
+        """What the process opens: the stream as it is now."""
+        return StreamConfig(
+            self.config.id, self.config.spec, self.config.name, self.max_fps, self.detect
+        )
+
+    def start(self) -> None:
+        self._started = True
+        self._hub.open(self)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._started and not self._exited.is_set():
+            self._hub.close(self)
+
+    def join(self, timeout_s: float) -> bool:
+        return not self._started or self._exited.wait(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._started and not self._exited.is_set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = super().snapshot()
+        snap["fps_in"] = round(self._remote_fps_in, 2)
+        if self.detect.motion:
+            snap["motion_area"] = round(self._remote_motion_area, 4)
+        snap["decode_process"] = self._hub.process_of(self)
+        return snap
+
+    # ---- from the hub's receiving thread ---------------------------------------------------
+    def remote_frame(self, image: Image, pts: float | None, decoded_mono: float) -> None:
+        self._offer(image, pts, decoded_mono)
+
+    def remote_state(self, state: StreamState, error: str | None) -> None:
+        self._set_state(state, error)
+
+    def remote_counts(self, deltas: dict[str, int], latest: tuple[Any, ...]) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+            (
+                self.width,
+                self.height,
+                self.keyframes_only,
+                self._remote_fps_in,
+                self._last_frame_mono,
+                self._remote_motion_area,
+            ) = latest
+
+    def remote_exited(self) -> None:
+        if not self._exited.is_set():
+            if self.state not in (StreamState.FAILED, StreamState.STOPPED):
+                self._set_state(StreamState.STOPPED)
+            self._exited.set()
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())
