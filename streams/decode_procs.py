@@ -428,6 +428,11 @@ class DecodeHub:
         proc = self._proc_of(reader)
         return None if proc is None else proc.index
 
+    def pids(self) -> list[int]:
+        """The processes' ids (those started)."""
+        with self._lock:
+            return [p.popen.pid for p in self._procs if p is not None]
+
     def shutdown(self, timeout_s: float) -> None:
         """Ask every process to stop its streams and exit; kill what has not after
         ``timeout_s``."""

@@ -153,6 +153,10 @@ class StreamManager:
         with contextlib.suppress(RuntimeError):  # the loop has already stopped
             loop.call_soon_threadsafe(self._close_all, WS_GOING_AWAY, "server shutting down")
 
+    def decode_pids(self) -> list[int]:
+        """The decode processes' ids (none without ``decode_processes``, or before a stream)."""
+        return [] if self._hub is None else self._hub.pids()
+
     async def stop(self, timeout_s: float) -> None:
         """Stop intake, close subscribers (1001), stop every decode thread."""
         self._closing = True

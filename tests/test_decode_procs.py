@@ -1,0 +1,277 @@
+"""Decode processes (:mod:`streams.decode_procs`): real child processes decoding the shared
+clips, frames back through shared memory into the real engine pool and server."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from engines.batching import WorkItem
+from engines.pool import EnginePool
+from engines.types import ModelInfo
+from streams import decode_procs
+from streams.decode_procs import DecodeHub
+from streams.detect import StreamDetect
+from streams.fanout import ProcessedFrame
+from streams.manager import ManagerOptions, StreamManager
+from streams.reader import ReaderOptions, StreamConfig, StreamState
+from streams.sources import parse_source
+from streams.store import StreamStore
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, VIDEOS, file_stream_app, start_ort_pool
+
+SLOTS = 8
+
+
+def _config(clip: Path, stream_id: str = "cam", max_fps: float | None = None) -> StreamConfig:
+    return StreamConfig(stream_id, parse_source(f"file://{clip}", clip.parent), max_fps=max_fps)
+
+
+def _shm_files() -> set[str]:
+    return {p.name for p in Path(decode_procs.shm_dir()).glob("streamdet-frames-*")}
+
+
+class Kept:
+    """A frame sink that keeps every frame it is offered (as a slow consumer would)."""
+
+    def __init__(self) -> None:
+        self.items: list[WorkItem] = []
+        self.arrived = threading.Condition()
+
+    def __call__(self, stream_id: str, item: WorkItem) -> WorkItem | None:
+        with self.arrived:
+            self.items.append(item)
+            self.arrived.notify_all()
+        return None
+
+    def wait_for(self, n: int, timeout_s: float = 60.0) -> None:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: len(self.items) >= n, timeout_s), len(self.items)
+
+
+def _shared(image: np.ndarray) -> bool:
+    """Whether ``image`` is a view of a ring's slot (not a copy)."""
+    base = image.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base is not None and not isinstance(base, bytes)
+
+
+@pytest.fixture
+def hub() -> Iterator[DecodeHub]:
+    h = DecodeHub(1, ReaderOptions(open_timeout_s=5, read_timeout_s=5, file_fps=0), SLOTS)
+    yield h
+    h.shutdown(10.0)
+
+
+def test_frames_are_the_decoders_and_a_keeping_consumer_costs_copies_not_frames(
+    hub: DecodeHub,
+) -> None:
+    kept = Kept()
+    reader = hub.reader(_config(CAR_CLIP), kept, lambda frame: None)
+    reader.start()
+    kept.wait_for(3 * SLOTS)
+    assert reader.state is StreamState.LIVE
+    images = [item.image for item in kept.items[: 3 * SLOTS]]
+    with av.open(str(CAR_CLIP)) as clip:
+        decoded = clip.decode(video=0)
+        first = [next(decoded).to_ndarray(format="rgb24") for _ in range(5)]
+    for got, want in zip(images[:5], first, strict=True):  # unpaced, every frame: the first ones
+        assert np.array_equal(got, want)
+    shared = [_shared(image) for image in images]
+    # Views while at most half the ring is taken; then copies, and the stream goes on.
+    assert 1 <= sum(shared) <= SLOTS // 2, shared
+    assert shared[0] and not shared[-1]
+    kept.items.clear()  # let go: the slots come back and frames are views again
+    images.clear()
+    kept.wait_for(SLOTS)
+    assert any(_shared(item.image) for item in kept.items[:SLOTS])
+    end = time.monotonic() + 10  # the process sends its counts every REPORT_S
+    while (snap := reader.snapshot())["frames_in"] < 4 * SLOTS:
+        assert time.monotonic() < end, snap
+        time.sleep(decode_procs.REPORT_S)
+    assert snap["decode_process"] == 0 and snap["decode"] == "cpu"
+    assert snap["frames_decoded"] == snap["frames_in"] and snap["fps_in"] > 0
+    assert (snap["width"], snap["height"]) == (768, 432)
+
+
+def test_a_killed_decode_process_is_started_again_and_its_streams_reopen(
+    hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_procs, "QUICK_EXIT_S", 0.0)
+    kept = Kept()
+    reader = hub.reader(_config(BOTTLE_CLIP), kept, lambda frame: None)
+    reader.start()
+    kept.wait_for(5)
+    (pid,) = hub.pids()
+    os.kill(pid, signal.SIGKILL)
+    assert reader.wait_state({StreamState.RECONNECTING}, 30)
+    assert f"exited with code {-signal.SIGKILL}" in (reader.last_error or "")
+    assert reader.wait_state({StreamState.LIVE}, 30)
+    (again,) = hub.pids()
+    assert again != pid
+    before = len(kept.items)
+    kept.wait_for(before + 5)
+    assert reader.alive
+
+
+def test_a_decode_process_that_dies_at_once_fails_its_streams_with_the_setting(
+    hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_procs, "QUICK_EXIT_S", 600.0)
+    reader = hub.reader(_config(BOTTLE_CLIP), Kept(), lambda frame: None)
+    reader.start()
+    (pid,) = hub.pids()
+    os.kill(pid, signal.SIGKILL)
+    assert reader.wait_state({StreamState.FAILED}, 30)
+    assert "right after it started" in (reader.last_error or "")
+    assert "STREAMDET_DECODE_PROCESSES=0" in (reader.last_error or "")
+    assert reader.join(5.0) and not reader.alive
+
+
+def test_full_shared_memory_is_refused_with_what_to_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"--shm-size.*STREAMDET_DECODE_PROCESSES=0") as caught:
+        decode_procs._Ring(1, SLOTS, 1080, 1920, str(tmp_path))
+    assert "47 MiB" in str(caught.value) and "1920x1080" in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_the_hub_refuses_a_ring_it_cannot_flag() -> None:
+    with pytest.raises(ValueError, match=r"slots must be 1\.\.64"):
+        DecodeHub(1, ReaderOptions(), slots=65)
+
+
+# ---- through the stream manager and the real engine pool ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
+    p = start_ort_pool(model_info, max_wait_ms=5)
+    yield p
+    p.stop(5)
+
+
+@pytest.fixture
+async def manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
+        allowed_file_dir=VIDEOS[0].parent,
+        decode_processes=2,
+    )
+    m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await m.start()
+    yield m
+    await m.stop(10)
+
+
+async def _frames(manager: StreamManager, stream_id: str, n: int) -> list[ProcessedFrame]:
+    sub = manager.subscribe(stream_id)
+    assert sub is not None
+    frames: list[ProcessedFrame] = []
+    try:
+        while len(frames) < n:
+            item = await asyncio.wait_for(sub.get(), 60)
+            assert isinstance(item, ProcessedFrame), item
+            frames.append(item)
+    finally:
+        manager.unsubscribe(sub)
+    return frames
+
+
+async def _until(check: object, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.1)
+
+
+async def test_streams_spread_over_the_processes_and_are_detected(
+    manager: StreamManager,
+) -> None:
+    car = await manager.add(f"file://{CAR_CLIP}", max_fps=5.0)
+    bottles = await manager.add(f"file://{BOTTLE_CLIP}", max_fps=5.0)
+    found = [await _frames(manager, s["id"], 6) for s in (car, bottles)]
+    assert "bottle" in {d["class_name"] for f in found[1] for d in f.detections.to_json()}
+    assert all(f.image.shape == (360, 640, 3) for f in found[1])
+    procs = {manager.describe(s["id"])["decode_process"] for s in (car, bottles)}  # type: ignore[index]
+    assert procs == {0, 1}
+
+
+async def test_changes_reach_the_process_and_clips_move_a_stream_here(
+    manager: StreamManager,
+) -> None:
+    info = await manager.add(f"file://{BOTTLE_CLIP}", max_fps=10.0)
+    sid = info["id"]
+    await _frames(manager, sid, 2)
+
+    def described() -> dict[str, object]:
+        got = manager.describe(sid)
+        assert got is not None
+        return got
+
+    # Motion that nothing reaches: the process skips every frame but the idle ones.
+    still = StreamDetect(motion=True, motion_min_area=1.0)
+    await manager.update(sid, {"detect": still})
+    await _until(lambda: described()["motion_skipped"] > 5)  # type: ignore[operator]
+    assert described()["decode_process"] is not None
+    # Clips need the packets: the stream reopens here, counts carried on.
+    before = described()["frames_in"]
+    await manager.update(sid, {"detect": StreamDetect(clips=True)})
+    assert described()["decode_process"] is None
+    assert await manager.wait_state(sid, {StreamState.LIVE}, 30)
+    await _frames(manager, sid, 2)
+    assert described()["frames_in"] > before  # type: ignore[operator]
+    await manager.update(sid, {"detect": StreamDetect()})
+    assert described()["decode_process"] is not None
+    assert await manager.wait_state(sid, {StreamState.LIVE}, 30)
+    await _frames(manager, sid, 2)
+
+
+async def test_stopping_leaves_no_process_and_no_shared_memory(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    before = _shm_files()
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
+        allowed_file_dir=VIDEOS[0].parent,
+        decode_processes=2,
+    )
+    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await manager.start()
+    ids = [(await manager.add(f"file://{clip}", max_fps=5.0))["id"] for clip in VIDEOS]
+    for sid in ids:
+        await _frames(manager, sid, 2)
+    pids = manager.decode_pids()
+    assert len(pids) == 2
+    await manager.stop(10)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # exited and reaped
+    assert _shm_files() <= before
+    assert not [t.name for t in threading.enumerate() if t.name == "decode-hub"]
+
+
+def test_the_server_decodes_in_processes_when_told(tmp_path: Path) -> None:
+    with TestClient(file_stream_app(tmp_path, decode_processes=1)) as c:
+        sid = c.post("/streams", json={"url": f"file://{BOTTLE_CLIP}", "max_fps": 5}).json()["id"]
+        with c.websocket_connect(f"/ws/streams/{sid}") as ws:
+            message = ws.receive_json()
+        assert message["stream_id"] == sid and message["width"] == 640
+        stats = c.get(f"/streams/{sid}").json()
+        assert stats["decode_process"] == 0 and stats["state"] == "live"
