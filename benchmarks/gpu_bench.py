@@ -10,7 +10,10 @@ frame latency. Run by ``scripts/gpu_check.sh``; two commands:
 End-to-end means real clips decoded by one thread per stream (PyAV, looping), offered to the
 real :class:`engines.pool.EnginePool` through its latest-frame lane, results back through
 callbacks: first unpaced (saturation: throughput and GPU busy % from NVML), then paced at
-``--fps`` per stream (frame latency from decode to result, p50/p99).
+``--fps`` per stream (frame latency from decode to result, p50/p99). With
+``--decode-processes`` the streams are also run the server's way with decode processes
+(:mod:`streams.decode_procs`: each stream's reader in a child process, frames back through
+shared memory, then the server's reader, pool and analytics), and the faster way is reported.
 """
 
 from __future__ import annotations
@@ -281,6 +284,69 @@ def run_streams(
     return stats
 
 
+def run_streams_in_processes(
+    pool: EnginePool | None,
+    *,
+    clips: list[Path],
+    streams: int,
+    fps: float,
+    seconds: float,
+    warmup_s: float,
+    processes: int,
+) -> StreamStats:
+    """The server's own path with decode processes (:mod:`streams.decode_procs`): ``streams``
+    looping file streams decoded in ``processes`` child processes, their frames offered to
+    ``pool`` through each stream's :class:`~streams.decode_procs.RemoteReader` (latest-frame
+    lane, analytics, publication); ``fps`` 0 means as fast as they decode. Without a pool the
+    frames are counted and let go (decode-only)."""
+    from streams.decode_procs import DecodeHub
+    from streams.fanout import ProcessedFrame
+    from streams.reader import ReaderOptions, StreamConfig, StreamState
+    from streams.sources import parse_source
+
+    stats = StreamStats()
+    measure_from = time.monotonic() + warmup_s + 60.0  # set once every stream is live
+
+    def submit(stream_id: str, item: WorkItem) -> WorkItem | None:
+        replaced = None if pool is None else pool.submit_latest(stream_id, item)
+        if time.monotonic() >= measure_from:
+            with stats.lock:
+                stats.offered += 1
+                stats.dropped += replaced is not None
+                if pool is None:
+                    stats.done += 1
+        return replaced
+
+    def publish(frame: ProcessedFrame) -> None:
+        now = time.monotonic()
+        if now >= measure_from:
+            with stats.lock:
+                stats.done += 1
+                stats.latencies_ms.append((now - frame.decoded_mono) * 1000)
+
+    options = ReaderOptions(file_fps=fps, keyframe_decode=False, frame_deadline_ms=1000.0)
+    hub = DecodeHub(processes, options)
+    readers = []
+    try:
+        for k in range(streams):
+            clip = clips[k % len(clips)].resolve()
+            config = StreamConfig(f"s{k}", parse_source(clip.as_uri(), clip.parent))
+            reader = hub.reader(config, submit, publish)
+            reader.start()
+            readers.append(reader)
+        for reader in readers:
+            if not reader.wait_state({StreamState.LIVE}, 60.0):
+                raise RuntimeError(f"stream {reader.config.id}: {reader.last_error}")
+        failed0 = sum(r.failed for r in readers)
+        measure_from = time.monotonic() + warmup_s
+        time.sleep(warmup_s + seconds)
+        measure_from = float("inf")
+        stats.errors = sum(r.failed for r in readers) - failed0
+    finally:
+        hub.shutdown(10.0)
+    return stats
+
+
 def decode_only(
     clips: list[Path], streams: int, seconds: float, device: str, threads: str = "auto"
 ) -> float:
@@ -324,6 +390,43 @@ def decode_sweep(clips: list[Path], args: argparse.Namespace) -> dict[str, Any]:
     log.info("decode-only frames/s by threading: %s", sweep)
     args.decode_threads = best
     return {"decode_only_fps": sweep[best], "decode_only_by_setting": sweep, "decode_threads": best}
+
+
+def decode_sweep_processes(clips: list[Path], args: argparse.Namespace) -> dict[str, Any]:
+    """Decode-only frames/s of the streams decoded in decode processes, per process count."""
+    by_count = {}
+    for n in args.decode_processes:
+        stats = run_streams_in_processes(
+            None,
+            clips=clips,
+            streams=args.streams,
+            fps=0.0,
+            seconds=args.decode_seconds,
+            warmup_s=1.0,
+            processes=n,
+        )
+        by_count[str(n)] = round(stats.done / args.decode_seconds, 1)
+    log.info("decode-only frames/s by decode processes: %s", by_count)
+    best = max(by_count, key=lambda k: by_count[k])
+    args.best_processes = int(best)
+    return {"decode_only_fps_by_processes": by_count, "decode_processes": int(best)}
+
+
+def saturate_in_processes(
+    pool: EnginePool, clips: list[Path], args: argparse.Namespace
+) -> tuple[StreamStats, BusySampler]:
+    """The unpaced end-to-end run through decode processes, GPU busy sampled."""
+    with BusySampler() as busy:
+        sat = run_streams_in_processes(
+            pool,
+            clips=clips,
+            streams=args.streams,
+            fps=0.0,
+            seconds=args.seconds,
+            warmup_s=2.0,
+            processes=args.best_processes,
+        )
+    return sat, busy
 
 
 def saturate_by_switch_interval(
@@ -440,6 +543,9 @@ def run(args: argparse.Namespace) -> int:
 
     figures.update(decode_sweep(clips, args))
     save()
+    if args.decode_processes:
+        figures.update(decode_sweep_processes(clips, args))
+        save()
     pool = EnginePool(
         lambda: TorchEngine(config),
         workers=args.workers,
@@ -455,19 +561,41 @@ def run(args: argparse.Namespace) -> int:
         figures["host_cpu_cores_busy"] = round(
             (time.process_time() - cpu0) / (2 * (args.seconds + 2.0)), 2
         )
+        by_decode = {"threads": round(sat.done / args.seconds, 1)}
+        decode_in = "threads"
+        if args.decode_processes and args.decode == "cpu":
+            in_procs, procs_busy = saturate_in_processes(pool, clips, args)
+            by_decode["processes"] = round(in_procs.done / args.seconds, 1)
+            figures["gpu_busy_pct_by_decode"] = {"threads": busy.mean, "processes": procs_busy.mean}
+            if in_procs.done > sat.done:
+                sat, busy, decode_in = in_procs, procs_busy, "processes"
+        figures["e2e_img_s_by_decode"] = by_decode
+        figures["e2e_decode_in"] = decode_in
+        save()
         if args.nvdec_too and args.decode != "cuda":
             figures.update(nvdec_saturation(pool, clips, args))
             save()
-        paced = run_streams(
-            pool,
-            clips=clips,
-            streams=args.streams,
-            fps=args.fps,
-            seconds=args.seconds,
-            warmup_s=2.0,
-            decode_device=args.decode,
-            decode_threads=args.decode_threads,
-        )
+        if decode_in == "processes":
+            paced = run_streams_in_processes(
+                pool,
+                clips=clips,
+                streams=args.streams,
+                fps=args.fps,
+                seconds=args.seconds,
+                warmup_s=2.0,
+                processes=args.best_processes,
+            )
+        else:
+            paced = run_streams(
+                pool,
+                clips=clips,
+                streams=args.streams,
+                fps=args.fps,
+                seconds=args.seconds,
+                warmup_s=2.0,
+                decode_device=args.decode,
+                decode_threads=args.decode_threads,
+            )
     finally:
         pool.stop(timeout_s=5)
     e2e = sat.done / args.seconds
@@ -535,6 +663,14 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="the GIL switch interval tried against Python's default in the unpaced run"
         " (1 ms: streamdet serve's --gil-switch-ms default)",
+    )
+    parser.add_argument(
+        "--decode-processes",
+        type=int,
+        nargs="*",
+        default=[8, 16],
+        help="decode process counts tried decode-only; the best one runs end to end beside"
+        " decode threads, and the faster of the two is the reported e2e (none: threads only)",
     )
     parser.add_argument(
         "--nvdec-too",

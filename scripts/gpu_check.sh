@@ -65,7 +65,7 @@ if [ "${1:-run}" = rehearse ]; then
   fi
   PATH="$venv/bin:$PATH" GPU_CHECK_DEVICE=cpu GPU_CHECK_SITE=/tmp/streamdet-rehearse-site \
     OUT=${OUT:-/tmp/streamdet-rehearse-out} \
-    GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4 --nvdec-too --decode-seconds 1" \
+    GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4 --nvdec-too --decode-seconds 1 --decode-processes 2" \
     bash "$0" run
   exit $?
 fi
@@ -93,7 +93,7 @@ timeout 170 python3 -m pytest -q -ra --tb=short -c /dev/null -p no:cacheprovider
 tests_rc=${PIPESTATUS[0]}
 set -e
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH is a list of flags
-timeout 200 python3 -m benchmarks.gpu_bench run --data .gpu --out-dir "$out_dir" --device "$device" \
-  ${GPU_CHECK_BENCH:---streams 32 --fps 30 --seconds 15 --engine-seconds 3 --nvdec-too}
+timeout 240 python3 -m benchmarks.gpu_bench run --data .gpu --out-dir "$out_dir" --device "$device" \
+  ${GPU_CHECK_BENCH:---streams 32 --fps 30 --seconds 10 --engine-seconds 3 --nvdec-too}
 echo "gpu tests exit $tests_rc; total $(( $(date +%s) - start )) s"
 exit "$tests_rc"

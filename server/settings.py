@@ -123,11 +123,12 @@ class Settings(BaseSettings):
     )
     max_streams: int = Field(64, ge=1, le=4096, description="most streams at once")
     decode_processes: int = Field(
-        0,
-        ge=0,
+        -1,
+        ge=-1,
         le=256,
         description="processes that decode streams outside the server's interpreter lock"
-        " (frames come back in shared memory); 0: decode threads in the server process."
+        " (frames come back in shared memory); 0: decode threads in the server process;"
+        " -1: the backend's default (onnxruntime 0, torch/tensorrt half the cores, 1..8)."
         " Streams that keep clips or decode with NVDEC decode in the server process",
     )
     keyframe_decode: bool = Field(
@@ -366,11 +367,19 @@ class Settings(BaseSettings):
         # it. 2 cores, Poisson arrivals at half capacity: p99 2.9-3.8x the idle latency with
         # 2 workers x 1 thread (60 s runs), 4.3x with 1 worker x 2 threads (idle 85-95 vs
         # 60 ms; benchmarks/queueing_sim.py gives the floors, 2.6x and 4.4x); same capacity.
-        if self.workers == 0:
-            from engines.registry import usable_cores
+        from engines.registry import usable_cores
 
-            cpu = self.backend == "onnxruntime"
+        cpu = self.backend == "onnxruntime"
+        if self.workers == 0:
             object.__setattr__(self, "workers", min(4, usable_cores()) if cpu else 1)
+        # The CPU engine runs outside the interpreter lock and needs the cores itself: decode
+        # processes bought nothing there (16 cameras on 2 cores: 55.6 vs 63.0 frames/s out,
+        # benchmarks/streams_bench.py). A GPU engine's host side is Python that holds the
+        # lock, and decode threads beside it starve (benchmarks/gil_bench.py: 31 frames/s
+        # beside one busy thread against 640 from a decode process).
+        if self.decode_processes == -1:
+            procs = 0 if cpu else max(1, min(8, usable_cores() // 2))
+            object.__setattr__(self, "decode_processes", procs)
         return self
 
     @field_validator("backend")

@@ -275,3 +275,13 @@ def test_the_server_decodes_in_processes_when_told(tmp_path: Path) -> None:
         assert message["stream_id"] == sid and message["width"] == 640
         stats = c.get(f"/streams/{sid}").json()
         assert stats["decode_process"] == 0 and stats["state"] == "live"
+
+
+def test_decode_processes_default_to_none_on_the_cpu_engine_and_some_for_a_gpu_one() -> None:
+    from engines.registry import usable_cores
+    from server.settings import Settings
+
+    assert Settings().decode_processes == 0
+    assert Settings(backend="torch").decode_processes == max(1, min(8, usable_cores() // 2))
+    assert Settings(backend="tensorrt", decode_processes=0).decode_processes == 0
+    assert Settings(decode_processes=3).decode_processes == 3

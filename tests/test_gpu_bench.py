@@ -47,6 +47,7 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     argv = ["run", "--data", str(data), "--out-dir", str(out), "--device", "cpu"]
     argv += ["--streams", "2", "--fps", "4", "--seconds", "2", "--engine-seconds", "0.2"]
     argv += ["--max-batch", "2", "--workers", "1", "--decode-seconds", "0.5"]
+    argv += ["--decode-processes", "1", "2"]
     assert gpu_bench.main(argv) == 0
 
     (written,) = out.glob("*-cpu-gpu.json")
@@ -64,3 +65,11 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert {"auto", "slice", "one"} <= sweep.keys() and all(v > 0 for v in sweep.values())
     assert report["decode_threads"] in sweep and report["switch_interval_ms"] in (1.0, 5.0)
     assert set(report["e2e_img_s_by_switch_ms"]) == {"5", "1"}
+    # The server's way too: the streams' readers in decode processes, frames through shared
+    # memory; the faster way is the reported e2e (and its paced run the latency).
+    by_count = report["decode_only_fps_by_processes"]
+    assert set(by_count) == {"1", "2"} and all(v > 0 for v in by_count.values())
+    assert report["decode_processes"] in (1, 2)
+    by_decode = report["e2e_img_s_by_decode"]
+    assert set(by_decode) == {"threads", "processes"} and by_decode["processes"] > 0
+    assert report["e2e_img_s"] == by_decode[report["e2e_decode_in"]]
