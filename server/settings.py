@@ -375,8 +375,8 @@ class Settings(BaseSettings):
         # The CPU engine runs outside the interpreter lock and needs the cores itself: decode
         # processes bought nothing there (16 cameras on 2 cores: 55.6 vs 63.0 frames/s out,
         # benchmarks/streams_bench.py). A GPU engine's host side is Python that holds the
-        # lock, and decode threads beside it starve (benchmarks/gil_bench.py: 31 frames/s
-        # beside one busy thread against 640 from a decode process).
+        # lock, and decode threads beside it starve (benchmarks/gil_bench.py: 22 frames/s
+        # beside one busy thread against 339 from a decode process).
         if self.decode_processes == -1:
             procs = 0 if cpu else max(1, min(8, usable_cores() // 2))
             object.__setattr__(self, "decode_processes", procs)
