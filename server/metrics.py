@@ -78,6 +78,8 @@ class StreamSample:
         fps_processed: frames/s that went through the engine, recent average.
         frames_in: frames received since the stream was added.
         frames_decoded: of those, frames decoded (all but where only keyframes are).
+        frames_copied: frames copied out of a decode process's shared memory because
+            something kept more than half the stream's slots (``--decode-processes``).
         state: connecting, live, reconnecting, failed, stopped or disabled.
         frames_processed: frames run through the engine since the stream was added.
         drops: frames replaced by a newer one before the engine took them.
@@ -108,6 +110,7 @@ class StreamSample:
     frames_failed: int = 0
     motion_skipped: int = 0
     frames_decoded: int = 0
+    frames_copied: int = 0
     state: str = ""
     detections: Mapping[str, int] = field(default_factory=dict)
     objects: Mapping[str, int] = field(default_factory=dict)
@@ -268,6 +271,12 @@ class _ScrapeCollector(Collector):
                 "Frames decoded (the others left in their packets: keyframes only)",
                 labels=["stream"],
             ),
+            "frames_copied": CounterMetricFamily(
+                "streamdet_stream_frames_copied",
+                "Frames copied out of a decode process's shared memory (its slots were kept:"
+                " slow viewers)",
+                labels=["stream"],
+            ),
         }
         detections = CounterMetricFamily(
             "streamdet_stream_detections",
@@ -328,6 +337,7 @@ class _ScrapeCollector(Collector):
             counters["frames_failed"].add_metric([s.stream_id], s.frames_failed)
             counters["motion_skipped"].add_metric([s.stream_id], s.motion_skipped)
             counters["frames_decoded"].add_metric([s.stream_id], s.frames_decoded)
+            counters["frames_copied"].add_metric([s.stream_id], s.frames_copied)
             for name, count in s.detections.items():
                 detections.add_metric([s.stream_id, name], count)
                 objects.add_metric([s.stream_id, name], s.objects.get(name, 0))

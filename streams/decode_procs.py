@@ -57,7 +57,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from engines.batching import WorkItem
+from engines.batching import PoolClosed, WorkItem
 from engines.types import Image
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
@@ -325,18 +325,18 @@ class _Mapped:
             os.close(fd)
         os.unlink(path)  # both sides have it mapped: gone with the last of them, crash or not
 
-    def frame(self, slot: int) -> Image:
+    def frame(self, slot: int) -> tuple[Image, bool]:
         """Slot ``slot`` as an image: a view of it, free again once no array refers to it; or,
         where more than half the slots are taken (someone keeps frames: a viewer's queue, a
         test's list), a copy, and the slot is free at once, so a consumer that keeps frames
-        costs copies, never the stream's frames."""
+        costs copies, never the stream's frames. Returns the image and whether it is a copy."""
         flat = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
         if sum(self.mm[: self.slots]) > self.slots // 2:
             image = flat.reshape(self.height, self.width, 3).copy()
             _free(self.mm, slot)
-            return image
+            return image, True
         weakref.finalize(flat, _free, self.mm, slot)
-        return flat.reshape(self.height, self.width, 3)
+        return flat.reshape(self.height, self.width, 3), False
 
     def free(self, slot: int) -> None:
         _free(self.mm, slot)
@@ -543,7 +543,8 @@ class DecodeHub:
             if reader is None or reader.stopping:
                 ring.free(slot)
                 return
-            reader.remote_frame(ring.frame(slot), pts, decoded_mono)
+            image, copied = ring.frame(slot)
+            reader.remote_frame(image, pts, decoded_mono, copied=copied)
         elif kind == "ring":
             _, _, gen, path, slots, height, width = message
             try:
@@ -682,8 +683,16 @@ class RemoteReader(StreamReader):
         return snap
 
     # ---- from the hub's receiving thread ---------------------------------------------------
-    def remote_frame(self, image: Image, pts: float | None, decoded_mono: float) -> None:
-        self._offer(image, pts, decoded_mono)
+    def remote_frame(
+        self, image: Image, pts: float | None, decoded_mono: float, *, copied: bool
+    ) -> None:
+        if copied:
+            with self._lock:
+                self.copied += 1
+        try:
+            self._offer(image, pts, decoded_mono)
+        except PoolClosed:  # the server is stopping: so is the stream
+            self.stop()
 
     def remote_state(self, state: StreamState, error: str | None) -> None:
         self._set_state(state, error)

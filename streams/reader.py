@@ -193,6 +193,8 @@ class StreamReader:
         self.decoded = 0
         self.keyframes_only = False
         self.motion_skipped = 0
+        self.copied = 0
+        """Frames copied out of a decode process's shared memory (its slots were kept)."""
         self._motion = MotionGate(options.motion)
         self.reconnects = 0
         self.failed = 0
@@ -232,6 +234,7 @@ class StreamReader:
             self.frames_in, self.processed, self.drops = old.frames_in, old.processed, old.drops
             self.skipped, self.decoded, self.failed = old.skipped, old.decoded, old.failed
             self.motion_skipped, self.reconnects = old.motion_skipped, old.reconnects
+            self.copied = old.copied
             self.last_latency_ms = old.last_latency_ms
         with old._result_lock:
             self._frame_no = max(old._frame_no, old._last_result_frame)
@@ -296,6 +299,7 @@ class StreamReader:
                 "height": self.height,
                 "decode": "cuda" if self._gpu_decode and self._gpu_decode.on_gpu else "cpu",
                 "decode_process": None,
+                "frames_copied": self.copied,
             }
 
     # ---- thread ------------------------------------------------------------------------

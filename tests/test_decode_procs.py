@@ -102,6 +102,7 @@ def test_frames_are_the_decoders_and_a_keeping_consumer_costs_copies_not_frames(
         time.sleep(decode_procs.REPORT_S)
     assert snap["decode_process"] == 0 and snap["decode"] == "cpu"
     assert snap["frames_decoded"] == snap["frames_in"] and snap["fps_in"] > 0
+    assert snap["frames_copied"] >= len(shared) - sum(shared) > 0
     assert (snap["width"], snap["height"]) == (768, 432)
 
 

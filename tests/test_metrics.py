@@ -122,6 +122,7 @@ def test_stream_source_hook(client: TestClient) -> None:
                 reconnects=2,
                 frames_failed=3,
                 frames_decoded=12,
+                frames_copied=3,
                 state="reconnecting",
                 detections={"car": 40, "person": 7},
                 objects={"car": 2},
@@ -142,6 +143,7 @@ def test_stream_source_hook(client: TestClient) -> None:
     assert value(samples, "streamdet_stream_reconnects_total", stream="cam1") == 2
     assert value(samples, "streamdet_stream_frames_failed_total", stream="cam1") == 3
     assert value(samples, "streamdet_stream_frames_decoded_total", stream="cam1") == 12
+    assert value(samples, "streamdet_stream_frames_copied_total", stream="cam1") == 3
     assert value(samples, "streamdet_stream_state", stream="cam1", state="reconnecting") == 1
     detections = "streamdet_stream_detections_total"
     assert value(samples, detections, stream="cam1", **{"class": "car"}) == 40

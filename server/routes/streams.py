@@ -654,6 +654,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             frames_failed=info["frames_failed"],
             motion_skipped=info["motion_skipped"],
             frames_decoded=info["frames_decoded"],
+            frames_copied=info["frames_copied"],
             state=info["state"],
             detections=info["detections"],
             objects=info["objects"],
