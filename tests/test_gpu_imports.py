@@ -64,3 +64,14 @@ def test_gpu_modules_import_without_touching_cuda_or_tensorrt() -> None:
         " 'cuda_initialised': torch.cuda.is_initialized()}))\n"
     )
     assert _probe(code) == {"tensorrt": False, "cuda_initialised": False}
+
+
+def test_a_decode_process_imports_neither_torch_nor_the_server() -> None:
+    """A decode process (``python -m streams.decode_procs``) holds only the reader loop: no
+    torch (hundreds of MB per process), no FastAPI."""
+    code = (
+        "import json, sys, streams.decode_procs\n"
+        "print(json.dumps({'modules': sorted(m for m in sys.modules if m.split('.')[0] in"
+        " ('torch', 'ultralytics', 'fastapi', 'server', 'onnxruntime'))}))"
+    )
+    assert _probe(code) == {"modules": []}
