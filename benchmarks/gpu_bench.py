@@ -412,23 +412,6 @@ def decode_sweep_processes(clips: list[Path], args: argparse.Namespace) -> dict[
     return {"decode_only_fps_by_processes": by_count, "decode_processes": int(best)}
 
 
-def saturate_in_processes(
-    pool: EnginePool, clips: list[Path], args: argparse.Namespace
-) -> tuple[StreamStats, BusySampler]:
-    """The unpaced end-to-end run through decode processes, GPU busy sampled."""
-    with BusySampler() as busy:
-        sat = run_streams_in_processes(
-            pool,
-            clips=clips,
-            streams=args.streams,
-            fps=0.0,
-            seconds=args.seconds,
-            warmup_s=2.0,
-            processes=args.best_processes,
-        )
-    return sat, busy
-
-
 def saturate_by_switch_interval(
     pool: EnginePool, clips: list[Path], args: argparse.Namespace
 ) -> tuple[StreamStats, BusySampler, dict[str, Any]]:
@@ -458,20 +441,50 @@ def saturate_by_switch_interval(
     return sat, busy, figures
 
 
-def saturate(
-    pool: EnginePool, clips: list[Path], args: argparse.Namespace, decode_device: str
-) -> tuple[StreamStats, BusySampler]:
-    """The unpaced end-to-end run (streams decode as fast as they can), GPU busy sampled."""
-    with BusySampler() as busy:
-        sat = run_streams(
+def run_either(
+    pool: EnginePool,
+    clips: list[Path],
+    args: argparse.Namespace,
+    *,
+    fps: float,
+    decode_device: str,
+    processes: int = 0,
+) -> StreamStats:
+    """One end-to-end run of ``args.seconds``: decode threads of this process, or the
+    server's readers in ``processes`` decode processes."""
+    if processes:
+        return run_streams_in_processes(
             pool,
             clips=clips,
             streams=args.streams,
-            fps=0.0,
+            fps=fps,
             seconds=args.seconds,
             warmup_s=2.0,
-            decode_device=decode_device,
-            decode_threads=args.decode_threads,
+            processes=processes,
+        )
+    return run_streams(
+        pool,
+        clips=clips,
+        streams=args.streams,
+        fps=fps,
+        seconds=args.seconds,
+        warmup_s=2.0,
+        decode_device=decode_device,
+        decode_threads=args.decode_threads,
+    )
+
+
+def saturate(
+    pool: EnginePool,
+    clips: list[Path],
+    args: argparse.Namespace,
+    decode_device: str,
+    processes: int = 0,
+) -> tuple[StreamStats, BusySampler]:
+    """The unpaced end-to-end run (streams decode as fast as they can), GPU busy sampled."""
+    with BusySampler() as busy:
+        sat = run_either(
+            pool, clips, args, fps=0.0, decode_device=decode_device, processes=processes
         )
     return sat, busy
 
@@ -564,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
         by_decode = {"threads": round(sat.done / args.seconds, 1)}
         decode_in = "threads"
         if args.decode_processes and args.decode == "cpu":
-            in_procs, procs_busy = saturate_in_processes(pool, clips, args)
+            in_procs, procs_busy = saturate(pool, clips, args, "cpu", args.best_processes)
             by_decode["processes"] = round(in_procs.done / args.seconds, 1)
             figures["gpu_busy_pct_by_decode"] = {"threads": busy.mean, "processes": procs_busy.mean}
             if in_procs.done > sat.done:
@@ -575,27 +588,14 @@ def run(args: argparse.Namespace) -> int:
         if args.nvdec_too and args.decode != "cuda":
             figures.update(nvdec_saturation(pool, clips, args))
             save()
-        if decode_in == "processes":
-            paced = run_streams_in_processes(
-                pool,
-                clips=clips,
-                streams=args.streams,
-                fps=args.fps,
-                seconds=args.seconds,
-                warmup_s=2.0,
-                processes=args.best_processes,
-            )
-        else:
-            paced = run_streams(
-                pool,
-                clips=clips,
-                streams=args.streams,
-                fps=args.fps,
-                seconds=args.seconds,
-                warmup_s=2.0,
-                decode_device=args.decode,
-                decode_threads=args.decode_threads,
-            )
+        paced = run_either(
+            pool,
+            clips,
+            args,
+            fps=args.fps,
+            decode_device=args.decode,
+            processes=args.best_processes if decode_in == "processes" else 0,
+        )
     finally:
         pool.stop(timeout_s=5)
     e2e = sat.done / args.seconds

@@ -168,13 +168,17 @@ def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
     p.stop(5)
 
 
-@pytest.fixture
-async def manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
-    options = ManagerOptions(
+def _two_processes() -> ManagerOptions:
+    return ManagerOptions(
         reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
         allowed_file_dir=VIDEOS[0].parent,
         decode_processes=2,
     )
+
+
+@pytest.fixture
+async def manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
+    options = _two_processes()
     m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
     await m.start()
     yield m
@@ -248,11 +252,7 @@ async def test_stopping_leaves_no_process_and_no_shared_memory(
     pool: EnginePool, tmp_path: Path
 ) -> None:
     before = _shm_files()
-    options = ManagerOptions(
-        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
-        allowed_file_dir=VIDEOS[0].parent,
-        decode_processes=2,
-    )
+    options = _two_processes()
     manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
     await manager.start()
     ids = [(await manager.add(f"file://{clip}", max_fps=5.0))["id"] for clip in VIDEOS]
