@@ -129,7 +129,7 @@ class Settings(BaseSettings):
         description="processes that decode streams outside the server's interpreter lock"
         " (frames come back in shared memory); 0: decode threads in the server process;"
         " -1: the backend's default (onnxruntime 0, torch/tensorrt half the cores, 1..8)."
-        " Streams that keep clips or decode with NVDEC decode in the server process",
+        " NVDEC streams decode in the server process",
     )
     keyframe_decode: bool = Field(
         True,

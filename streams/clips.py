@@ -15,7 +15,10 @@ Only the video track is kept (no audio). A source lost while a clip is being wri
 there; a clip that had not begun (no keyframe yet) fails, with the reason.
 
 Threads: :meth:`ClipRecorder.request` runs on the event loop; everything else on the stream's
-decode thread. One lock guards what they share.
+decode thread. One lock guards what they share. A stream decoded in a decode process
+(:mod:`streams.decode_procs`) keeps its recorder there: the server plans its clips with a
+:class:`ClipPlanner` (the same decisions, so an event's clip id is known at once) and the
+process's recorder takes them with :meth:`ClipRecorder.reserve`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ pictures keeps less than ``pre_s``)."""
 ClipDone = Callable[[int, "Path | None", "str | None"], None]
 """Told ``(clip id, file, None)`` when a clip is written, ``(clip id, None, error)`` when it
 failed; on the decode thread."""
+Reserve = Callable[[int, float, float, float, int], None]
+"""Told ``(clip id, start, end, limit, event id)`` for each event a :class:`ClipPlanner`
+gives a clip (see :meth:`ClipRecorder.reserve`)."""
+ENDED_KEPT = 256
+"""Ids of the clips a recorder ended that it remembers (a late reservation of one is void)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +124,54 @@ class _Times:
         return pts - self.first, dts - self.first
 
 
+def _plan(
+    latest: _Clip | None,
+    at_mono: float,
+    event_id: int,
+    opt: ClipOptions,
+    now: float | None = None,
+) -> _Clip:
+    """The clip of an event that happened in the frame decoded at ``at_mono``: ``latest``
+    (the last one reserved, not ended) extended, where the event comes before its end, else
+    a new one (not yet holding the event). ``now``: when the recorder is elsewhere, the clip
+    counts as ended once its end has passed (the recorder ends it at the first packet after)."""
+    if latest is not None and at_mono <= latest.end and (now is None or now <= latest.end):
+        latest.end = max(latest.end, min(at_mono + opt.post_s, latest.limit))
+        return latest
+    return _Clip(event_id, at_mono - opt.pre_s, at_mono + opt.post_s, at_mono + opt.max_s)
+
+
+class ClipPlanner:
+    """The server's side of a recorder in a decode process: makes :meth:`ClipRecorder.request`'s
+    decisions and sends each to the recorder (``reserve``).
+
+    Args:
+        options: see :class:`ClipOptions`.
+        reserve: sends ``(clip id, start, end, limit, event id)`` to the recorder.
+    """
+
+    def __init__(self, options: ClipOptions, reserve: Reserve) -> None:
+        self.options = options
+        self._reserve = reserve
+        self._latest: _Clip | None = None
+        self._lock = threading.Lock()
+
+    def request(self, at_mono: float, event_id: int, now: float | None = None) -> int:
+        """Reserve the clip of an event (see :meth:`ClipRecorder.request`); returns its id.
+        ``now``: the time (monotonic) it is asked at."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            clip = self._latest = _plan(self._latest, at_mono, event_id, self.options, now)
+            planned = (clip.id, clip.start, clip.end, clip.limit)
+        self._reserve(*planned, event_id)
+        return planned[0]
+
+    def forget(self) -> None:
+        """The recorder is gone (its process died): the next event starts a new clip."""
+        with self._lock:
+            self._latest = None
+
+
 def _step(stream: Any, packets: list[_Packet]) -> int:
     """One frame's duration in the stream's time base."""
     known = [p.pts for p in packets if p.pts is not None]
@@ -147,23 +203,37 @@ class ClipRecorder:
         self._source: Any = None  # the input stream the buffer holds packets of
         self._pending: deque[_Clip] = deque()  # requested, not begun
         self._current: _Clip | None = None  # being written
+        self._ended: deque[int] = deque(maxlen=ENDED_KEPT)
 
     # ---- event loop --------------------------------------------------------------------
     def request(self, at_mono: float, event_id: int) -> int:
         """Reserve the clip of an event that happened in the frame decoded at ``at_mono``;
         returns its id (that of an earlier event whose clip this one extends, or
         ``event_id``)."""
-        opt = self.options
         with self._lock:
             latest = self._pending[-1] if self._pending else self._current
-            if latest is not None and at_mono <= latest.end:
-                latest.end = max(latest.end, min(at_mono + opt.post_s, latest.limit))
-                latest.events.append(event_id)
-                return latest.id
-            clip = _Clip(event_id, at_mono - opt.pre_s, at_mono + opt.post_s, at_mono + opt.max_s)
+            clip = _plan(latest, at_mono, event_id, self.options)
+            if clip is not latest:
+                self._pending.append(clip)
+            clip.events.append(event_id)
+            return clip.id
+
+    def reserve(self, clip_id: int, start: float, end: float, limit: float, event_id: int) -> None:
+        """Take a :class:`ClipPlanner`'s decision: extend clip ``clip_id`` to ``end`` where it
+        is pending or being written, or reserve it. One that has ended already (the planner
+        could not know yet) holds the event's frame all the same (it came before the clip's
+        end): nothing to do."""
+        with self._lock:
+            for clip in (self._current, *self._pending):
+                if clip is not None and clip.id == clip_id:
+                    clip.end = max(clip.end, end)
+                    clip.events.append(event_id)
+                    return
+            if clip_id in self._ended:
+                return
+            clip = _Clip(clip_id, start, end, limit)
             clip.events.append(event_id)
             self._pending.append(clip)
-            return event_id
 
     # ---- decode thread -----------------------------------------------------------------
     def packet(self, packet: Any, stream: Any, now: float) -> None:
@@ -276,6 +346,7 @@ class ClipRecorder:
         with self._lock:
             if self._current is clip:
                 self._current = None
+            self._ended.append(clip.id)
         part = self._part(clip.id)
         if clip.output is not None:
             try:
@@ -314,6 +385,8 @@ class ClipRecorder:
             self._on_done(clip.id, path, None)
 
     def _failed(self, clip_id: int, error: str) -> None:
+        with self._lock:
+            self._ended.append(clip_id)
         log.warning("stream %s: no clip %d: %s", self.stream_id, clip_id, error)
         if self._on_done is not None:
             self._on_done(clip_id, None, error)
@@ -414,7 +487,7 @@ class ClipIndex:
         """A new stream's recorder, reporting here."""
         return ClipRecorder(stream_id, self.options, self.done_threadsafe)
 
-    def request(self, recorder: ClipRecorder, at_mono: float, event_id: int) -> int:
+    def request(self, recorder: ClipRecorder | ClipPlanner, at_mono: float, event_id: int) -> int:
         """Reserve the clip of an event (see :meth:`ClipRecorder.request`); returns its id."""
         self._loop = asyncio.get_running_loop()
         clip_id = recorder.request(at_mono, event_id)

@@ -19,16 +19,19 @@ keeps its frames), the server copies frames out instead, so keeping frames costs
 frames; a frame that finds every slot taken all the same (the server is not reading) is dropped
 and counted, like any frame the engines could not take in time.
 
-Streams that keep event clips (the recorder needs the packets) and streams decoded by NVDEC
-(frames already on the GPU) decode in the server process, as without decode processes.
+A stream's event clips are written in its process too (the recorder keeps the packets it
+demuxes there): the server plans each event's clip with a :class:`~streams.clips.ClipPlanner`,
+so the event names its clip at once, and the process's recorder takes the plan. Streams
+decoded by NVDEC (frames already on the GPU) decode in the server process.
 
 Messages (pickled tuples, one pipe each way per child):
 
-- server to child: ``("init", options, slots, shm_dir, log_level)``, ``("open", key, config)``,
-  ``("set", key, max_fps, detect)``, ``("stop", key)``, ``("quit",)``;
+- server to child: ``("init", options, slots, shm_dir, log_level, clip_options)``, ``("open",
+  key, config)``, ``("set", key, max_fps, detect)``, ``("clip", key, clip_id, start, end,
+  limit, event_id)``, ``("stop", key)``, ``("quit",)``;
 - child to server: ``("ring", key, gen, path, slots, height, width)``, ``("frame", key, gen,
   slot, pts, decoded_mono)``, ``("state", key, state, error)``, ``("counts", key, deltas,
-  latest)``, ``("exited", key)``.
+  latest)``, ``("clip-done", key, clip_id, path, error)``, ``("exited", key)``.
 
 A child whose server goes away (its pipe closes) stops its streams and exits; a child that
 dies is started again and its streams reopen on it.
@@ -59,6 +62,7 @@ import numpy as np
 
 from engines.batching import PoolClosed, WorkItem
 from engines.types import Image
+from streams.clips import ClipDone, ClipOptions, ClipPlanner, ClipRecorder
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
 from streams.reader import (
@@ -155,7 +159,10 @@ class _ChildReader(StreamReader):
     def __init__(
         self, key: str, config: StreamConfig, child: _Child, options: ReaderOptions
     ) -> None:
-        super().__init__(config, options, _unused_submit, _unused_publish)
+        clips = None
+        if child.clip_options is not None:
+            clips = ClipRecorder(config.id, child.clip_options, self._clip_done)
+        super().__init__(config, options, _unused_submit, _unused_publish, clips=clips)
         self._key = key
         self._child = child
         self._ring: _Ring | None = None
@@ -185,6 +192,11 @@ class _ChildReader(StreamReader):
             return
         ring.write(slot, frame)
         self._child.post(("frame", self._key, ring.gen, slot, pts, now))
+
+    def _clip_done(self, clip_id: int, path: Path | None, error: str | None) -> None:
+        self._child.post(
+            ("clip-done", self._key, clip_id, None if path is None else str(path), error)
+        )
 
     def report(self) -> None:
         """Send the counters that changed since the last report."""
@@ -219,8 +231,16 @@ class _ChildReader(StreamReader):
 class _Child:
     """A decode process: its streams' threads and the pipe to the server."""
 
-    def __init__(self, events: Connection, options: ReaderOptions, slots: int, directory: str):
+    def __init__(
+        self,
+        events: Connection,
+        options: ReaderOptions,
+        slots: int,
+        directory: str,
+        clip_options: ClipOptions | None,
+    ) -> None:
         self.slots, self.dir, self._opt = slots, directory, options
+        self.clip_options = clip_options
         self._events = events
         self._send_lock = threading.Lock()
         self._readers: dict[str, _ChildReader] = {}
@@ -249,6 +269,10 @@ class _Child:
         elif kind == "set":
             reader = self._readers.get(key) or _missing(key)
             reader.max_fps, reader.detect = message[2], message[3]
+        elif kind == "clip":
+            reader = self._readers.get(key) or _missing(key)
+            if reader.clips is not None:
+                reader.clips.reserve(*message[2:])
         elif kind == "stop" and (gone := self._readers.pop(key, None)) is not None:
             gone.stop()
 
@@ -282,14 +306,14 @@ def child_main(argv: list[str] | None = None) -> int:
     commands = Connection(args.cmd_fd, writable=False)
     events = Connection(args.evt_fd, readable=False)
     try:
-        _, options, slots, directory, level = commands.recv()
+        _, options, slots, directory, level, clip_options = commands.recv()
     except EOFError:
         return 0
     logging.basicConfig(
         level=level,
         format="%(asctime)s %(levelname)s [decode %(process)d] %(name)s: %(message)s",
     )
-    child = _Child(events, options, slots, directory)
+    child = _Child(events, options, slots, directory, clip_options)
     threading.Thread(target=child.report_loop, name="decode-report", daemon=True).start()
     try:
         while True:
@@ -368,15 +392,23 @@ class DecodeHub:
         processes: how many.
         options: every stream's reader options.
         slots: frames of one stream the server may hold at once (waiting for an engine, in
-            a batch, with viewers); more are dropped.
+            a batch, with viewers) without copies.
+        clips: where streams' event clips go (``None``: no clips).
     """
 
-    def __init__(self, processes: int, options: ReaderOptions, slots: int = 8) -> None:
+    def __init__(
+        self,
+        processes: int,
+        options: ReaderOptions,
+        slots: int = 8,
+        clips: ClipOptions | None = None,
+    ) -> None:
         if not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"slots must be 1..{MAX_SLOTS}, not {slots}")
         self._n = processes
         self._opt = options
         self._slots = slots
+        self._clips = clips
         self._procs: list[_Proc | None] = [None] * processes
         self._lock = threading.Lock()
         self._keys = itertools.count(1)
@@ -392,12 +424,17 @@ class DecodeHub:
         publish: PublishFn,
         *,
         on_state: StateFn | None = None,
+        on_clip_done: ClipDone | None = None,
     ) -> RemoteReader:
-        """A reader for ``config`` that decodes in one of the processes once started."""
+        """A reader for ``config`` that decodes in one of the processes once started;
+        ``on_clip_done`` is told of each of its event clips (from the receiving thread)."""
         key = f"{config.id}#{next(self._keys)}"
-        return RemoteReader(
+        reader = RemoteReader(
             self, key, config, options=self._opt, submit=submit, publish=publish, on_state=on_state
         )
+        if self._clips is not None:
+            reader.plan_clips(self._clips, on_clip_done)
+        return reader
 
     def open(self, reader: RemoteReader) -> None:
         with self._lock:
@@ -419,6 +456,10 @@ class DecodeHub:
     def update(self, reader: RemoteReader) -> None:
         if (proc := self._proc_of(reader)) is not None:
             self._send(proc, ("set", reader.key, reader.max_fps, reader.detect))
+
+    def reserve_clip(self, reader: RemoteReader, *plan: float | int) -> None:
+        if (proc := self._proc_of(reader)) is not None:
+            self._send(proc, ("clip", reader.key, *plan))
 
     def close(self, reader: RemoteReader) -> None:
         if (proc := self._proc_of(reader)) is not None:
@@ -484,7 +525,7 @@ class DecodeHub:
         cmd_r.close()
         evt_w.close()
         level = logging.getLogger().getEffectiveLevel()
-        cmd_w.send(("init", self._opt, self._slots, shm_dir(), level))
+        cmd_w.send(("init", self._opt, self._slots, shm_dir(), level, self._clips))
         proc = _Proc(index, popen, cmd_w, evt_r, time.monotonic())
         self._procs[index] = proc
         log.info("decode process %d started (pid %d)", index, popen.pid)
@@ -556,6 +597,9 @@ class DecodeHub:
             reader.remote_counts(message[2], message[3])
         elif kind == "state" and reader is not None:
             reader.remote_state(StreamState(message[2]), message[3])
+        elif kind == "clip-done" and reader is not None:
+            _, _, clip_id, path, error = message
+            reader.remote_clip_done(clip_id, None if path is None else Path(path), error)
         elif kind == "exited":
             proc.rings.pop(key, None)
             with self._lock:
@@ -579,13 +623,15 @@ class DecodeHub:
                 self._procs[proc.index] = None
             quick = time.monotonic() - proc.started < QUICK_EXIT_S
             closed = self._closed
+        why = f"decode process {proc.index} (pid {proc.popen.pid}) exited with code {code}"
+        for reader in [*readers, *stopped]:
+            reader.remote_lost(why)
         for reader in stopped:
             reader.remote_exited()
         if closed:
             for reader in readers:
                 reader.remote_exited()
             return
-        why = f"decode process {proc.index} (pid {proc.popen.pid}) exited with code {code}"
         if quick:
             log.error("%s right after it started: not starting it again", why)
             for reader in readers:
@@ -625,7 +671,26 @@ class RemoteReader(StreamReader):
         self._exited = threading.Event()
         self._remote_fps_in = 0.0
         self._remote_motion_area = 0.0
+        self._planner: ClipPlanner | None = None
+        self._on_clip_done: ClipDone | None = None
+        self._clips_open: set[int] = set()  # reserved, not yet written or failed
         super().__init__(config, options, submit, publish, on_state=on_state)
+
+    def plan_clips(self, options: ClipOptions, on_done: ClipDone | None) -> None:
+        """Keep event clips (written by the process's recorder)."""
+        self._planner = ClipPlanner(options, self._reserve_clip)
+        self._on_clip_done = on_done
+
+    def _reserve_clip(
+        self, clip_id: int, start: float, end: float, limit: float, event: int
+    ) -> None:
+        with self._lock:
+            self._clips_open.add(clip_id)
+        self._hub.reserve_clip(self, clip_id, start, end, limit, event)
+
+    @property
+    def clip_requests(self) -> ClipRecorder | ClipPlanner | None:
+        return self._planner
 
     # detect and max_fps are read by the process's thread: changes are sent there.
     @property
@@ -709,6 +774,23 @@ class RemoteReader(StreamReader):
                 self._last_frame_mono,
                 self._remote_motion_area,
             ) = latest
+
+    def remote_clip_done(self, clip_id: int, path: Path | None, error: str | None) -> None:
+        with self._lock:
+            self._clips_open.discard(clip_id)
+        if self._on_clip_done is not None:
+            self._on_clip_done(clip_id, path, error)
+
+    def remote_lost(self, why: str) -> None:
+        """Its process died: the clips it was making fail (said so), the next event starts a
+        new one."""
+        if self._planner is None:
+            return
+        self._planner.forget()
+        with self._lock:
+            lost, self._clips_open = self._clips_open, set()
+        for clip_id in sorted(lost):
+            self.remote_clip_done(clip_id, None, f"{why} while it was being made")
 
     def remote_exited(self) -> None:
         if not self._exited.is_set():

@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 
 from engines.pool import EnginePool
 from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
-from streams.decode_procs import DecodeHub, RemoteReader
+from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
@@ -60,7 +60,7 @@ class ManagerOptions:
         event_log_size: events kept for ``GET /events`` and webhooks.
         clips: where event clips go and how long they are (``None``: no clips).
         decode_processes: processes that decode streams (0: decode threads in this process);
-            streams that keep clips or decode with NVDEC decode here all the same.
+            streams that decode with NVDEC decode here all the same.
     """
 
     reader: ReaderOptions
@@ -127,7 +127,7 @@ class StreamManager:
             # A stream's frames the server may hold: waiting, in a batch, the latest, with
             # each viewer's queue.
             slots = min(64, max(8, options.ws_queue_size + 4))
-            self._hub = DecodeHub(options.decode_processes, options.reader, slots)
+            self._hub = DecodeHub(options.decode_processes, options.reader, slots, options.clips)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -264,12 +264,7 @@ class StreamManager:
         reader.max_fps = record.max_fps
         if detect is not None:
             reader.detect = detect
-        moves = detect is not None and self._remote(detect) != isinstance(reader, RemoteReader)
-        if (
-            record.enabled != was_enabled
-            or (detect is not None and stream_id in self._bad_detect)
-            or moves  # clips on or off: decoded here or in a decode process from now on
-        ):
+        if record.enabled != was_enabled or (detect is not None and stream_id in self._bad_detect):
             await self._relaunch(record, reader)
         log.info("stream %s: updated %s", stream_id, sorted(changes))
         return self.describe(stream_id)
@@ -321,7 +316,6 @@ class StreamManager:
             old.loop,
             old.enabled,
         )
-        same = same and self._remote(detect) == isinstance(reader, RemoteReader)
         if same and stream_id not in self._bad_detect:
             reader.max_fps, reader.detect = record.max_fps, detect
             return self._describe(record)
@@ -550,8 +544,9 @@ class StreamManager:
             extra.update(width=frame.detections.width, height=frame.detections.height)
             for more in self.event_extras:
                 extra.update(more(frame, {**event, **extra}))
-        if clip and self.clips is not None and reader.clips is not None and reader.detect.clips:
-            clip_id = self.clips.request(reader.clips, at_mono, int(event["id"]))
+        requests = reader.clip_requests
+        if clip and self.clips is not None and requests is not None and reader.detect.clips:
+            clip_id = self.clips.request(requests, at_mono, int(event["id"]))
             extra["clip"] = CLIP_PATH.format(id=clip_id)
         return extra
 
@@ -580,14 +575,6 @@ class StreamManager:
     def _spec(self, record: StreamRecord) -> SourceSpec:
         transport: Transport = "udp" if record.transport == "udp" else "tcp"
         return parse_source(record.url, self._opt.allowed_file_dir, transport, record.loop)
-
-    def _remote(self, detect: StreamDetect) -> bool:
-        """Whether a stream detecting ``detect`` decodes in a decode process: where there
-        are some, unless it keeps clips (the recorder takes its packets here) or decodes
-        with NVDEC (its frames are on this process's GPU)."""
-        return (
-            self._hub is not None and self._opt.reader.decode_device == "cpu" and not detect.clips
-        )
 
     def _encode(self, detect: StreamDetect) -> str:
         return json.dumps(detect.describe(self._pool.engine.names))
@@ -620,8 +607,15 @@ class StreamManager:
         publish = functools.partial(self._publish_threadsafe, token)
         on_state = functools.partial(self._state_threadsafe, (record.id, token))
         reader: StreamReader
-        if self._hub is not None and self._remote(detect):
-            reader = self._hub.reader(config, self._pool.submit_latest, publish, on_state=on_state)
+        # NVDEC streams decode here: their frames are on this process's GPU.
+        if self._hub is not None and self._opt.reader.decode_device == "cpu":
+            reader = self._hub.reader(
+                config,
+                self._pool.submit_latest,
+                publish,
+                on_state=on_state,
+                on_clip_done=None if self.clips is None else self.clips.done_threadsafe,
+            )
         else:
             reader = StreamReader(
                 config,

@@ -30,7 +30,7 @@ from streams.sources import SourceSpec, backoff_delay, open_options, redact
 
 if TYPE_CHECKING:
     from engines.nvdec import GpuDecode
-    from streams.clips import ClipRecorder
+    from streams.clips import ClipPlanner, ClipRecorder
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +265,11 @@ class StreamReader:
     def live(self) -> bool:
         """Whether frames are coming in now."""
         return self.state is StreamState.LIVE
+
+    @property
+    def clip_requests(self) -> ClipRecorder | ClipPlanner | None:
+        """Where the stream's event clips are reserved (None: it keeps none)."""
+        return self.clips
 
     def record_latency(self, latency_ms: float) -> None:
         with self._lock:

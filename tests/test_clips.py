@@ -14,7 +14,14 @@ import av
 import httpx
 import pytest
 
-from streams.clips import ClipIndex, ClipOptions, ClipRecorder, list_clips, prune_clips
+from streams.clips import (
+    ClipIndex,
+    ClipOptions,
+    ClipPlanner,
+    ClipRecorder,
+    list_clips,
+    prune_clips,
+)
 from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server
 
 BASE = 1000.0  # monotonic time of each clip's first packet, in these tests
@@ -127,6 +134,42 @@ def test_events_extend_a_clip_only_up_to_its_longest(tmp_path: Path, car: Source
         assert frames[-1].time == pytest.approx(clip_id - 100 + 6 - start + 0.04)
 
 
+def test_a_planned_recorder_writes_the_same_clips_as_one_asked_directly(
+    tmp_path: Path, car: Source
+) -> None:
+    """A stream in a decode process: the server's planner decides each event's clip, the
+    process's recorder takes the plan (``reserve``); same ids, same files as ``request``."""
+    options = ClipOptions(tmp_path / "asked", pre_s=1.0, post_s=2.0, max_s=6.0)
+    asked_done, planned_done = Done(), Done()
+    asked = ClipRecorder("cam", options, asked_done)
+    planned = ClipRecorder(
+        "cam", ClipOptions(tmp_path / "planned", pre_s=1.0, post_s=2.0, max_s=6.0), planned_done
+    )
+    planner = ClipPlanner(options, planned.reserve)
+    other = Source(CAR_CLIP)
+    try:
+        asked_ids, planned_ids = [], []
+        for second in (*range(5, 20), 19.5):
+            car.feed_until(asked, second + 0.1)
+            other.feed_until(planned, second + 0.1)
+            asked_ids.append(asked.request(BASE + second, 100 + round(second)))
+            now = BASE + second + 0.1
+            planned_ids.append(planner.request(BASE + second, 100 + round(second), now))
+        car.feed_until(asked, 25.0)
+        other.feed_until(planned, 25.0)
+    finally:
+        other.close()
+    assert planned_ids == asked_ids == [105] * 6 + [111] * 6 + [117] * 4
+    assert [c[0] for c in planned_done.calls] == [c[0] for c in asked_done.calls]
+    for clip_id in (105, 111, 117):
+        assert clip_packets(tmp_path / "planned" / f"{clip_id}.mp4") == clip_packets(
+            tmp_path / "asked" / f"{clip_id}.mp4"
+        )
+    # A plan for a clip that has ended (the planner could not know yet) adds nothing.
+    planned.reserve(105, BASE + 4, BASE + 30, BASE + 30, 999)
+    assert [c[0] for c in planned_done.calls] == [105, 111, 117]
+
+
 def test_a_lost_source_ends_the_clip_there_and_fails_one_not_begun(
     tmp_path: Path, car: Source
 ) -> None:
@@ -225,13 +268,16 @@ async def test_the_index_waits_for_a_clip_being_written_and_says_why_one_is_miss
 
 
 @pytest.mark.rtsp
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-threads", "decode-process"])
 def test_a_camera_with_clips_on_serves_each_events_clip_and_snapshot_across_a_restart(
-    tmp_path: Path,
+    tmp_path: Path, decode_processes: int
 ) -> None:
     from tests.rtsp_camera import RtspCamera
 
     camera = RtspCamera({"car": CAR_CLIP}).start()
-    server = clip_server(tmp_path, event_clip_pre_s=1, event_clip_post_s=1)
+    server = clip_server(
+        tmp_path, event_clip_pre_s=1, event_clip_post_s=1, decode_processes=decode_processes
+    )
     body = {"url": camera.url("car"), "max_fps": 8, "track": True, "clips": True, "lines": [GATE]}
     try:
         with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
@@ -293,10 +339,14 @@ def wait_for_crossing(c: httpx.Client, timeout_s: float = 90.0) -> dict[str, Any
     raise AssertionError("no line crossing within the time given")
 
 
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-threads", "decode-process"])
 def test_an_event_created_from_outside_gets_the_latest_frame_and_the_video_around_it(
-    tmp_path: Path,
+    tmp_path: Path, decode_processes: int
 ) -> None:
-    server = clip_server(tmp_path, event_clip_pre_s=1, event_clip_post_s=2)
+    """With a decode process the clip is written there, planned here."""
+    server = clip_server(
+        tmp_path, event_clip_pre_s=1, event_clip_post_s=2, decode_processes=decode_processes
+    )
     body = {"url": f"file://{CAR_CLIP}", "max_fps": 5, "clips": True}
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         sid = c.post("/streams", json=body).json()["id"]
