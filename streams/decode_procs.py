@@ -264,17 +264,19 @@ class _Child:
     def handle(self, message: tuple[Any, ...]) -> None:
         kind, key = message[0], message[1]
         if kind == "open":
-            reader = self._readers[key] = _ChildReader(key, message[2], self, self._opt)
-            reader.start()
-        elif kind == "set":
-            reader = self._readers.get(key) or _missing(key)
+            opened = self._readers[key] = _ChildReader(key, message[2], self, self._opt)
+            opened.start()
+            return
+        # A stream whose thread has ended (failed, or stopping) takes no more changes.
+        if (reader := self._readers.get(key)) is None:
+            return
+        if kind == "set":
             reader.max_fps, reader.detect = message[2], message[3]
-        elif kind == "clip":
-            reader = self._readers.get(key) or _missing(key)
-            if reader.clips is not None:
-                reader.clips.reserve(*message[2:])
-        elif kind == "stop" and (gone := self._readers.pop(key, None)) is not None:
-            gone.stop()
+        elif kind == "clip" and reader.clips is not None:
+            reader.clips.reserve(*message[2:])
+        elif kind == "stop":
+            del self._readers[key]
+            reader.stop()
 
     def report_loop(self) -> None:
         while not self._gone.wait(REPORT_S):
@@ -290,10 +292,6 @@ class _Child:
         for reader in readers:
             reader.join(max(0.0, end - time.monotonic()))
         self._gone.set()
-
-
-def _missing(key: str) -> _ChildReader:
-    raise KeyError(f"no stream {key} in this decode process")
 
 
 def child_main(argv: list[str] | None = None) -> int:
