@@ -45,6 +45,7 @@ import itertools
 import logging
 import mmap
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -54,7 +55,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, cast
 
@@ -411,6 +412,7 @@ class DecodeHub:
         self._lock = threading.Lock()
         self._keys = itertools.count(1)
         self._closed = False
+        self._changes = 0  # bumped when a process starts or ends (the receiving thread looks)
         self._wake_r, self._wake_w = Pipe(duplex=False)
         self._thread: threading.Thread | None = None
 
@@ -492,6 +494,7 @@ class DecodeHub:
         with self._lock:
             left = [r for p in procs for r in p.readers.values()]
             self._procs = [None] * self._n
+            self._changes += 1
         for reader in left:
             reader.remote_exited()
         self._wake()
@@ -526,6 +529,7 @@ class DecodeHub:
         cmd_w.send(("init", self._opt, self._slots, shm_dir(), level, self._clips))
         proc = _Proc(index, popen, cmd_w, evt_r, time.monotonic())
         self._procs[index] = proc
+        self._changes += 1
         log.info("decode process %d started (pid %d)", index, popen.pid)
         self._wake()
         return proc
@@ -549,27 +553,43 @@ class DecodeHub:
             os.write(self._wake_w.fileno(), b"x")
 
     def _receive(self) -> None:
-        wake = self._wake_r
-        while True:
-            with self._lock:
-                if self._closed and all(p is None for p in self._procs):
-                    return
-                procs = {p.events: p for p in self._procs if p is not None}
-            for ready in wait([wake, *procs], timeout=1.0):
-                if ready is wake:
-                    os.read(wake.fileno(), 4096)
-                    continue
-                conn = cast(Connection, ready)
-                proc = procs[conn]
-                try:
-                    while True:
-                        self._dispatch(proc, conn.recv())
-                        if not conn.poll():
-                            break
-                except (EOFError, OSError):
-                    self._lost(proc)
-                except Exception:
-                    log.exception("decode process %d: bad message", proc.index)
+        """The receiving thread: one message per ready pipe per turn, from one selector kept
+        across turns (``multiprocessing.connection.wait`` and ``Connection.poll`` build a new
+        one per call, which cost more than the message)."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        watched: dict[Connection, _Proc] = {}
+        seen = -1
+        try:
+            while True:
+                if seen != self._changes:  # a process started or ended
+                    with self._lock:
+                        seen = self._changes
+                        if self._closed and all(p is None for p in self._procs):
+                            return
+                        live = {p.events: p for p in self._procs if p is not None}
+                    for conn in [c for c in watched if c not in live]:
+                        selector.unregister(conn)
+                        gone = watched.pop(conn)
+                        gone.events.close()
+                        gone.commands.close()
+                    for conn, proc in live.items():
+                        if conn not in watched:
+                            selector.register(conn, selectors.EVENT_READ, proc)
+                            watched[conn] = proc
+                for key, _ in selector.select(timeout=1.0):
+                    if key.fileobj is self._wake_r:
+                        os.read(self._wake_r.fileno(), 4096)
+                        continue
+                    proc = key.data
+                    try:
+                        self._dispatch(proc, cast(Connection, key.fileobj).recv())
+                    except (EOFError, OSError):
+                        self._lost(proc)
+                    except Exception:
+                        log.exception("decode process %d: bad message", proc.index)
+        finally:
+            selector.close()
 
     def _dispatch(self, proc: _Proc, message: tuple[Any, ...]) -> None:
         kind, key = message[0], message[1]
@@ -619,6 +639,7 @@ class DecodeHub:
             proc.rings.clear()
             if self._procs[proc.index] is proc:
                 self._procs[proc.index] = None
+            self._changes += 1
             quick = time.monotonic() - proc.started < QUICK_EXIT_S
             closed = self._closed
         why = f"decode process {proc.index} (pid {proc.popen.pid}) exited with code {code}"
