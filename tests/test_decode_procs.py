@@ -7,6 +7,8 @@ import asyncio
 import errno
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -174,6 +176,48 @@ def test_clips_are_written_in_the_process_and_fail_with_why_when_it_dies(
     assert done[1:] == [(8, clips.path(8), None)], done
     with av.open(str(clips.path(8))) as clip:
         assert clip.streams.video[0].frames >= 10  # a second of pre-roll and 1.5 s after
+
+
+ORPHAN = """
+import os, sys, time
+from pathlib import Path
+from streams.decode_procs import DecodeHub
+from streams.reader import ReaderOptions, StreamConfig, StreamState
+from streams.sources import parse_source
+clip = {clip!r}
+hub = DecodeHub(1, ReaderOptions())
+config = StreamConfig("cam", parse_source("file://" + clip, Path(clip).parent))
+reader = hub.reader(config, lambda sid, item: None, lambda frame: None)
+reader.start()
+assert reader.wait_state({{StreamState.LIVE}}, 30)
+time.sleep(0.5)
+print(hub.pids()[0], flush=True)
+os._exit(0)  # as if killed: no shutdown
+"""
+
+
+def test_a_decode_process_whose_server_dies_exits_and_leaves_no_shared_memory() -> None:
+    before = _shm_files()
+    server = subprocess.run(
+        [sys.executable, "-c", ORPHAN.format(clip=str(CAR_CLIP))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    pid = int(server.stdout.split()[-1])
+    end = time.monotonic() + 20  # the process's stream closes within its read timeout
+    while Path(f"/proc/{pid}").exists() and "Z" not in _proc_state(pid):
+        assert time.monotonic() < end, f"decode process {pid} outlived its server"
+        time.sleep(0.1)
+    assert _shm_files() <= before
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "gone"
 
 
 def test_full_shared_memory_is_refused_with_what_to_change(
