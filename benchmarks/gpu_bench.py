@@ -293,6 +293,7 @@ def run_streams_in_processes(
     seconds: float,
     warmup_s: float,
     processes: int,
+    codec_threads: int = 0,
 ) -> StreamStats:
     """The server's own path with decode processes (:mod:`streams.decode_procs`): ``streams``
     looping file streams decoded in ``processes`` child processes, their frames offered to
@@ -324,7 +325,9 @@ def run_streams_in_processes(
                 stats.done += 1
                 stats.latencies_ms.append((now - frame.decoded_mono) * 1000)
 
-    options = ReaderOptions(file_fps=fps, keyframe_decode=False, frame_deadline_ms=1000.0)
+    options = ReaderOptions(
+        file_fps=fps, keyframe_decode=False, frame_deadline_ms=1000.0, codec_threads=codec_threads
+    )
     hub = DecodeHub(processes, options)
     readers = []
     try:
@@ -392,6 +395,12 @@ def decode_sweep(clips: list[Path], args: argparse.Namespace) -> dict[str, Any]:
     return {"decode_only_fps": sweep[best], "decode_only_by_setting": sweep, "decode_threads": best}
 
 
+def _codec_threads(args: argparse.Namespace) -> int:
+    """The server's ``--stream-codec-threads`` matching the best threading of the sweep (a
+    live stream never uses frame threads: ``auto`` runs as FFmpeg's slice default)."""
+    return 1 if getattr(args, "decode_threads", "auto") == "one" else 0
+
+
 def decode_sweep_processes(clips: list[Path], args: argparse.Namespace) -> dict[str, Any]:
     """Decode-only frames/s of the streams decoded in decode processes, per process count."""
     by_count = {}
@@ -404,12 +413,17 @@ def decode_sweep_processes(clips: list[Path], args: argparse.Namespace) -> dict[
             seconds=args.decode_seconds,
             warmup_s=1.0,
             processes=n,
+            codec_threads=_codec_threads(args),
         )
         by_count[str(n)] = round(stats.done / args.decode_seconds, 1)
     log.info("decode-only frames/s by decode processes: %s", by_count)
     best = max(by_count, key=lambda k: by_count[k])
     args.best_processes = int(best)
-    return {"decode_only_fps_by_processes": by_count, "decode_processes": int(best)}
+    return {
+        "decode_only_fps_by_processes": by_count,
+        "decode_processes": int(best),
+        "stream_codec_threads": _codec_threads(args),
+    }
 
 
 def saturate_by_switch_interval(
@@ -461,6 +475,7 @@ def run_either(
             seconds=args.seconds,
             warmup_s=2.0,
             processes=processes,
+            codec_threads=_codec_threads(args),
         )
     return run_streams(
         pool,

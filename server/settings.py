@@ -122,6 +122,13 @@ class Settings(BaseSettings):
         " made to match it at start; the API cannot change them",
     )
     max_streams: int = Field(64, ge=1, le=4096, description="most streams at once")
+    stream_codec_threads: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="FFmpeg threads decoding each stream (slice threads, no frame delay);"
+        " 0: FFmpeg's choice, one per core (many streams on few cores: 1 spares the switching)",
+    )
     decode_processes: int = Field(
         -1,
         ge=-1,

@@ -94,6 +94,9 @@ class ReaderOptions:
     keyframe_decode: bool = True
     """Decode only keyframes where they come as often as ``max_fps`` samples (see
     :func:`keyframes_suffice`)."""
+    codec_threads: int = 0
+    """FFmpeg threads decoding each stream (slice threads: no frame delay); 0: FFmpeg's
+    choice (one per core)."""
     file_fps: float | None = None
     """How fast ``file://`` sources play: ``None`` at their own timestamps (as the camera
     they stand for), ``0`` as fast as they decode, else this many frames a second
@@ -389,6 +392,8 @@ class StreamReader:
             if not container.streams.video:
                 raise FatalSourceError(f"{redact(spec.url)} has no video stream")
             stream = container.streams.video[0]
+            if self._opt.codec_threads:
+                stream.codec_context.thread_count = self._opt.codec_threads
             self._motion.reset()
             return self._read(container, stream)
         finally:

@@ -232,8 +232,11 @@ def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
 async def file_manager(
     pool: EnginePool, tmp_path: Path, request: pytest.FixtureRequest
 ) -> AsyncIterator[StreamManager]:
+    # In decode processes, one FFmpeg thread per stream (--stream-codec-threads 1): the
+    # same pixels.
+    reader = ReaderOptions(open_timeout_s=5, read_timeout_s=5, codec_threads=request.param // 2)
     options = ManagerOptions(
-        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
+        reader=reader,
         allowed_file_dir=VIDEOS[0].parent,
         ws_queue_size=4,
         decode_processes=request.param,

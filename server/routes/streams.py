@@ -690,6 +690,7 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         frame_deadline_ms=settings.stream_frame_deadline_ms,
         max_pixels=settings.max_image_pixels,
         keyframe_decode=settings.keyframe_decode,
+        codec_threads=settings.stream_codec_threads,
         decode_device=settings.device if settings.decode == "cuda" else "cpu",
         motion=MotionOptions(
             threshold=settings.motion_threshold,
