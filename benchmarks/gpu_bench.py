@@ -170,6 +170,47 @@ def engine_only(
     return {"engine_infer_img_s": infer_rate, "engine_forward_img_s": forward_rate}
 
 
+def engine_stages(
+    engine: Any, frames: list[np.ndarray], batch: int, seconds: float
+) -> dict[str, Any]:
+    """Where a batch's time goes in ``infer`` (ms per batch of ``batch`` clip frames): the
+    upload (memcpy into pinned staging, copy to the device), the device letterbox, the model
+    (graph replay), and the rest (NMS, download, building detections, Python)."""
+    import torch
+
+    from engines.gpu import bucket_for, letterbox_into
+
+    ws, runner = engine._ws, engine._runner
+    images = [frames[i % len(frames)] for i in range(batch)]
+    bucket = bucket_for(batch, engine._buckets)
+    shape = (384, 640)  # the clips' letterbox shape
+
+    def upload() -> None:
+        ws.upload(images)
+
+    def upload_letterbox() -> None:
+        letterbox_into(ws.upload(images), runner.input_for(bucket, shape), engine._imgsz)
+
+    def per_batch_ms(fn: Any) -> float:
+        calls, elapsed = _timed(fn, seconds)
+        return elapsed / calls * 1000
+
+    with torch.inference_mode(), engine._on_stream(ws):
+        up = per_batch_ms(upload)
+        up_lb = per_batch_ms(upload_letterbox)
+        model = per_batch_ms(lambda: runner.run(bucket, shape))
+    total = per_batch_ms(lambda: engine.infer(images, [DetectParams()] * batch))
+    stages = {
+        "upload": up,
+        "letterbox": up_lb - up,
+        "model": model,
+        "rest": total - up_lb - model,
+        "infer": total,
+    }
+    log.info("batch %d stages (ms): %s", batch, {k: round(v, 2) for k, v in stages.items()})
+    return {"engine_stage_ms": {k: round(v, 3) for k, v in stages.items()}, "stage_batch": batch}
+
+
 class BusySampler:
     """GPU utilisation from NVML, sampled every 50 ms on a thread until stopped."""
 
@@ -565,6 +606,7 @@ def run(args: argparse.Namespace) -> int:
     frames = list(iter_video_frames(clips[-1], limit=64))
     batches = sorted({b for b in (1, 8) if b < args.max_batch} | {args.max_batch})
     figures.update(engine_only(engine, frames, batches, args.engine_seconds))
+    figures.update(engine_stages(engine, frames, args.max_batch, args.engine_seconds / 2))
     engine.close()
     figures["engine_img_s"] = figures["engine_infer_img_s"][str(args.max_batch)]
     save()
