@@ -507,27 +507,18 @@ def run_either(
 ) -> StreamStats:
     """One end-to-end run of ``args.seconds``: decode threads of this process, or the
     server's readers in ``processes`` decode processes."""
+    run: dict[str, Any] = {
+        "clips": clips,
+        "streams": args.streams,
+        "fps": fps,
+        "seconds": args.seconds,
+        "warmup_s": 2.0,
+    }
     if processes:
         return run_streams_in_processes(
-            pool,
-            clips=clips,
-            streams=args.streams,
-            fps=fps,
-            seconds=args.seconds,
-            warmup_s=2.0,
-            processes=processes,
-            codec_threads=_codec_threads(args),
+            pool, processes=processes, codec_threads=_codec_threads(args), **run
         )
-    return run_streams(
-        pool,
-        clips=clips,
-        streams=args.streams,
-        fps=fps,
-        seconds=args.seconds,
-        warmup_s=2.0,
-        decode_device=decode_device,
-        decode_threads=args.decode_threads,
-    )
+    return run_streams(pool, decode_device=decode_device, decode_threads=args.decode_threads, **run)
 
 
 def saturate(
