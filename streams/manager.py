@@ -124,10 +124,10 @@ class StreamManager:
         self.clips = None if options.clips is None else ClipIndex(options.clips)
         self._hub: DecodeHub | None = None
         if options.decode_processes > 0:
-            # A stream's frames the server may hold: waiting, in a batch, the latest, with
-            # each viewer's queue.
-            slots = min(64, max(8, options.ws_queue_size + 4))
-            self._hub = DecodeHub(options.decode_processes, options.reader, slots, options.clips)
+            # 8 slots a stream: a frame waiting, one in a batch, the latest; frames kept longer
+            # (viewers' queues) are copied once half are taken, so more slots would only cost
+            # shared memory.
+            self._hub = DecodeHub(options.decode_processes, options.reader, 8, options.clips)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
