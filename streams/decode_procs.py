@@ -84,7 +84,9 @@ MAX_SLOTS = HEADER
 COUNTED = ("frames_in", "decoded", "skipped", "motion_skipped", "reconnects", "drops")
 """The counters a child keeps for the server's :class:`RemoteReader` (sent as increments)."""
 REPORT_S = 0.2
-"""How often a child sends its streams' counters (when they changed)."""
+"""How often a child sends its streams' counters and rates."""
+STALE_S = 5 * REPORT_S
+"""A rate not reported for this long is no longer shown."""
 QUICK_EXIT_S = 2.0
 """A child that dies sooner than this after starting is not started again (it would again)."""
 
@@ -689,6 +691,7 @@ class RemoteReader(StreamReader):
         self._started = False
         self._exited = threading.Event()
         self._remote_fps_in = 0.0
+        self._remote_at = 0.0  # when the process last reported
         self._remote_motion_area = 0.0
         self._planner: ClipPlanner | None = None
         self._on_clip_done: ClipDone | None = None
@@ -760,7 +763,9 @@ class RemoteReader(StreamReader):
 
     def snapshot(self) -> dict[str, Any]:
         snap = super().snapshot()
-        snap["fps_in"] = round(self._remote_fps_in, 2)
+        with self._lock:  # a rate the process stopped reporting (its stream ended) is none
+            fresh = time.monotonic() - self._remote_at < STALE_S
+            snap["fps_in"] = round(self._remote_fps_in, 2) if fresh else 0.0
         if self.detect.motion:
             snap["motion_area"] = round(self._remote_motion_area, 4)
         snap["decode_process"] = self._hub.process_of(self)
@@ -783,6 +788,7 @@ class RemoteReader(StreamReader):
 
     def remote_counts(self, deltas: dict[str, int], latest: tuple[Any, ...]) -> None:
         with self._lock:
+            self._remote_at = time.monotonic()
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
             (

@@ -107,6 +107,10 @@ def test_frames_are_the_decoders_and_a_keeping_consumer_costs_copies_not_frames(
     assert snap["frames_decoded"] == snap["frames_in"] and snap["fps_in"] > 0
     assert snap["frames_copied"] >= len(shared) - sum(shared) > 0
     assert (snap["width"], snap["height"]) == (768, 432)
+    reader.stop()
+    assert reader.join(10.0) and not reader.alive
+    time.sleep(decode_procs.STALE_S)
+    assert reader.snapshot()["fps_in"] == 0.0  # no rate once the process stopped reporting
 
 
 def test_a_killed_decode_process_is_started_again_and_its_streams_reopen(
