@@ -276,12 +276,13 @@ def run_streams(
     stats = StreamStats()
     stop = threading.Event()
     measure_from = time.monotonic() + warmup_s
+    measure_until = measure_from + seconds  # frames still in the pool after it are not counted
     params = DetectParams()
 
     def on_done(captured: float) -> Any:
         def done(result: WorkResult) -> None:
             now = time.monotonic()
-            if now < measure_from:
+            if not measure_from <= now < measure_until:
                 return
             with stats.lock:
                 if result.error is not None:
@@ -307,7 +308,7 @@ def run_streams(
                 now = time.monotonic()
                 item = WorkItem(frame, params, now + 1.0, on_done(now), request_id=f"s{k}")
                 replaced = pool.submit_latest(f"s{k}", item)
-                if now >= measure_from:
+                if measure_from <= now < measure_until:
                     with stats.lock:
                         stats.offered += 1
                         stats.dropped += replaced is not None
@@ -646,7 +647,7 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         pool.stop(timeout_s=5)
-    e2e = sat.done / args.seconds
+    e2e = by_decode[decode_in]
     p50: float | None = None
     p99: float | None = None
     if paced.latencies_ms:  # none at all when every frame failed: report null, not NaN
