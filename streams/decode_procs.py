@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import itertools
 import logging
 import mmap
@@ -76,11 +77,14 @@ from streams.reader import (
     StreamState,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("streams.decode_procs")  # not __main__ in a decode process
 
 HEADER = 64
 """Bytes before a ring's first slot: one busy flag per slot (so at most 64 slots)."""
 MAX_SLOTS = HEADER
+MIN_SLOTS = 2
+"""The fewest slots a ring is made with when shared memory is short (a frame in flight and
+the next; frames kept beyond that are copied)."""
 COUNTED = ("frames_in", "decoded", "skipped", "motion_skipped", "reconnects", "drops")
 """The counters a child keeps for the server's :class:`RemoteReader` (sent as increments)."""
 REPORT_S = 0.2
@@ -97,7 +101,34 @@ def shm_dir() -> str:
     return memory if os.path.isdir(memory) else tempfile.gettempdir()
 
 
+SMALL_SHM = 512 * 2**20
+"""Below this, a warning at the first decode process: 8 slots of a 1080p stream take 50 MB."""
+
+
+def shm_warning(directory: str, slots: int) -> str | None:
+    """What to say when ``directory`` holds too little for more than a few streams' rings."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    size = st.f_frsize * st.f_blocks
+    if size >= SMALL_SHM:
+        return None
+    per_stream = slots * 1920 * 1080 * 3
+    return (
+        f"{directory} holds {size / 2**20:.0f} MiB, room for the frames of about"
+        f" {size // per_stream} 1080p streams at {slots} slots ({per_stream / 2**20:.0f} MiB"
+        f" each); streams beyond that decode with fewer slots, then fail: give the server more"
+        " (docker run --shm-size 2g) or decode in the server process"
+        " (setting STREAMDET_DECODE_PROCESSES=0)"
+    )
+
+
 # ---- the child ----------------------------------------------------------------------------
+
+
+class SharedMemoryFull(OSError):
+    """The ring's shared memory could not be reserved: the directory (``/dev/shm``) is full."""
 
 
 class _Ring:
@@ -115,7 +146,8 @@ class _Ring:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 os.unlink(self.path)
-                raise OSError(
+                full = exc.errno in (errno.ENOSPC, errno.ENOMEM)
+                raise (SharedMemoryFull if full else OSError)(
                     f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory} for"
                     f" {slots} frames of {width}x{height} ({exc.strerror}): give the server more"
                     " (docker run --shm-size) or decode in the server process"
@@ -181,9 +213,7 @@ class _ChildReader(StreamReader):
     def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
         ring = self._ring
         if ring is None or (ring.height, ring.width) != (frame.height, frame.width):
-            ring = _Ring(
-                next(self._gens), self._child.slots, frame.height, frame.width, self._child.dir
-            )
+            ring = self._make_ring(frame.height, frame.width)
             self._ring = ring
             self._rings.append(ring)
             message = ("ring", self._key, ring.gen, ring.path, ring.slots, ring.height, ring.width)
@@ -195,6 +225,25 @@ class _ChildReader(StreamReader):
             return
         ring.write(slot, frame)
         self._child.post(("frame", self._key, ring.gen, slot, pts, now))
+
+    def _make_ring(self, height: int, width: int) -> _Ring:
+        """A ring of the configured slots, or of fewer (down to ``MIN_SLOTS``) where shared
+        memory is short: a few more copies, not a stream that cannot start."""
+        slots = self._child.slots
+        while True:
+            try:
+                return _Ring(next(self._gens), slots, height, width, self._child.dir)
+            except SharedMemoryFull:
+                if slots <= MIN_SLOTS:
+                    raise
+                fewer = max(MIN_SLOTS, slots // 2)
+                log.warning(
+                    "stream %s: no room for %d frames of %dx%d in %s: trying %d (setting"
+                    " STREAMDET_DECODE_PROCESSES=0 decodes in the server; docker run --shm-size"
+                    " makes room)",
+                    self.config.id, slots, width, height, self._child.dir, fewer,
+                )  # fmt: skip
+                slots = fewer
 
     def _clip_done(self, clip_id: int, path: Path | None, error: str | None) -> None:
         self._child.post(
@@ -417,6 +466,7 @@ class DecodeHub:
         self._changes = 0  # bumped when a process starts or ends (the receiving thread looks)
         self._wake_r, self._wake_w = Pipe(duplex=False)
         self._thread: threading.Thread | None = None
+        self._shm_checked = False
 
     # ---- streams ---------------------------------------------------------------------------
     def reader(
@@ -528,7 +578,12 @@ class DecodeHub:
         cmd_r.close()
         evt_w.close()
         level = logging.getLogger().getEffectiveLevel()
-        cmd_w.send(("init", self._opt, self._slots, shm_dir(), level, self._clips))
+        directory = shm_dir()
+        if not self._shm_checked:
+            self._shm_checked = True
+            if warning := shm_warning(directory, self._slots):
+                log.warning("decode processes: %s", warning)
+        cmd_w.send(("init", self._opt, self._slots, directory, level, self._clips))
         proc = _Proc(index, popen, cmd_w, evt_r, time.monotonic())
         self._procs[index] = proc
         self._changes += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -235,6 +236,59 @@ def test_full_shared_memory_is_refused_with_what_to_change(
         decode_procs._Ring(1, SLOTS, 1080, 1920, str(tmp_path))
     assert "47 MiB" in str(caught.value) and "1920x1080" in str(caught.value)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Docker's default /dev/shm (64 MB) holds one 1080p stream at 8 slots: the next ones get
+    fewer slots (more copies) rather than failing, down to MIN_SLOTS."""
+    room = {"bytes": 30 * 2**20}  # what is left of the directory
+    reserve = os.posix_fallocate
+
+    def limited(fd: int, offset: int, size: int) -> None:
+        if size > room["bytes"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        reserve(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", limited)
+    _, events = multiprocessing.Pipe(duplex=False)
+    child = decode_procs._Child(events, ReaderOptions(), SLOTS, str(tmp_path), None)
+    reader = decode_procs._ChildReader("cam#1", _config(CAR_CLIP), child, ReaderOptions())
+    ring = reader._make_ring(1080, 1920)  # 8 x 5.9 MiB do not fit 30 MiB; 4 do
+    assert ring.slots == 4
+    assert os.path.getsize(ring.path) == decode_procs.HEADER + 4 * 1920 * 1080 * 3
+    ring.unlink()
+    room["bytes"] = 5 * 2**20  # not even MIN_SLOTS frames
+    with pytest.raises(decode_procs.SharedMemoryFull, match=r"2 frames of 1920x1080.*--shm-size"):
+        reader._make_ring(1080, 1920)
+    assert list(tmp_path.iterdir()) == []
+
+    # Another error than a full directory is not retried with fewer slots.
+    def failing(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "posix_fallocate", failing)
+    with pytest.raises(OSError, match="8 frames") as caught:
+        reader._make_ring(1080, 1920)
+    assert not isinstance(caught.value, decode_procs.SharedMemoryFull)
+
+
+def test_a_small_shared_memory_is_warned_of_with_what_to_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    size = {"bytes": 64 * 2**20}  # Docker's default /dev/shm
+
+    def statvfs(path: str) -> os.statvfs_result:
+        blocks = size["bytes"] // 4096
+        return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    warning = decode_procs.shm_warning("/dev/shm", SLOTS)
+    assert warning is not None and "holds 64 MiB" in warning and "about 1 1080p" in warning
+    assert "--shm-size" in warning and "STREAMDET_DECODE_PROCESSES=0" in warning
+    size["bytes"] = 2 * 2**30  # the Dockerfile's --shm-size 2g
+    assert decode_procs.shm_warning("/dev/shm", SLOTS) is None
 
 
 def test_the_hub_refuses_a_ring_it_cannot_flag() -> None:
