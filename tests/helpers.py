@@ -40,6 +40,32 @@ SHELF_STREAM = {
 }
 """``POST /streams``: the bottle clip looping, its bottles counted in :data:`SHELF`."""
 CACHE_DIR = REPO / ".cache" / "streamdet"
+
+
+def detect_json(**changed: Any) -> dict[str, Any]:
+    """A stream's ``detect`` as the API shows it: every default, then ``changed``."""
+    shown: dict[str, Any] = {
+        "conf": 0.25,
+        "iou": 0.7,
+        "classes": None,
+        "max_det": 300,
+        "roi": None,
+        "track": False,
+        "lines": [],
+        "zones": [],
+        "clips": False,
+        "motion": False,
+        "motion_mask": [],
+        "motion_min_area": None,
+        "motion_threshold": None,
+        "filters": {},
+        "stationary_s": None,
+    }
+    unknown = changed.keys() - shown.keys()
+    assert not unknown, f"not detect settings: {unknown}"
+    return shown | changed
+
+
 # The keys of one WebSocket frame message (``/ws/streams/{id}``).
 MESSAGE_KEYS = {
     "stream_id",

@@ -19,6 +19,7 @@ from tests.helpers import (
     MODEL_PT,
     VIDEOS,
     decode_jpeg,
+    detect_json,
     file_stream_app,
     ultralytics_assets,
 )
@@ -239,23 +240,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         resp = c.post("/streams", json={"url": url, "classes": "Bottle, 0", "conf": 0.5})
         assert resp.status_code == 201, resp.text
         sid = resp.json()["id"]
-        detect = {
-            "conf": 0.5,
-            "iou": 0.7,
-            "classes": ["person", "bottle"],
-            "max_det": 300,
-            "roi": None,
-            "track": False,
-            "lines": [],
-            "zones": [],
-            "clips": False,
-            "motion": False,
-            "motion_mask": [],
-            "motion_min_area": None,
-            "motion_threshold": None,
-            "filters": {},
-            "stationary_s": None,
-        }
+        detect = detect_json(conf=0.5, classes=["person", "bottle"])
         assert resp.json()["detect"] == detect
 
         resp = c.patch(f"/streams/{sid}", json={"max_det": 5})  # only what is given changes

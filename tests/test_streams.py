@@ -36,7 +36,14 @@ from streams.reader import (
 )
 from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
 from streams.store import StreamStore, new_record
-from tests.helpers import BOTTLE_CLIP, CAR_CLIP, MESSAGE_KEYS, VIDEOS, start_ort_pool
+from tests.helpers import (
+    BOTTLE_CLIP,
+    CAR_CLIP,
+    MESSAGE_KEYS,
+    VIDEOS,
+    detect_json,
+    start_ort_pool,
+)
 
 # ---- URL rules ---------------------------------------------------------------------------
 
@@ -335,23 +342,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         bottles = StreamDetect(DetectParams(conf=0.4, classes=frozenset({39})))
         info = await manager.add(f"file://{clip}", max_fps=6.0, detect=bottles)
         sid = info["id"]
-        want = {
-            "conf": 0.4,
-            "iou": 0.7,
-            "classes": ["bottle"],
-            "max_det": 300,
-            "roi": None,
-            "track": False,
-            "lines": [],
-            "zones": [],
-            "clips": False,
-            "motion": False,
-            "motion_mask": [],
-            "motion_min_area": None,
-            "motion_threshold": None,
-            "filters": {},
-            "stationary_s": None,
-        }
+        want = detect_json(conf=0.4, classes=["bottle"])
         assert info["detect"] == want
         frames = await _frames_from(manager, sid, 0, 6)
         dets = [d for f in frames for d in f.detections.to_json()]
