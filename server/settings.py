@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -10,6 +12,19 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_small_shm(size: int, procs: int) -> None:
+    """Said once per process, however often settings are made."""
+    logging.getLogger(__name__).warning(
+        "shared memory (/dev/shm) holds %d MiB: too little for decode processes' frames (a"
+        " 1080p stream takes 50 MiB), so streams decode in the server process; for the %d"
+        " decode processes a GPU engine gets by default, give it more (docker run --shm-size"
+        " 2g) or choose with setting STREAMDET_DECODE_PROCESSES",
+        size // 2**20,
+        procs,
+    )
 
 
 def _default_cache_dir() -> Path:
@@ -135,7 +150,8 @@ class Settings(BaseSettings):
         le=256,
         description="processes that decode streams outside the server's interpreter lock"
         " (frames come back in shared memory); 0: decode threads in the server process;"
-        " -1: the backend's default (onnxruntime 0, torch/tensorrt half the cores, 1..8)."
+        " -1: the backend's default (onnxruntime 0, torch/tensorrt half the cores, 1..8;"
+        " 0 where /dev/shm holds under 256 MB, as Docker's default does)."
         " NVDEC streams decode in the server process",
     )
     keyframe_decode: bool = Field(
@@ -386,6 +402,14 @@ class Settings(BaseSettings):
         # beside one busy thread against 339 from a decode process).
         if self.decode_processes == -1:
             procs = 0 if cpu else max(1, min(8, usable_cores() // 2))
+            if procs:
+                from streams.decode_procs import TOO_SMALL_SHM, shm_size
+
+                if (shm := shm_size()) is not None and shm < TOO_SMALL_SHM:
+                    # Rings would not fit (Docker's default /dev/shm, 64 MB, holds one 1080p
+                    # stream's): decode threads work everywhere, if slower beside a GPU engine.
+                    _warn_small_shm(shm, procs)
+                    procs = 0
             object.__setattr__(self, "decode_processes", procs)
         return self
 

@@ -103,16 +103,23 @@ def shm_dir() -> str:
 
 SMALL_SHM = 512 * 2**20
 """Below this, a warning at the first decode process: 8 slots of a 1080p stream take 50 MB."""
+TOO_SMALL_SHM = 256 * 2**20
+"""Below this (Docker's default is 64 MB), the default is no decode processes."""
+
+
+def shm_size(directory: str | None = None) -> int | None:
+    """Bytes the shared-memory directory holds (used or not); None when unknown."""
+    try:
+        st = os.statvfs(directory or shm_dir())
+    except OSError:
+        return None
+    return st.f_frsize * st.f_blocks
 
 
 def shm_warning(directory: str, slots: int) -> str | None:
     """What to say when ``directory`` holds too little for more than a few streams' rings."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    size = st.f_frsize * st.f_blocks
-    if size >= SMALL_SHM:
+    size = shm_size(directory)
+    if size is None or size >= SMALL_SHM:
         return None
     per_stream = slots * 1920 * 1080 * 3
     return (

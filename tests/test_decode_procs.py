@@ -419,3 +419,28 @@ def test_decode_processes_default_to_none_on_the_cpu_engine_and_some_for_a_gpu_o
     assert Settings(backend="torch").decode_processes == max(1, min(8, usable_cores() // 2))
     assert Settings(backend="tensorrt", decode_processes=0).decode_processes == 0
     assert Settings(decode_processes=3).decode_processes == 3
+
+
+def test_a_gpu_engine_decodes_in_the_server_by_default_where_shared_memory_is_docker_small(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from server import settings
+
+    size = {"bytes": 64 * 2**20}  # docker run without --shm-size
+
+    def statvfs(path: str) -> os.statvfs_result:
+        assert path == decode_procs.shm_dir()
+        blocks = size["bytes"] // 4096
+        return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    settings._warn_small_shm.cache_clear()
+    with caplog.at_level("WARNING", logger="server.settings"):
+        assert settings.Settings(backend="torch").decode_processes == 0
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "server.settings"]
+    assert "holds 64 MiB" in said and "--shm-size 2g" in said
+    assert "STREAMDET_DECODE_PROCESSES" in said
+    # Asked for, they are kept (rings then take fewer slots, and say so).
+    assert settings.Settings(backend="torch", decode_processes=2).decode_processes == 2
+    size["bytes"] = 2 * 2**30
+    assert settings.Settings(backend="torch").decode_processes >= 1
