@@ -81,6 +81,7 @@ export STREAMDET_SHARED_DIR="$PWD/.gpu" YOLO_OFFLINE=true YOLO_AUTOINSTALL=false
 out_dir=${OUT:-benchmarks/results}
 mkdir -p "$out_dir"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+df -h /dev/shm || true  # decode processes hand frames over there
 python3 -c "import torch, av; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(0), 'pyav', av.__version__)"
 # -c /dev/null: the project's pytest config names plugins (pytest-asyncio) the GPU image lacks.
