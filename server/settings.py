@@ -403,7 +403,7 @@ class Settings(BaseSettings):
         if self.decode_processes == -1:
             procs = 0 if cpu else max(1, min(8, usable_cores() // 2))
             if procs:
-                from streams.decode_procs import TOO_SMALL_SHM, shm_size
+                from streams.decode_child import TOO_SMALL_SHM, shm_size
 
                 if (shm := shm_size()) is not None and shm < TOO_SMALL_SHM:
                     # Rings would not fit (Docker's default /dev/shm, 64 MB, holds one 1080p

@@ -1,14 +1,15 @@
 """Decode processes: streams decoded outside the server's interpreter lock.
 
-A stream's decode thread spends most of its time in FFmpeg, which runs without Python's
-interpreter lock, but it takes the lock back several times a frame (demux, decode, convert),
-and beside busy Python threads (engine workers, analytics, the event loop) each time waits for
-it: on an H200 machine 32 decode threads in the server process reached 1458 frames/s with 6.3
-of 16 cores busy while the GPU engine took 2966 (``benchmarks/results/2026-12-01-nvidia-h200-
-gpu.json``; ``benchmarks/gil_bench.py`` shows the hand-over cost on its own).
+The server's side (:class:`DecodeHub`, :class:`RemoteReader`). A stream's decode thread spends
+most of its time in FFmpeg, which runs without Python's interpreter lock, but it takes the lock
+back several times a frame (demux, decode, convert), and beside busy Python threads (engine
+workers, analytics, the event loop) each time waits for it: on an H200 machine 32 decode
+threads in the server process reached 1458 frames/s with 6.3 of 16 cores busy while the GPU
+engine took 2966 (``benchmarks/results/2026-12-01-nvidia-h200-gpu.json``;
+``benchmarks/gil_bench.py`` shows the hand-over cost on its own).
 
 With ``decode_processes`` above 0 the server starts that many child processes (``python -m
-streams.decode_procs``) and spreads its streams over them. A child runs the same
+streams.decode_child``, that module) and spreads its streams over them. A child runs the same
 :class:`~streams.reader.StreamReader` loop for each of its streams (open, reconnect with
 backoff, keyframe-only decode, file pacing, ``max_fps`` sampling, motion gating) and writes
 each sampled frame as RGB into a ring of slots in shared memory that it made for the stream.
@@ -39,18 +40,14 @@ dies is started again and its streams reopen on it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import errno
 import itertools
 import logging
 import mmap
 import os
 import selectors
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -62,11 +59,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from engines.batching import PoolClosed, WorkItem
+from engines.batching import PoolClosed
 from engines.types import Image
 from streams.clips import ClipDone, ClipOptions, ClipPlanner, ClipRecorder
+from streams.decode_child import HEADER, MAX_SLOTS, REPORT_S, shm_dir, shm_warning
 from streams.detect import StreamDetect
-from streams.fanout import ProcessedFrame
 from streams.reader import (
     FrameSink,
     PublishFn,
@@ -77,320 +74,12 @@ from streams.reader import (
     StreamState,
 )
 
-log = logging.getLogger("streams.decode_procs")  # not __main__ in a decode process
+log = logging.getLogger(__name__)
 
-HEADER = 64
-"""Bytes before a ring's first slot: one busy flag per slot (so at most 64 slots)."""
-MAX_SLOTS = HEADER
-MIN_SLOTS = 2
-"""The fewest slots a ring is made with when shared memory is short (a frame in flight and
-the next; frames kept beyond that are copied)."""
-COUNTED = ("frames_in", "decoded", "skipped", "motion_skipped", "reconnects", "drops")
-"""The counters a child keeps for the server's :class:`RemoteReader` (sent as increments)."""
-REPORT_S = 0.2
-"""How often a child sends its streams' counters and rates."""
 STALE_S = 5 * REPORT_S
 """A rate not reported for this long is no longer shown."""
 QUICK_EXIT_S = 2.0
 """A child that dies sooner than this after starting is not started again (it would again)."""
-
-
-def shm_dir() -> str:
-    """Where rings are made: ``/dev/shm`` (memory) where there is one."""
-    memory = "/dev/shm"  # noqa: S108 (files made by mkstemp: private, unique)
-    return memory if os.path.isdir(memory) else tempfile.gettempdir()
-
-
-SMALL_SHM = 512 * 2**20
-"""Below this, a warning at the first decode process: 8 slots of a 1080p stream take 50 MB."""
-TOO_SMALL_SHM = 256 * 2**20
-"""Below this (Docker's default is 64 MB), the default is no decode processes."""
-
-
-def shm_size(directory: str | None = None) -> int | None:
-    """Bytes the shared-memory directory holds (used or not); None when unknown."""
-    try:
-        st = os.statvfs(directory or shm_dir())
-    except OSError:
-        return None
-    return st.f_frsize * st.f_blocks
-
-
-def shm_warning(directory: str, slots: int) -> str | None:
-    """What to say when ``directory`` holds too little for more than a few streams' rings."""
-    size = shm_size(directory)
-    if size is None or size >= SMALL_SHM:
-        return None
-    per_stream = slots * 1920 * 1080 * 3
-    return (
-        f"{directory} holds {size / 2**20:.0f} MiB, room for the frames of about"
-        f" {size // per_stream} 1080p streams at {slots} slots ({per_stream / 2**20:.0f} MiB"
-        f" each); streams beyond that decode with fewer slots, then fail: give the server more"
-        " (docker run --shm-size 2g) or decode in the server process"
-        " (setting STREAMDET_DECODE_PROCESSES=0)"
-    )
-
-
-# ---- the child ----------------------------------------------------------------------------
-
-
-class SharedMemoryFull(OSError):
-    """The ring's shared memory could not be reserved: the directory (``/dev/shm``) is full."""
-
-
-class _Ring:
-    """A stream's frames of one size, in a file of shared memory (child side)."""
-
-    def __init__(self, gen: int, slots: int, height: int, width: int, directory: str) -> None:
-        self.gen, self.slots, self.height, self.width = gen, slots, height, width
-        self.slot_bytes = height * width * 3
-        size = HEADER + slots * self.slot_bytes
-        fd, self.path = tempfile.mkstemp(prefix="streamdet-frames-", dir=directory)
-        try:
-            try:
-                # Reserved now: a full /dev/shm fails here with a message, not later with a
-                # SIGBUS on the first write.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                os.unlink(self.path)
-                full = exc.errno in (errno.ENOSPC, errno.ENOMEM)
-                raise (SharedMemoryFull if full else OSError)(
-                    f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {directory} for"
-                    f" {slots} frames of {width}x{height} ({exc.strerror}): give the server more"
-                    " (docker run --shm-size) or decode in the server process"
-                    " (setting STREAMDET_DECODE_PROCESSES=0)"
-                ) from exc
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._next = 0
-
-    def take(self) -> int | None:
-        """A free slot, marked busy; None when the server holds every one."""
-        for i in range(self.slots):
-            slot = (self._next + i) % self.slots
-            if self.mm[slot] == 0:
-                self.mm[slot] = 1
-                self._next = slot + 1
-                return slot
-        return None
-
-    def write(self, slot: int, frame: Any) -> None:
-        dst = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
-        dst.reshape(self.height, self.width, 3)[...] = frame.to_ndarray(format="rgb24")
-
-    def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-def _unused_submit(stream_id: str, item: WorkItem) -> WorkItem | None:
-    raise AssertionError("a decode process sends frames to the server, not to a pool")
-
-
-def _unused_publish(frame: ProcessedFrame) -> None:
-    raise AssertionError("a decode process publishes nothing")
-
-
-class _ChildReader(StreamReader):
-    """A stream's decode thread in a decode process: its frames go into shared memory and
-    its states and counters to the server."""
-
-    LOG_STATES = False  # the server's reader logs them
-
-    def __init__(
-        self, key: str, config: StreamConfig, child: _Child, options: ReaderOptions
-    ) -> None:
-        clips = None
-        if child.clip_options is not None:
-            clips = ClipRecorder(config.id, child.clip_options, self._clip_done)
-        super().__init__(config, options, _unused_submit, _unused_publish, clips=clips)
-        self._key = key
-        self._child = child
-        self._ring: _Ring | None = None
-        self._rings: list[_Ring] = []
-        self._gens = itertools.count(1)
-        self._reported = dict.fromkeys(COUNTED, 0)
-
-    def _set_state(self, state: StreamState, error: str | None = None) -> None:
-        super()._set_state(state, error)
-        self.report()
-        self._child.post(("state", self._key, state.value, error))
-
-    def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
-        ring = self._ring
-        if ring is None or (ring.height, ring.width) != (frame.height, frame.width):
-            ring = self._make_ring(frame.height, frame.width)
-            self._ring = ring
-            self._rings.append(ring)
-            message = ("ring", self._key, ring.gen, ring.path, ring.slots, ring.height, ring.width)
-            self._child.post(message)
-        slot = ring.take()
-        if slot is None:
-            with self._lock:
-                self.drops += 1
-            return
-        ring.write(slot, frame)
-        self._child.post(("frame", self._key, ring.gen, slot, pts, now))
-
-    def _make_ring(self, height: int, width: int) -> _Ring:
-        """A ring of the configured slots, or of fewer (down to ``MIN_SLOTS``) where shared
-        memory is short: a few more copies, not a stream that cannot start."""
-        slots = self._child.slots
-        while True:
-            try:
-                return _Ring(next(self._gens), slots, height, width, self._child.dir)
-            except SharedMemoryFull:
-                if slots <= MIN_SLOTS:
-                    raise
-                fewer = max(MIN_SLOTS, slots // 2)
-                log.warning(
-                    "stream %s: no room for %d frames of %dx%d in %s: trying %d (setting"
-                    " STREAMDET_DECODE_PROCESSES=0 decodes in the server; docker run --shm-size"
-                    " makes room)",
-                    self.config.id, slots, width, height, self._child.dir, fewer,
-                )  # fmt: skip
-                slots = fewer
-
-    def _clip_done(self, clip_id: int, path: Path | None, error: str | None) -> None:
-        self._child.post(
-            ("clip-done", self._key, clip_id, None if path is None else str(path), error)
-        )
-
-    def report(self) -> None:
-        """Send the counters that changed since the last report."""
-        now = time.monotonic()
-        with self._lock:
-            values = {name: getattr(self, name) for name in COUNTED}
-            latest = (
-                self.width,
-                self.height,
-                self.keyframes_only,
-                self._fps_in.rate(now),
-                self._last_frame_mono,
-                self._motion.area,
-            )
-        deltas = {k: v - self._reported[k] for k, v in values.items() if v != self._reported[k]}
-        self._reported = values
-        self._child.post(("counts", self._key, deltas, latest))
-
-    def _run(self) -> None:
-        try:
-            super()._run()
-        except Exception:
-            log.exception("stream %s: decode thread failed", self.config.id)
-        finally:
-            self.report()
-            for ring in self._rings:
-                ring.unlink()  # the server unlinked those it mapped; these it never will
-            self._child.forget(self._key, self)
-            self._child.post(("exited", self._key))
-
-
-class _Child:
-    """A decode process: its streams' threads and the pipe to the server."""
-
-    def __init__(
-        self,
-        events: Connection,
-        options: ReaderOptions,
-        slots: int,
-        directory: str,
-        clip_options: ClipOptions | None,
-    ) -> None:
-        self.slots, self.dir, self._opt = slots, directory, options
-        self.clip_options = clip_options
-        self._events = events
-        self._send_lock = threading.Lock()
-        self._readers: dict[str, _ChildReader] = {}
-        self._gone = threading.Event()  # the server stopped listening
-
-    def post(self, message: tuple[Any, ...]) -> None:
-        if self._gone.is_set():
-            return
-        try:
-            with self._send_lock:
-                self._events.send(message)
-        except OSError:  # the server is gone: stop everything
-            self._gone.set()
-            for reader in list(self._readers.values()):
-                reader.stop()
-
-    def forget(self, key: str, reader: _ChildReader) -> None:
-        if self._readers.get(key) is reader:
-            del self._readers[key]
-
-    def handle(self, message: tuple[Any, ...]) -> None:
-        kind, key = message[0], message[1]
-        if kind == "open":
-            opened = self._readers[key] = _ChildReader(key, message[2], self, self._opt)
-            opened.start()
-            return
-        # A stream whose thread has ended (failed, or stopping) takes no more changes.
-        if (reader := self._readers.get(key)) is None:
-            return
-        if kind == "set":
-            reader.max_fps, reader.detect = message[2], message[3]
-        elif kind == "clip" and reader.clips is not None:
-            reader.clips.reserve(*message[2:])
-        elif kind == "stop":
-            del self._readers[key]
-            reader.stop()
-
-    def report_loop(self) -> None:
-        while not self._gone.wait(REPORT_S):
-            for reader in list(self._readers.values()):
-                if reader.alive:
-                    reader.report()
-
-    def shutdown(self, timeout_s: float) -> None:
-        readers = list(self._readers.values())
-        for reader in readers:
-            reader.stop()
-        end = time.monotonic() + timeout_s
-        for reader in readers:
-            reader.join(max(0.0, end - time.monotonic()))
-        self._gone.set()
-
-
-def child_main(argv: list[str] | None = None) -> int:
-    """``python -m streams.decode_procs --cmd-fd N --evt-fd M``: started by :class:`DecodeHub`."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cmd-fd", type=int, required=True)
-    parser.add_argument("--evt-fd", type=int, required=True)
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
-    commands = Connection(args.cmd_fd, writable=False)
-    events = Connection(args.evt_fd, readable=False)
-    try:
-        _, options, slots, directory, level, clip_options = commands.recv()
-    except EOFError:
-        return 0
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s [decode %(process)d] %(name)s: %(message)s",
-    )
-    child = _Child(events, options, slots, directory, clip_options)
-    threading.Thread(target=child.report_loop, name="decode-report", daemon=True).start()
-    try:
-        while True:
-            try:
-                message = commands.recv()
-            except (EOFError, OSError):
-                log.warning("the server closed its pipe: stopping")
-                break
-            if message[0] == "quit":
-                break
-            try:
-                child.handle(message)
-            except Exception:  # one stream's bad command must not end the others
-                log.exception("decode process: cannot %s", message[:2])
-    finally:
-        child.shutdown(options.read_timeout_s + 1.0)
-    return 0
-
-
-# ---- the server side ----------------------------------------------------------------------
 
 
 class _Mapped:
@@ -572,7 +261,7 @@ class DecodeHub:
             [
                 sys.executable,
                 "-m",
-                "streams.decode_procs",
+                "streams.decode_child",
                 "--cmd-fd",
                 str(cmd_r.fileno()),
                 "--evt-fd",
@@ -884,7 +573,3 @@ class RemoteReader(StreamReader):
             if self.state not in (StreamState.FAILED, StreamState.STOPPED):
                 self._set_state(StreamState.STOPPED)
             self._exited.set()
-
-
-if __name__ == "__main__":
-    sys.exit(child_main())

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from engines.batching import WorkItem
 from engines.pool import EnginePool
 from engines.types import ModelInfo
-from streams import decode_procs
+from streams import decode_child, decode_procs
 from streams.clips import ClipOptions
 from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
@@ -42,7 +42,7 @@ def _config(clip: Path, stream_id: str = "cam", max_fps: float | None = None) ->
 
 
 def _shm_files() -> set[str]:
-    return {p.name for p in Path(decode_procs.shm_dir()).glob("streamdet-frames-*")}
+    return {p.name for p in Path(decode_child.shm_dir()).glob("streamdet-frames-*")}
 
 
 class Kept:
@@ -103,7 +103,7 @@ def test_frames_are_the_decoders_and_a_keeping_consumer_costs_copies_not_frames(
     end = time.monotonic() + 10  # the process sends its counts every REPORT_S
     while (snap := reader.snapshot())["frames_in"] < 4 * SLOTS:
         assert time.monotonic() < end, snap
-        time.sleep(decode_procs.REPORT_S)
+        time.sleep(decode_child.REPORT_S)
     assert snap["decode_process"] == 0 and snap["decode"] == "cpu"
     assert snap["frames_decoded"] == snap["frames_in"] and snap["fps_in"] > 0
     assert snap["frames_copied"] >= len(shared) - sum(shared) > 0
@@ -233,7 +233,7 @@ def test_full_shared_memory_is_refused_with_what_to_change(
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match=r"--shm-size.*STREAMDET_DECODE_PROCESSES=0") as caught:
-        decode_procs._Ring(1, SLOTS, 1080, 1920, str(tmp_path))
+        decode_child._Ring(1, SLOTS, 1080, 1920, str(tmp_path))
     assert "47 MiB" in str(caught.value) and "1920x1080" in str(caught.value)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
@@ -253,14 +253,14 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
 
     monkeypatch.setattr(os, "posix_fallocate", limited)
     _, events = multiprocessing.Pipe(duplex=False)
-    child = decode_procs._Child(events, ReaderOptions(), SLOTS, str(tmp_path), None)
-    reader = decode_procs._ChildReader("cam#1", _config(CAR_CLIP), child, ReaderOptions())
+    child = decode_child._Child(events, ReaderOptions(), SLOTS, str(tmp_path), None)
+    reader = decode_child._ChildReader("cam#1", _config(CAR_CLIP), child, ReaderOptions())
     ring = reader._make_ring(1080, 1920)  # 8 x 5.9 MiB do not fit 30 MiB; 4 do
     assert ring.slots == 4
-    assert os.path.getsize(ring.path) == decode_procs.HEADER + 4 * 1920 * 1080 * 3
+    assert os.path.getsize(ring.path) == decode_child.HEADER + 4 * 1920 * 1080 * 3
     ring.unlink()
     room["bytes"] = 5 * 2**20  # not even MIN_SLOTS frames
-    with pytest.raises(decode_procs.SharedMemoryFull, match=r"2 frames of 1920x1080.*--shm-size"):
+    with pytest.raises(decode_child.SharedMemoryFull, match=r"2 frames of 1920x1080.*--shm-size"):
         reader._make_ring(1080, 1920)
     assert list(tmp_path.iterdir()) == []
 
@@ -271,7 +271,7 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
     monkeypatch.setattr(os, "posix_fallocate", failing)
     with pytest.raises(OSError, match="8 frames") as caught:
         reader._make_ring(1080, 1920)
-    assert not isinstance(caught.value, decode_procs.SharedMemoryFull)
+    assert not isinstance(caught.value, decode_child.SharedMemoryFull)
 
 
 def test_a_small_shared_memory_is_warned_of_with_what_to_change(
@@ -284,11 +284,11 @@ def test_a_small_shared_memory_is_warned_of_with_what_to_change(
         return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
 
     monkeypatch.setattr(os, "statvfs", statvfs)
-    warning = decode_procs.shm_warning("/dev/shm", SLOTS)
+    warning = decode_child.shm_warning("/dev/shm", SLOTS)
     assert warning is not None and "holds 64 MiB" in warning and "about 1 1080p" in warning
     assert "--shm-size" in warning and "STREAMDET_DECODE_PROCESSES=0" in warning
     size["bytes"] = 2 * 2**30  # the Dockerfile's --shm-size 2g
-    assert decode_procs.shm_warning("/dev/shm", SLOTS) is None
+    assert decode_child.shm_warning("/dev/shm", SLOTS) is None
 
 
 def test_the_hub_refuses_a_ring_it_cannot_flag() -> None:
@@ -429,7 +429,7 @@ def test_a_gpu_engine_decodes_in_the_server_by_default_where_shared_memory_is_do
     size = {"bytes": 64 * 2**20}  # docker run without --shm-size
 
     def statvfs(path: str) -> os.statvfs_result:
-        assert path == decode_procs.shm_dir()
+        assert path == decode_child.shm_dir()
         blocks = size["bytes"] // 4096
         return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
 

@@ -67,10 +67,10 @@ def test_gpu_modules_import_without_touching_cuda_or_tensorrt() -> None:
 
 
 def test_a_decode_process_imports_neither_torch_nor_the_server() -> None:
-    """A decode process (``python -m streams.decode_procs``) holds only the reader loop: no
+    """A decode process (``python -m streams.decode_child``) holds only the reader loop: no
     torch (hundreds of MB per process), no FastAPI."""
     code = (
-        "import json, sys, streams.decode_procs\n"
+        "import json, sys, streams.decode_child\n"
         "print(json.dumps({'modules': sorted(m for m in sys.modules if m.split('.')[0] in"
         " ('torch', 'ultralytics', 'fastapi', 'server', 'onnxruntime'))}))"
     )
