@@ -350,8 +350,10 @@ class DecodeHub:
         if kind == "frame":
             _, _, gen, slot, pts, decoded_mono = message
             ring = proc.rings.get(key)
-            if ring is None or ring.gen != gen:
-                return  # its ring could not be mapped, or is gone
+            if ring is None or ring.gen != gen:  # its ring could not be mapped: counted
+                if reader is not None:
+                    reader.remote_dropped()
+                return
             if reader is None or reader.stopping:
                 ring.free(slot)
                 return
@@ -364,6 +366,8 @@ class DecodeHub:
             except OSError as exc:
                 log.warning("stream %s: cannot map its frames: %s", key, exc)
                 proc.rings.pop(key, None)
+                if reader is not None:
+                    reader.remote_state(reader.state, f"cannot map its frames: {exc}")
         elif kind == "counts" and reader is not None:
             reader.remote_counts(message[2], message[3])
         elif kind == "state" and reader is not None:
@@ -533,6 +537,11 @@ class RemoteReader(StreamReader):
             self._offer(image, pts, decoded_mono)
         except PoolClosed:  # the server is stopping: so is the stream
             self.stop()
+
+    def remote_dropped(self) -> None:
+        """A frame of the process that never reached the server (its ring is not mapped)."""
+        with self._lock:
+            self.drops += 1
 
     def remote_state(self, state: StreamState, error: str | None) -> None:
         self._set_state(state, error)

@@ -114,6 +114,24 @@ def test_frames_are_the_decoders_and_a_keeping_consumer_costs_copies_not_frames(
     assert reader.snapshot()["fps_in"] == 0.0  # no rate once the process stopped reporting
 
 
+def test_frames_of_a_ring_the_server_cannot_map_are_counted_and_the_stream_says_why(
+    hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def cannot_map(*args: object) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(decode_procs, "_Mapped", cannot_map)
+    kept = Kept()
+    reader = hub.reader(_config(CAR_CLIP), kept, lambda frame: None)
+    reader.start()
+    end = time.monotonic() + 30
+    while (snap := reader.snapshot())["drops"] < 2 * SLOTS:  # the process's too, once full
+        assert time.monotonic() < end, snap
+        time.sleep(decode_child.REPORT_S)
+    assert kept.items == []
+    assert "cannot map its frames" in (snap["last_error"] or "") and "memory" in snap["last_error"]
+
+
 def test_a_killed_decode_process_is_started_again_and_its_streams_reopen(
     hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
