@@ -256,6 +256,10 @@ class StreamStats:
     errors: int = 0
     latencies_ms: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    window: tuple[float, float] = (0.0, 0.0)
+    """The measured interval (monotonic seconds)."""
+    pool: dict[str, float] = field(default_factory=dict)
+    """How the pool's workers spent the window (:func:`saturate`)."""
 
 
 def run_streams(
@@ -277,6 +281,7 @@ def run_streams(
     stop = threading.Event()
     measure_from = time.monotonic() + warmup_s
     measure_until = measure_from + seconds  # frames still in the pool after it are not counted
+    stats.window = (measure_from, measure_until)
     params = DetectParams()
 
     def on_done(captured: float) -> Any:
@@ -392,6 +397,7 @@ def run_streams_in_processes(
             time.sleep(0.05)
         failed0 = sum(r.failed for r in readers)
         measure_from = time.monotonic() + warmup_s
+        stats.window = (measure_from, measure_from + seconds)
         time.sleep(warmup_s + seconds)
         measure_from = float("inf")
         stats.errors = sum(r.failed for r in readers) - failed0
@@ -537,11 +543,33 @@ def saturate(
     decode_device: str,
     processes: int = 0,
 ) -> tuple[StreamStats, BusySampler]:
-    """The unpaced end-to-end run (streams decode as fast as they can), GPU busy sampled."""
-    with BusySampler() as busy:
-        sat = run_either(
-            pool, clips, args, fps=0.0, decode_device=decode_device, processes=processes
-        )
+    """The unpaced end-to-end run (streams decode as fast as they can), GPU busy sampled, and
+    the workers' batches tallied (``sat.pool``: the share of the window they spent in
+    ``infer``, mean batch, ms per batch): busy workers beside an idle GPU point at the host
+    side of ``infer``, idle workers at decode."""
+    batches: list[tuple[float, int, float]] = []
+
+    def tally(size: int, elapsed_s: float) -> None:
+        batches.append((time.monotonic(), size, elapsed_s))
+
+    pool.batch_observers.append(tally)
+    try:
+        with BusySampler() as busy:
+            sat = run_either(
+                pool, clips, args, fps=0.0, decode_device=decode_device, processes=processes
+            )
+    finally:
+        pool.batch_observers.remove(tally)
+    start, end = sat.window
+    inside = [(size, elapsed) for at, size, elapsed in batches if start <= at < end]
+    if inside and end > start:
+        # Each batch's time within the window (one that began before it counts in part).
+        busy_s = sum(max(0.0, min(at, end) - max(at - e, start)) for at, _, e in batches)
+        sat.pool = {
+            "worker_busy_pct": round(100 * busy_s / (pool.workers * (end - start)), 1),
+            "mean_batch": round(sum(size for size, _ in inside) / len(inside), 2),
+            "batch_ms": round(1000 * sum(e for _, e in inside) / len(inside), 2),
+        }
     return sat, busy
 
 
@@ -637,6 +665,7 @@ def run(args: argparse.Namespace) -> int:
             (time.process_time() - cpu0) / (2 * (args.seconds + 2.0)), 2
         )
         by_decode = {"threads": round(sat.done / args.seconds, 1)}
+        pool_by_decode = {"threads": sat.pool}
         decode_in = "threads"
         if args.decode_processes and args.decode == "cpu":
             try:
@@ -646,6 +675,7 @@ def run(args: argparse.Namespace) -> int:
                 figures["decode_processes_error"] = str(exc)
             else:
                 by_decode["processes"] = round(in_procs.done / args.seconds, 1)
+                pool_by_decode["processes"] = in_procs.pool
                 figures["gpu_busy_pct_by_decode"] = {
                     "threads": busy.mean,
                     "processes": procs_busy.mean,
@@ -653,6 +683,7 @@ def run(args: argparse.Namespace) -> int:
                 if in_procs.done > sat.done:
                     sat, busy, decode_in = in_procs, procs_busy, "processes"
         figures["e2e_img_s_by_decode"] = by_decode
+        figures["pool_by_decode"] = pool_by_decode
         figures["e2e_decode_in"] = decode_in
         save()
         if args.nvdec_too and args.decode != "cuda":
@@ -680,6 +711,7 @@ def run(args: argparse.Namespace) -> int:
             "e2e_img_s": round(e2e, 1),
             "e2e_over_engine": round(e2e / figures["engine_img_s"], 3),
             "gpu_busy_pct": busy.mean,
+            "worker_busy_pct": sat.pool.get("worker_busy_pct"),
             "gpu_busy_note": busy.error or f"{len(busy.samples)} NVML samples while saturated",
             "e2e_offered_fps": round(sat.offered / args.seconds, 1),
             "fps_per_stream": args.fps,

@@ -76,3 +76,11 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     by_decode = report["e2e_img_s_by_decode"]
     assert set(by_decode) == {"threads", "processes"} and by_decode["processes"] > 0
     assert report["e2e_img_s"] == by_decode[report["e2e_decode_in"]]
+    # How the workers spent the unpaced runs: the CPU engine keeps its one worker busy.
+    for tally in report["pool_by_decode"].values():
+        assert 0 < tally["worker_busy_pct"] <= 100 and 1 <= tally["mean_batch"] <= 2
+        assert tally["batch_ms"] > 0
+    assert (
+        report["worker_busy_pct"]
+        == report["pool_by_decode"][report["e2e_decode_in"]]["worker_busy_pct"]
+    )
