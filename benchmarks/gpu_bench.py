@@ -174,8 +174,9 @@ def engine_stages(
     engine: Any, frames: list[np.ndarray], batch: int, seconds: float
 ) -> dict[str, Any]:
     """Where a batch's time goes in ``infer`` (ms per batch of ``batch`` clip frames): the
-    upload (memcpy into pinned staging, copy to the device), the device letterbox, the model
-    (graph replay), and the rest (NMS, download, building detections, Python)."""
+    upload (memcpy into pinned staging, copy to the device; ``upload_host_copy`` is the memcpy
+    alone), the device letterbox, the model (graph replay), and the rest (NMS, download,
+    building detections, Python)."""
     import torch
 
     from engines.gpu import bucket_for, letterbox_into
@@ -195,6 +196,22 @@ def engine_stages(
         calls, elapsed = _timed(fn, seconds)
         return elapsed / calls * 1000
 
+    # The host's share of the upload: the memcpy into pinned staging alone (numpy, outside the
+    # interpreter lock). Were it most of ``upload``, pinning the decode processes' rings
+    # (cudaHostRegister) would let the copy engine read frames where they lie.
+    staging = ws._host_buffer(ws._staging, sum(im.nbytes for im in images), torch.uint8).numpy()
+
+    def host_copy() -> None:
+        offset = 0
+        for im in images:
+            staging[offset : offset + im.nbytes] = im.reshape(-1)
+            offset += im.nbytes
+
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        host_copy()
+        calls += 1
+    host_ms = (time.perf_counter() - t0) / calls * 1000
     with torch.inference_mode(), engine._on_stream(ws):
         up = per_batch_ms(upload)
         up_lb = per_batch_ms(upload_letterbox)
@@ -202,6 +219,7 @@ def engine_stages(
     total = per_batch_ms(lambda: engine.infer(images, [DetectParams()] * batch))
     stages = {
         "upload": up,
+        "upload_host_copy": host_ms,
         "letterbox": up_lb - up,
         "model": model,
         "rest": total - up_lb - model,
