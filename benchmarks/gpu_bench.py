@@ -579,14 +579,16 @@ def saturate(
     finally:
         pool.batch_observers.remove(tally)
     start, end = sat.window
-    inside = [(size, elapsed) for at, size, elapsed in batches if start <= at < end]
-    if inside and end > start:
-        # Each batch's time within the window (one that began before it counts in part).
-        busy_s = sum(max(0.0, min(at, end) - max(at - e, start)) for at, _, e in batches)
+    # Each batch's time within the window (one that overlaps an edge counts in part).
+    overlaps = [(size, e, min(at, end) - max(at - e, start)) for at, size, e in batches]
+    inside = [(size, e, part) for size, e, part in overlaps if part > 0]
+    if inside:
         sat.pool = {
-            "worker_busy_pct": round(100 * busy_s / (pool.workers * (end - start)), 1),
-            "mean_batch": round(sum(size for size, _ in inside) / len(inside), 2),
-            "batch_ms": round(1000 * sum(e for _, e in inside) / len(inside), 2),
+            "worker_busy_pct": round(
+                100 * sum(part for *_, part in inside) / (pool.workers * (end - start)), 1
+            ),
+            "mean_batch": round(sum(size for size, *_ in inside) / len(inside), 2),
+            "batch_ms": round(1000 * sum(e for _, e, _ in inside) / len(inside), 2),
         }
     return sat, busy
 
