@@ -46,11 +46,11 @@ pytestmark = [
 ]
 
 
-def _config(device: str, model: Path) -> EngineConfig:
+def _config(device: str, model: Path, max_batch: int = 8) -> EngineConfig:
     return EngineConfig(
         model=checkpoint_info(model),
         imgsz=640,
-        max_batch=8,
+        max_batch=max_batch,
         threads=1,
         device=device,
         cache_dir=CACHE_DIR,
@@ -154,9 +154,12 @@ def test_nvdec_frames_match_cpu_decode() -> None:
     got = list(itertools.islice(iter(decoder), 5))
     want = list(iter_video_frames(VIDEOS[0], limit=5))
     for g, w in zip(got, want, strict=True):
-        assert isinstance(g, torch.Tensor) and g.is_cuda
+        assert isinstance(g, torch.Tensor) and g.is_cuda, type(g)
+        # Shapes first: a decoder surface padded to the coded size (432 -> 448 rows) shows here.
+        assert tuple(g.shape) == w.shape and g.dtype == torch.uint8, (g.shape, g.dtype, w.shape)
         diff = np.abs(g.cpu().numpy().astype(int) - w.astype(int))
-        assert diff.mean() < 2.0, diff.mean()
+        per_channel = diff.reshape(-1, 3).mean(axis=0).round(2).tolist()
+        assert diff.mean() < 2.0, f"mean {diff.mean():.2f}, RGB {per_channel}, max {diff.max()}"
 
 
 def test_live_stream_decodes_on_nvdec_into_the_torch_engine(model: Path, tmp_path: Path) -> None:
@@ -165,9 +168,9 @@ def test_live_stream_decodes_on_nvdec_into_the_torch_engine(model: Path, tmp_pat
     running its own loop: the GPU image's pytest has no asyncio plugin.)"""
     if ON_CUDA and (reason := nvdec_unavailable(DEVICE)) is not None:
         pytest.skip(f"NVDEC not usable here: {reason}")
-    config = _config(DEVICE, model)
-    pool = EnginePool(
-        lambda: TorchEngine(config), workers=1, max_batch=8, max_wait_ms=2, max_queue=8
+    config = _config(DEVICE, model, max_batch=2)
+    pool = EnginePool(  # batch 2: fewer graphs to capture at warmup, inside the test's limit
+        lambda: TorchEngine(config), workers=1, max_batch=2, max_wait_ms=2, max_queue=8
     )
     pool.start()
     options = ManagerOptions(
@@ -184,7 +187,12 @@ def test_live_stream_decodes_on_nvdec_into_the_torch_engine(model: Path, tmp_pat
             assert sub is not None
             frames: list[ProcessedFrame] = []
             while len(frames) < 10:
-                item = await asyncio.wait_for(sub.get(), 60)
+                try:
+                    item = await asyncio.wait_for(sub.get(), 30)
+                except TimeoutError:  # say where the stream stands, not just that it timed out
+                    raise AssertionError(
+                        f"{len(frames)} frames in 30 s: {manager.describe(info['id'])}"
+                    ) from None
                 assert isinstance(item, ProcessedFrame), item
                 frames.append(item)
             return frames, (manager.describe(info["id"]) or {}).get("decode", "")
