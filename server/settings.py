@@ -19,7 +19,7 @@ def _warn_small_shm(size: int, procs: int) -> None:
     """Said once per process, however often settings are made."""
     logging.getLogger(__name__).warning(
         "shared memory (/dev/shm) holds %d MiB: too little for decode processes' frames (a"
-        " 1080p stream takes 50 MiB), so streams decode in the server process; for the %d"
+        " 1080p stream takes 50 MB), so streams decode in the server process; for the %d"
         " decode processes a GPU engine gets by default, give it more (docker run --shm-size"
         " 2g) or choose with setting STREAMDET_DECODE_PROCESSES",
         size // 2**20,
