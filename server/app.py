@@ -137,6 +137,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         state.jobs = job_manager
         metrics.set_job_source(job_manager.counts)
         metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
+        metrics.set_decode_source(manager.decode_stats)
         manager.frame_observers.append(metrics.observe_stream_frame)
         lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
         retention = None

@@ -213,6 +213,20 @@ class _ScrapeCollector(Collector):
                 "Expected queueing delay of a new /detect call (admission control's estimate)",
                 value=wait(),
             )
+        decode = self._metrics.decode_source
+        if decode is not None and (stats := decode()) is not None:
+            running, exits = stats
+            yield GaugeMetricFamily(
+                "streamdet_decode_processes",
+                "Decode processes running (--decode-processes; started at the first stream)",
+                value=running,
+            )
+            yield CounterMetricFamily(
+                "streamdet_decode_process_exits",
+                "Decode processes that died; each is started again and its streams reopen,"
+                " unless it died right after starting",
+                value=exits,
+            )
         jobs = self._metrics.job_source
         if jobs is not None:
             kept = GaugeMetricFamily(
@@ -380,6 +394,7 @@ class Metrics:
         self.stream_source: StreamSource | None = None
         self.wait_source: Callable[[], float] | None = None
         self.job_source: Callable[[], dict[str, int]] | None = None
+        self.decode_source: Callable[[], tuple[int, int] | None] | None = None
         self.requests = Counter(
             "streamdet_http_requests",
             "HTTP requests answered, by route template, method and status code",
@@ -501,6 +516,10 @@ class Metrics:
     def set_job_source(self, source: Callable[[], dict[str, int]] | None) -> None:
         """Plug in the job manager's kept jobs by state."""
         self.job_source = source
+
+    def set_decode_source(self, source: Callable[[], tuple[int, int] | None] | None) -> None:
+        """Plug in the stream manager's decode processes (running, died)."""
+        self.decode_source = source
 
     def set_stream_source(self, source: StreamSource | None) -> None:
         """Plug in (or remove) the stream manager's per-stream figures."""

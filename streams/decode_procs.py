@@ -163,6 +163,8 @@ class DecodeHub:
         self._wake_r, self._wake_w = Pipe(duplex=False)
         self._thread: threading.Thread | None = None
         self._shm_checked = False
+        self.exits = 0
+        """Processes that died (or closed their pipe) while the hub was open."""
 
     # ---- streams ---------------------------------------------------------------------------
     def reader(
@@ -221,6 +223,11 @@ class DecodeHub:
         """The processes' ids (those started)."""
         with self._lock:
             return [p.popen.pid for p in self._procs if p is not None]
+
+    def stats(self) -> tuple[int, int]:
+        """Processes running now, and how many have died since the hub started."""
+        with self._lock:
+            return sum(p is not None for p in self._procs), self.exits
 
     def shutdown(self, timeout_s: float) -> None:
         """Ask every process to stop its streams and exit; kill what has not after
@@ -399,6 +406,8 @@ class DecodeHub:
             self._changes += 1
             quick = time.monotonic() - proc.started < QUICK_EXIT_S
             closed = self._closed
+            if not closed:
+                self.exits += 1
         why = f"decode process {proc.index} (pid {proc.popen.pid}) exited with code {code}"
         for reader in [*readers, *stopped]:
             reader.remote_lost(why)

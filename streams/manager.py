@@ -157,6 +157,10 @@ class StreamManager:
         """The decode processes' ids (none without ``decode_processes``, or before a stream)."""
         return [] if self._hub is None else self._hub.pids()
 
+    def decode_stats(self) -> tuple[int, int] | None:
+        """Decode processes running, and those that died so far; None without them."""
+        return None if self._hub is None else self._hub.stats()
+
     async def stop(self, timeout_s: float) -> None:
         """Stop intake, close subscribers (1001), stop every decode thread."""
         self._closing = True

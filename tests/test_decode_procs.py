@@ -141,12 +141,14 @@ def test_a_killed_decode_process_is_started_again_and_its_streams_reopen(
     reader.start()
     kept.wait_for(5)
     (pid,) = hub.pids()
+    assert hub.stats() == (1, 0)
     os.kill(pid, signal.SIGKILL)
     assert reader.wait_state({StreamState.RECONNECTING}, 30)
     assert f"exited with code {-signal.SIGKILL}" in (reader.last_error or "")
     assert reader.wait_state({StreamState.LIVE}, 30)
     (again,) = hub.pids()
     assert again != pid
+    assert hub.stats() == (1, 1)  # running again, one death counted
     before = len(kept.items)
     kept.wait_for(before + 5)
     assert reader.alive
@@ -427,6 +429,11 @@ def test_the_server_decodes_in_processes_when_told(tmp_path: Path) -> None:
         assert message["stream_id"] == sid and message["width"] == 640
         stats = c.get(f"/streams/{sid}").json()
         assert stats["decode_process"] == 0 and stats["state"] == "live"
+        exposed = c.get("/metrics").text
+        assert "\nstreamdet_decode_processes 1.0\n" in exposed
+        assert "\nstreamdet_decode_process_exits_total 0.0\n" in exposed
+    with TestClient(file_stream_app(tmp_path, decode_processes=0)) as c:
+        assert "streamdet_decode_process" not in c.get("/metrics").text  # none to count
 
 
 def test_decode_processes_default_to_none_on_the_cpu_engine_and_some_for_a_gpu_one() -> None:
