@@ -45,7 +45,8 @@ MIN_SLOTS = 2
 """The fewest slots a ring is made with when shared memory is short (a frame in flight and
 the next; frames kept beyond that are copied)."""
 COUNTED = ("frames_in", "decoded", "skipped", "motion_skipped", "reconnects", "drops")
-"""The counters a child keeps for the server's :class:`RemoteReader` (sent as increments)."""
+"""The counters a child keeps for the server's :class:`~streams.decode_procs.RemoteReader`
+(sent as increments)."""
 REPORT_S = 0.2
 """How often a child sends its streams' counters and rates."""
 
