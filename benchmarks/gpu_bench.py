@@ -199,17 +199,9 @@ def engine_stages(
     # The host's share of the upload: the memcpy into pinned staging alone (numpy, outside the
     # interpreter lock). Were it most of ``upload``, pinning the decode processes' rings
     # (cudaHostRegister) would let the copy engine read frames where they lie.
-    staging = ws._host_buffer(ws._staging, sum(im.nbytes for im in images), torch.uint8).numpy()
-
-    def host_copy() -> None:
-        offset = 0
-        for im in images:
-            staging[offset : offset + im.nbytes] = im.reshape(-1)
-            offset += im.nbytes
-
     calls, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        host_copy()
+        ws.stage(images)
         calls += 1
     host_ms = (time.perf_counter() - t0) / calls * 1000
     with torch.inference_mode(), engine._on_stream(ws):

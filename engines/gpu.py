@@ -244,16 +244,9 @@ class DeviceWorkspace:
         capacity = 1 << max(20, math.ceil(math.log2(max(size, 1))))
         return torch.empty(capacity, dtype=dtype, pin_memory=self.cuda)
 
-    def upload(self, images: Sequence[Frame]) -> list[torch.Tensor]:
-        """Device views ``(h, w, 3)`` uint8 of ``images``: one pinned memcpy, one async copy."""
-        host: list[Image] = [im for im in images if not isinstance(im, torch.Tensor)]
-        if not self.cuda or not host:
-            return [
-                im.to(self.device)
-                if isinstance(im, torch.Tensor)
-                else torch.from_numpy(im if im.flags.writeable else im.copy())
-                for im in images
-            ]
+    def stage(self, host: Sequence[Image]) -> tuple[list[int], int]:
+        """Copy ``host`` into the staging buffer (pinned on CUDA), one after the other; numpy
+        copies outside the interpreter lock. Returns each image's byte offset and the total."""
         total = sum(int(im.nbytes) for im in host)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous batch's copy has left the staging buffer
@@ -265,6 +258,19 @@ class DeviceWorkspace:
             staging_np[offset : offset + im.nbytes] = np.ascontiguousarray(im).reshape(-1)
             offsets.append(offset)
             offset += int(im.nbytes)
+        return offsets, total
+
+    def upload(self, images: Sequence[Frame]) -> list[torch.Tensor]:
+        """Device views ``(h, w, 3)`` uint8 of ``images``: one pinned memcpy, one async copy."""
+        host: list[Image] = [im for im in images if not isinstance(im, torch.Tensor)]
+        if not self.cuda or not host:
+            return [
+                im.to(self.device)
+                if isinstance(im, torch.Tensor)
+                else torch.from_numpy(im if im.flags.writeable else im.copy())
+                for im in images
+            ]
+        offsets, total = self.stage(host)
         if self._device_frames.numel() < total:
             self._device_frames = torch.empty(
                 self._staging.numel(), dtype=torch.uint8, device=self.device

@@ -143,6 +143,20 @@ def test_upload_on_cpu_returns_the_images(frames: list[np.ndarray]) -> None:
         assert np.array_equal(view.numpy(), frame)
 
 
+def test_stage_lays_frames_end_to_end_in_the_staging_buffer(frames: list[np.ndarray]) -> None:
+    """What the CUDA upload copies to the device in one go (pinned there, plain here)."""
+    ws = DeviceWorkspace(CPU)
+    batch = [frames[0], np.ascontiguousarray(frames[1][::2, ::2]), frames[2]]  # two sizes
+    offsets, total = ws.stage(batch)
+    assert total == sum(f.nbytes for f in batch) and offsets[0] == 0
+    staged = ws._staging.numpy()
+    for frame, offset in zip(batch, offsets, strict=True):
+        assert np.array_equal(staged[offset : offset + frame.nbytes].reshape(frame.shape), frame)
+    grown = ws._staging
+    ws.stage(batch[:1])  # a smaller batch reuses the buffer
+    assert ws._staging is grown
+
+
 @pytest.fixture(scope="module")
 def ort(model_info: ModelInfo) -> Iterator[object]:
     config = EngineConfig(model=model_info, imgsz=640, max_batch=8, threads=2, cache_dir=CACHE_DIR)
