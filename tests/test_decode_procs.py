@@ -294,21 +294,29 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
     assert not isinstance(caught.value, decode_child.SharedMemoryFull)
 
 
-def test_a_small_shared_memory_is_warned_of_with_what_to_change(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    size = {"bytes": 64 * 2**20}  # Docker's default /dev/shm
+def _shm_of(monkeypatch: pytest.MonkeyPatch, size_bytes: int) -> dict[str, int]:
+    """``/dev/shm`` seen as holding ``size["bytes"]`` (change it to resize): the one thing
+    faked, since a small tmpfs takes a mount."""
+    size = {"bytes": size_bytes}
 
     def statvfs(path: str) -> os.statvfs_result:
+        assert path == decode_child.shm_dir(), path
         blocks = size["bytes"] // 4096
         return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
 
     monkeypatch.setattr(os, "statvfs", statvfs)
-    warning = decode_child.shm_warning("/dev/shm", SLOTS)
+    return size
+
+
+def test_a_small_shared_memory_is_warned_of_with_what_to_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    size = _shm_of(monkeypatch, 64 * 2**20)  # Docker's default /dev/shm
+    warning = decode_child.shm_warning(decode_child.shm_dir(), SLOTS)
     assert warning is not None and "holds 64 MiB" in warning and "about 1 1080p" in warning
     assert "--shm-size" in warning and "STREAMDET_DECODE_PROCESSES=0" in warning
     size["bytes"] = 2 * 2**30  # the Dockerfile's --shm-size 2g
-    assert decode_child.shm_warning("/dev/shm", SLOTS) is None
+    assert decode_child.shm_warning(decode_child.shm_dir(), SLOTS) is None
 
 
 def test_the_hub_refuses_a_ring_it_cannot_flag() -> None:
@@ -451,14 +459,7 @@ def test_a_gpu_engine_decodes_in_the_server_by_default_where_shared_memory_is_do
 ) -> None:
     from server import settings
 
-    size = {"bytes": 64 * 2**20}  # docker run without --shm-size
-
-    def statvfs(path: str) -> os.statvfs_result:
-        assert path == decode_child.shm_dir()
-        blocks = size["bytes"] // 4096
-        return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
-
-    monkeypatch.setattr(os, "statvfs", statvfs)
+    size = _shm_of(monkeypatch, 64 * 2**20)  # docker run without --shm-size
     settings._warn_small_shm.cache_clear()
     with caplog.at_level("WARNING", logger="server.settings"):
         assert settings.Settings(backend="torch").decode_processes == 0
