@@ -70,6 +70,13 @@ class WorkQueue:
     instead of building a backlog, and none starves. The background lane is FIFO and runs
     only on capacity the other two leave; its producers bound it (a job keeps a few frames
     in flight), and a live frame arriving behind it waits at most for the batch running.
+
+    Waking a thread costs the producer a system call and, on a busy machine, often its
+    turn on the CPU with the interpreter lock held, so an item wakes a worker only when that
+    worker has something to do: a worker filling a batch (:meth:`fill`) is woken when the
+    items waiting can fill it (or at its deadline), not per item; an idle worker is woken
+    for a new item only when no batch is filling (the filling batch takes it: it runs by
+    its deadline anyway, and the idle worker stays free for the next one).
     """
 
     def __init__(self, max_interactive: int) -> None:
@@ -79,12 +86,16 @@ class WorkQueue:
         self._interactive: deque[WorkItem] = deque()
         self._streams: OrderedDict[str, WorkItem] = OrderedDict()
         self._background: deque[WorkItem] = deque()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # workers waiting for a first item
+        self._filling = threading.Condition(self._lock)  # workers waiting for a batch to fill
+        self._idle_waiting = 0
+        self._needs: list[int] = []  # items each filling worker still wants
         self._closed = False
 
     def put(self, item: WorkItem) -> None:
         """Queue an interactive item. Raises :class:`QueueFull` or :class:`PoolClosed`."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise PoolClosed("the engine pool is shutting down")
             if len(self._interactive) >= self._max_interactive:
@@ -93,31 +104,43 @@ class WorkQueue:
                     " (setting STREAMDET_MAX_QUEUE)"
                 )
             self._interactive.append(item)
-            self._cond.notify()
+            self._wake()
 
     def put_latest(self, key: str, item: WorkItem) -> WorkItem | None:
         """Offer a stream frame; returns the frame it replaced (a drop), if any."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise PoolClosed("the engine pool is shutting down")
             replaced = self._streams.get(key)
             self._streams[key] = item  # a replaced frame keeps its stream's turn
-            self._cond.notify()
+            if replaced is None:  # one more item waiting
+                self._wake()
             return replaced
 
     def put_background(self, item: WorkItem) -> None:
         """Queue background work, served when no call or stream frame waits. Raises
         :class:`PoolClosed`."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise PoolClosed("the engine pool is shutting down")
             self._background.append(item)
-            self._cond.notify()
+            self._wake()
 
     def discard(self, key: str) -> WorkItem | None:
         """Remove a stream's waiting frame (stream removed)."""
-        with self._cond:
+        with self._lock:
             return self._streams.pop(key, None)
+
+    def _waiting(self) -> int:
+        return len(self._interactive) + len(self._streams) + len(self._background)
+
+    def _wake(self) -> None:
+        """With the lock held, after items were added: wake the worker that has work now."""
+        if self._needs:
+            if self._waiting() >= min(self._needs):
+                self._filling.notify_all()  # one or two fill; the one that cannot waits on
+        elif self._idle_waiting:
+            self._idle.notify()
 
     def _pop(self) -> WorkItem | None:
         if self._interactive:
@@ -131,28 +154,52 @@ class WorkQueue:
     def get(self, timeout: float | None) -> WorkItem | None:
         """Next item, interactive first; ``None`` on timeout or once closed and empty."""
         end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while True:
                 item = self._pop()
                 if item is not None or self._closed:
                     return item
-                if end is None:
-                    self._cond.wait()
-                else:
-                    remaining = end - time.monotonic()
-                    if remaining <= 0:
-                        return None
-                    self._cond.wait(remaining)
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._idle_waiting += 1
+                try:
+                    self._idle.wait(remaining)
+                finally:
+                    self._idle_waiting -= 1
+
+    def fill(self, batch: list[WorkItem], max_batch: int, until: float) -> None:
+        """Add items to ``batch`` until it holds ``max_batch`` or ``time.monotonic()`` reaches
+        ``until``; once closed, only what is waiting."""
+        with self._lock:
+            while True:
+                while len(batch) < max_batch:
+                    item = self._pop()
+                    if item is None:
+                        break
+                    batch.append(item)
+                need = max_batch - len(batch)
+                remaining = until - time.monotonic()
+                if need == 0 or remaining <= 0 or self._closed:
+                    break
+                self._needs.append(need)
+                try:
+                    self._filling.wait(remaining)
+                finally:
+                    self._needs.remove(need)
+            if self._waiting() and self._idle_waiting and not self._needs:
+                self._idle.notify()  # what this batch left is another worker's now
 
     def close(self) -> None:
         """Refuse new items; waiting ones are still handed out."""
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._idle.notify_all()
+            self._filling.notify_all()
 
     def drain(self) -> list[WorkItem]:
         """Take every waiting item (to fail them on a hard shutdown)."""
-        with self._cond:
+        with self._lock:
             items = [*self._interactive, *self._streams.values(), *self._background]
             self._interactive.clear()
             self._streams.clear()
@@ -165,12 +212,12 @@ class WorkQueue:
 
     def depth(self) -> tuple[int, int]:
         """``(interactive, stream)`` items waiting."""
-        with self._cond:
+        with self._lock:
             return len(self._interactive), len(self._streams)
 
     def background_depth(self) -> int:
         """Background items waiting."""
-        with self._cond:
+        with self._lock:
             return len(self._background)
 
 
@@ -183,11 +230,5 @@ def collect_batch(queue: WorkQueue, max_batch: int, max_wait_ms: float) -> list[
     if first is None:
         return []
     batch = [first]
-    fill_until = time.monotonic() + max_wait_ms / 1000.0
-    while len(batch) < max_batch:
-        remaining = fill_until - time.monotonic()
-        item = queue.get(timeout=max(remaining, 0.0))
-        if item is None:
-            break
-        batch.append(item)
+    queue.fill(batch, max_batch, time.monotonic() + max_wait_ms / 1000.0)
     return batch

@@ -65,6 +65,8 @@ class StreamAnalytics:
         self._zone_now: dict[str, dict[str, int]] = {}  # zone -> class -> in the last frame
         self._zone_moves: Counter[tuple[str, str, str]] = Counter()  # zone, enter|exit, class
         self._shapes: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._shaped_by: StreamDetect | None = None  # the settings _shapes_now is of
+        self._shapes_now = self._shapes
 
     def process(
         self, detections: Detections, detect: StreamDetect, t: float, frame: int
@@ -105,10 +107,14 @@ class StreamAnalytics:
         else:
             self._zones.clear()
         name = detections.name_of
-        shapes = (
-            frozenset(line.name for line in detect.lines),
-            frozenset(zone.name for zone in detect.zones),
-        )
+        names = [name(c) for c in detections.class_ids.tolist()]
+        if detect is not self._shaped_by:  # the same settings object frame after frame
+            self._shaped_by = detect
+            self._shapes_now = (
+                frozenset(line.name for line in detect.lines),
+                frozenset(zone.name for zone in detect.zones),
+            )
+        shapes = self._shapes_now
         with self._lock:
             if shapes != self._shapes:
                 # A line or zone removed (or renamed) takes its counts with it: they stay
@@ -120,22 +126,28 @@ class StreamAnalytics:
                 self._zone_moves = Counter(
                     {k: n for k, n in self._zone_moves.items() if k[0] in shapes[1]}
                 )
-            objects = Counter(name(c) for c in detections.class_ids)
-            self._detections.update(objects)
-            self._objects = dict(objects)
+            # Counted by hand: Counter.update's type checks cost more than a frame's few boxes.
+            objects: dict[str, int] = {}
+            for n in names:
+                objects[n] = objects.get(n, 0) + 1
+            for n, k in objects.items():
+                self._detections[n] += k
+            self._objects = objects
             self._stationary = (
                 {}
                 if still is None
                 else dict(
                     Counter(
-                        name(c)
-                        for c, s in zip(detections.class_ids, still, strict=True)
+                        n
+                        for n, s in zip(names, still, strict=True)
                         if s >= detect.stationary_after_s
                     )
                 )
             )
-            self._tracked.update(name(c) for c in new_objects)
-            self._crossings.update((c.line, c.direction, name(c.class_id)) for c in crossings)
+            if new_objects:
+                self._tracked.update(name(c) for c in new_objects)
+            if crossings:
+                self._crossings.update((c.line, c.direction, name(c.class_id)) for c in crossings)
             if detect.zones:
                 self._zone_now = {
                     zone: {name(c): n for c, n in counts.items()}

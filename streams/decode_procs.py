@@ -41,11 +41,14 @@ dies is started again and its streams reopen on it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import mmap
 import os
-import selectors
+import pickle
+import select
+import struct
 import subprocess
 import sys
 import threading
@@ -55,7 +58,7 @@ from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +97,7 @@ class _Mapped:
         finally:
             os.close(fd)
         os.unlink(path)  # both sides have it mapped: gone with the last of them, crash or not
+        self._refs: list[weakref.ref[np.ndarray[Any, Any]] | None] = [None] * slots
 
     def frame(self, slot: int) -> tuple[Image, bool]:
         """Slot ``slot`` as an image: a view of it, free again once no array refers to it; or,
@@ -101,20 +105,72 @@ class _Mapped:
         test's list), a copy, and the slot is free at once, so a consumer that keeps frames
         costs copies, never the stream's frames. Returns the image and whether it is a copy."""
         flat = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
-        if sum(self.mm[: self.slots]) > self.slots // 2:
+        if self.mm[: self.slots].count(1) > self.slots // 2:
             image = flat.reshape(self.height, self.width, 3).copy()
             _free(self.mm, slot)
             return image, True
-        weakref.finalize(flat, _free, self.mm, slot)
+        # A bare weak reference kept per slot (weakref.finalize costs several times more, for
+        # guarantees at exit a slot does not need); its callback frees the slot.
+        self._refs[slot] = weakref.ref(flat, functools.partial(_free, self.mm, slot))
         return flat.reshape(self.height, self.width, 3), False
 
     def free(self, slot: int) -> None:
         _free(self.mm, slot)
 
 
-def _free(mm: mmap.mmap, slot: int) -> None:
+def _free(mm: mmap.mmap, slot: int, _: object = None) -> None:
     with contextlib.suppress(ValueError):  # closed
         mm[slot] = 0
+
+
+_LENGTH = struct.Struct("!i")
+_LONG_LENGTH = struct.Struct("!Q")
+
+
+class _Inbox:
+    """The messages waiting on a process's event pipe, all taken with one read.
+
+    ``Connection.recv`` takes one message per call, through several Python layers and two
+    reads; a frame's message is a few dozen bytes, so one read here takes every message
+    waiting. The framing is ``Connection.send``'s: a 4-byte big-endian length (-1, then 8
+    bytes, for a message over 2 GiB), then the pickle.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.fd = conn.fileno()
+        os.set_blocking(self.fd, False)
+        self._buf = bytearray()
+
+    def read(self) -> list[bytearray]:
+        """The whole messages that arrived, pickled (none when nothing did).
+
+        Raises:
+            EOFError: the process closed its end (it exited).
+        """
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        if not chunk:
+            raise EOFError("decode process closed its pipe")
+        buf = self._buf
+        buf += chunk
+        messages: list[bytearray] = []
+        pos = 0
+        while len(buf) - pos >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(buf, pos)
+            head = _LENGTH.size
+            if size == -1:
+                if len(buf) - pos < head + _LONG_LENGTH.size:
+                    break
+                (size,) = _LONG_LENGTH.unpack_from(buf, pos + head)
+                head += _LONG_LENGTH.size
+            if len(buf) - pos - head < size:
+                break
+            messages.append(buf[pos + head : pos + head + size])
+            pos += head + size
+        del buf[:pos]
+        return messages
 
 
 @dataclass(eq=False)
@@ -313,12 +369,12 @@ class DecodeHub:
             os.write(self._wake_w.fileno(), b"x")
 
     def _receive(self) -> None:
-        """The receiving thread: one message per ready pipe per turn, from one selector kept
-        across turns (``multiprocessing.connection.wait`` and ``Connection.poll`` build a new
-        one per call, which cost more than the message)."""
-        selector = selectors.DefaultSelector()
-        selector.register(self._wake_r, selectors.EVENT_READ)
-        watched: dict[Connection, _Proc] = {}
+        """The receiving thread: every message waiting on each ready pipe per turn (one read
+        each, :class:`_Inbox`), from one epoll set kept across turns."""
+        poller = select.epoll()
+        wake_fd = self._wake_r.fileno()
+        poller.register(wake_fd, select.EPOLLIN)
+        watched: dict[int, tuple[_Proc, _Inbox]] = {}
         seen = -1
         try:
             while True:
@@ -327,29 +383,37 @@ class DecodeHub:
                         seen = self._changes
                         if self._closed and all(p is None for p in self._procs):
                             return
-                        live = {p.events: p for p in self._procs if p is not None}
-                    for conn in [c for c in watched if c not in live]:
-                        selector.unregister(conn)
-                        gone = watched.pop(conn)
-                        gone.events.close()
-                        gone.commands.close()
-                    for conn, proc in live.items():
-                        if conn not in watched:
-                            selector.register(conn, selectors.EVENT_READ, proc)
-                            watched[conn] = proc
-                for key, _ in selector.select(timeout=1.0):
-                    if key.fileobj is self._wake_r:
-                        os.read(self._wake_r.fileno(), 4096)
+                        live = {p.events.fileno(): p for p in self._procs if p is not None}
+                    for fd, (gone, _) in list(watched.items()):
+                        if live.get(fd) is not gone:
+                            poller.unregister(fd)
+                            del watched[fd]
+                            gone.events.close()
+                            gone.commands.close()
+                    for fd, proc in live.items():
+                        if fd not in watched:
+                            watched[fd] = (proc, _Inbox(proc.events))
+                            poller.register(fd, select.EPOLLIN)
+                for fd, _ in poller.poll(1.0):
+                    if fd == wake_fd:
+                        os.read(wake_fd, 4096)
                         continue
-                    proc = key.data
+                    if (entry := watched.get(fd)) is None:
+                        continue
+                    proc, inbox = entry
                     try:
-                        self._dispatch(proc, cast(Connection, key.fileobj).recv())
+                        messages = inbox.read()
                     except (EOFError, OSError):
                         self._lost(proc)
-                    except Exception:
-                        log.exception("decode process %d: bad message", proc.index)
+                        continue
+                    for message in messages:
+                        try:
+                            # Our own child's pipe, as Connection.recv would unpickle it.
+                            self._dispatch(proc, pickle.loads(message))  # noqa: S301
+                        except Exception:
+                            log.exception("decode process %d: bad message", proc.index)
         finally:
-            selector.close()
+            poller.close()
 
     def _dispatch(self, proc: _Proc, message: tuple[Any, ...]) -> None:
         kind, key = message[0], message[1]

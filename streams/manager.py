@@ -3,8 +3,9 @@ detections to subscribers.
 
 Threads: each stream decodes on its own thread (``StreamReader``), in this process or in a
 decode process (:mod:`streams.decode_procs`, a ``RemoteReader`` here); detections arrive on
-engine worker threads and are handed to the event loop with ``call_soon_threadsafe``;
-everything else here (subscribers, the stream table) lives on the event loop.
+engine worker threads and are handed to the event loop in bursts (one wake-up for the frames
+that arrive before it runs); everything else here (subscribers, the stream table) lives on
+the event loop.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import dataclasses
 import functools
 import json
 import logging
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +113,10 @@ class StreamManager:
         self._subs: dict[str, set[Subscriber]] = {}
         self._latest: dict[str, ProcessedFrame] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Frames from engine workers waiting for the loop (see _publish_threadsafe).
+        self._outbox: deque[tuple[ProcessedFrame, object]] = deque()
+        self._outbox_lock = threading.Lock()
+        self._outbox_scheduled = False
         self._closing = False
         self._viewers_gone: asyncio.Event | None = None
         self._bad_detect: set[str] = set()  # streams held back by stored settings
@@ -178,6 +185,8 @@ class StreamManager:
                 )
         self._readers.clear()
         self._latest.clear()
+        with self._outbox_lock:
+            self._outbox.clear()
         if self._hub is not None:
             await asyncio.to_thread(self._hub.shutdown, 5.0)
 
@@ -462,12 +471,27 @@ class StreamManager:
     # ---- publication -------------------------------------------------------------------
     def _publish_threadsafe(self, token: object, frame: ProcessedFrame) -> None:
         """Engine worker thread: hand the frame of the reader with ``token`` to the event
-        loop."""
+        loop. Frames queue here and the loop is woken once for all that arrive before it
+        runs (a batch's worth): a wake-up per frame cost the worker a system call and the
+        loop a turn per frame."""
         loop = self._loop
         if loop is None:
             return
+        with self._outbox_lock:
+            self._outbox.append((frame, token))
+            if self._outbox_scheduled:
+                return
+            self._outbox_scheduled = True
         with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
-            loop.call_soon_threadsafe(self._publish, frame, token)
+            loop.call_soon_threadsafe(self._publish_outbox)
+
+    def _publish_outbox(self) -> None:
+        with self._outbox_lock:
+            frames = list(self._outbox)
+            self._outbox.clear()
+            self._outbox_scheduled = False
+        for frame, token in frames:
+            self._publish(frame, token)
 
     def _state_threadsafe(
         self,

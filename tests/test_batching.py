@@ -126,3 +126,41 @@ def test_bounded_interactive_lane_and_closed_queue() -> None:
     # Items accepted before close are still handed out, then the queue reports empty.
     assert [b.request_id for b in collect_batch(q, 8, 0)] == ["1", "2"]
     assert collect_batch(q, 8, 0) == []
+
+
+def test_a_filling_batch_is_woken_once_it_can_fill_not_at_its_deadline() -> None:
+    q = WorkQueue(16)
+    got: list[list[WorkItem]] = []
+    t = threading.Thread(target=lambda: got.append(collect_batch(q, 3, max_wait_ms=60_000)))
+    t.start()
+    q.put(item("a"))
+    q.put_latest("cam", item("b", "cam"))
+    q.put_background(item("c"))
+    t.join(10)  # far under its 60 s to fill: it was woken when the third item came
+    assert not t.is_alive()
+    assert sorted(b.request_id for b in got[0]) == ["a", "b", "c"]
+
+
+def test_what_a_full_batch_leaves_wakes_an_idle_worker() -> None:
+    q = WorkQueue(16)
+    got: dict[str, list[str]] = {}
+
+    def worker(name: str) -> None:
+        got[name] = [b.request_id for b in collect_batch(q, 2, max_wait_ms=60_000)]
+
+    filling = threading.Thread(target=worker, args=("filling",))
+    filling.start()
+    q.put(item("1"))
+    deadline = time.monotonic() + 5
+    while not q._needs and time.monotonic() < deadline:  # it took "1" and waits for one more
+        time.sleep(0.001)
+    idle = threading.Thread(target=worker, args=("idle",))
+    idle.start()
+    while not q._idle_waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert q._needs == [1] and q._idle_waiting == 1
+    for name in ["2", "3", "4"]:
+        q.put(item(name))  # "2" fills the first batch; "3" and "4" are the idle worker's
+    filling.join(10)
+    idle.join(10)
+    assert got == {"filling": ["1", "2"], "idle": ["3", "4"]}

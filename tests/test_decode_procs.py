@@ -7,6 +7,7 @@ import asyncio
 import errno
 import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -470,3 +471,30 @@ def test_a_gpu_engine_decodes_in_the_server_by_default_where_shared_memory_is_do
     assert settings.Settings(backend="torch", decode_processes=2).decode_processes == 2
     size["bytes"] = 2 * 2**30
     assert settings.Settings(backend="torch").decode_processes >= 1
+
+
+def test_the_inbox_takes_every_message_waiting_and_keeps_a_partial_one() -> None:
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    inbox = decode_procs._Inbox(reader)
+    try:
+        assert inbox.read() == []  # nothing yet: no wait
+        big = ("counts", "k", {"frames": 1}, ("x" * 40_000,))  # over one write's 16 KiB
+        for message in [("frame", "k", 1, 3, 0.5, 12.0), big, ("exited", "k")]:
+            writer.send(message)
+        got: list[tuple[object, ...]] = []
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += [pickle.loads(m) for m in inbox.read()]
+        assert got == [("frame", "k", 1, 3, 0.5, 12.0), big, ("exited", "k")]
+        # A message cut between two reads comes whole from the second.
+        raw = pickle.dumps(("state", "k", "live", None))
+        frame = decode_procs._LENGTH.pack(len(raw)) + raw
+        os.write(writer.fileno(), frame[:7])
+        assert inbox.read() == []
+        os.write(writer.fileno(), frame[7:])
+        assert [pickle.loads(m) for m in inbox.read()] == [("state", "k", "live", None)]
+        writer.close()
+        with pytest.raises(EOFError):
+            inbox.read()
+    finally:
+        reader.close()
