@@ -175,7 +175,8 @@ def engine_stages(
 ) -> dict[str, Any]:
     """Where a batch's time goes in ``infer`` (ms per batch of ``batch`` clip frames): the
     upload (memcpy into pinned staging, copy to the device; ``upload_host_copy`` is the memcpy
-    alone), the device letterbox, the model (graph replay), and the rest (NMS, download,
+    alone, by the workspace's copy threads, ``upload_host_copy_1_thread`` by one), the device
+    letterbox, the model (graph replay), and the rest (NMS, download,
     building detections, Python)."""
     import torch
 
@@ -197,13 +198,21 @@ def engine_stages(
         return elapsed / calls * 1000
 
     # The host's share of the upload: the memcpy into pinned staging alone (numpy, outside the
-    # interpreter lock). Were it most of ``upload``, pinning the decode processes' rings
-    # (cudaHostRegister) would let the copy engine read frames where they lie.
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        ws.stage(images)
-        calls += 1
-    host_ms = (time.perf_counter() - t0) / calls * 1000
+    # interpreter lock), by the workspace's copy threads and by one. Were it most of
+    # ``upload`` all the same, pinning the decode processes' rings (cudaHostRegister) would
+    # let the copy engine read frames where they lie.
+    def host_copy_ms() -> float:
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            ws.stage(images)
+            calls += 1
+        return (time.perf_counter() - t0) / calls * 1000
+
+    threads = ws.copy_threads
+    host_ms = host_copy_ms()
+    ws.copy_threads = 1
+    host_ms_one = host_copy_ms()
+    ws.copy_threads = threads
     with torch.inference_mode(), engine._on_stream(ws):
         up = per_batch_ms(upload)
         up_lb = per_batch_ms(upload_letterbox)
@@ -212,13 +221,18 @@ def engine_stages(
     stages = {
         "upload": up,
         "upload_host_copy": host_ms,
+        "upload_host_copy_1_thread": host_ms_one,
         "letterbox": up_lb - up,
         "model": model,
         "rest": total - up_lb - model,
         "infer": total,
     }
     log.info("batch %d stages (ms): %s", batch, {k: round(v, 2) for k, v in stages.items()})
-    return {"engine_stage_ms": {k: round(v, 3) for k, v in stages.items()}, "stage_batch": batch}
+    return {
+        "engine_stage_ms": {k: round(v, 3) for k, v in stages.items()},
+        "stage_batch": batch,
+        "copy_threads": threads,
+    }
 
 
 class BusySampler:

@@ -14,8 +14,8 @@ still cost the server their hand-over), decoded in
 :class:`~engines.pool.EnginePool` of :class:`NullEngine` workers. A null engine sleeps
 ``--infer-ms`` per batch (a GPU's time, which holds no lock) and returns two boxes per image.
 After a warm-up it reports frames/s published and this process's CPU per published frame,
-split by thread (decode hub, engine workers, event loop, the rest); the decode processes'
-CPU is reported apart (it is not the server's).
+split by thread (decode hub, engine workers, event loop, the rest; with decode threads, their
+decoding too); the decode processes' CPU is reported apart (it is not the server's).
 
 Run::
 
@@ -49,7 +49,12 @@ from streams.store import StreamStore
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared"))
 NAMES = {i: f"class{i}" for i in range(80)}
-GROUPS = {"decode-hub": "decode_hub", "engine-worker": "engine_workers", "MainThread": "loop"}
+GROUPS = {
+    "decode-hub": "decode_hub",
+    "stream-": "decode_threads",  # --decode-processes 0: each stream decodes here
+    "engine-worker": "engine_workers",
+    "MainThread": "loop",
+}
 
 
 class NullEngine:

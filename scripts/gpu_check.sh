@@ -9,8 +9,8 @@
 #                                       # (GPU_CHECK_TESTS=0: the bench alone, for a rerun)
 #
 # The bench writes <date>-<gpu>-gpu.json (parity with the CPU engine, engine-only and
-# end-to-end img/s, GPU busy %, frame latency p50/p99) into $OUT if set, else
-# benchmarks/results/. The GPU image is assumed to hold Python 3.12, torch (CUDA), numpy,
+# end-to-end img/s, GPU busy %, frame latency p50/p99) and host-bench.json (the server's own
+# CPU per frame, benchmarks/host_bench.py) into $OUT if set, else benchmarks/results/. The GPU image is assumed to hold Python 3.12, torch (CUDA), numpy,
 # opencv, pillow, pyyaml, nvidia-ml-py and pytest; PyAV and Ultralytics travel as wheels.
 #
 #   bash scripts/gpu_check.sh rehearse  # here, before spending device time: the same run on the
@@ -67,6 +67,7 @@ if [ "${1:-run}" = rehearse ]; then
   PATH="$venv/bin:$PATH" GPU_CHECK_DEVICE=cpu GPU_CHECK_SITE=/tmp/streamdet-rehearse-site \
     OUT=${OUT:-/tmp/streamdet-rehearse-out} \
     GPU_CHECK_BENCH="--streams 4 --fps 5 --seconds 3 --engine-seconds 0.5 --max-batch 4 --nvdec-too --decode-seconds 1 --decode-processes 2" \
+    GPU_CHECK_HOST="--streams 4 --fps 0 --decode-processes 1 --warmup 1 --seconds 2" \
     bash "$0" run
   exit $?
 fi
@@ -101,5 +102,11 @@ fi
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH is a list of flags
 timeout 240 python3 -m benchmarks.gpu_bench run --data .gpu --out-dir "$out_dir" --device "$device" \
   ${GPU_CHECK_BENCH:---streams 32 --fps 30 --seconds 10 --engine-seconds 3 --nvdec-too}
+# The server's own Python per frame beside a null engine, on this host's cores: the frames/s
+# the server path passes whatever the GPU (benchmarks/host_bench.py; about 15 s).
+# shellcheck disable=SC2086  # GPU_CHECK_HOST is a list of flags
+timeout 60 python3 -m benchmarks.host_bench --out "$out_dir/host-bench.json" \
+  ${GPU_CHECK_HOST:---streams 32 --fps 0 --decode-processes 8 --infer-ms 4 --seconds 8} \
+  || echo "host bench failed (exit $?)"
 echo "gpu tests exit $tests_rc; total $(( $(date +%s) - start )) s"
 exit "$tests_rc"

@@ -57,8 +57,17 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert report["parity_same_decoded_pixels"] is True
     assert set(report["engine_infer_img_s"]) == {"1", "2"}
     stages = report["engine_stage_ms"]  # where a batch's time goes, for the next GPU run
-    assert set(stages) == {"upload", "upload_host_copy", "letterbox", "model", "rest", "infer"}
-    assert stages["upload_host_copy"] > 0
+    assert set(stages) == {
+        "upload",
+        "upload_host_copy",
+        "upload_host_copy_1_thread",
+        "letterbox",
+        "model",
+        "rest",
+        "infer",
+    }
+    assert stages["upload_host_copy"] > 0 and stages["upload_host_copy_1_thread"] > 0
+    assert report["copy_threads"] >= 1
     assert stages["infer"] > 0 and stages["model"] > 0 and report["stage_batch"] == 2
     assert report["engine_img_s"] > 0 and report["e2e_img_s"] > 0
     assert report["errors"] == 0 and report["pool_batches"] > 0

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from engines.gpu import (
+    STAGE_SHARE_BYTES,
     BucketRunner,
     DeviceWorkspace,
+    _shares,
     batch_buckets,
     bucket_for,
     letterbox_into,
@@ -155,6 +157,24 @@ def test_stage_lays_frames_end_to_end_in_the_staging_buffer(frames: list[np.ndar
     grown = ws._staging
     ws.stage(batch[:1])  # a smaller batch reuses the buffer
     assert ws._staging is grown
+
+
+def test_a_large_batch_is_staged_by_several_threads_to_the_same_bytes(
+    frames: list[np.ndarray],
+) -> None:
+    """Over STAGE_SHARE_BYTES per thread, copy threads split the batch (frames whole, in
+    order); the staging buffer holds what one thread would have written."""
+    batch = [np.ascontiguousarray(np.roll(frames[i % len(frames)], i, axis=1)) for i in range(40)]
+    batch[5] = frames[1][::2, ::2]  # not contiguous: copied all the same
+    serial, parallel = DeviceWorkspace(CPU, copy_threads=1), DeviceWorkspace(CPU, copy_threads=3)
+    assert sum(f.nbytes for f in batch) >= 3 * STAGE_SHARE_BYTES
+    offsets, total = parallel.stage(batch)
+    assert (offsets, total) == serial.stage(batch)
+    assert parallel._copiers is not None  # it did split the batch
+    assert np.array_equal(parallel._staging.numpy()[:total], serial._staging.numpy()[:total])
+    parallel.close()
+    same = [(i, np.zeros((10, 10, 3), np.uint8)) for i in range(4)]
+    assert [[i for i, _ in share] for share in _shares(same, 4 * 300, 3)] == [[0, 1], [2], [3]]
 
 
 @pytest.fixture(scope="module")
