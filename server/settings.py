@@ -87,7 +87,7 @@ class Settings(BaseSettings):
         ge=0,
         le=64,
         description="engine workers (sessions / CUDA streams); 0 = the backend's default"
-        " (onnxruntime one per core, at most 4; torch/tensorrt 1)",
+        " (onnxruntime one per core, at most 4; torch/tensorrt 2)",
     )
     threads_per_worker: int = Field(
         0, ge=0, le=256, description="intra-op threads per CPU worker; 0 = cores / workers"
@@ -392,9 +392,12 @@ class Settings(BaseSettings):
         # 60 ms; benchmarks/queueing_sim.py gives the floors, 2.6x and 4.4x); same capacity.
         from engines.registry import usable_cores
 
+        # On a GPU, two workers are two CUDA streams: one worker's host side (the memcpy into
+        # staging, kernel launches, NMS's one sync) runs while the other's model does, as
+        # engines/gpu.py is built for and as the H200 run measured (gpu_bench --workers 2).
         cpu = self.backend == "onnxruntime"
         if self.workers == 0:
-            object.__setattr__(self, "workers", min(4, usable_cores()) if cpu else 1)
+            object.__setattr__(self, "workers", min(4, usable_cores()) if cpu else 2)
         # The CPU engine runs outside the interpreter lock and needs the cores itself: decode
         # processes bought nothing there (16 cameras on 2 cores: 55.6 vs 63.0 frames/s out,
         # benchmarks/streams_bench.py). A GPU engine's host side is Python that holds the

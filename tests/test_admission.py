@@ -296,7 +296,7 @@ def test_budget_scale_tracks_the_99th_percentile_of_outcomes() -> None:
     assert controller.budget_scale == pytest.approx(1 - (1 - MIN_BUDGET_SCALE) / math.e)
 
 
-def test_cpu_backend_defaults_to_one_single_thread_worker_per_core() -> None:
+def test_cpu_backend_defaults_to_one_single_thread_worker_per_core_gpu_to_two() -> None:
     from engines.registry import default_threads, usable_cores
     from server.settings import Settings
 
@@ -306,4 +306,5 @@ def test_cpu_backend_defaults_to_one_single_thread_worker_per_core() -> None:
         1, usable_cores() // cpu.workers
     )
     assert Settings(backend="onnxruntime", workers=3).workers == 3  # an explicit value stays
-    assert Settings(backend="torch").workers == 1  # one CUDA stream unless asked
+    # Two CUDA streams: one worker's host side overlaps the other's GPU work.
+    assert Settings(backend="torch").workers == 2
