@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from engines.gpu import STAGE_SHARE_BYTES, DeviceWorkspace
 from engines.nvdec import VideoDecoder, nvdec_unavailable
 from engines.pool import EnginePool
 from engines.registry import EngineConfig
@@ -145,6 +146,29 @@ def test_device_frames_equal_host_frames(
         cuda_engine.infer(frames[:4], [DetectParams()] * 4),
         conf_tol=0.002,
     )
+
+
+def test_a_batch_staged_by_several_threads_reaches_the_device_whole(
+    frames: list[np.ndarray],
+) -> None:
+    """The copy threads write pinned staging; one async copy takes it to the device."""
+    if not ON_CUDA:
+        pytest.skip(
+            "pinned staging and the async copy are CUDA's (the CPU test is in test_gpu_layer)"
+        )
+    ws = DeviceWorkspace(torch.device(DEVICE), copy_threads=3)
+    assert ws.stream is not None
+    batch = [frames[i % len(frames)] for i in range(24)]
+    assert sum(f.nbytes for f in batch) >= 3 * STAGE_SHARE_BYTES
+    try:
+        with torch.cuda.stream(ws.stream):
+            views = ws.upload(batch)
+        assert ws._copiers is not None  # several threads did copy
+        ws.stream.synchronize()
+        for view, frame in zip(views, batch, strict=True):
+            assert np.array_equal(view.cpu().numpy(), frame)
+    finally:
+        ws.close()
 
 
 def test_nvdec_frames_match_cpu_decode() -> None:
