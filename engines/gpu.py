@@ -254,9 +254,8 @@ class DeviceWorkspace:
 
     Args:
         device: where the model runs; on ``cpu`` there is no stream, pinning or event.
-        copy_threads: threads that copy a batch into staging (``None``:
-            :func:`default_copy_threads`);
-            those beyond the worker's own are this workspace's.
+        copy_threads: threads that copy a batch into staging, the worker's own among them
+            (``None``: :func:`default_copy_threads`).
     """
 
     def __init__(self, device: torch.device, copy_threads: int | None = None) -> None:

@@ -482,8 +482,12 @@ class StreamManager:
             if self._outbox_scheduled:
                 return
             self._outbox_scheduled = True
-        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
+        try:
             loop.call_soon_threadsafe(self._publish_outbox)
+        except RuntimeError:  # loop closed: nobody is listening any more; keep no frames
+            with self._outbox_lock:
+                self._outbox.clear()
+                self._outbox_scheduled = False
 
     def _publish_outbox(self) -> None:
         with self._outbox_lock:
