@@ -176,8 +176,8 @@ def engine_stages(
     """Where a batch's time goes in ``infer`` (ms per batch of ``batch`` clip frames): the
     upload (memcpy into pinned staging, copy to the device; ``upload_host_copy`` is the memcpy
     alone, by the workspace's copy threads, ``upload_host_copy_1_thread`` by one), the device
-    letterbox, the model (graph replay), and the rest (NMS, download,
-    building detections, Python)."""
+    letterbox, the model (graph replay), and the rest (NMS, download, building detections,
+    Python)."""
     import torch
 
     from engines.gpu import bucket_for, letterbox_into

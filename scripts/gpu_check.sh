@@ -10,8 +10,9 @@
 #
 # The bench writes <date>-<gpu>-gpu.json (parity with the CPU engine, engine-only and
 # end-to-end img/s, GPU busy %, frame latency p50/p99) and host-bench.json (the server's own
-# CPU per frame, benchmarks/host_bench.py) into $OUT if set, else benchmarks/results/. The GPU image is assumed to hold Python 3.12, torch (CUDA), numpy,
-# opencv, pillow, pyyaml, nvidia-ml-py and pytest; PyAV and Ultralytics travel as wheels.
+# CPU per frame, benchmarks/host_bench.py) into $OUT if set, else benchmarks/results/. The
+# GPU image is assumed to hold Python 3.12, torch (CUDA), numpy, opencv, pillow, pyyaml,
+# nvidia-ml-py and pytest; PyAV and Ultralytics travel as wheels.
 #
 #   bash scripts/gpu_check.sh rehearse  # here, before spending device time: the same run on the
 #                                       # CPU, in a venv holding only the GPU image's packages
