@@ -2,9 +2,10 @@
 # `streamdet serve` as a non-root user. Build: docker build -t streamdet:gpu .
 # Run:   docker run --gpus all --shm-size 2g -p 8000:8000 -v streamdet-cache:/cache \
 #          -v /path/to/models:/models:ro streamdet:gpu --model /models/yolov8n.pt
-# (--shm-size: decode processes hand frames over in /dev/shm, 22 MB per 720p camera and 50 MB
-# per 1080p one; under Docker's default of 64 MB the server decodes in its own process, slower
-# beside the GPU engine, and says so in its log.)
+# (--shm-size: decode processes hand frames over in /dev/shm, 5.3 MB per camera at the default
+# decode size of 640 pixels, 47.5 MB per 1080p one with STREAMDET_STREAM_DECODE_SIZE=0; where
+# it is too small for 5 such cameras the server decodes in its own process, slower beside the
+# GPU engine, and says so in its log.)
 # Exported ONNX files and built TensorRT engines (keyed by GPU and TensorRT version) are
 # cached on the /cache volume, so a restart on the same GPU skips the minutes-long build.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04

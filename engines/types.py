@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -129,6 +130,17 @@ class Detections:
             height=self.height,
             track_ids=None if self.track_ids is None else self.track_ids[keep],
         )
+
+    def rescaled(self, width: int, height: int) -> Detections:
+        """The same detections in an image of ``width`` x ``height`` pixels (the source of a
+        frame that was decoded smaller: boxes scaled by the ratio of the sizes)."""
+        if (width, height) == (self.width, self.height):
+            return self
+        sx = width / self.width if self.width else 1.0
+        sy = height / self.height if self.height else 1.0
+        boxes = self.boxes * np.array([sx, sy, sx, sy], np.float32)
+        np.clip(boxes, 0, np.array([width, height, width, height], np.float32), out=boxes)
+        return dataclasses.replace(self, boxes=boxes, width=width, height=height)
 
     def name_of(self, class_id: int) -> str:
         """A class id's name; the id itself where the model names no such class."""

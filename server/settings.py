@@ -19,7 +19,8 @@ def _warn_small_shm(size: int, procs: int) -> None:
     """Said once per process, however often settings are made."""
     logging.getLogger(__name__).warning(
         "shared memory (/dev/shm) holds %d MiB: too little for decode processes' frames (a"
-        " 1080p stream takes 50 MB), so streams decode in the server process; for the %d"
+        " 1080p stream decoded whole takes 47 MB, at 640 pixels 5 MB: setting"
+        " STREAMDET_STREAM_DECODE_SIZE), so streams decode in the server process; for the %d"
         " decode processes a GPU engine gets by default, give it more (docker run --shm-size"
         " 2g) or choose with setting STREAMDET_DECODE_PROCESSES",
         size // 2**20,
@@ -153,6 +154,16 @@ class Settings(BaseSettings):
         " -1: the backend's default (onnxruntime 0, torch/tensorrt half the cores, 1..8;"
         " 0 where /dev/shm holds under 256 MB, as Docker's default does)."
         " NVDEC streams decode in the server process",
+    )
+    stream_decode_size: int | None = Field(
+        None,
+        ge=0,
+        le=16384,
+        description="live streams' frames are decoded scaled down (aspect kept) so their longer"
+        " side is at most this many pixels: the engine sees the same detail, and less is"
+        " converted, copied and held per frame; detections stay in the camera's pixels."
+        " Default: the engine input size (imgsz); 0: as the camera sends them (full-size"
+        " snapshots and thumbnails). NVDEC streams are scaled on the GPU instead",
     )
     keyframe_decode: bool = Field(
         True,
@@ -406,11 +417,14 @@ class Settings(BaseSettings):
         if self.decode_processes == -1:
             procs = 0 if cpu else max(1, min(8, usable_cores() // 2))
             if procs:
-                from streams.decode_child import TOO_SMALL_SHM, shm_size
+                from streams.decode_child import SLOTS, STREAMS_NEEDED, rings_that_fit, shm_size
 
-                if (shm := shm_size()) is not None and shm < TOO_SMALL_SHM:
-                    # Rings would not fit (Docker's default /dev/shm, 64 MB, holds one 1080p
-                    # stream's): decode threads work everywhere, if slower beside a GPU engine.
+                side = self.stream_decode_side
+                shm = shm_size()
+                if shm is not None and rings_that_fit(shm, SLOTS, side) < STREAMS_NEEDED:
+                    # Rings would not fit (Docker's default /dev/shm, 64 MB, holds one of a
+                    # 1080p stream decoded whole): decode threads work everywhere, if slower
+                    # beside a GPU engine.
                     _warn_small_shm(shm, procs)
                     procs = 0
             object.__setattr__(self, "decode_processes", procs)
@@ -436,3 +450,8 @@ class Settings(BaseSettings):
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def stream_decode_side(self) -> int:
+        """The longest side live streams' frames are decoded at (0: as sent)."""
+        return self.imgsz if self.stream_decode_size is None else self.stream_decode_size

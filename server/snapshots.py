@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from engines.types import Image
+from engines.types import Detections, Image
 from server.metrics import Metrics
 from server.render import crop_jpeg, render_jpeg
 from streams.detect import StreamDetect
@@ -139,8 +139,14 @@ class SnapshotStore:
         """Worker thread: the thumbnails of the events ``crops`` names and the frame's JPEG,
         written to their files (each whole or not at all); returns the frame's."""
         image = host_array(image)  # a GPU frame is copied down once
+        detections: Detections = shapes["detections"]
+        # Boxes are in the camera's pixels; a stream's frames may be decoded smaller.
+        height, width = image.shape[:2]
+        sx, sy = width / (detections.width or width), height / (detections.height or height)
         for event_id, box in crops:
-            thumbnail = crop_jpeg(image, box, THUMBNAIL_SIDE, THUMBNAIL_QUALITY)
+            x1, y1, x2, y2 = box
+            scaled = [x1 * sx, y1 * sy, x2 * sx, y2 * sy]
+            thumbnail = crop_jpeg(image, scaled, THUMBNAIL_SIDE, THUMBNAIL_QUALITY)
             _write(self._thumbnail_path(first, event_id), thumbnail)
         jpeg, _, _ = render_jpeg(image, self._max_width, QUALITY, **shapes)
         _write(self._path(first), jpeg)

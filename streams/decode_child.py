@@ -34,7 +34,14 @@ import numpy as np
 from engines.batching import WorkItem
 from streams.clips import ClipOptions, ClipRecorder
 from streams.fanout import ProcessedFrame
-from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+from streams.reader import (
+    ReaderOptions,
+    StreamConfig,
+    StreamReader,
+    StreamState,
+    decoded_size,
+    frame_rgb,
+)
 
 log = logging.getLogger("streams.decode_child")  # not __main__ in a decode process
 
@@ -42,6 +49,8 @@ HEADER = 64
 """Bytes before a ring's first slot: one busy flag per slot (so at most 64 slots)."""
 MAX_SLOTS = HEADER
 MIN_SLOTS = 2
+SLOTS = 8
+"""Frames in a stream's ring: the server's default (fewer where shared memory is short)."""
 """The fewest slots a ring is made with when shared memory is short (a frame in flight and
 the next; frames kept beyond that are copied)."""
 COUNTED = ("frames_in", "decoded", "skipped", "motion_skipped", "reconnects", "drops")
@@ -57,10 +66,24 @@ def shm_dir() -> str:
     return memory if os.path.isdir(memory) else tempfile.gettempdir()
 
 
-SMALL_SHM = 512 * 2**20
-"""Below this, a warning at the first decode process: 8 slots of a 1080p stream take 50 MB."""
-TOO_SMALL_SHM = 256 * 2**20
-"""Below this (Docker's default is 64 MB), the default is no decode processes."""
+STREAMS_WARNED = 10
+"""Where the shared memory holds the rings of fewer streams than this, a warning at the first
+decode process."""
+STREAMS_NEEDED = 5
+"""Where it holds fewer than this (Docker's default is 64 MB), the default is no decode
+processes."""
+
+
+def ring_bytes(slots: int, max_side: int) -> int:
+    """The shared memory a stream's ring of ``slots`` frames takes for a 1080p camera decoded
+    at ``max_side`` (0: at 1080p): 5.3 MiB at 8 slots of 640x360, 47.5 MiB of 1920x1080."""
+    width, height = decoded_size(1920, 1080, max_side)
+    return HEADER + slots * width * height * 3
+
+
+def rings_that_fit(size: int, slots: int, max_side: int) -> int:
+    """How many such streams' rings ``size`` bytes of shared memory hold."""
+    return size // ring_bytes(slots, max_side)
 
 
 def shm_size(directory: str | None = None) -> int | None:
@@ -72,18 +95,21 @@ def shm_size(directory: str | None = None) -> int | None:
     return st.f_frsize * st.f_blocks
 
 
-def shm_warning(directory: str, slots: int) -> str | None:
-    """What to say when ``directory`` holds too little for more than a few streams' rings."""
+def shm_warning(directory: str, slots: int, max_side: int) -> str | None:
+    """What to say when ``directory`` holds too little for more than a few streams' rings
+    (frames of ``max_side``, as setting ``STREAMDET_STREAM_DECODE_SIZE`` says)."""
     size = shm_size(directory)
-    if size is None or size >= SMALL_SHM:
+    if size is None or (fit := rings_that_fit(size, slots, max_side)) >= STREAMS_WARNED:
         return None
-    per_stream = slots * 1920 * 1080 * 3
+    width, height = decoded_size(1920, 1080, max_side)
+    per_stream = ring_bytes(slots, max_side)
     return (
-        f"{directory} holds {size / 2**20:.0f} MiB, room for the frames of about"
-        f" {size // per_stream} 1080p streams at {slots} slots ({per_stream / 2**20:.0f} MiB"
-        f" each); streams beyond that decode with fewer slots, then fail: give the server more"
-        " (docker run --shm-size 2g) or decode in the server process"
-        " (setting STREAMDET_DECODE_PROCESSES=0)"
+        f"{directory} holds {size / 2**20:.0f} MiB, room for the frames of about {fit} 1080p"
+        f" streams decoded at {width}x{height} with {slots} slots ({per_stream / 2**20:.1f}"
+        " MiB each); streams beyond that decode with fewer slots, then fail: give the server"
+        " more (docker run --shm-size 2g), decode frames smaller (setting"
+        " STREAMDET_STREAM_DECODE_SIZE) or in the server process (setting"
+        " STREAMDET_DECODE_PROCESSES=0)"
     )
 
 
@@ -94,8 +120,11 @@ class SharedMemoryFull(OSError):
 class _Ring:
     """A stream's frames of one size, in a file of shared memory (child side)."""
 
-    def __init__(self, gen: int, slots: int, height: int, width: int, directory: str) -> None:
-        self.gen, self.slots, self.height, self.width = gen, slots, height, width
+    def __init__(
+        self, gen: int, slots: int, source: tuple[int, int], max_side: int, directory: str
+    ) -> None:
+        self.gen, self.slots, self.source = gen, slots, source
+        self.width, self.height = width, height = decoded_size(*source, max_side)
         self.slot_bytes = height * width * 3
         size = HEADER + slots * self.slot_bytes
         fd, self.path = tempfile.mkstemp(prefix="streamdet-frames-", dir=directory)
@@ -130,7 +159,7 @@ class _Ring:
 
     def write(self, slot: int, frame: Any) -> None:
         dst = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
-        dst.reshape(self.height, self.width, 3)[...] = frame.to_ndarray(format="rgb24")
+        dst.reshape(self.height, self.width, 3)[...] = frame_rgb(frame, (self.width, self.height))
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -172,12 +201,12 @@ class _ChildReader(StreamReader):
 
     def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
         ring = self._ring
-        if ring is None or (ring.height, ring.width) != (frame.height, frame.width):
-            ring = self._make_ring(frame.height, frame.width)
+        if ring is None or ring.source != (frame.width, frame.height):
+            ring = self._make_ring((frame.width, frame.height))
             self._ring = ring
             self._rings.append(ring)
-            message = ("ring", self._key, ring.gen, ring.path, ring.slots, ring.height, ring.width)
-            self._child.post(message)
+            shape = (ring.slots, ring.height, ring.width, ring.source)
+            self._child.post(("ring", self._key, ring.gen, ring.path, *shape))
         slot = ring.take()
         if slot is None:
             with self._lock:
@@ -186,13 +215,15 @@ class _ChildReader(StreamReader):
         ring.write(slot, frame)
         self._child.post(("frame", self._key, ring.gen, slot, pts, now))
 
-    def _make_ring(self, height: int, width: int) -> _Ring:
+    def _make_ring(self, source: tuple[int, int]) -> _Ring:
         """A ring of the configured slots, or of fewer (down to ``MIN_SLOTS``) where shared
         memory is short: a few more copies, not a stream that cannot start."""
         slots = self._child.slots
         while True:
             try:
-                return _Ring(next(self._gens), slots, height, width, self._child.dir)
+                return _Ring(
+                    next(self._gens), slots, source, self._opt.decode_max_side, self._child.dir
+                )
             except SharedMemoryFull:
                 if slots <= MIN_SLOTS:
                     raise
@@ -201,7 +232,8 @@ class _ChildReader(StreamReader):
                     "stream %s: no room for %d frames of %dx%d in %s: trying %d (setting"
                     " STREAMDET_DECODE_PROCESSES=0 decodes in the server; docker run --shm-size"
                     " makes room)",
-                    self.config.id, slots, width, height, self._child.dir, fewer,
+                    self.config.id, slots,
+                    *decoded_size(*source, self._opt.decode_max_side), self._child.dir, fewer,
                 )  # fmt: skip
                 slots = fewer
 

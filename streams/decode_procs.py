@@ -30,9 +30,10 @@ Messages (pickled tuples, one pipe each way per child):
 - server to child: ``("init", options, slots, shm_dir, log_level, clip_options)``, ``("open",
   key, config)``, ``("set", key, max_fps, detect)``, ``("clip", key, clip_id, start, end,
   limit, event_id)``, ``("stop", key)``, ``("quit",)``;
-- child to server: ``("ring", key, gen, path, slots, height, width)``, ``("frame", key, gen,
-  slot, pts, decoded_mono)``, ``("state", key, state, error)``, ``("counts", key, deltas,
-  latest)``, ``("clip-done", key, clip_id, path, error)``, ``("exited", key)``.
+- child to server: ``("ring", key, gen, path, slots, height, width, source)`` (frames of
+  ``width`` x ``height``, scaled from the camera's ``source`` width and height), ``("frame",
+  key, gen, slot, pts, decoded_mono)``, ``("state", key, state, error)``, ``("counts", key,
+  deltas, latest)``, ``("clip-done", key, clip_id, path, error)``, ``("exited", key)``.
 
 A child whose server goes away (its pipe closes) stops its streams and exits; a child that
 dies is started again and its streams reopen on it.
@@ -88,8 +89,11 @@ QUICK_EXIT_S = 2.0
 class _Mapped:
     """A ring the server mapped: frames are views of its slots."""
 
-    def __init__(self, gen: int, path: str, slots: int, height: int, width: int) -> None:
+    def __init__(
+        self, gen: int, path: str, slots: int, height: int, width: int, *, source: tuple[int, int]
+    ) -> None:
         self.gen, self.slots, self.height, self.width = gen, slots, height, width
+        self.source = source
         self.slot_bytes = height * width * 3
         fd = os.open(path, os.O_RDWR)
         try:
@@ -340,7 +344,7 @@ class DecodeHub:
         directory = shm_dir()
         if not self._shm_checked:
             self._shm_checked = True
-            if warning := shm_warning(directory, self._slots):
+            if warning := shm_warning(directory, self._slots, self._opt.decode_max_side):
                 log.warning("decode processes: %s", warning)
         cmd_w.send(("init", self._opt, self._slots, directory, level, self._clips))
         proc = _Proc(index, popen, cmd_w, evt_r, time.monotonic())
@@ -429,11 +433,11 @@ class DecodeHub:
                 ring.free(slot)
                 return
             image, copied = ring.frame(slot)
-            reader.remote_frame(image, pts, decoded_mono, copied=copied)
+            reader.remote_frame(image, pts, decoded_mono, ring.source, copied=copied)
         elif kind == "ring":
-            _, _, gen, path, slots, height, width = message
+            _, _, gen, path, slots, height, width, source = message
             try:
-                proc.rings[key] = _Mapped(gen, path, slots, height, width)
+                proc.rings[key] = _Mapped(gen, path, slots, height, width, source=source)
             except OSError as exc:
                 log.warning("stream %s: cannot map its frames: %s", key, exc)
                 proc.rings.pop(key, None)
@@ -601,13 +605,19 @@ class RemoteReader(StreamReader):
 
     # ---- from the hub's receiving thread ---------------------------------------------------
     def remote_frame(
-        self, image: Image, pts: float | None, decoded_mono: float, *, copied: bool
+        self,
+        image: Image,
+        pts: float | None,
+        decoded_mono: float,
+        source: tuple[int, int],
+        *,
+        copied: bool,
     ) -> None:
         if copied:
             with self._lock:
                 self.copied += 1
         try:
-            self._offer(image, pts, decoded_mono)
+            self._offer(image, pts, decoded_mono, source)
         except PoolClosed:  # the server is stopping: so is the stream
             self.stop()
 

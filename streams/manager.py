@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 
 from engines.pool import EnginePool
 from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
+from streams.decode_child import SLOTS
 from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
@@ -134,7 +135,7 @@ class StreamManager:
             # 8 slots a stream: a frame waiting, one in a batch, the latest; frames kept longer
             # (viewers' queues) are copied once half are taken, so more slots would only cost
             # shared memory.
-            self._hub = DecodeHub(options.decode_processes, options.reader, 8, options.clips)
+            self._hub = DecodeHub(options.decode_processes, options.reader, SLOTS, options.clips)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:

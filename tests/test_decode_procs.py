@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -118,7 +119,7 @@ def test_frames_are_the_decoders_and_a_keeping_consumer_costs_copies_not_frames(
 def test_frames_of_a_ring_the_server_cannot_map_are_counted_and_the_stream_says_why(
     hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def cannot_map(*args: object) -> None:
+    def cannot_map(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
     monkeypatch.setattr(decode_procs, "_Mapped", cannot_map)
@@ -207,6 +208,7 @@ def test_clips_are_written_in_the_process_and_fail_with_why_when_it_dies(
 ORPHAN = """
 import os, sys, time
 from pathlib import Path
+from typing import Any
 from streams.decode_procs import DecodeHub
 from streams.reader import ReaderOptions, StreamConfig, StreamState
 from streams.sources import parse_source
@@ -254,7 +256,7 @@ def test_full_shared_memory_is_refused_with_what_to_change(
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match=r"--shm-size.*STREAMDET_DECODE_PROCESSES=0") as caught:
-        decode_child._Ring(1, SLOTS, 1080, 1920, str(tmp_path))
+        decode_child._Ring(1, SLOTS, (1920, 1080), 0, str(tmp_path))
     assert "47 MiB" in str(caught.value) and "1920x1080" in str(caught.value)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
@@ -276,13 +278,13 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
     _, events = multiprocessing.Pipe(duplex=False)
     child = decode_child._Child(events, ReaderOptions(), SLOTS, str(tmp_path), None)
     reader = decode_child._ChildReader("cam#1", _config(CAR_CLIP), child, ReaderOptions())
-    ring = reader._make_ring(1080, 1920)  # 8 x 5.9 MiB do not fit 30 MiB; 4 do
+    ring = reader._make_ring((1920, 1080))  # 8 x 5.9 MiB do not fit 30 MiB; 4 do
     assert ring.slots == 4
     assert os.path.getsize(ring.path) == decode_child.HEADER + 4 * 1920 * 1080 * 3
     ring.unlink()
     room["bytes"] = 5 * 2**20  # not even MIN_SLOTS frames
     with pytest.raises(decode_child.SharedMemoryFull, match=r"2 frames of 1920x1080.*--shm-size"):
-        reader._make_ring(1080, 1920)
+        reader._make_ring((1920, 1080))
     assert list(tmp_path.iterdir()) == []
 
     # Another error than a full directory is not retried with fewer slots.
@@ -291,7 +293,7 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
 
     monkeypatch.setattr(os, "posix_fallocate", failing)
     with pytest.raises(OSError, match="8 frames") as caught:
-        reader._make_ring(1080, 1920)
+        reader._make_ring((1920, 1080))
     assert not isinstance(caught.value, decode_child.SharedMemoryFull)
 
 
@@ -313,11 +315,19 @@ def test_a_small_shared_memory_is_warned_of_with_what_to_change(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     size = _shm_of(monkeypatch, 64 * 2**20)  # Docker's default /dev/shm
-    warning = decode_child.shm_warning(decode_child.shm_dir(), SLOTS)
-    assert warning is not None and "holds 64 MiB" in warning and "about 1 1080p" in warning
+    # 1080p cameras decoded whole: 47 MiB a stream.
+    warning = decode_child.shm_warning(decode_child.shm_dir(), SLOTS, 0)
+    assert warning is not None and "holds 64 MiB" in warning
+    assert "about 1 1080p streams decoded at 1920x1080 with 8 slots (47.5 MiB" in warning
     assert "--shm-size" in warning and "STREAMDET_DECODE_PROCESSES=0" in warning
+    assert "STREAMDET_STREAM_DECODE_SIZE" in warning
+    # Decoded at the engine's 640 (the default): 5.3 MiB a stream, 12 fit.
+    assert decode_child.shm_warning(decode_child.shm_dir(), SLOTS, 640) is None
+    size["bytes"] = 32 * 2**20
+    warning = decode_child.shm_warning(decode_child.shm_dir(), SLOTS, 640)
+    assert warning is not None and "about 6 1080p streams decoded at 640x360" in warning
     size["bytes"] = 2 * 2**30  # the Dockerfile's --shm-size 2g
-    assert decode_child.shm_warning(decode_child.shm_dir(), SLOTS) is None
+    assert decode_child.shm_warning(decode_child.shm_dir(), SLOTS, 0) is None
 
 
 def test_the_hub_refuses_a_ring_it_cannot_flag() -> None:
@@ -455,22 +465,27 @@ def test_decode_processes_default_to_none_on_the_cpu_engine_and_some_for_a_gpu_o
     assert Settings(decode_processes=3).decode_processes == 3
 
 
-def test_a_gpu_engine_decodes_in_the_server_by_default_where_shared_memory_is_docker_small(
+def test_a_gpu_engine_decodes_in_the_server_by_default_where_shared_memory_is_too_small(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from server import settings
 
     size = _shm_of(monkeypatch, 64 * 2**20)  # docker run without --shm-size
     settings._warn_small_shm.cache_clear()
+    whole: dict[str, Any] = {"backend": "torch", "stream_decode_size": 0}  # decoded whole
     with caplog.at_level("WARNING", logger="server.settings"):
-        assert settings.Settings(backend="torch").decode_processes == 0
+        assert settings.Settings(**whole).decode_processes == 0
     (said,) = [r.getMessage() for r in caplog.records if r.name == "server.settings"]
     assert "holds 64 MiB" in said and "--shm-size 2g" in said
-    assert "STREAMDET_DECODE_PROCESSES" in said
+    assert "STREAMDET_DECODE_PROCESSES" in said and "STREAMDET_STREAM_DECODE_SIZE" in said
     # Asked for, they are kept (rings then take fewer slots, and say so).
-    assert settings.Settings(backend="torch", decode_processes=2).decode_processes == 2
-    size["bytes"] = 2 * 2**30
+    assert settings.Settings(**whole, decode_processes=2).decode_processes == 2
+    # Frames decoded at the engine's size (the default): 64 MiB holds 12 streams' rings.
     assert settings.Settings(backend="torch").decode_processes >= 1
+    size["bytes"] = 16 * 2**20  # not even 5
+    assert settings.Settings(backend="torch").decode_processes == 0
+    size["bytes"] = 2 * 2**30
+    assert settings.Settings(**whole).decode_processes >= 1
 
 
 def test_the_inbox_takes_every_message_waiting_and_keeps_a_partial_one() -> None:

@@ -679,9 +679,9 @@ def _by_zone(
     return {(zone, name): n for zone, counts in zones.items() for name, n in counts[count].items()}
 
 
-def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
-    """The stream manager for ``settings``, feeding ``pool`` (not started yet)."""
-    reader = ReaderOptions(
+def reader_options(settings: Settings) -> ReaderOptions:
+    """What every stream's reader takes from ``settings``."""
+    return ReaderOptions(
         open_timeout_s=settings.stream_open_timeout_s,
         read_timeout_s=settings.stream_read_timeout_s,
         backoff_initial_s=settings.reconnect_initial_s,
@@ -690,6 +690,7 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         frame_deadline_ms=settings.stream_frame_deadline_ms,
         max_pixels=settings.max_image_pixels,
         keyframe_decode=settings.keyframe_decode,
+        decode_max_side=settings.stream_decode_side,
         codec_threads=settings.stream_codec_threads,
         decode_device=settings.device if settings.decode == "cuda" else "cpu",
         motion=MotionOptions(
@@ -698,8 +699,12 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
             idle_fps=settings.motion_idle_fps,
         ),
     )
+
+
+def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
+    """The stream manager for ``settings``, feeding ``pool`` (not started yet)."""
     options = ManagerOptions(
-        reader=reader,
+        reader=reader_options(settings),
         allowed_file_dir=settings.allowed_file_dir,
         ws_queue_size=settings.ws_queue_size,
         max_streams=settings.max_streams,

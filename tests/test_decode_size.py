@@ -1,0 +1,192 @@
+"""Live streams decoded at the engine's size (setting ``stream_decode_size``): frames scaled by
+FFmpeg as they are converted, detections still in the camera's pixels, on the real model and
+the shared clips, in decode threads and in decode processes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from engines.pool import EnginePool
+from engines.types import Detections, DetectParams, Engine, ModelInfo
+from engines.yolo import letterbox
+from server.settings import Settings
+from server.snapshots import SnapshotStore
+from streams.events import EventLog
+from streams.fanout import ProcessedFrame
+from streams.geometry import Seen
+from streams.lines import Crossing
+from streams.manager import ManagerOptions, StreamManager
+from streams.reader import ReaderOptions, decoded_size, frame_rgb
+from streams.store import StreamStore
+from tests.helpers import (
+    BOTTLE_CLIP,
+    CAR_CLIP,
+    VIDEOS,
+    decode_jpeg,
+    match_reference,
+    start_ort_pool,
+)
+
+
+def test_a_frame_is_decoded_at_the_size_the_letterbox_would_resize_it_to() -> None:
+    assert decoded_size(1920, 1080, 640) == (640, 360)
+    assert decoded_size(1080, 1920, 640) == (360, 640)  # portrait
+    assert decoded_size(3840, 2160, 416) == (416, 234)
+    assert decoded_size(768, 432, 640) == (640, 360)
+    assert decoded_size(640, 360, 640) == (640, 360)  # small enough: as it is
+    assert decoded_size(320, 240, 640) == (320, 240)  # never scaled up
+    assert decoded_size(1920, 1080, 0) == (1920, 1080)  # 0: off
+    # The engine takes a frame decoded at its size without resizing it again.
+    for width, height in ((1920, 1080), (1280, 720), (2592, 1944), (1080, 1920), (1001, 333)):
+        w, h = decoded_size(width, height, 640)
+        _, meta = letterbox(np.zeros((h, w, 3), np.uint8), (640, 640), 640)
+        assert meta.gain == 1.0, (width, height)
+
+
+def test_detections_are_rescaled_to_the_source_and_kept_inside_it() -> None:
+    small = Detections(
+        boxes=np.array([[10, 20, 110, 120], [600, 300, 640, 360]], np.float32),
+        scores=np.array([0.9, 0.5], np.float32),
+        class_ids=np.array([2, 0], np.int32),
+        names={0: "person", 2: "car"},
+        width=640,
+        height=360,
+        track_ids=np.array([4, 5], np.int64),
+    )
+    big = small.rescaled(1920, 1080)
+    assert (big.width, big.height) == (1920, 1080)
+    assert np.allclose(big.boxes, [[30, 60, 330, 360], [1800, 900, 1920, 1080]])
+    assert big.scores is small.scores and big.track_ids is small.track_ids
+    assert small.rescaled(640, 360) is small
+    assert np.array_equal(small.boxes[0], [10, 20, 110, 120])  # the original is left alone
+
+
+def _frames(clip: Path, indices: range) -> list[av.VideoFrame]:
+    with av.open(str(clip)) as container:
+        decoded = zip(range(indices.stop), container.decode(video=0), strict=False)
+        return [f for i, f in decoded if i in indices]
+
+
+@pytest.mark.parametrize(
+    ("clip", "indices", "source"),
+    [(CAR_CLIP, range(190, 235, 5), None), (BOTTLE_CLIP, range(0, 1200, 150), (1920, 1080))],
+    ids=["car-768x432", "bottles-1920x1080"],
+)
+def test_boxes_of_frames_decoded_small_match_those_of_the_engines_own_resize(
+    ort_engine: Engine, clip: Path, indices: range, source: tuple[int, int] | None
+) -> None:
+    """The real model on frames of the shared clips (the bottles' made 1080p, as most cameras
+    send): decoded scaled to the engine's input size, the boxes brought back to the source
+    match those of the full frame resized by the engine itself."""
+    params = DetectParams()
+    frames = _frames(clip, indices)
+    if source is not None:
+        frames = [f.reformat(width=source[0], height=source[1]) for f in frames]
+    compared = 0
+    for frame in frames:
+        size = decoded_size(frame.width, frame.height, ort_engine.input_size)
+        assert size == (640, 360)
+        image = frame_rgb(frame, size)
+        assert image.shape == (360, 640, 3) and image.flags.c_contiguous
+        [full] = ort_engine.infer([frame_rgb(frame, (frame.width, frame.height))], [params])
+        [small] = ort_engine.infer([image], [params])
+        ours = small.rescaled(frame.width, frame.height)
+        problems = match_reference(
+            ours, full.boxes, full.scores, full.class_ids, conf_tol=0.15, edge_conf=0.4
+        )
+        assert problems == [], problems
+        compared += int((full.scores >= 0.4).sum())
+    assert compared >= 6  # objects found to compare
+
+
+@pytest.fixture(scope="module")
+def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
+    p = start_ort_pool(model_info, max_wait_ms=5)
+    yield p
+    p.stop(5)
+
+
+@pytest.fixture(params=[0, 1], ids=["decode-thread", "decode-process"])
+async def manager(
+    request: pytest.FixtureRequest, pool: EnginePool, tmp_path: Path
+) -> AsyncIterator[StreamManager]:
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5, decode_max_side=320),
+        allowed_file_dir=VIDEOS[0].parent,
+        decode_processes=request.param,
+    )
+    m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await m.start()
+    yield m
+    await m.stop(10)
+
+
+async def test_a_stream_is_decoded_small_and_detected_in_the_cameras_pixels(
+    manager: StreamManager,
+) -> None:
+    info = await manager.add(f"file://{BOTTLE_CLIP}", max_fps=5.0)
+    sub = manager.subscribe(info["id"])
+    assert sub is not None
+    frames: list[ProcessedFrame] = []
+    try:
+        while len(frames) < 4:
+            item = await asyncio.wait_for(sub.get(), 60)
+            assert isinstance(item, ProcessedFrame), item
+            frames.append(item)
+    finally:
+        manager.unsubscribe(sub)
+    for frame in frames:
+        assert frame.image.shape == (180, 320, 3)  # 640x360 decoded at 320 wide
+        d = frame.detections
+        assert (d.width, d.height) == (640, 360)
+        assert ((d.boxes >= 0) & (d.boxes <= [640, 360, 640, 360])).all()
+        message = frame.to_message()
+        assert (message["width"], message["height"]) == (640, 360)
+    boxes = np.concatenate([f.detections.boxes for f in frames])
+    names = {f.detections.name_of(c) for f in frames for c in f.detections.class_ids}
+    assert "bottle" in names, names
+    # In the camera's pixels: boxes reach past the 320 pixels the frames were decoded at (the
+    # bottle on the right stands at x 520-574).
+    assert boxes[:, 2].max() > 500, boxes
+    described = manager.describe(info["id"])
+    assert described is not None and (described["width"], described["height"]) == (640, 360)
+
+
+def test_the_setting_defaults_to_the_engines_input_size_and_0_turns_it_off() -> None:
+    from server.routes.streams import reader_options
+
+    assert reader_options(Settings(imgsz=416)).decode_max_side == 416
+    assert reader_options(Settings(imgsz=416, stream_decode_size=960)).decode_max_side == 960
+    assert reader_options(Settings(stream_decode_size=0)).decode_max_side == 0
+
+
+async def test_thumbnails_are_cut_where_the_object_is_in_a_frame_decoded_small(
+    tmp_path: Path,
+) -> None:
+    image = np.full((180, 640, 3), 90, np.uint8)  # a 1280x360 camera's frame, decoded halved
+    image[50:100, 300:350] = (220, 20, 20)  # the object: a red square
+    seen = Seen((600.0, 100.0, 700.0, 200.0), 0.9)  # where it is in the camera's pixels
+    frame = ProcessedFrame(
+        "s", 1, None, 1.0, 0.0, image, Detections.empty({0: "person"}, 1280, 360), 1
+    )
+    log = EventLog(size=10, start_id=1)
+    store = SnapshotStore(2, 640, None, lambda _: None, directory=tmp_path, events=log)
+    crossing = replace(Crossing("gate", "in", track_id=1, class_id=0, frame=1), seen=seen)
+    store.capture(
+        frame,
+        log.add("s", "", 1.0, [crossing], str, extra=functools.partial(store.extra, frame)),
+    )
+    thumbnail = await store.get(1, thumbnail=True)
+    assert thumbnail is not None
+    cut = decode_jpeg(thumbnail)
+    assert cut.shape == (80, 80, 3)  # 50 pixels and 30% of them each side
+    assert tuple(cut[40, 40]) > (200, 0, 0) and cut[40, 40, 1] < 50  # red in the middle
+    assert tuple(cut[3, 3]) == pytest.approx((90, 90, 90), abs=6)  # the frame around it
