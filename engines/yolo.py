@@ -65,6 +65,16 @@ def group_by_shape(
     return groups
 
 
+def resize(image: Image, size: tuple[int, int], out: Image | None = None) -> Image:
+    """``image`` resized to ``size`` (width, height) as the letterbox resizes (OpenCV's
+    bilinear; the GPU engines' ``resize_linear`` gives the same pixels), into ``out`` (C-
+    contiguous, of that size) where given."""
+    if out is None:
+        return np.asarray(cv2.resize(image, size, interpolation=cv2.INTER_LINEAR), np.uint8)
+    cv2.resize(image, size, dst=out, interpolation=cv2.INTER_LINEAR)
+    return out
+
+
 def letterbox(
     image: Image, shape: tuple[int, int], imgsz: int, out: npt.NDArray[np.uint8] | None = None
 ) -> tuple[npt.NDArray[np.uint8], LetterboxMeta]:
@@ -83,11 +93,7 @@ def letterbox(
     gain = min(imgsz / h, imgsz / w, shape[0] / h, shape[1] / w)
     new_w, new_h = round(w * gain), round(h * gain)
     dw, dh = (shape[1] - new_w) / 2, (shape[0] - new_h) / 2
-    resized = image
-    if (new_w, new_h) != (w, h):
-        resized = np.asarray(
-            cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR), np.uint8
-        )
+    resized = image if (new_w, new_h) == (w, h) else resize(image, (new_w, new_h))
     top, left = round(dh - 0.1), round(dw - 0.1)
     if out is None:
         out = np.empty((shape[0], shape[1], 3), np.uint8)

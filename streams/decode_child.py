@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 
 from engines.batching import WorkItem
@@ -159,7 +160,7 @@ class _Ring:
 
     def write(self, slot: int, frame: Any) -> None:
         dst = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
-        dst.reshape(self.height, self.width, 3)[...] = frame_rgb(frame, (self.width, self.height))
+        frame_rgb(frame, (self.width, self.height), dst.reshape(self.height, self.width, 3))
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -355,6 +356,9 @@ def child_main(argv: list[str] | None = None) -> int:
         level=level,
         format="%(asctime)s %(levelname)s [decode %(process)d] %(name)s: %(message)s",
     )
+    # Streams and processes are the parallelism here: OpenCV's own thread pool (a thread per
+    # core in each process) would only contend with them.
+    cv2.setNumThreads(1)
     child = _Child(events, options, slots, directory, clip_options)
     threading.Thread(target=child.report_loop, name="decode-report", daemon=True).start()
     try:

@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
 from engines.types import Image
+from engines.yolo import resize
 from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
@@ -123,35 +122,30 @@ class _Pending:
     """The frame's width and height as the camera sent it (``image`` may be smaller)."""
 
 
-SCALE_INTERPOLATION = "AREA"
-"""How FFmpeg scales a frame down (each output pixel the mean of those it covers): boxes on
-1080p camera frames match those of the engine's own resize (IoU >= 0.9), for the same CPU as
-converting the frame unscaled."""
-
-
 def decoded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     """The size a ``width`` x ``height`` frame is decoded at: scaled down, aspect kept, so
     its longer side is at most ``max_side`` (0: unscaled), rounded as the engines' letterbox
     rounds (:func:`engines.yolo.letterbox`), so a frame scaled to the engine's input size is
-    not resized again there."""
+    not resized again there. A frame that would not shrink to half its pixels or less stays
+    as it is (resizing it would cost more than the bytes it saves)."""
     if max_side <= 0 or max(width, height) <= max_side:
         return width, height
     gain = min(max_side / width, max_side / height)
-    return max(1, round(width * gain)), max(1, round(height * gain))
+    size = max(1, round(width * gain)), max(1, round(height * gain))
+    return size if 2 * size[0] * size[1] <= width * height else (width, height)
 
 
-def frame_rgb(frame: Any, size: tuple[int, int]) -> Image:
-    """An ``av.VideoFrame`` as an RGB array of ``size`` (width, height), converted and scaled
-    in one pass by FFmpeg."""
-    if size == (frame.width, frame.height):
-        return np.asarray(frame.to_ndarray(format="rgb24"), np.uint8)
-    width, height = size
-    return np.asarray(
-        frame.to_ndarray(
-            format="rgb24", width=width, height=height, interpolation=SCALE_INTERPOLATION
-        ),
-        np.uint8,
-    )
+def frame_rgb(frame: Any, size: tuple[int, int], out: Image | None = None) -> Image:
+    """An ``av.VideoFrame`` as an RGB array of ``size`` (width, height), into ``out`` where
+    given: converted by FFmpeg, then resized as the engines' letterbox resizes
+    (:func:`engines.yolo.resize`), so the engine gets the very pixels it would have made."""
+    image: Image = frame.to_ndarray(format="rgb24")
+    if size != (frame.width, frame.height):
+        return resize(image, size, out)
+    if out is None:
+        return image
+    out[...] = image
+    return out
 
 
 KEYFRAME_SLACK = 1.05
