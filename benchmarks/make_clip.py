@@ -21,9 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared"))
 
 
-def make_clip(source: Path, out: Path, *, width: int, height: int, fps: int, gop: int) -> int:
-    """Write ``source`` to ``out`` at ``width`` x ``height``, ``fps`` (frames repeated to reach
-    it), a keyframe every ``gop`` frames; returns the frames written."""
+def make_clip(
+    source: Path, out: Path, *, width: int, height: int, fps: int, gop: int, frames: int = 0
+) -> int:
+    """Write ``source`` (its first ``frames``; 0: all) to ``out`` at ``width`` x ``height``,
+    ``fps`` (frames repeated to reach it), a keyframe every ``gop`` frames; returns the frames
+    written."""
     written = 0
     with av.open(str(source)) as src, av.open(str(out), "w") as dst:
         stream = dst.add_stream("libx264", rate=fps)
@@ -38,7 +41,9 @@ def make_clip(source: Path, out: Path, *, width: int, height: int, fps: int, gop
         }
         rate = float(src.streams.video[0].average_rate or fps)
         repeat = max(1, round(fps / rate))
-        for frame in src.decode(video=0):
+        for index, frame in enumerate(src.decode(video=0)):
+            if frames and index >= frames:
+                break
             picture = frame.reformat(width, height, "yuv420p").to_ndarray()
             for _ in range(repeat):
                 scaled = av.VideoFrame.from_ndarray(picture, format="yuv420p")
@@ -51,7 +56,7 @@ def make_clip(source: Path, out: Path, *, width: int, height: int, fps: int, gop
     return written
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clip", type=Path, default=SHARED / "videos" / "car-detection.mp4")
     parser.add_argument("--out", type=Path, required=True)
@@ -59,10 +64,10 @@ def main() -> int:
     parser.add_argument("--height", type=int, default=1080)
     parser.add_argument("--fps", type=int, default=25)
     parser.add_argument("--gop", type=int, default=25, help="frames from keyframe to keyframe")
-    args = parser.parse_args()
-    n = make_clip(
-        args.clip, args.out, width=args.width, height=args.height, fps=args.fps, gop=args.gop
-    )
+    parser.add_argument("--frames", type=int, default=0, help="of the source; 0: all")
+    args = parser.parse_args(argv)
+    size = {"width": args.width, "height": args.height}
+    n = make_clip(args.clip, args.out, **size, fps=args.fps, gop=args.gop, frames=args.frames)
     print(f"{args.out}: {n} frames", flush=True)
     return 0
 

@@ -9,7 +9,8 @@
 #                                       # (GPU_CHECK_TESTS=0: the bench alone, for a rerun)
 #
 # The bench writes <date>-<gpu>-gpu.json (parity with the CPU engine, engine-only and
-# end-to-end img/s, GPU busy %, frame latency p50/p99) and host-bench.json (the server's own
+# end-to-end img/s, GPU busy %, frame latency p50/p99; last, 1080p cameras decoded at the
+# engine's size and whole) and host-bench.json (the server's own
 # CPU per frame, benchmarks/host_bench.py) into $OUT if set, else benchmarks/results/. The
 # GPU image is assumed to hold Python 3.12, torch (CUDA), numpy, opencv, pillow, pyyaml,
 # nvidia-ml-py and pytest; PyAV and Ultralytics travel as wheels.
@@ -21,7 +22,7 @@
 #                                       # (fastapi, pydantic, polars, ...) fails here, not there
 #
 # CI runs the bench harness on the CPU too (tests/test_gpu_bench.py). What travels (.whl, .gpu
-# and the checkout) is about 61 MB of the device tool's 64 MiB.
+# and the checkout) is about 63 MB of the device tool's 64 MiB (67 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${STREAMDET_SHARED_DIR:-../shared}
@@ -38,6 +39,11 @@ if [ "${1:-run}" = prepare ]; then
     --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
   install -m 0644 "$SHARED/models/yolov8n.pt" "$SHARED/models/yolov8n.torchscript" .gpu/models/
   install -m 0644 "$SHARED"/videos/*.mp4 .gpu/videos/
+  # A 1080p camera (8 s of the car clip, H.264, a keyframe a second, 1.4 MB) for the bench's
+  # last phase: frames decoded at the engine's size against whole (gpu_bench camera_saturation).
+  mkdir -p .gpu/camera
+  "$PY" -m benchmarks.make_clip --clip "$SHARED/videos/car-detection.mp4" \
+    --out .gpu/camera/car-1080p.mp4 --frames 100
   "$PY" -m benchmarks.gpu_bench prepare --data .gpu
   rm -rf .gpu/cache  # the ONNX export only served the reference; it need not travel
   du -sh .whl .gpu

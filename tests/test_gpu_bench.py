@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import gpu_bench
+from benchmarks import gpu_bench, make_clip
 from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
 
 REPORT_KEYS = {
@@ -36,6 +36,9 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     (data / "models" / MODEL_PT.name).symlink_to(MODEL_PT)
     for clip in VIDEOS:
         (data / "videos" / clip.name).symlink_to(clip)
+    camera = data / gpu_bench.CAMERA_CLIP  # as gpu_check.sh prepare makes it, shorter
+    camera.parent.mkdir()
+    assert make_clip.main(["--out", str(camera), "--frames", "12"]) == 0
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     (data / "cache").symlink_to(CACHE_DIR)  # reuse the suite's ONNX export
     assert gpu_bench.main(["prepare", "--data", str(data)]) == 0
@@ -94,3 +97,8 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         report["worker_busy_pct"]
         == report["pool_by_decode"][report["e2e_decode_in"]]["worker_busy_pct"]
     )
+    # Last, 1080p cameras through decode processes, decoded at the engine's size and whole.
+    assert report["camera_clip"] == "1920x1080"
+    by_size = report["camera_e2e_img_s_by_decode_size"]
+    assert set(by_size) == {"engine_size", "whole"} and all(v > 0 for v in by_size.values())
+    assert set(report["camera_pool_by_decode_size"]) == {"engine_size", "whole"}
