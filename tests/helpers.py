@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from loadtest.server import ServerProcess
+    from streams.fanout import ProcessedFrame
+    from streams.manager import StreamManager
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared")).resolve()
@@ -240,3 +244,47 @@ def clip_server(tmp_path: Path, **settings: object) -> ServerProcess:
         log_path=tmp_path / "server.log",
         ready_timeout_s=180,
     )
+
+
+async def published_frames(
+    manager: StreamManager, stream_id: str, n: int, after: int = 0
+) -> list[ProcessedFrame]:
+    """The next ``n`` frames ``manager`` publishes of a stream, numbered above ``after``."""
+    from streams.fanout import ProcessedFrame
+
+    sub = manager.subscribe(stream_id)
+    assert sub is not None
+    frames: list[ProcessedFrame] = []
+    try:
+        while len(frames) < n:
+            item = await asyncio.wait_for(sub.get(), 60)
+            assert isinstance(item, ProcessedFrame), item
+            if item.frame > after:
+                frames.append(item)
+    finally:
+        manager.unsubscribe(sub)
+    return frames
+
+
+@contextlib.asynccontextmanager
+async def file_manager(
+    pool: EnginePool, data: Path, *, decode_processes: int = 0, **reader: Any
+) -> AsyncIterator[StreamManager]:
+    """A started stream manager feeding ``pool``, its stream list under ``data``, ``file://``
+    sources of the shared clips allowed, 5 s timeouts (``reader``: other
+    :class:`~streams.reader.ReaderOptions`); stopped on the way out."""
+    from streams.manager import ManagerOptions, StreamManager
+    from streams.reader import ReaderOptions
+    from streams.store import StreamStore
+
+    options = ManagerOptions(
+        reader=ReaderOptions(**{"open_timeout_s": 5, "read_timeout_s": 5, **reader}),
+        allowed_file_dir=VIDEOS[0].parent,
+        decode_processes=decode_processes,
+    )
+    manager = StreamManager(pool, StreamStore(data), options)
+    await manager.start()
+    try:
+        yield manager
+    finally:
+        await manager.stop(10)

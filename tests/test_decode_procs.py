@@ -29,12 +29,19 @@ from streams import decode_child, decode_procs
 from streams.clips import ClipOptions
 from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
-from streams.fanout import ProcessedFrame
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamConfig, StreamState
 from streams.sources import parse_source
 from streams.store import StreamStore
-from tests.helpers import BOTTLE_CLIP, CAR_CLIP, VIDEOS, file_stream_app, start_ort_pool
+from tests.helpers import (
+    BOTTLE_CLIP,
+    CAR_CLIP,
+    VIDEOS,
+    file_manager,
+    file_stream_app,
+    published_frames,
+    start_ort_pool,
+)
 
 SLOTS = 8
 
@@ -355,25 +362,8 @@ def _two_processes() -> ManagerOptions:
 
 @pytest.fixture
 async def manager(pool: EnginePool, tmp_path: Path) -> AsyncIterator[StreamManager]:
-    options = _two_processes()
-    m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
-    await m.start()
-    yield m
-    await m.stop(10)
-
-
-async def _frames(manager: StreamManager, stream_id: str, n: int) -> list[ProcessedFrame]:
-    sub = manager.subscribe(stream_id)
-    assert sub is not None
-    frames: list[ProcessedFrame] = []
-    try:
-        while len(frames) < n:
-            item = await asyncio.wait_for(sub.get(), 60)
-            assert isinstance(item, ProcessedFrame), item
-            frames.append(item)
-    finally:
-        manager.unsubscribe(sub)
-    return frames
+    async with file_manager(pool, tmp_path / "data", decode_processes=2) as m:
+        yield m
 
 
 async def _until(check: object, timeout_s: float = 30.0) -> None:
@@ -388,7 +378,7 @@ async def test_streams_spread_over_the_processes_and_are_detected(
 ) -> None:
     car = await manager.add(f"file://{CAR_CLIP}", max_fps=5.0)
     bottles = await manager.add(f"file://{BOTTLE_CLIP}", max_fps=5.0)
-    found = [await _frames(manager, s["id"], 6) for s in (car, bottles)]
+    found = [await published_frames(manager, s["id"], 6) for s in (car, bottles)]
     assert "bottle" in {d["class_name"] for f in found[1] for d in f.detections.to_json()}
     assert all(f.image.shape == (360, 640, 3) for f in found[1])
     procs = {manager.describe(s["id"])["decode_process"] for s in (car, bottles)}  # type: ignore[index]
@@ -400,7 +390,7 @@ async def test_changes_reach_the_decode_process(
 ) -> None:
     info = await manager.add(f"file://{BOTTLE_CLIP}", max_fps=10.0)
     sid = info["id"]
-    await _frames(manager, sid, 2)
+    await published_frames(manager, sid, 2)
 
     def described() -> dict[str, object]:
         got = manager.describe(sid)
@@ -413,9 +403,9 @@ async def test_changes_reach_the_decode_process(
     await _until(lambda: described()["motion_skipped"] > 5)  # type: ignore[operator]
     assert described()["decode_process"] is not None
     await manager.update(sid, {"detect": StreamDetect()})
-    await _frames(manager, sid, 4)  # those skipped before are counted by now
+    await published_frames(manager, sid, 4)  # those skipped before are counted by now
     skipped = described()["motion_skipped"]
-    await _frames(manager, sid, 4)
+    await published_frames(manager, sid, 4)
     assert described()["motion_skipped"] == skipped  # motion off there too
     assert described()["state"] == "live" and described()["reconnects"] == 0
 
@@ -429,7 +419,7 @@ async def test_stopping_leaves_no_process_and_no_shared_memory(
     await manager.start()
     ids = [(await manager.add(f"file://{clip}", max_fps=5.0))["id"] for clip in VIDEOS]
     for sid in ids:
-        await _frames(manager, sid, 2)
+        await published_frames(manager, sid, 2)
     pids = manager.decode_pids()
     assert len(pids) == 2
     await manager.stop(10)

@@ -4,7 +4,6 @@ the shared clips, in decode threads and in decode processes."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -23,14 +22,14 @@ from streams.events import EventLog
 from streams.fanout import ProcessedFrame
 from streams.geometry import Seen
 from streams.lines import Crossing
-from streams.manager import ManagerOptions, StreamManager
-from streams.reader import ReaderOptions, decoded_size, frame_rgb
-from streams.store import StreamStore
+from streams.manager import StreamManager
+from streams.reader import decoded_size, frame_rgb
 from tests.helpers import (
     BOTTLE_CLIP,
     CAR_CLIP,
-    VIDEOS,
     decode_jpeg,
+    file_manager,
+    published_frames,
     start_ort_pool,
 )
 
@@ -121,31 +120,16 @@ def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
 async def manager(
     request: pytest.FixtureRequest, pool: EnginePool, tmp_path: Path
 ) -> AsyncIterator[StreamManager]:
-    options = ManagerOptions(
-        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5, decode_max_side=320),
-        allowed_file_dir=VIDEOS[0].parent,
-        decode_processes=request.param,
-    )
-    m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
-    await m.start()
-    yield m
-    await m.stop(10)
+    data = tmp_path / "data"
+    async with file_manager(pool, data, decode_processes=request.param, decode_max_side=320) as m:
+        yield m
 
 
 async def test_a_stream_is_decoded_small_and_detected_in_the_cameras_pixels(
     manager: StreamManager,
 ) -> None:
     info = await manager.add(f"file://{BOTTLE_CLIP}", max_fps=5.0)
-    sub = manager.subscribe(info["id"])
-    assert sub is not None
-    frames: list[ProcessedFrame] = []
-    try:
-        while len(frames) < 4:
-            item = await asyncio.wait_for(sub.get(), 60)
-            assert isinstance(item, ProcessedFrame), item
-            frames.append(item)
-    finally:
-        manager.unsubscribe(sub)
+    frames = await published_frames(manager, info["id"], 4)
     for frame in frames:
         assert frame.image.shape == (180, 320, 3)  # 640x360 decoded at 320 wide
         d = frame.detections

@@ -42,8 +42,10 @@ from tests.helpers import (
     MESSAGE_KEYS,
     VIDEOS,
     detect_json,
+    published_frames,
     start_ort_pool,
 )
+from tests.helpers import file_manager as started_file_manager
 
 # ---- URL rules ---------------------------------------------------------------------------
 
@@ -241,17 +243,13 @@ async def file_manager(
 ) -> AsyncIterator[StreamManager]:
     # In decode processes, one FFmpeg thread per stream (--stream-codec-threads 1): the
     # same pixels.
-    reader = ReaderOptions(open_timeout_s=5, read_timeout_s=5, codec_threads=request.param // 2)
-    options = ManagerOptions(
-        reader=reader,
-        allowed_file_dir=VIDEOS[0].parent,
-        ws_queue_size=4,
+    async with started_file_manager(
+        pool,
+        tmp_path / "data",
         decode_processes=request.param,
-    )
-    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
-    await manager.start()
-    yield manager
-    await manager.stop(10)
+        codec_threads=request.param // 2,
+    ) as manager:
+        yield manager
 
 
 async def test_file_stream_is_sampled_at_max_fps_and_published(
@@ -296,7 +294,7 @@ async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
     slow = await file_manager.add(f"file://{CAR_CLIP}", max_fps=0.2)
     every_s = await file_manager.add(f"file://{CAR_CLIP}", max_fps=1.0)
     bottles = await file_manager.add(f"file://{BOTTLE_CLIP}", max_fps=0.1)
-    frames = await _frames_from(file_manager, slow["id"], 0, 3)
+    frames = await published_frames(file_manager, slow["id"], 3)
     assert [round(f.pts or 0, 2) for f in frames] == [0.0, 4.8, 9.6]  # its keyframes
     # Whole pictures, the very ones a decoder fed every frame gives.
     with av.open(str(CAR_CLIP)) as clip:
@@ -311,22 +309,6 @@ async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
     for other in (every_s, bottles):
         assert stats[other["id"]]["keyframes_only"] is False
         assert stats[other["id"]]["frames_decoded"] == stats[other["id"]]["frames_in"] > 0
-
-
-async def _frames_from(
-    manager: StreamManager, stream_id: str, after: int, n: int
-) -> list[ProcessedFrame]:
-    """The next ``n`` processed frames numbered above ``after``."""
-    sub = manager.subscribe(stream_id)
-    assert sub is not None
-    frames: list[ProcessedFrame] = []
-    while len(frames) < n:
-        item = await asyncio.wait_for(sub.get(), 60)
-        assert isinstance(item, ProcessedFrame)
-        if item.frame > after:
-            frames.append(item)
-    manager.unsubscribe(sub)
-    return frames
 
 
 async def test_each_stream_has_its_own_detection_parameters(
@@ -344,7 +326,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         sid = info["id"]
         want = detect_json(conf=0.4, classes=["bottle"])
         assert info["detect"] == want
-        frames = await _frames_from(manager, sid, 0, 6)
+        frames = await published_frames(manager, sid, 6)
         dets = [d for f in frames for d in f.detections.to_json()]
         assert dets, "the clip shows bottles"
         assert {d["class_name"] for d in dets} == {"bottle"}
@@ -361,7 +343,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         assert changed is not None and changed["detect"]["max_det"] == 1
         assert changed["reconnects"] == 0
         last = frames[-1].frame + 3  # frames already queued may carry the old parameters
-        later = await _frames_from(manager, sid, last, 4)
+        later = await published_frames(manager, sid, 4, after=last)
         assert all(len(f.detections) <= 1 for f in later)
         assert any(len(f.detections) == 1 for f in later)
         assert await manager.update("nope", {"detect": one}) is None
@@ -375,7 +357,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             [1, 1],
             [0.6, 1],
         ]
-        later = await _frames_from(manager, sid, later[-1].frame + 3, 4)
+        later = await published_frames(manager, sid, 4, after=later[-1].frame + 3)
         kept = [d for f in later for d in f.detections.to_json()]
         assert kept and all((d["box"][0] + d["box"][2]) / 2 >= 0.6 * 640 for d in kept)
 
@@ -383,7 +365,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         changed = await manager.update(sid, {"max_fps": 2.0, "name": "shelf"})
         assert changed is not None and (changed["name"], changed["max_fps"]) == ("shelf", 2.0)
         assert changed["detect"]["roi"] is not None  # what was not given stays
-        later = await _frames_from(manager, sid, later[-1].frame + 3, 3)
+        later = await published_frames(manager, sid, 3, after=later[-1].frame + 3)
         gaps = np.diff([f.captured_at for f in later])
         assert gaps.min() >= 0.4, gaps  # 0.5 s apart, give or take the sampler's 5%
     finally:
@@ -414,7 +396,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         assert "unicorn" in StreamStore(tmp_path / "data").load()[0].detect
         await third.update(sid, {"detect": bottles})
         assert await third.wait_state(sid, {StreamState.LIVE}, 30)
-        assert (await _frames_from(third, sid, 0, 1))[0].detections is not None
+        assert (await published_frames(third, sid, 1))[0].detections is not None
     finally:
         await third.stop(10)
 
@@ -428,7 +410,7 @@ async def test_tracked_stream_gives_steady_ids_and_counts_each_object_once(
     info = await file_manager.add(f"file://{clip}", max_fps=6.0, detect=detect)
     sid = info["id"]
     assert info["detect"]["track"] is True
-    frames = await _frames_from(file_manager, sid, 0, 8)
+    frames = await published_frames(file_manager, sid, 8)
     per_frame = [f.detections.to_json() for f in frames]
     assert all("track_id" in d for dets in per_frame for d in dets)
     # The bottles do not move: each keeps one id, so a few ids cover every frame's bottles.
@@ -443,7 +425,7 @@ async def test_tracked_stream_gives_steady_ids_and_counts_each_object_once(
     # Off again, live: later frames carry no ids, and the counts stay.
     changed = await file_manager.update(sid, {"detect": StreamDetect(detect.params)})
     assert changed is not None and changed["detect"]["track"] is False
-    later = await _frames_from(file_manager, sid, frames[-1].frame + 3, 3)
+    later = await published_frames(file_manager, sid, 3, after=frames[-1].frame + 3)
     assert all("track_id" not in d for f in later for d in f.detections.to_json())
 
 
@@ -458,7 +440,7 @@ async def test_gpu_decode_falls_back_to_the_cpu_where_nvdec_is_missing(
     await manager.start()
     try:
         info = await manager.add(f"file://{VIDEOS[0]}", max_fps=5.0)
-        (frame,) = await _frames_from(manager, info["id"], 0, 1)
+        (frame,) = await published_frames(manager, info["id"], 1)
         assert isinstance(frame.image, np.ndarray)  # decoded on the CPU, run all the same
         described = manager.describe(info["id"])
         assert described is not None and described["decode"] == "cpu"
