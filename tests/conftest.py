@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.pool import EnginePool
 from engines.registry import EngineConfig, load_backend, prepare_model
 from engines.types import Engine, EngineError, ModelInfo
 from tests.helpers import CACHE_DIR, MODEL_PT, MODEL_TS
@@ -85,3 +86,14 @@ def ort_engine(model_info: ModelInfo) -> Engine:
     engine = ort_factory(model_info)()
     engine.load()
     return engine
+
+
+@pytest.fixture(scope="module")
+def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
+    """A started one-worker pool on the real ONNX Runtime engine, a 5 ms batching window, one
+    per test module (a module that needs another defines its own)."""
+    from tests.helpers import start_ort_pool
+
+    p = start_ort_pool(model_info, max_wait_ms=5)
+    yield p
+    p.stop(5)

@@ -24,7 +24,6 @@ from fastapi.testclient import TestClient
 
 from engines.batching import WorkItem
 from engines.pool import EnginePool
-from engines.types import ModelInfo
 from streams import decode_child, decode_procs
 from streams.clips import ClipOptions
 from streams.decode_procs import DecodeHub
@@ -40,7 +39,6 @@ from tests.helpers import (
     file_manager,
     file_stream_app,
     published_frames,
-    start_ort_pool,
 )
 
 SLOTS = 8
@@ -343,13 +341,6 @@ def test_the_hub_refuses_a_ring_it_cannot_flag() -> None:
 
 
 # ---- through the stream manager and the real engine pool ----------------------------------
-
-
-@pytest.fixture(scope="module")
-def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
-    p = start_ort_pool(model_info, max_wait_ms=5)
-    yield p
-    p.stop(5)
 
 
 def _two_processes() -> ManagerOptions:

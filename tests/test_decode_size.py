@@ -5,7 +5,7 @@ the shared clips, in decode threads and in decode processes."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engines.pool import EnginePool
-from engines.types import Detections, DetectParams, Engine, ModelInfo
+from engines.types import Detections, DetectParams, Engine
 from engines.yolo import letterbox
 from server.settings import Settings
 from server.snapshots import SnapshotStore
@@ -30,7 +30,6 @@ from tests.helpers import (
     decode_jpeg,
     file_manager,
     published_frames,
-    start_ort_pool,
 )
 
 
@@ -107,13 +106,6 @@ def test_frames_decoded_small_give_the_boxes_of_the_engines_own_resize(
         assert np.allclose(ours.boxes, full.boxes, atol=0.01), (ours.boxes, full.boxes)
         found += len(full)
     assert found >= 5  # objects found to compare
-
-
-@pytest.fixture(scope="module")
-def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
-    p = start_ort_pool(model_info, max_wait_ms=5)
-    yield p
-    p.stop(5)
 
 
 @pytest.fixture(params=[0, 1], ids=["decode-thread", "decode-process"])

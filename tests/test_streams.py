@@ -11,7 +11,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import closing
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import pytest
 from engines.batching import WorkItem, WorkResult
 from engines.nvdec import nvdec_unavailable
 from engines.pool import EnginePool
-from engines.types import Detections, DetectParams, ModelInfo
+from engines.types import Detections, DetectParams
 from streams.detect import Roi, StreamDetect
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.lines import Crossing
@@ -43,7 +43,6 @@ from tests.helpers import (
     VIDEOS,
     detect_json,
     published_frames,
-    start_ort_pool,
 )
 from tests.helpers import file_manager as started_file_manager
 
@@ -228,13 +227,6 @@ async def test_closing_a_subscriber_delivers_the_close_code_next() -> None:
 
 
 # ---- a file source through the real pool -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
-    p = start_ort_pool(model_info, max_wait_ms=5)
-    yield p
-    p.stop(5)
 
 
 @pytest.fixture(params=[0, 2], ids=["decode-threads", "decode-processes"])
