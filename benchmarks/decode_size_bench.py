@@ -12,7 +12,10 @@ camera would send them) it measures, on this machine:
   server, staged for a GPU);
 * ``stage_ms``: a GPU engine's host-side copy of a batch of ``--batch`` such frames into its
   staging buffer (``engines.gpu.DeviceWorkspace.stage`` into plain memory on the CPU, one copy
-  thread), where torch is installed.
+  thread), where torch is installed;
+* ``upload_decode_ms``: the first frame as an uploaded JPEG (quality 90, ``upload_kb``)
+  decoded by ``POST /detect`` (``server.images.decode_upload``): whole, and for the engine
+  (libjpeg's scaled decode, at ``upload_decoded_at``).
 
 Best of ``--repeats`` timings each (the machine is shared). Run::
 
@@ -23,6 +26,7 @@ Best of ``--repeats`` timings each (the machine is shared). Run::
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -32,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import av
+from PIL import Image as PILImage
 
 from engines.types import Image
 from engines.yolo import letterbox
+from server.images import decode_upload
 from streams.reader import decoded_size, frame_rgb
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +100,19 @@ def measure(
             "frame_mb": round(images[0].nbytes / 1e6, 2),
             "stage_ms": _stage_ms([images[i % frames] for i in range(batch)], repeats),
         }
+    picture = io.BytesIO()
+    PILImage.fromarray(frame_rgb(camera[0], size)).save(picture, format="JPEG", quality=90)
+    upload = picture.getvalue()
+    result["upload_kb"] = round(len(upload) / 1000)
+    for name, side in (("whole", 0), ("decoded", imgsz)):
+        image, _ = decode_upload(upload, 2**31, side)
+
+        def decode(side: int = side) -> None:
+            decode_upload(upload, 2**31, side)
+
+        result[name]["upload_decode_ms"] = _best_ms(decode, 1, repeats)
+        if side:
+            result["upload_decoded_at"] = f"{image.shape[1]}x{image.shape[0]}"
     return result
 
 
@@ -127,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['camera']} -> {r['decoded_at']}: convert {whole['convert_ms']} -> "
             f"{small['convert_ms']} ms, letterbox {whole['letterbox_ms']} -> "
             f"{small['letterbox_ms']} ms, frame {whole['frame_mb']} -> {small['frame_mb']} MB,"
-            f" stage {args.batch} {whole['stage_ms']} -> {small['stage_ms']} ms"
+            f" stage {args.batch} {whole['stage_ms']} -> {small['stage_ms']} ms; upload JPEG"
+            f" ({r['upload_kb']} kB) decoded {whole['upload_decode_ms']} -> "
+            f"{small['upload_decode_ms']} ms at {r['upload_decoded_at']}"
         )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ from server.routes.kserve import (
     OUTPUTS,
     VERSION,
     _check_model,
+    _found,
     _images,
     _model_name,
     _outputs,
@@ -190,11 +191,10 @@ def make_servicer(app: FastAPI) -> Any:
                 started = time.monotonic()
                 images = await _images(state, inference, binary, asyncio.get_running_loop())
                 ticket.decoded(time.monotonic() - started)
-                results = await run_admitted(state, ticket, images, params)
+                results = await run_admitted(state, ticket, [im for im, _ in images], params)
             finally:
                 ticket.release()
-            found = [r.detections for r in results if r.detections is not None]
-            outputs = _outputs(found)
+            outputs = _outputs(_found(results, images))
             wanted = [o.name for o in request.outputs] or list(outputs)
             unknown = [name for name in wanted if name not in outputs]
             if unknown:

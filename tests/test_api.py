@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
+from engines.types import Detections
 from server.app import create_app
 from server.settings import Settings
 from tests.helpers import (
@@ -21,6 +22,7 @@ from tests.helpers import (
     decode_jpeg,
     detect_json,
     file_stream_app,
+    match_reference,
     ultralytics_assets,
 )
 
@@ -92,6 +94,40 @@ def test_detect_answers_the_picture_with_its_boxes_drawn(client: TestClient) -> 
     assert untouched.mean() < 8, untouched.mean()  # inside it: the picture, re-encoded
     wrong = client.post("/detect?format=png", files=files)
     assert wrong.status_code == 422 and "format" in wrong.text
+
+
+def test_a_large_jpeg_is_answered_in_its_own_pixels_with_the_boxes_of_its_picture(
+    client: TestClient,
+) -> None:
+    """The bus photo at twice its size (1620x2160): decoded at half that by libjpeg for the
+    engine, it gives the boxes of the photo itself, doubled, in the large image's pixels; drawn
+    (``format=jpeg``), it is answered at its own size."""
+    files = {"image": ("bus.jpg", bus_bytes(), "image/jpeg")}
+    small = client.post("/detect", files=files).json()["detections"]
+    with PILImage.open(io.BytesIO(bus_bytes())) as bus:
+        large = encode(bus.resize((1620, 2160), PILImage.Resampling.BICUBIC), "JPEG")
+    files = {"image": ("bus-large.jpg", large, "image/jpeg")}
+    body = client.post("/detect", files=files).json()
+    assert body["image"] == {"width": 1620, "height": 2160}
+    got = Detections(
+        boxes=np.array([d["box"] for d in body["detections"]], np.float32).reshape(-1, 4),
+        scores=np.array([d["confidence"] for d in body["detections"]], np.float32),
+        class_ids=np.array([d["class_id"] for d in body["detections"]], np.int32),
+        names={},
+        width=1620,
+        height=2160,
+    )
+    problems = match_reference(
+        got,
+        np.array([d["box"] for d in small], np.float32) * 2,
+        np.array([d["confidence"] for d in small], np.float32),
+        np.array([d["class_id"] for d in small], np.int32),
+        conf_tol=0.05,
+        edge_conf=0.35,
+    )
+    assert problems == [], problems
+    drawn = client.post("/detect?format=jpeg", files=files)
+    assert decode_jpeg(drawn.content).shape == (2160, 1620, 3)
 
 
 def test_detect_raw_body_png_and_webp(client: TestClient) -> None:

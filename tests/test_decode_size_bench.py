@@ -20,3 +20,5 @@ def test_decode_size_bench_measures_both_sizes(tmp_path: Path) -> None:
     for figures in (whole, small):
         assert figures["convert_ms"] > 0 and figures["letterbox_ms"] > 0
         assert figures["stage_ms"] is None or figures["stage_ms"] > 0
+        assert figures["upload_decode_ms"] > 0
+    assert result["upload_kb"] > 0 and result["upload_decoded_at"] == "960x540"

@@ -15,7 +15,7 @@ from starlette.datastructures import UploadFile
 from engines.batching import DeadlineExceeded, PoolClosed, QueueFull, WorkResult
 from engines.types import DetectParams, Image, class_ids
 from server.admission import AdmissionTicket, Ticket
-from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_image
+from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_upload
 from server.metrics import get_metrics
 from server.render import render_jpeg
 from server.state import AppState, get_state
@@ -155,9 +155,12 @@ async def detect(
     pre_start = time.monotonic()
     data = await read_image_bytes(request, settings.max_upload_bytes)
     loop = asyncio.get_running_loop()
+    # A large JPEG is decoded smaller by libjpeg where only detections are wanted (the engine
+    # shrinks it to its input size anyway); drawn, it keeps its own size.
+    max_side = engine.input_size if output == "json" else 0
     try:
-        image = await loop.run_in_executor(
-            state.decode_executor, decode_image, data, settings.max_image_pixels
+        image, source = await loop.run_in_executor(
+            state.decode_executor, decode_upload, data, settings.max_image_pixels, max_side
         )
     except ImageError as exc:
         log.info("request %s: rejected image: %s", request_id, exc.message)
@@ -165,8 +168,8 @@ async def detect(
     preprocess_s = time.monotonic() - pre_start
     ticket.decoded(preprocess_s)  # admission checks the deadline again: 429 if now too late
     (result,) = await run_admitted(state, ticket, [image], params)
-    det = result.detections
-    assert det is not None  # run_admitted answered every error
+    assert result.detections is not None  # run_admitted answered every error
+    det = result.detections.rescaled(*source)  # in the image's own pixels
     post_start = time.monotonic()
     answer: dict[str, Any] | Response
     if output == "jpeg":  # drawn at the image's own size, off the event loop

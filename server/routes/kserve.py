@@ -33,9 +33,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engines.batching import WorkResult
 from engines.types import Detections, DetectParams, Image
 from server.admission import AdmissionTicket
-from server.images import ImageError, decode_image
+from server.images import ImageError, decode_upload
 from server.routes.detect import parse_classes, read_body_capped, run_admitted
 from server.state import AppState, get_state
 
@@ -245,7 +246,9 @@ def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
 
 async def _images(
     state: AppState, request: dict[str, Any], binary: bytes, loop: asyncio.AbstractEventLoop
-) -> list[Image]:
+) -> list[tuple[Image, tuple[int, int]]]:
+    """The request's images, each with its width and height as sent (a large JPEG is decoded
+    smaller for the engine: :func:`server.images.decode_upload`)."""
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise HTTPException(
@@ -273,11 +276,14 @@ async def _images(
             )
         _check_count(len(items))
         decode = state.decode_executor
-        limit = state.settings.max_image_pixels
+        limit, side = state.settings.max_image_pixels, state.pool.engine.input_size
         try:
             return list(
                 await asyncio.gather(
-                    *(loop.run_in_executor(decode, decode_image, item, limit) for item in items)
+                    *(
+                        loop.run_in_executor(decode, decode_upload, item, limit, side)
+                        for item in items
+                    )
                 )
             )
         except ImageError as exc:
@@ -308,7 +314,7 @@ async def _images(
                 f" ({n * height * width * 3} expected)",
             )
         batch = pixels.reshape(n, height, width, 3)
-        return [np.ascontiguousarray(batch[i]) for i in range(n)]
+        return [(np.ascontiguousarray(batch[i]), (width, height)) for i in range(n)]
     raise HTTPException(
         400, f"unknown input {name!r}: give 'image_bytes' (BYTES) or 'images' (UINT8)"
     )
@@ -350,6 +356,17 @@ def _params(request: dict[str, Any], names: Mapping[int, str]) -> DetectParams:
         classes=wanted,
         max_det=int(max_det),
     )
+
+
+def _found(
+    results: Sequence[WorkResult], images: Sequence[tuple[Image, tuple[int, int]]]
+) -> list[Detections]:
+    """Each image's detections, in its own pixels (as sent, however it was decoded)."""
+    return [
+        result.detections.rescaled(*size)
+        for result, (_, size) in zip(results, images, strict=True)
+        if result.detections is not None
+    ]
 
 
 def _outputs(results: Sequence[Detections]) -> dict[str, npt.NDArray[Any]]:
@@ -432,6 +449,5 @@ async def infer(
     started = time.monotonic()
     images = await _images(state, inference, binary, loop)
     ticket.decoded(time.monotonic() - started)  # admission checks the deadline again
-    results = await run_admitted(state, ticket, images, params)
-    found = [result.detections for result in results if result.detections is not None]
-    return _response(inference, model_name, _outputs(found))
+    results = await run_admitted(state, ticket, [image for image, _ in images], params)
+    return _response(inference, model_name, _outputs(_found(results, images)))

@@ -1,0 +1,53 @@
+"""Uploads decoded for the engine (:func:`server.images.decode_upload`): large JPEGs decoded
+smaller by libjpeg itself, their size as sent kept for the boxes, EXIF turns included."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image as PILImage
+
+from server.images import EXIF_ORIENTATION, decode_image, decode_upload
+
+
+def _jpeg(width: int, height: int, orientation: int | None = None, fmt: str = "JPEG") -> bytes:
+    pixels = np.zeros((height, width, 3), np.uint8)
+    pixels[: height // 2, : width // 2] = (220, 30, 30)  # red top-left quarter
+    image = PILImage.fromarray(pixels)
+    out = io.BytesIO()
+    if orientation is None:
+        image.save(out, format=fmt)
+    else:
+        exif = PILImage.Exif()
+        exif[EXIF_ORIENTATION] = orientation
+        image.save(out, format=fmt, exif=exif)
+    return out.getvalue()
+
+
+def test_a_large_jpeg_is_decoded_at_a_power_of_two_no_smaller_than_the_engine() -> None:
+    cases = {
+        (4000, 3000): (1000, 750),  # a 12 MP photo: an eighth would be under 640 wide, a quarter
+        (1920, 1080): (960, 540),
+        (1280, 720): (640, 360),
+        (1279, 720): (1279, 720),  # under twice 640: whole
+    }
+    for (width, height), (w, h) in cases.items():
+        image, size = decode_upload(_jpeg(width, height), 50_000_000, 640)
+        assert size == (width, height)
+        assert image.shape == (h, w, 3), (width, height)
+        # The same picture, smaller: the red quarter where it was.
+        assert tuple(image[h // 4, w // 4]) > (180, 0, 0) and image[h // 4, w // 4, 1] < 60
+        assert image[3 * h // 4, 3 * w // 4].max() < 30
+    # Without max_side, or not a JPEG: whole.
+    assert decode_upload(_jpeg(4000, 3000), 50_000_000)[0].shape == (3000, 4000, 3)
+    assert decode_image(_jpeg(1920, 1080), 50_000_000).shape == (1080, 1920, 3)
+    png, size = decode_upload(_jpeg(1920, 1080, fmt="PNG"), 50_000_000, 640)
+    assert png.shape == (1080, 1920, 3) and size == (1920, 1080)
+
+
+def test_a_turned_jpeg_is_decoded_smaller_and_gives_its_turned_size() -> None:
+    # Orientation 6: the camera was held upright; shown turned, 3000 wide and 4000 high.
+    image, size = decode_upload(_jpeg(4000, 3000, orientation=6), 50_000_000, 640)
+    assert size == (3000, 4000) and image.shape == (1000, 750, 3)
+    assert decode_upload(_jpeg(4000, 3000, orientation=3), 50_000_000, 640)[1] == (4000, 3000)
