@@ -94,7 +94,13 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
         reporter.start()
         try:
             counts = run_job(
-                JobSpec(source, detect, job_in.fps, max_pixels=settings.max_image_pixels),
+                JobSpec(
+                    source,
+                    detect,
+                    job_in.fps,
+                    max_pixels=settings.max_image_pixels,
+                    decode_max_side=settings.stream_decode_side,
+                ),
                 pool.submit_background,
                 out,
                 lambda class_id: names.get(class_id, str(class_id)),

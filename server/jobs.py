@@ -181,6 +181,7 @@ class JobManager:
         concurrency: int,
         inflight: int,
         max_pixels: int,
+        decode_max_side: int = 0,
         callback_secret: str | None = None,
         callback_timeout_s: float = 5.0,
     ) -> None:
@@ -195,6 +196,7 @@ class JobManager:
         self._concurrency = concurrency
         self._inflight = inflight
         self._max_pixels = max_pixels
+        self._decode_max_side = decode_max_side
         self._jobs: dict[str, Job] = {}  # in creation order
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._runners: list[asyncio.Task[None]] = []
@@ -348,7 +350,14 @@ class JobManager:
         job.state, job.started_at, job.progress = JobState.RUNNING, time.time(), JobProgress()
         await asyncio.to_thread(self._save, job)
         log.info("job %s: running", job.id)
-        spec = JobSpec(job.target, job.detect, job.fps, job.options, self._max_pixels)
+        spec = JobSpec(
+            job.target,
+            job.detect,
+            job.fps,
+            job.options,
+            self._max_pixels,
+            decode_max_side=self._decode_max_side,
+        )
         sink = None
         if job.render:
             path = self.directory_of(job.id) / VIDEO_FILE

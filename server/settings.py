@@ -159,11 +159,12 @@ class Settings(BaseSettings):
         None,
         ge=0,
         le=16384,
-        description="live streams' frames are decoded scaled down (aspect kept) so their longer"
-        " side is at most this many pixels: the engine sees the same detail, and less is"
-        " converted, copied and held per frame; detections stay in the camera's pixels."
-        " Default: the engine input size (imgsz); 0: as the camera sends them (full-size"
-        " snapshots and thumbnails). NVDEC streams are scaled on the GPU instead",
+        description="live streams' and video jobs' frames are decoded scaled down (aspect"
+        " kept) so their longer side is at most this many pixels: the engine sees the same"
+        " detail, and less is converted, copied and held per frame; detections stay in the"
+        " video's pixels. Default: the engine input size (imgsz); 0: as the camera sends them"
+        " (full-size snapshots and thumbnails). NVDEC streams are scaled on the GPU instead,"
+        " and a job that draws its video decodes whole",
     )
     keyframe_decode: bool = Field(
         True,

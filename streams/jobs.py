@@ -36,6 +36,7 @@ from engines.types import Detections, Image
 from streams.analytics import Analysed, StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import detections_json
+from streams.reader import decoded_size, frame_rgb
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class JobSpec:
         options: FFmpeg demuxer options.
         max_pixels: a larger frame stops the job (setting ``STREAMDET_MAX_IMAGE_PIXELS``).
         timeout_s: FFmpeg's open and read timeouts (an HTTP video that stalls).
+        decode_max_side: frames are decoded at most this large on their longer side, as a
+            live stream's (:func:`streams.reader.decoded_size`; 0: whole); a job that draws
+            its video (``sink``) decodes them whole.
     """
 
     source: str
@@ -91,6 +95,7 @@ class JobSpec:
     options: dict[str, str] = field(default_factory=dict)
     max_pixels: int = 50_000_000
     timeout_s: tuple[float, float] = (10.0, 5.0)
+    decode_max_side: int = 0
 
 
 @dataclass
@@ -142,6 +147,7 @@ class _Sampled:
     pts: float
     image: Image
     result: Future[WorkResult]
+    source: tuple[int, int]  # the frame's width and height in the video (``image``: maybe less)
 
 
 class Sampler:
@@ -307,6 +313,7 @@ def run_job(
         stream = container.streams.video[0]
         progress.duration_s = _duration(container, stream)
         rate = float(stream.average_rate) if stream.average_rate else 25.0
+        max_side = 0 if sink is not None else spec.decode_max_side  # a drawn video: whole
         try:
             for index, frame in enumerate(_frames(container, stream, errors)):
                 stopped()
@@ -321,7 +328,8 @@ def run_job(
                         f"frames of {frame.width}x{frame.height} exceed {spec.max_pixels}"
                         " pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
                     )
-                image = frame.to_ndarray(format="rgb24")
+                source = (frame.width, frame.height)
+                image = frame_rgb(frame, decoded_size(*source, max_side))
                 result: Future[WorkResult] = Future()
                 submit(
                     WorkItem(
@@ -332,7 +340,7 @@ def run_job(
                         request_id=f"job:{job_id}:{index}",
                     )
                 )
-                pending.append(_Sampled(index, t, image, result))
+                pending.append(_Sampled(index, t, image, result, source))
                 while len(pending) >= inflight:
                     _write(frames_out, events_out, finish(pending.popleft()))
         except av.error.FFmpegError as exc:
@@ -378,13 +386,13 @@ def _finish(
             raise JobCancelled(interrupted=True)
         progress.frames_failed += 1
         log.warning("job %s: frame %d failed: %s", spec.source, sampled.index, result.error)
-        height, width = sampled.image.shape[:2]
+        width, height = sampled.source
         line.update(width=width, height=height, detections=[], error=str(result.error))
         if sink is not None:
             sink.write(sampled.image, None, sampled.pts, analytics.snapshot())
     else:
         done: Analysed = analytics.process(
-            result.detections, spec.detect, sampled.pts, sampled.index
+            result.detections.rescaled(*sampled.source), spec.detect, sampled.pts, sampled.index
         )
         detections = detections_json(
             done.detections, done.zones, done.dwell, done.still, done.stationary_s

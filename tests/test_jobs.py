@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 from starlette.applications import Starlette
@@ -24,11 +25,13 @@ from starlette.staticfiles import StaticFiles
 
 from benchmarks.events_bench import WebhookReceiver
 from engines.types import DetectParams, Engine, ModelInfo
+from engines.yolo import resize
 from loadtest.server import free_port
 from server.webhooks import sign
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.jobs import JobProgress, JobSpec, Sampler, _lower_priority, run_job
+from streams.reader import decoded_size
 from tests.helpers import (
     BOTTLE_CLIP,
     CACHE_DIR,
@@ -67,15 +70,18 @@ def test_a_job_thread_yields_the_cpu_and_no_other_thread_does() -> None:
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 10
 
 
+@pytest.mark.parametrize("decode_max_side", [0, 320], ids=["whole", "decoded-at-320"])
 def test_a_jobs_frames_are_those_the_engine_gives_for_the_same_pictures(
-    tmp_path: Path, model_info: ModelInfo, ort_engine: Engine
+    tmp_path: Path, model_info: ModelInfo, ort_engine: Engine, decode_max_side: int
 ) -> None:
+    """Decoded whole, or at most 320 pixels a side (``stream_decode_size``), the boxes in the
+    video's own pixels."""
     pool = start_ort_pool(model_info, max_wait_ms=2, max_batch=4)
     try:
         progress = JobProgress()
         detect = StreamDetect(DetectParams(conf=0.25))
         counts = run_job(
-            JobSpec(str(BOTTLE_CLIP), detect, fps=1.0),
+            JobSpec(str(BOTTLE_CLIP), detect, fps=1.0, decode_max_side=decode_max_side),
             pool.submit_background,
             tmp_path,
             lambda c: ort_engine.names[c],
@@ -93,9 +99,15 @@ def test_a_jobs_frames_are_those_the_engine_gives_for_the_same_pictures(
     # The same frames decoded on their own and run through the engine directly.
     step = [line["frame"] for line in lines]
     frames = [f for i, f in enumerate(iter_video_frames(BOTTLE_CLIP)) if i in set(step)]
-    direct = [ort_engine.infer([frame], [detect.params])[0] for frame in frames]
+    size = decoded_size(640, 360, decode_max_side)
+    assert size == ((640, 360) if decode_max_side == 0 else (320, 180))
+    pictures = [frame if size == (640, 360) else resize(frame, size) for frame in frames]
+    direct = [
+        ort_engine.infer([picture], [detect.params])[0].rescaled(640, 360) for picture in pictures
+    ]
     total = 0
     for line, ours in zip(lines, direct, strict=True):
+        assert (line["width"], line["height"]) == (640, 360)
         got = line["detections"]
         assert [d["class_name"] for d in got] == [ours.name_of(c) for c in ours.class_ids]
         if got:
