@@ -94,6 +94,7 @@ def serve(settings: Settings) -> int:
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.access_log,
+            timeout_keep_alive=settings.keep_alive_s,
             timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
         )
     ).run()

@@ -115,6 +115,15 @@ class Settings(BaseSettings):
     )
     decode_threads: int = Field(2, ge=1, le=64, description="threads decoding uploads")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="drain time on shutdown")
+    keep_alive_s: int = Field(
+        75,
+        ge=1,
+        le=3600,
+        description="seconds an idle HTTP connection is kept for its client's next request:"
+        " longer than a load balancer's idle timeout (AWS ALB's is 60 s, nginx keeps 75 s)"
+        " and clients' pools (httpx 5 s), so no request is sent on a connection the server"
+        " is closing (uvicorn's own 5 s meets httpx's 5 s: a reset now and then)",
+    )
     gil_switch_ms: float = Field(
         1.0,
         gt=0,

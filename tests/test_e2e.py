@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -42,6 +43,25 @@ def test_detect_over_real_http(server: str) -> None:
         bad = client.post("/detect", content=b"nope", headers={"content-type": "image/jpeg"})
         assert bad.status_code == 400
         assert client.get("/healthz").status_code == 200
+
+
+def test_an_idle_connection_outlives_a_clients_pool(server: str) -> None:
+    """One connection, two requests 6 s apart: uvicorn's own 5 s keep-alive would have closed
+    it as httpx (whose pool keeps connections 5 s) sent the second: a reset now and then."""
+    with httpx.Client(base_url=server, timeout=30, limits=httpx.Limits(keepalive_expiry=60)) as c:
+        first = c.get("/healthz", extensions={"trace": _note_connection})
+        time.sleep(6)
+        second = c.get("/healthz", extensions={"trace": _note_connection})
+    assert first.status_code == second.status_code == 200
+    assert _CONNECTIONS == ["new"], _CONNECTIONS  # the second reused the first's connection
+
+
+_CONNECTIONS: list[str] = []
+
+
+def _note_connection(event: str, info: dict[str, object]) -> None:
+    if event == "connection.connect_tcp.complete":
+        _CONNECTIONS.append("new")
 
 
 def test_concurrent_clients_all_answered(server: str) -> None:
