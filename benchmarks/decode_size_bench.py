@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clip", type=Path, default=CLIP)
     parser.add_argument(
-        "--sizes", nargs="+", default=["1280x720", "1920x1080", "3840x2160"], help="WxH"
+        "--sizes",
+        nargs="+",
+        default=["1280x720", "1920x1080", "3840x2160", "4000x3000"],
+        help="WxH",
     )
     parser.add_argument("--imgsz", type=int, default=640, help="the engine's input size")
     parser.add_argument("--frames", type=int, default=30)
