@@ -399,6 +399,13 @@ class Settings(BaseSettings):
                 "decode cuda keeps frames on the GPU for a GPU engine: it needs --backend torch"
                 " or tensorrt with --device cuda[:N] (setting STREAMDET_DECODE / --decode)"
             )
+        if self.stream_decode_size and self.stream_decode_size < self.imgsz:
+            raise ValueError(
+                f"stream_decode_size {self.stream_decode_size} is under the engine's input size"
+                f" imgsz {self.imgsz}: the engine would enlarge every frame back with less"
+                f" detail; for a smaller, faster engine set imgsz {self.stream_decode_size}"
+                " instead (setting STREAMDET_STREAM_DECODE_SIZE: 0, or at least imgsz)"
+            )
         # On a CPU a batch buys no throughput for single-thread workers (yolov8n, 2 cores,
         # 2 workers x 1 thread, 8 clients: 21.15 img/s at batch 1, 20.9 at 2) but couples
         # latencies: the first image of a batch of 2 waits for the second (idle 98 ms with

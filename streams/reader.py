@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
 from engines.types import Image
 from engines.yolo import resize
@@ -338,10 +340,18 @@ class StreamReader:
                 else round(self.last_latency_ms, 2),
                 "width": self.width,
                 "height": self.height,
+                **self._decoded_at(),
                 "decode": "cuda" if self._gpu_decode and self._gpu_decode.on_gpu else "cpu",
                 "decode_process": None,
                 "frames_copied": self.copied,
             }
+
+    def _decoded_at(self) -> dict[str, int]:
+        """The size the stream's frames reach the engine at (NVDEC frames: as sent)."""
+        gpu = self._gpu_decode is not None and self._gpu_decode.on_gpu
+        side = 0 if gpu else self._opt.decode_max_side
+        width, height = decoded_size(self.width, self.height, side)
+        return {"decoded_width": width, "decoded_height": height}
 
     # ---- thread ------------------------------------------------------------------------
     def wait_state(self, states: set[StreamState], timeout_s: float) -> bool:
@@ -515,11 +525,14 @@ class StreamReader:
         """Hand a sampled ``av.VideoFrame`` on to the engines (a decode process sends it to
         the server process instead: :mod:`streams.decode_procs`)."""
         source = (frame.width, frame.height)
+        size = decoded_size(*source, self._opt.decode_max_side)
         if self._gpu_decode is None:
-            size = decoded_size(*source, self._opt.decode_max_side)
             self._offer(frame_rgb(frame, size), pts, now, source)
-        else:
-            self._offer(self._gpu_decode.convert(frame), pts, now, source)
+            return
+        image = self._gpu_decode.convert(frame)  # NVDEC's GPU letterbox resizes its frames
+        if isinstance(image, np.ndarray) and size != source:  # FFmpeg fell back to software
+            image = resize(image, size)
+        self._offer(image, pts, now, source)
 
     def _guard_clips(self, step: Callable[..., None], *args: Any) -> None:
         """Run a clip step; a failure costs clips, never the stream."""

@@ -137,6 +137,7 @@ async def test_a_stream_is_decoded_small_and_detected_in_the_cameras_pixels(
     assert boxes[:, 2].max() > 500, boxes
     described = manager.describe(info["id"])
     assert described is not None and (described["width"], described["height"]) == (640, 360)
+    assert (described["decoded_width"], described["decoded_height"]) == (320, 180)
 
 
 def test_the_setting_defaults_to_the_engines_input_size_and_0_turns_it_off() -> None:
@@ -145,6 +146,8 @@ def test_the_setting_defaults_to_the_engines_input_size_and_0_turns_it_off() -> 
     assert reader_options(Settings(imgsz=416)).decode_max_side == 416
     assert reader_options(Settings(imgsz=416, stream_decode_size=960)).decode_max_side == 960
     assert reader_options(Settings(stream_decode_size=0)).decode_max_side == 0
+    with pytest.raises(ValueError, match=r"stream_decode_size 320 is under .* imgsz 640.*0, or"):
+        Settings(stream_decode_size=320)
 
 
 async def test_thumbnails_are_cut_where_the_object_is_in_a_frame_decoded_small(
