@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from PIL import Image as PILImage
 
 from engines.types import Detections
+from engines.yolo import resize
 from server.render import line_label, render_jpeg, zone_label
 from server.routes.viewer import JpegFrames
 from server.routes.ws import _send
@@ -119,10 +120,14 @@ def test_encode_scales_down_and_keeps_the_picture() -> None:
     assert small[:2] == b"\xff\xd8"
 
 
-def test_encode_draws_the_boxes_scaled_to_the_picture() -> None:
+@pytest.mark.parametrize("decoded_small", [False, True], ids=["whole", "decoded-at-half"])
+def test_encode_draws_the_boxes_scaled_to_the_picture(decoded_small: bool) -> None:
+    """Scaled down to 384 wide for the viewer, or decoded at 384 wide already (a stream's
+    frame decoded at the engine's size): the boxes, in the camera's pixels, land on it."""
     frame = frame_at(0.0)  # box 10,20 - 110,220 in a 768x432 frame
-    plain, _, _ = render_jpeg(frame.image, 384, 90)
-    boxed, width, height = render_jpeg(frame.image, 384, 90, detections=frame.detections)
+    image = resize(frame.image, (384, 216)) if decoded_small else frame.image
+    plain, _, _ = render_jpeg(image, 384, 90)
+    boxed, width, height = render_jpeg(image, 384, 90, detections=frame.detections)
     assert (width, height) == (384, 216)
     diff = np.abs(decode_jpeg(boxed) - decode_jpeg(plain)).sum(axis=2)
     changed = np.argwhere(diff > 60)
