@@ -37,10 +37,13 @@ from streams.detect import StreamDetect
 from streams.jobs import (
     EVENTS_FILE,
     FRAMES_FILE,
+    JOB_NICE,
+    FrameSource,
     JobCancelled,
     JobError,
     JobProgress,
     JobSpec,
+    local_frames,
     run_job,
 )
 
@@ -52,8 +55,6 @@ LIVE_ONLY = frozenset({"clips", "motion", "motion_mask", "motion_min_area", "mot
 """A live stream's settings, which a job has no use for."""
 CALLBACK_ATTEMPTS = 6
 CALLBACK_BACKOFF_S = 1.0  # doubled after each failure: the last try about 31 s after the first
-JOB_NICE = 10
-"""A job's decoding yields the CPU to the cameras' and the calls' (Linux nice, per thread)."""
 
 
 class JobState(enum.StrEnum):
@@ -182,6 +183,7 @@ class JobManager:
         inflight: int,
         max_pixels: int,
         decode_max_side: int = 0,
+        frames: FrameSource | None = None,
         callback_secret: str | None = None,
         callback_timeout_s: float = 5.0,
     ) -> None:
@@ -197,6 +199,7 @@ class JobManager:
         self._inflight = inflight
         self._max_pixels = max_pixels
         self._decode_max_side = decode_max_side
+        self._frames = frames or local_frames  # decode processes, where the server has them
         self._jobs: dict[str, Job] = {}  # in creation order
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._runners: list[asyncio.Task[None]] = []
@@ -378,6 +381,7 @@ class JobManager:
                     job_id=job.id,
                     nice=JOB_NICE,
                     sink=sink,
+                    frames=self._frames,
                 ),
             )
             job.state = JobState.DONE

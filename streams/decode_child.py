@@ -35,6 +35,15 @@ import numpy as np
 from engines.batching import WorkItem
 from streams.clips import ClipOptions, ClipRecorder
 from streams.fanout import ProcessedFrame
+from streams.jobs import (
+    JOB_NICE,
+    JobCancelled,
+    JobError,
+    JobProgress,
+    JobSpec,
+    lower_priority,
+    sampled_frames,
+)
 from streams.reader import (
     ReaderOptions,
     StreamConfig,
@@ -273,6 +282,72 @@ class _ChildReader(StreamReader):
             self._child.post(("exited", self._key))
 
 
+JOB_WAIT_S = 0.002
+"""How often a job waiting for a free slot looks again (the server frees slots in place)."""
+
+
+class _ChildJob:
+    """A video job's decoding (:func:`streams.jobs.sampled_frames`) in a decode process:
+    each sampled frame into a ring, waiting for a slot the server has let go of rather than
+    dropping (a job loses no frame), its progress with it."""
+
+    def __init__(self, key: str, spec: JobSpec, max_side: int, child: _Child) -> None:
+        self._key, self._spec, self._max_side, self._child = key, spec, max_side, child
+        self._stop = threading.Event()
+        self._progress = JobProgress()
+        self._rings: list[_Ring] = []
+        self._gens = itertools.count(1)
+        self.thread = threading.Thread(target=self._run, name=f"job-{key}", daemon=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _stopped(self) -> None:
+        if self._stop.is_set():
+            raise JobCancelled(interrupted=False)
+
+    def _run(self) -> None:
+        error: str | None = None
+        lower_priority(JOB_NICE)  # and FFmpeg's threads, which this one starts
+        try:
+            self._decode()
+        except JobCancelled:
+            pass
+        except (JobError, OSError) as exc:  # OSError: no room for its frames in /dev/shm
+            error = str(exc)
+        except Exception as exc:  # a bug costs this job, not the process
+            log.exception("job %s: decoding failed", self._key)
+            error = f"decoding failed: {exc!r}"
+        finally:
+            for ring in self._rings:
+                ring.unlink()
+            self._child.forget_job(self._key, self)
+            self._child.post(("job-end", self._key, error, *self._progress_now()))
+
+    def _progress_now(self) -> tuple[Any, ...]:
+        p = self._progress
+        return p.frames_read, p.decode_errors, p.position_s, p.duration_s
+
+    def _decode(self) -> None:
+        ring: _Ring | None = None
+        for index, t, frame in sampled_frames(self._spec, self._progress, self._stopped):
+            source = (frame.width, frame.height)
+            if ring is None or ring.source != source:
+                ring = _Ring(
+                    next(self._gens), self._child.slots, source, self._max_side, self._child.dir
+                )
+                self._rings.append(ring)
+                shape = (ring.slots, ring.height, ring.width, ring.source)
+                self._child.post(("ring", self._key, ring.gen, ring.path, *shape))
+            while (slot := ring.take()) is None:
+                if self._stop.wait(JOB_WAIT_S):
+                    return
+            ring.write(slot, frame)
+            self._child.post(
+                ("job-frame", self._key, ring.gen, slot, index, t, *self._progress_now())
+            )
+
+
 class _Child:
     """A decode process: its streams' threads and the pipe to the server."""
 
@@ -289,6 +364,7 @@ class _Child:
         self._events = events
         self._send_lock = threading.Lock()
         self._readers: dict[str, _ChildReader] = {}
+        self._jobs: dict[str, _ChildJob] = {}
         self._gone = threading.Event()  # the server stopped listening
 
     def post(self, message: tuple[Any, ...]) -> None:
@@ -301,16 +377,30 @@ class _Child:
             self._gone.set()
             for reader in list(self._readers.values()):
                 reader.stop()
+            for job in list(self._jobs.values()):
+                job.stop()
 
     def forget(self, key: str, reader: _ChildReader) -> None:
         if self._readers.get(key) is reader:
             del self._readers[key]
+
+    def forget_job(self, key: str, job: _ChildJob) -> None:
+        if self._jobs.get(key) is job:
+            del self._jobs[key]
 
     def handle(self, message: tuple[Any, ...]) -> None:
         kind, key = message[0], message[1]
         if kind == "open":
             opened = self._readers[key] = _ChildReader(key, message[2], self, self._opt)
             opened.start()
+            return
+        if kind == "job":
+            job = self._jobs[key] = _ChildJob(key, message[2], message[3], self)
+            job.thread.start()
+            return
+        if kind == "job-stop":
+            if (running := self._jobs.get(key)) is not None:
+                running.stop()
             return
         # A stream whose thread has ended (failed, or stopping) takes no more changes.
         if (reader := self._readers.get(key)) is None:
@@ -331,11 +421,16 @@ class _Child:
 
     def shutdown(self, timeout_s: float) -> None:
         readers = list(self._readers.values())
+        jobs = list(self._jobs.values())
         for reader in readers:
             reader.stop()
+        for job in jobs:
+            job.stop()
         end = time.monotonic() + timeout_s
         for reader in readers:
             reader.join(max(0.0, end - time.monotonic()))
+        for job in jobs:
+            job.thread.join(max(0.0, end - time.monotonic()))
         self._gone.set()
 
 

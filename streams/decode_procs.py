@@ -48,6 +48,7 @@ import logging
 import mmap
 import os
 import pickle
+import queue
 import select
 import struct
 import subprocess
@@ -55,6 +56,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -68,6 +70,7 @@ from engines.types import Image
 from streams.clips import ClipDone, ClipOptions, ClipPlanner, ClipRecorder
 from streams.decode_child import HEADER, MAX_SLOTS, REPORT_S, shm_dir, shm_warning
 from streams.detect import StreamDetect
+from streams.jobs import JobCancelled, JobError, JobProgress, JobSpec
 from streams.reader import (
     FrameSink,
     PublishFn,
@@ -84,6 +87,19 @@ STALE_S = 5 * REPORT_S
 """A rate not reported for this long is no longer shown."""
 QUICK_EXIT_S = 2.0
 """A child that dies sooner than this after starting is not started again (it would again)."""
+
+
+JOB_POLL_S = 0.25
+"""How often a job waiting for its next frame looks at its cancel flag."""
+
+
+def _progress(progress: JobProgress, counts: Sequence[Any]) -> None:
+    """A decode process's progress of a job (frames read, decode errors, position, duration)
+    into the job's."""
+    if counts:
+        (progress.frames_read, progress.decode_errors, progress.position_s, duration) = counts
+        if duration is not None:
+            progress.duration_s = duration
 
 
 class _Mapped:
@@ -185,6 +201,7 @@ class _Proc:
     events: Connection
     started: float
     readers: dict[str, RemoteReader] = field(default_factory=dict)
+    jobs: dict[str, queue.SimpleQueue[tuple[Any, ...]]] = field(default_factory=dict)
     rings: dict[str, _Mapped] = field(default_factory=dict)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -250,18 +267,68 @@ class DecodeHub:
         with self._lock:
             if self._closed:
                 raise RuntimeError("decode processes are shut down")
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._receive, name="decode-hub", daemon=True
-                )
-                self._thread.start()
+            self._ensure_thread()
             index = min(
                 range(self._n),
-                key=lambda i: -1 if (p := self._procs[i]) is None else len(p.readers),
+                key=lambda i: -1 if (p := self._procs[i]) is None else len(p.readers) + len(p.jobs),
             )
             proc = self._procs[index] or self._start(index)
             proc.readers[reader.key] = reader
         self._send(proc, ("open", reader.key, reader.remote_config()))
+
+    # ---- video jobs ------------------------------------------------------------------------
+    def job_frames(
+        self, spec: JobSpec, progress: JobProgress, stopped: Callable[[], None], max_side: int
+    ) -> Generator[tuple[int, float, Image, tuple[int, int]], None, None]:
+        """A video job's frames decoded in the process with the fewest streams and jobs
+        (:class:`streams.decode_child._ChildJob`: it waits for slots, so no frame is lost),
+        as :func:`streams.jobs.local_frames` gives them; ``progress`` follows the process's.
+
+        Raises:
+            JobError: the video cannot be read, or its decode process died.
+            JobCancelled: from ``stopped``, or the hub shut down (interrupted).
+        """
+        key = f"job#{next(self._keys)}"
+        inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        with self._lock:
+            if self._closed:
+                raise JobCancelled(interrupted=True)
+            self._ensure_thread()
+            index = min(
+                range(self._n),
+                key=lambda i: -1 if (p := self._procs[i]) is None else len(p.readers) + len(p.jobs),
+            )
+            proc = self._procs[index] or self._start(index)
+            proc.jobs[key] = inbox
+        self._send(proc, ("job", key, spec, max_side))
+        ended = False
+        try:
+            while True:
+                stopped()
+                try:
+                    item = inbox.get(timeout=JOB_POLL_S)
+                except queue.Empty:
+                    continue
+                if item[0] == "frame":
+                    _, index, t, image, source, counts = item
+                    _progress(progress, counts)
+                    yield index, t, image, source
+                    continue
+                ended = True
+                if item[0] == "end":
+                    _progress(progress, item[2])
+                    if item[1] is not None:
+                        raise JobError(item[1])
+                    return
+                if item[0] == "interrupted":
+                    raise JobCancelled(interrupted=True)
+                raise JobError(item[1])  # "lost"
+        finally:
+            with self._lock:
+                proc.jobs.pop(key, None)
+            if not ended:
+                with contextlib.suppress(OSError):
+                    self._send(proc, ("job-stop", key))
 
     def update(self, reader: RemoteReader) -> None:
         if (proc := self._proc_of(reader)) is not None:
@@ -308,15 +375,24 @@ class DecodeHub:
                 proc.popen.wait()
         with self._lock:
             left = [r for p in procs for r in p.readers.values()]
+            jobs = [j for p in procs for j in p.jobs.values()]
             self._procs = [None] * self._n
             self._changes += 1
         for reader in left:
             reader.remote_exited()
+        for job in jobs:
+            job.put(("interrupted",))
         self._wake()
         if self._thread is not None:
             self._thread.join(2.0)
 
     # ---- processes -------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        """The receiving thread, started at the first stream or job (``self._lock`` held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._receive, name="decode-hub", daemon=True)
+            self._thread.start()
+
     def _start(self, index: int) -> _Proc:
         """Start process ``index`` (with ``self._lock`` held)."""
         cmd_r, cmd_w = Pipe(duplex=False)
@@ -422,7 +498,21 @@ class DecodeHub:
     def _dispatch(self, proc: _Proc, message: tuple[Any, ...]) -> None:
         kind, key = message[0], message[1]
         reader = proc.readers.get(key)
-        if kind == "frame":
+        if kind == "job-frame":
+            _, _, gen, slot, index, t, *counts = message
+            ring, job = proc.rings.get(key), proc.jobs.get(key)
+            if ring is None or ring.gen != gen:  # not mapped: the job was told, and ended
+                return
+            if job is None:  # the job stopped taking frames
+                ring.free(slot)
+                return
+            image, _ = ring.frame(slot)
+            job.put(("frame", index, t, image, ring.source, counts))
+        elif kind == "job-end":
+            proc.rings.pop(key, None)
+            if (job := proc.jobs.get(key)) is not None:
+                job.put(("end", message[2], message[3:]))
+        elif kind == "frame":
             _, _, gen, slot, pts, decoded_mono = message
             ring = proc.rings.get(key)
             if ring is None or ring.gen != gen:  # its ring could not be mapped: counted
@@ -443,6 +533,8 @@ class DecodeHub:
                 proc.rings.pop(key, None)
                 if reader is not None:
                     reader.remote_state(reader.state, f"cannot map its frames: {exc}")
+                if (job := proc.jobs.get(key)) is not None:
+                    job.put(("end", f"cannot map its frames: {exc}", ()))
         elif kind == "counts" and reader is not None:
             reader.remote_counts(message[2], message[3])
         elif kind == "state" and reader is not None:
@@ -467,7 +559,9 @@ class DecodeHub:
         with self._lock:
             readers = [r for r in proc.readers.values() if not r.stopping]
             stopped = [r for r in proc.readers.values() if r.stopping]
+            jobs = list(proc.jobs.values())
             proc.readers.clear()
+            proc.jobs.clear()
             proc.rings.clear()
             if self._procs[proc.index] is proc:
                 self._procs[proc.index] = None
@@ -477,6 +571,8 @@ class DecodeHub:
             if not closed:
                 self.exits += 1
         why = f"decode process {proc.index} (pid {proc.popen.pid}) exited with code {code}"
+        for job in jobs:
+            job.put(("interrupted",) if closed else ("lost", f"{why}: run the job again"))
         for reader in [*readers, *stopped]:
             reader.remote_lost(why)
         for reader in stopped:

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,9 @@ EVENTS_FILE = "events.ndjson"
 BACKGROUND_DEADLINE_S = 24 * 3600.0
 """A job's frame waits as long as live work keeps the engines busy: it is never dropped."""
 POLL_S = 0.25  # how often a runner waiting on a frame looks at its cancel flag
+JOB_NICE = 10
+"""A job's decoding yields the CPU to the cameras' and the calls' (Linux nice, per thread; in
+a decode process, its job thread's)."""
 
 
 class FrameSink(Protocol):
@@ -206,7 +209,7 @@ def probe(
         raise JobError(f"not a video FFmpeg can read: {_reason(exc)}{hint}") from None
 
 
-def _lower_priority(nice: int) -> None:
+def lower_priority(nice: int) -> None:
     """This thread's nice value raised to at least ``nice`` (Linux: per thread; threads it
     starts inherit it). Elsewhere, or refused, nothing changes."""
     try:
@@ -246,74 +249,30 @@ def _frames(container: Any, stream: Any, errors: list[int] | None) -> Iterator[A
         yield from frames
 
 
-def run_job(
-    spec: JobSpec,
-    submit: Callable[[WorkItem], None],
-    directory: Path,
-    name_of: Callable[[int], str],
-    *,
-    inflight: int,
-    cancel: threading.Event,
-    interrupt: threading.Event,
-    progress: JobProgress,
-    job_id: str = "",
-    nice: int = 0,
-    sink: FrameSink | None = None,
-) -> dict[str, Any]:
-    """Read the whole video through the engines; returns the counts (``GET /streams/{id}``'s
-    ``detections``, ``tracked``, ``crossings``, ``zones``).
-
-    ``sink`` gets every processed frame, in order, and is closed at the end whatever
-    happens. ``nice`` lowers the CPU priority of the calling thread (and of FFmpeg's decoding
-    threads, which it starts) for good, on Linux: call it from a thread kept for jobs.
+def sampled_frames(
+    spec: JobSpec, progress: JobProgress, stopped: Callable[[], None]
+) -> Generator[tuple[int, float, Any], None, None]:
+    """Open ``spec.source`` and yield each sampled frame: its number in the file, its time in
+    the video and the ``av.VideoFrame``; ``progress`` follows every frame read.
 
     Raises:
         JobError: the video cannot be opened or read, or a frame is too large.
-        JobCancelled: ``cancel`` or ``interrupt`` was set, or the pool closed.
+        JobCancelled: from ``stopped``.
     """
     import av
-
-    if nice:
-        _lower_priority(nice)
-
-    directory.mkdir(parents=True, exist_ok=True)
-    analytics = StreamAnalytics()
-    pending: deque[_Sampled] = deque()
-    sampler = Sampler(spec.fps)
-    errors = [0]
-    progress.started_mono = time.monotonic()
-
-    def stopped() -> None:
-        if interrupt.is_set():
-            raise JobCancelled(interrupted=True)
-        if cancel.is_set():
-            raise JobCancelled(interrupted=False)
 
     try:
         container = av.open(spec.source, options=spec.options, timeout=spec.timeout_s)
     except av.error.FFmpegError as exc:
         raise JobError(f"cannot open the video: {_reason(exc)}") from None
-    finish = functools.partial(
-        _finish,
-        spec=spec,
-        analytics=analytics,
-        name_of=name_of,
-        progress=progress,
-        stopped=stopped,
-        sink=sink,
-    )
-    with (
-        contextlib.closing(sink) if sink is not None else contextlib.nullcontext(),
-        container,
-        (directory / FRAMES_FILE).open("w", encoding="utf-8") as frames_out,
-        (directory / EVENTS_FILE).open("w", encoding="utf-8") as events_out,
-    ):
+    with container:
         if not container.streams.video:
             raise JobError("the video has no video stream")
         stream = container.streams.video[0]
         progress.duration_s = _duration(container, stream)
         rate = float(stream.average_rate) if stream.average_rate else 25.0
-        max_side = 0 if sink is not None else spec.decode_max_side  # a drawn video: whole
+        sampler = Sampler(spec.fps)
+        errors = [0]
         try:
             for index, frame in enumerate(_frames(container, stream, errors)):
                 stopped()
@@ -328,8 +287,91 @@ def run_job(
                         f"frames of {frame.width}x{frame.height} exceed {spec.max_pixels}"
                         " pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
                     )
-                source = (frame.width, frame.height)
-                image = frame_rgb(frame, decoded_size(*source, max_side))
+                yield index, t, frame
+        except av.error.FFmpegError as exc:
+            raise JobError(
+                f"reading the video failed at {progress.position_s:.2f} s: {exc}"
+            ) from None
+        progress.decode_errors = errors[0]
+
+
+def local_frames(
+    spec: JobSpec, progress: JobProgress, stopped: Callable[[], None], max_side: int
+) -> Generator[tuple[int, float, Image, tuple[int, int]], None, None]:
+    """:func:`sampled_frames` decoded here, in the job's thread, as RGB of at most
+    ``max_side`` pixels a side, with the size they have in the video."""
+    for index, t, frame in sampled_frames(spec, progress, stopped):
+        source = (frame.width, frame.height)
+        yield index, t, frame_rgb(frame, decoded_size(*source, max_side)), source
+
+
+FrameSource = Callable[
+    [JobSpec, JobProgress, Callable[[], None], int],
+    Generator[tuple[int, float, Image, tuple[int, int]], None, None],
+]
+"""Where a job's frames come from: :func:`local_frames`, or a decode process
+(:meth:`streams.decode_procs.DecodeHub.job_frames`)."""
+
+
+def run_job(
+    spec: JobSpec,
+    submit: Callable[[WorkItem], None],
+    directory: Path,
+    name_of: Callable[[int], str],
+    *,
+    inflight: int,
+    cancel: threading.Event,
+    interrupt: threading.Event,
+    progress: JobProgress,
+    job_id: str = "",
+    nice: int = 0,
+    sink: FrameSink | None = None,
+    frames: FrameSource = local_frames,
+) -> dict[str, Any]:
+    """Read the whole video through the engines; returns the counts (``GET /streams/{id}``'s
+    ``detections``, ``tracked``, ``crossings``, ``zones``).
+
+    ``sink`` gets every processed frame, in order, and is closed at the end whatever
+    happens. ``nice`` lowers the CPU priority of the calling thread (and of FFmpeg's decoding
+    threads, which it starts) for good, on Linux: call it from a thread kept for jobs.
+    ``frames`` decodes the video (here by default; a decode process's hub can).
+
+    Raises:
+        JobError: the video cannot be opened or read, or a frame is too large.
+        JobCancelled: ``cancel`` or ``interrupt`` was set, or the pool closed.
+    """
+    if nice:
+        lower_priority(nice)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    analytics = StreamAnalytics()
+    pending: deque[_Sampled] = deque()
+    progress.started_mono = time.monotonic()
+
+    def stopped() -> None:
+        if interrupt.is_set():
+            raise JobCancelled(interrupted=True)
+        if cancel.is_set():
+            raise JobCancelled(interrupted=False)
+
+    finish = functools.partial(
+        _finish,
+        spec=spec,
+        analytics=analytics,
+        name_of=name_of,
+        progress=progress,
+        stopped=stopped,
+        sink=sink,
+    )
+    max_side = 0 if sink is not None else spec.decode_max_side  # a drawn video: whole
+    with (
+        contextlib.closing(sink) if sink is not None else contextlib.nullcontext(),
+        contextlib.closing(frames(spec, progress, stopped, max_side)) as decoded,
+        (directory / FRAMES_FILE).open("w", encoding="utf-8") as frames_out,
+        (directory / EVENTS_FILE).open("w", encoding="utf-8") as events_out,
+    ):
+        try:
+            for index, t, image, source in decoded:
                 result: Future[WorkResult] = Future()
                 submit(
                     WorkItem(
@@ -343,15 +385,10 @@ def run_job(
                 pending.append(_Sampled(index, t, image, result, source))
                 while len(pending) >= inflight:
                     _write(frames_out, events_out, finish(pending.popleft()))
-        except av.error.FFmpegError as exc:
-            raise JobError(
-                f"reading the video failed at {progress.position_s:.2f} s: {exc}"
-            ) from None
         except PoolClosed:
             raise JobCancelled(interrupted=True) from None
         while pending:
             _write(frames_out, events_out, finish(pending.popleft()))
-        progress.decode_errors = errors[0]
     counts = analytics.snapshot()
     for last_frame in ("objects", "stationary"):  # meaningless for a whole video
         counts.pop(last_frame, None)

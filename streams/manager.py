@@ -32,6 +32,7 @@ from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
+from streams.jobs import FrameSource
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
 from streams.store import StreamRecord, StreamStore, new_record
@@ -164,6 +165,11 @@ class StreamManager:
     def decode_pids(self) -> list[int]:
         """The decode processes' ids (none without ``decode_processes``, or before a stream)."""
         return [] if self._hub is None else self._hub.pids()
+
+    def job_frames(self) -> FrameSource | None:
+        """Where video jobs decode: in the decode processes (their hub's
+        :meth:`~streams.decode_procs.DecodeHub.job_frames`); None: in the job's own thread."""
+        return None if self._hub is None else self._hub.job_frames
 
     def decode_stats(self) -> tuple[int, int] | None:
         """Decode processes running, and those that died so far; None without them."""

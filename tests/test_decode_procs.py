@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
+import json
 import multiprocessing
 import os
 import pickle
@@ -28,6 +30,7 @@ from streams import decode_child, decode_procs
 from streams.clips import ClipOptions
 from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
+from streams.jobs import JobCancelled, JobError, JobProgress, JobSpec, run_job
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamConfig, StreamState
 from streams.sources import parse_source
@@ -215,6 +218,7 @@ import os, sys, time
 from pathlib import Path
 from typing import Any
 from streams.decode_procs import DecodeHub
+from streams.jobs import JobCancelled, JobError, JobProgress, JobSpec, run_job
 from streams.reader import ReaderOptions, StreamConfig, StreamState
 from streams.sources import parse_source
 clip = {clip!r}
@@ -494,3 +498,94 @@ def test_the_inbox_takes_every_message_waiting_and_keeps_a_partial_one() -> None
             inbox.read()
     finally:
         reader.close()
+
+
+# ---- video jobs decoded in a decode process ------------------------------------------------
+
+
+def _run_job(pool: EnginePool, directory: Path, **given: Any) -> tuple[dict[str, Any], JobProgress]:
+    progress = JobProgress()
+    spec = JobSpec(str(given.pop("source", BOTTLE_CLIP)), StreamDetect(), fps=2.0)
+    counts = run_job(
+        spec,
+        given.pop("submit", pool.submit_background),
+        directory,
+        str,
+        inflight=4,
+        cancel=given.pop("cancel", threading.Event()),
+        interrupt=threading.Event(),
+        progress=progress,
+        **given,
+    )
+    return counts, progress
+
+
+def test_a_job_decoded_in_a_decode_process_gives_what_one_decoded_here_does(
+    pool: EnginePool, hub: DecodeHub, tmp_path: Path
+) -> None:
+    before = _shm_files()
+    here, here_progress = _run_job(pool, tmp_path / "here")
+    there, there_progress = _run_job(pool, tmp_path / "there", frames=hub.job_frames)
+    assert there == here and there["detections"]["bottle"] > 0
+    frames = [(tmp_path / d / "frames.ndjson").read_text().splitlines() for d in ("here", "there")]
+    assert frames[0] == frames[1] and len(frames[0]) == 80  # 39.9 s at 2 a second, same lines
+    for progress in (here_progress, there_progress):
+        assert progress.frames_read == 1189 and progress.frames_processed == 80
+        assert progress.duration_s == pytest.approx(39.85, abs=0.1)
+    assert hub.pids() and _shm_files() == before  # its ring gone with the job
+
+
+def test_a_job_in_a_decode_process_is_cancelled_and_refused_with_why(
+    pool: EnginePool, hub: DecodeHub, tmp_path: Path
+) -> None:
+    cancel = threading.Event()
+
+    submitted = itertools.count(1)
+
+    def submit_then_cancel(item: WorkItem) -> None:  # cancelled at its third frame
+        pool.submit_background(item)
+        if next(submitted) == 3:
+            cancel.set()
+
+    with pytest.raises(JobCancelled) as stopped:
+        _run_job(pool, tmp_path / "cancelled", frames=hub.job_frames, cancel=cancel,
+                 submit=submit_then_cancel)  # fmt: skip
+    assert not stopped.value.interrupted
+    with pytest.raises(JobError, match="cannot open the video"):
+        _run_job(pool, tmp_path / "missing", source=tmp_path / "no.mp4", frames=hub.job_frames)
+    # The process stopped decoding the cancelled job: a new one runs at once, whole.
+    _, progress = _run_job(pool, tmp_path / "after", frames=hub.job_frames)
+    assert progress.frames_processed == 80
+
+
+def test_a_job_whose_decode_process_dies_fails_saying_so(
+    pool: EnginePool, hub: DecodeHub, tmp_path: Path
+) -> None:
+    def kill_soon() -> None:
+        end = time.monotonic() + 30
+        while not hub.pids():
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(hub.pids()[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    with pytest.raises(JobError, match=r"exited with code -9: run the job again"):
+        _run_job(pool, tmp_path / "killed", source=CAR_CLIP, frames=hub.job_frames)
+    killer.join()
+
+
+def test_the_server_runs_jobs_in_its_decode_processes(tmp_path: Path) -> None:
+    with TestClient(file_stream_app(tmp_path, decode_processes=1)) as c:
+        created = c.post(
+            "/jobs",
+            files={"video": ("bottles.mp4", BOTTLE_CLIP.read_bytes(), "video/mp4")},
+            data={"settings": json.dumps({"fps": 1})},
+        )
+        assert created.status_code == 202, created.text
+        done = c.get(f"/jobs/{created.json()['id']}", params={"wait_s": 60}).json()
+        assert done["state"] == "done", done
+        assert done["progress"]["frames_read"] == 1189
+        assert done["progress"]["frames_processed"] == 40
+        assert c.get("/metrics").text.count("streamdet_decode_processes 1") == 1

@@ -30,7 +30,7 @@ from loadtest.server import free_port
 from server.webhooks import sign
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
-from streams.jobs import JobProgress, JobSpec, Sampler, _lower_priority, run_job
+from streams.jobs import JobProgress, JobSpec, Sampler, lower_priority, run_job
 from streams.reader import decoded_size
 from tests.helpers import (
     BOTTLE_CLIP,
@@ -60,7 +60,7 @@ def test_a_job_thread_yields_the_cpu_and_no_other_thread_does() -> None:
     seen: list[int] = []
 
     def job_thread() -> None:
-        _lower_priority(10)
+        lower_priority(10)
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     thread = threading.Thread(target=job_thread)
