@@ -137,6 +137,13 @@ class _Mapped:
     def free(self, slot: int) -> None:
         _free(self.mm, slot)
 
+    def copy(self, slot: int) -> Image:
+        """Slot ``slot`` as an image of its own; the slot is free again at once."""
+        flat = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
+        image = flat.reshape(self.height, self.width, 3).copy()
+        _free(self.mm, slot)
+        return image
+
 
 def _free(mm: mmap.mmap, slot: int, _: object = None) -> None:
     with contextlib.suppress(ValueError):  # closed
@@ -310,19 +317,22 @@ class DecodeHub:
                 except queue.Empty:
                     continue
                 if item[0] == "frame":
-                    _, index, t, image, source, counts = item
+                    _, index, t, ring, slot, counts = item
                     _progress(progress, counts)
-                    yield index, t, image, source
+                    # Copied out as the job takes it, its slot free at once: the ring's slots
+                    # bound what the process decodes ahead of the job, whatever the job
+                    # holds (its frames in flight can outnumber the slots).
+                    yield index, t, ring.copy(slot), ring.source
                     continue
-                ended = True
-                if item[0] == "end":
+                if item[0] == "end":  # the process's job has ended
+                    ended = True
                     _progress(progress, item[2])
                     if item[1] is not None:
                         raise JobError(item[1])
                     return
                 if item[0] == "interrupted":
                     raise JobCancelled(interrupted=True)
-                raise JobError(item[1])  # "lost"
+                raise JobError(item[1])  # "failed" here, or "lost" with its process
         finally:
             with self._lock:
                 proc.jobs.pop(key, None)
@@ -506,8 +516,7 @@ class DecodeHub:
             if job is None:  # the job stopped taking frames
                 ring.free(slot)
                 return
-            image, _ = ring.frame(slot)
-            job.put(("frame", index, t, image, ring.source, counts))
+            job.put(("frame", index, t, ring, slot, counts))
         elif kind == "job-end":
             proc.rings.pop(key, None)
             if (job := proc.jobs.get(key)) is not None:
@@ -534,7 +543,7 @@ class DecodeHub:
                 if reader is not None:
                     reader.remote_state(reader.state, f"cannot map its frames: {exc}")
                 if (job := proc.jobs.get(key)) is not None:
-                    job.put(("end", f"cannot map its frames: {exc}", ()))
+                    job.put(("failed", f"cannot map its frames: {exc}"))
         elif kind == "counts" and reader is not None:
             reader.remote_counts(message[2], message[3])
         elif kind == "state" and reader is not None:

@@ -511,7 +511,7 @@ def _run_job(pool: EnginePool, directory: Path, **given: Any) -> tuple[dict[str,
         given.pop("submit", pool.submit_background),
         directory,
         str,
-        inflight=4,
+        inflight=given.pop("inflight", 4),
         cancel=given.pop("cancel", threading.Event()),
         interrupt=threading.Event(),
         progress=progress,
@@ -525,7 +525,12 @@ def test_a_job_decoded_in_a_decode_process_gives_what_one_decoded_here_does(
 ) -> None:
     before = _shm_files()
     here, here_progress = _run_job(pool, tmp_path / "here")
-    there, there_progress = _run_job(pool, tmp_path / "there", frames=hub.job_frames)
+    # More frames in flight than the ring has slots (a GPU's inflight is 64): each is copied
+    # out as the job takes it, so the process stays at most a ring ahead and never waits on
+    # frames the job holds.
+    there, there_progress = _run_job(
+        pool, tmp_path / "there", frames=hub.job_frames, inflight=3 * SLOTS
+    )
     assert there == here and there["detections"]["bottle"] > 0
     frames = [(tmp_path / d / "frames.ndjson").read_text().splitlines() for d in ("here", "there")]
     assert frames[0] == frames[1] and len(frames[0]) == 80  # 39.9 s at 2 a second, same lines
@@ -589,3 +594,26 @@ def test_the_server_runs_jobs_in_its_decode_processes(tmp_path: Path) -> None:
         assert done["progress"]["frames_read"] == 1189
         assert done["progress"]["frames_processed"] == 40
         assert c.get("/metrics").text.count("streamdet_decode_processes 1") == 1
+
+
+def test_a_job_whose_frames_cannot_be_mapped_fails_and_its_process_lets_it_go(
+    pool: EnginePool, hub: DecodeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mapped = decode_procs._Mapped
+
+    def cannot_map(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    before = _shm_files()
+    monkeypatch.setattr(decode_procs, "_Mapped", cannot_map)
+    with pytest.raises(JobError, match="cannot map its frames"):
+        _run_job(pool, tmp_path / "unmapped", frames=hub.job_frames)
+    monkeypatch.setattr(decode_procs, "_Mapped", mapped)
+    # Told to stop, the process's job thread ended and unlinked the ring the server could
+    # not map (a job left waiting for slots never freed would keep it).
+    end = time.monotonic() + 10
+    while _shm_files() != before:
+        assert time.monotonic() < end, _shm_files() - before
+        time.sleep(0.05)
+    _, progress = _run_job(pool, tmp_path / "next", frames=hub.job_frames)
+    assert progress.frames_processed == 80
