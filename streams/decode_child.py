@@ -282,8 +282,10 @@ class _ChildReader(StreamReader):
             self._child.post(("exited", self._key))
 
 
-JOB_WAIT_S = 0.002
-"""How often a job waiting for a free slot looks again (the server frees slots in place)."""
+JOB_WAIT_S = 0.001
+JOB_WAIT_MAX_S = 0.02
+"""A job waiting for a free slot looks again after 1 ms, then twice as long each time, up to
+20 ms (the server frees slots in place, and says nothing)."""
 
 
 class _ChildJob:
@@ -339,9 +341,11 @@ class _ChildJob:
                 self._rings.append(ring)
                 shape = (ring.slots, ring.height, ring.width, ring.source)
                 self._child.post(("ring", self._key, ring.gen, ring.path, *shape))
-            while (slot := ring.take()) is None:
-                if self._stop.wait(JOB_WAIT_S):
+            wait_s = JOB_WAIT_S
+            while (slot := ring.take()) is None:  # the job is behind: the engines are busy
+                if self._stop.wait(wait_s):
                     return
+                wait_s = min(JOB_WAIT_MAX_S, 2 * wait_s)
             ring.write(slot, frame)
             self._child.post(
                 ("job-frame", self._key, ring.gen, slot, index, t, *self._progress_now())
