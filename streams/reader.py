@@ -129,7 +129,7 @@ def decoded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     its longer side is at most ``max_side`` (0: unscaled), rounded as the engines' letterbox
     rounds (:func:`engines.yolo.letterbox`), so a frame scaled to the engine's input size is
     not resized again there. A frame that would not shrink to half its pixels or less stays
-    as it is (resizing it would cost more than the bytes it saves)."""
+    as it is: a resize in the decoder (where a GPU host's CPU is short) for little saved."""
     if max_side <= 0 or max(width, height) <= max_side:
         return width, height
     gain = min(max_side / width, max_side / height)
