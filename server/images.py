@@ -10,6 +10,7 @@ from PIL import Image as PILImage
 from PIL import ImageFile, ImageOps, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
 from engines.types import Image
+from streams.reader import decoded_size
 
 # We check the pixel count ourselves, with our own setting and a clear error.
 PILImage.MAX_IMAGE_PIXELS = None
@@ -95,8 +96,7 @@ def decode_upload(data: bytes, max_pixels: int, max_side: int = 0) -> tuple[Imag
         )
     try:
         if max_side and fmt == "JPEG" and max(width, height) >= 2 * max_side:
-            gain = max_side / max(width, height)  # libjpeg keeps at least this size
-            img.draft("RGB", (max(1, round(width * gain)), max(1, round(height * gain))))
+            img.draft("RGB", decoded_size(width, height, max_side))  # libjpeg keeps at least it
         swapped = img.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
         img.load()
         img = ImageOps.exif_transpose(img) or img

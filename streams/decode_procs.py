@@ -124,11 +124,9 @@ class _Mapped:
         where more than half the slots are taken (someone keeps frames: a viewer's queue, a
         test's list), a copy, and the slot is free at once, so a consumer that keeps frames
         costs copies, never the stream's frames. Returns the image and whether it is a copy."""
-        flat = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
         if self.mm[: self.slots].count(1) > self.slots // 2:
-            image = flat.reshape(self.height, self.width, 3).copy()
-            _free(self.mm, slot)
-            return image, True
+            return self.copy(slot), True
+        flat = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
         # A bare weak reference kept per slot (weakref.finalize costs several times more, for
         # guarantees at exit a slot does not need); its callback frees the slot.
         self._refs[slot] = weakref.ref(flat, functools.partial(_free, self.mm, slot))
