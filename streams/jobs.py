@@ -11,7 +11,10 @@ What comes out goes to two files in the job's directory, a line of JSON each:
 ``frames.ndjson`` (every processed frame: its number in the file, ``pts``, size, detections
 and events) and ``events.ndjson`` (the line crossings and zone entries, exits and loiters).
 :func:`run_job` returns the counts. It runs in a thread of its own and reports progress
-through :class:`JobProgress`; nothing here knows about HTTP.
+through :class:`JobProgress`; nothing here knows about HTTP. The video is decoded in that
+thread (:func:`local_frames`), or in a decode process
+(:meth:`streams.decode_procs.DecodeHub.job_frames`), frames at most ``decode_max_side``
+pixels a side either way (boxes in the video's own pixels).
 """
 
 from __future__ import annotations
