@@ -157,6 +157,11 @@ class _Ring:
             os.close(fd)
         self._next = 0
 
+    def announce(self, key: str) -> tuple[Any, ...]:
+        """The message telling the server to map this ring for ``key``."""
+        shape = (self.slots, self.height, self.width, self.source)
+        return ("ring", key, self.gen, self.path, *shape)
+
     def take(self) -> int | None:
         """A free slot, marked busy; None when the server holds every one."""
         for i in range(self.slots):
@@ -215,8 +220,7 @@ class _ChildReader(StreamReader):
             ring = self._make_ring((frame.width, frame.height))
             self._ring = ring
             self._rings.append(ring)
-            shape = (ring.slots, ring.height, ring.width, ring.source)
-            self._child.post(("ring", self._key, ring.gen, ring.path, *shape))
+            self._child.post(ring.announce(self._key))
         slot = ring.take()
         if slot is None:
             with self._lock:
@@ -339,8 +343,7 @@ class _ChildJob:
                     next(self._gens), self._child.slots, source, self._max_side, self._child.dir
                 )
                 self._rings.append(ring)
-                shape = (ring.slots, ring.height, ring.width, ring.source)
-                self._child.post(("ring", self._key, ring.gen, ring.path, *shape))
+                self._child.post(ring.announce(self._key))
             wait_s = JOB_WAIT_S
             while (slot := ring.take()) is None:  # the job is behind: the engines are busy
                 if self._stop.wait(wait_s):
