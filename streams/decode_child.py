@@ -223,8 +223,7 @@ class _ChildReader(StreamReader):
             self._child.post(ring.announce(self._key))
         slot = ring.take()
         if slot is None:
-            with self._lock:
-                self.drops += 1
+            self.count_drop()
             return
         ring.write(slot, frame)
         self._child.post(("frame", self._key, ring.gen, slot, pts, now))

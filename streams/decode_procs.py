@@ -524,7 +524,7 @@ class DecodeHub:
             ring = proc.rings.get(key)
             if ring is None or ring.gen != gen:  # its ring could not be mapped: counted
                 if reader is not None:
-                    reader.remote_dropped()
+                    reader.count_drop()
                 return
             if reader is None or reader.stopping:
                 ring.free(slot)
@@ -723,11 +723,6 @@ class RemoteReader(StreamReader):
             self._offer(image, pts, decoded_mono, source)
         except PoolClosed:  # the server is stopping: so is the stream
             self.stop()
-
-    def remote_dropped(self) -> None:
-        """A frame of the process that never reached the server (its ring is not mapped)."""
-        with self._lock:
-            self.drops += 1
 
     def remote_state(self, state: StreamState, error: str | None) -> None:
         self._set_state(state, error)

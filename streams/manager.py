@@ -16,10 +16,8 @@ import dataclasses
 import functools
 import json
 import logging
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
 from streams.jobs import FrameSource
+from streams.outbox import Outbox
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
 from streams.store import StreamRecord, StreamStore, new_record
@@ -116,9 +115,7 @@ class StreamManager:
         self._latest: dict[str, ProcessedFrame] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Frames from engine workers waiting for the loop (see _publish_threadsafe).
-        self._outbox: deque[tuple[ProcessedFrame, object]] = deque()
-        self._outbox_lock = threading.Lock()
-        self._outbox_scheduled = False
+        self._outbox = Outbox()
         self._closing = False
         self._viewers_gone: asyncio.Event | None = None
         self._bad_detect: set[str] = set()  # streams held back by stored settings
@@ -192,8 +189,7 @@ class StreamManager:
                 )
         self._readers.clear()
         self._latest.clear()
-        with self._outbox_lock:
-            self._outbox.clear()
+        self._outbox.clear()
         if self._hub is not None:
             await asyncio.to_thread(self._hub.shutdown, 5.0)
 
@@ -478,30 +474,28 @@ class StreamManager:
     # ---- publication -------------------------------------------------------------------
     def _publish_threadsafe(self, token: object, frame: ProcessedFrame) -> None:
         """Engine worker thread: hand the frame of the reader with ``token`` to the event
-        loop. Frames queue here and the loop is woken once for all that arrive before it
-        runs (a batch's worth): a wake-up per frame cost the worker a system call and the
-        loop a turn per frame."""
+        loop. Frames queue in the outbox and the loop is woken once for all that arrive
+        before it runs (a batch's worth): a wake-up per frame cost the worker a system call
+        and the loop a turn per frame. A loop that falls behind costs a stream its oldest
+        waiting frames without events, counted as drops (:mod:`streams.outbox`)."""
         loop = self._loop
         if loop is None:
             return
-        with self._outbox_lock:
-            self._outbox.append((frame, token))
-            if self._outbox_scheduled:
-                return
-            self._outbox_scheduled = True
+        wake, dropped = self._outbox.put(frame, token)
+        if dropped is not None:
+            sid = dropped[0].stream_id
+            reader = self._readers.get(sid)
+            if reader is not None and self._tokens.get(sid) is dropped[1]:
+                reader.count_drop()
+        if not wake:
+            return
         try:
             loop.call_soon_threadsafe(self._publish_outbox)
         except RuntimeError:  # loop closed: nobody is listening any more; keep no frames
-            with self._outbox_lock:
-                self._outbox.clear()
-                self._outbox_scheduled = False
+            self._outbox.clear()
 
     def _publish_outbox(self) -> None:
-        with self._outbox_lock:
-            frames = list(self._outbox)
-            self._outbox.clear()
-            self._outbox_scheduled = False
-        for frame, token in frames:
+        for frame, token in self._outbox.take():
             self._publish(frame, token)
 
     def _state_threadsafe(

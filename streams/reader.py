@@ -572,15 +572,20 @@ class StreamReader:
         )
         replaced = self._submit(sid, item)
         if replaced is not None:
-            with self._lock:
-                self.drops += 1
+            self.count_drop()
+
+    def count_drop(self) -> None:
+        """A frame of this stream was dropped: replaced by a newer one, too late, or (once
+        detected) on its way to the viewers where the event loop fell behind
+        (:mod:`streams.outbox`)."""
+        with self._lock:
+            self.drops += 1
 
     def _on_done(self, pending: _Pending, result: WorkResult) -> None:
         """Engine worker thread: count, then publish."""
         if result.detections is None:
             if isinstance(result.error, DeadlineExceeded):
-                with self._lock:
-                    self.drops += 1
+                self.count_drop()
             elif not isinstance(result.error, PoolClosed):
                 with self._lock:
                     self.failed += 1
@@ -592,8 +597,7 @@ class StreamReader:
             if pending.frame_no < self._last_result_frame:
                 # A newer frame finished first on another worker: a live stream never goes
                 # back in time (nor would its tracks), so this one counts as dropped.
-                with self._lock:
-                    self.drops += 1
+                self.count_drop()
                 return
             self._last_result_frame = pending.frame_no
             detections = result.detections.rescaled(*pending.source)

@@ -27,6 +27,7 @@ from streams.detect import Roi, StreamDetect
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.lines import Crossing
 from streams.manager import ManagerOptions, StreamManager
+from streams.outbox import OUTBOX_PER_STREAM, Outbox
 from streams.reader import (
     ReaderOptions,
     StreamConfig,
@@ -216,6 +217,37 @@ async def test_events_of_frames_a_viewer_loses_come_with_the_next_frame() -> Non
     assert stalled.dropped_events == MAX_CARRIED
 
 
+def test_outbox_keeps_a_bounded_number_of_frames_of_each_stream_and_every_event() -> None:
+    box = Outbox(per_stream=3)
+    token = object()
+    crossing = Crossing("gate", "in", track_id=1, class_id=0, frame=2)
+    woken = []
+    for n in range(1, 8):
+        frame = _frame(n)
+        if n == 2:
+            frame = dataclasses.replace(frame, events=(crossing,))
+        wake, dropped = box.put(frame, token)
+        woken.append(wake)
+        if n <= 3:
+            assert dropped is None
+        else:  # the oldest without events goes, with its token; frame 2 stays
+            assert dropped is not None and dropped[1] is token
+            assert dropped[0].frame == (1 if n == 4 else n - 2), n
+    assert woken == [True] + [False] * 6  # one wake-up for all until the loop takes them
+    other = dataclasses.replace(_frame(9), stream_id="s2")
+    assert box.put(other, token) == (False, None)  # another stream's room is its own
+    assert [f.frame for f, _ in box.take()] == [2, 6, 7, 9]
+    assert len(box) == 0
+    assert box.put(_frame(10), token)[0]  # the next frame wakes the loop again
+    # A stream whose every waiting frame carries events keeps them all.
+    box.take()
+    for n in range(5):
+        assert box.put(dataclasses.replace(_frame(n), events=(crossing,)), token)[1] is None
+    assert len(box) == 5
+    with pytest.raises(ValueError, match="per_stream must be >= 1"):
+        Outbox(per_stream=0)
+
+
 async def test_closing_a_subscriber_delivers_the_close_code_next() -> None:
     sub = Subscriber("s1", maxsize=2)
     sub.offer(_frame(1))
@@ -266,6 +298,39 @@ async def test_file_stream_is_sampled_at_max_fps_and_published(
     assert file_manager.latest(info["id"]) is not None
     assert await file_manager.remove(info["id"])
     assert file_manager.describe(info["id"]) is None
+
+
+async def test_a_held_up_event_loop_costs_a_stream_its_oldest_frames_not_memory(
+    file_manager: StreamManager,
+) -> None:
+    """While the loop is held (here: 3 s asleep on it), the engine goes on detecting the
+    stream's frames; at most OUTBOX_PER_STREAM of them wait for the loop, the older ones are
+    counted as drops, and the stream goes on once the loop does."""
+    info = await file_manager.add(f"file://{CAR_CLIP}")
+    sid = info["id"]
+    await published_frames(file_manager, sid, 2)
+    before = file_manager.describe(sid)
+    assert before is not None
+    depths: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            depths.append(len(file_manager._outbox))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    time.sleep(3.0)  # holds the event loop  # noqa: ASYNC251
+    done.set()
+    sampler.join()
+    after = file_manager.describe(sid)
+    assert after is not None
+    detected = after["frames_processed"] - before["frames_processed"]
+    assert detected > OUTBOX_PER_STREAM, detected  # the engine went on meanwhile
+    assert max(depths) == OUTBOX_PER_STREAM
+    assert after["drops"] - before["drops"] >= detected - OUTBOX_PER_STREAM
+    frames = await published_frames(file_manager, sid, 3)
+    assert [f.frame for f in frames] == sorted(f.frame for f in frames)
 
 
 def test_keyframes_suffice_where_they_come_as_often_as_the_samples() -> None:
