@@ -181,6 +181,32 @@ class _Ring:
             os.unlink(self.path)
 
 
+def make_ring(
+    gen: int, slots: int, source: tuple[int, int], max_side: int, directory: str, *, owner: str
+) -> _Ring:
+    """A ring of ``slots``, or of fewer (down to ``MIN_SLOTS``) where shared memory is short:
+    a few more copies for a stream, a shorter lead for a job, not one that cannot start.
+    ``owner`` (``stream cam1``, ``job job#3``) is named in the warning.
+
+    Raises:
+        SharedMemoryFull: not even ``MIN_SLOTS`` frames fit.
+    """
+    while True:
+        try:
+            return _Ring(gen, slots, source, max_side, directory)
+        except SharedMemoryFull:
+            if slots <= MIN_SLOTS:
+                raise
+            fewer = max(MIN_SLOTS, slots // 2)
+            log.warning(
+                "%s: no room for %d frames of %dx%d in %s: trying %d (setting"
+                " STREAMDET_DECODE_PROCESSES=0 decodes in the server; docker run --shm-size"
+                " makes room)",
+                owner, slots, *decoded_size(*source, max_side), directory, fewer,
+            )  # fmt: skip
+            slots = fewer
+
+
 def _unused_submit(stream_id: str, item: WorkItem) -> WorkItem | None:
     raise AssertionError("a decode process sends frames to the server, not to a pool")
 
@@ -217,7 +243,10 @@ class _ChildReader(StreamReader):
     def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
         ring = self._ring
         if ring is None or ring.source != (frame.width, frame.height):
-            ring = self._make_ring((frame.width, frame.height))
+            gen, child = next(self._gens), self._child
+            source = (frame.width, frame.height)
+            max_side, owner = self._opt.decode_max_side, f"stream {self.config.id}"
+            ring = make_ring(gen, child.slots, source, max_side, child.dir, owner=owner)
             self._ring = ring
             self._rings.append(ring)
             self._child.post(ring.announce(self._key))
@@ -227,28 +256,6 @@ class _ChildReader(StreamReader):
             return
         ring.write(slot, frame)
         self._child.post(("frame", self._key, ring.gen, slot, pts, now))
-
-    def _make_ring(self, source: tuple[int, int]) -> _Ring:
-        """A ring of the configured slots, or of fewer (down to ``MIN_SLOTS``) where shared
-        memory is short: a few more copies, not a stream that cannot start."""
-        slots = self._child.slots
-        while True:
-            try:
-                return _Ring(
-                    next(self._gens), slots, source, self._opt.decode_max_side, self._child.dir
-                )
-            except SharedMemoryFull:
-                if slots <= MIN_SLOTS:
-                    raise
-                fewer = max(MIN_SLOTS, slots // 2)
-                log.warning(
-                    "stream %s: no room for %d frames of %dx%d in %s: trying %d (setting"
-                    " STREAMDET_DECODE_PROCESSES=0 decodes in the server; docker run --shm-size"
-                    " makes room)",
-                    self.config.id, slots,
-                    *decoded_size(*source, self._opt.decode_max_side), self._child.dir, fewer,
-                )  # fmt: skip
-                slots = fewer
 
     def _clip_done(self, clip_id: int, path: Path | None, error: str | None) -> None:
         self._child.post(
@@ -338,9 +345,9 @@ class _ChildJob:
         for index, t, frame in sampled_frames(self._spec, self._progress, self._stopped):
             source = (frame.width, frame.height)
             if ring is None or ring.source != source:
-                ring = _Ring(
-                    next(self._gens), self._child.slots, source, self._max_side, self._child.dir
-                )
+                gen, child = next(self._gens), self._child
+                owner = f"job {self._key}"
+                ring = make_ring(gen, child.slots, source, self._max_side, child.dir, owner=owner)
                 self._rings.append(ring)
                 self._child.post(ring.announce(self._key))
             wait_s = JOB_WAIT_S

@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -284,16 +285,17 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
         reserve(fd, offset, size)
 
     monkeypatch.setattr(os, "posix_fallocate", limited)
-    _, events = multiprocessing.Pipe(duplex=False)
-    child = decode_child._Child(events, ReaderOptions(), SLOTS, str(tmp_path), None)
-    reader = decode_child._ChildReader("cam#1", _config(CAR_CLIP), child, ReaderOptions())
-    ring = reader._make_ring((1920, 1080))  # 8 x 5.9 MiB do not fit 30 MiB; 4 do
+
+    def make(slots: int = SLOTS) -> decode_child._Ring:
+        return decode_child.make_ring(1, slots, (1920, 1080), 0, str(tmp_path), owner="stream c")
+
+    ring = make()  # 8 x 5.9 MiB do not fit 30 MiB; 4 do
     assert ring.slots == 4
     assert os.path.getsize(ring.path) == decode_child.HEADER + 4 * 1920 * 1080 * 3
     ring.unlink()
     room["bytes"] = 5 * 2**20  # not even MIN_SLOTS frames
     with pytest.raises(decode_child.SharedMemoryFull, match=r"2 frames of 1920x1080.*--shm-size"):
-        reader._make_ring((1920, 1080))
+        make()
     assert list(tmp_path.iterdir()) == []
 
     # Another error than a full directory is not retried with fewer slots.
@@ -302,8 +304,54 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
 
     monkeypatch.setattr(os, "posix_fallocate", failing)
     with pytest.raises(OSError, match="8 frames") as caught:
-        reader._make_ring((1920, 1080))
+        make()
     assert not isinstance(caught.value, decode_child.SharedMemoryFull)
+
+
+def test_a_job_in_short_shared_memory_runs_on_fewer_slots_or_fails_saying_what_to_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's ring falls back to fewer slots as a stream's does (the process runs fewer
+    frames ahead of the job); where not even MIN_SLOTS fit, the job ends with the reason."""
+    room = {"bytes": 3 * 2**20}  # the car clip's 768x432 frames: 8 slots do not fit, 2 do
+    reserve = os.posix_fallocate
+
+    def limited(fd: int, offset: int, size: int) -> None:
+        if size > room["bytes"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        reserve(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", limited)
+    server, events = multiprocessing.Pipe(duplex=False)
+    child = decode_child._Child(events, ReaderOptions(), SLOTS, str(tmp_path), None)
+    spec = JobSpec(str(CAR_CLIP), StreamDetect())
+
+    def messages(job: decode_child._ChildJob) -> list[tuple[Any, ...]]:
+        got: list[tuple[Any, ...]] = []
+        while not got or got[-1][0] != "job-end":
+            assert server.poll(30), got
+            got.append(server.recv())
+            if [m[0] for m in got].count("job-frame") == 2:
+                job.stop()  # the server holds both slots: the job waits; stopped here
+        return got
+
+    job = decode_child._ChildJob("job#1", spec, 0, child)
+    job.thread.start()
+    got = messages(job)
+    job.thread.join(10)
+    ring = got[0]
+    assert ring[0] == "ring" and ring[4:6] == (2, 432), ring  # 2 slots of 432 rows
+    assert [m[0] for m in got[1:]] == ["job-frame", "job-frame", "job-end"]
+    assert got[-1][2] is None  # stopped, not failed
+    assert list(tmp_path.iterdir()) == []  # its ring unlinked
+
+    room["bytes"] = 2**20  # not even 2 frames
+    job = decode_child._ChildJob("job#2", spec, 0, child)
+    job.thread.start()
+    got = messages(job)
+    assert [m[0] for m in got] == ["job-end"]
+    assert re.search(r"2 frames of 768x432.*--shm-size", got[0][2]), got[0]
+    server.close()
 
 
 def _shm_of(monkeypatch: pytest.MonkeyPatch, size_bytes: int) -> dict[str, int]:
