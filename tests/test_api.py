@@ -155,6 +155,8 @@ def test_query_parameters_filter(client: TestClient) -> None:
     [
         ("conf=1.5", "conf"),
         ("conf=abc", "conf"),
+        ("conf=nan", "conf"),
+        ("iou=inf", "iou"),
         ("iou=-0.1", "iou"),
         ("max_det=0", "max_det"),
         ("max_det=many", "max_det"),
@@ -271,6 +273,15 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             resp = c.post("/streams", json={"url": url, **bad})
             assert resp.status_code == 422, resp.text
             assert expected in resp.text, resp.text
+        # JSON has no NaN or Infinity, yet Python's parser takes them: refused, and the refusal
+        # (which echoes the value) is written back as "nan" instead of failing with a 500.
+        for field, value in (("conf", "NaN"), ("max_fps", "Infinity"), ("motion_threshold", "NaN")):
+            body = f'{{"url": "{url}", "motion": true, "{field}": {value}}}'
+            resp = c.post("/streams", content=body, headers={"content-type": "application/json"})
+            assert resp.status_code == 422, resp.text
+            (error,) = resp.json()["detail"]
+            assert error["loc"] == ["body", field]
+            assert error["input"] == str(float(value))
         assert c.get("/streams").json()["streams"] == []  # nothing was added by a bad call
 
         resp = c.post("/streams", json={"url": url, "classes": "Bottle, 0", "conf": 0.5})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -70,14 +71,15 @@ def is_v2(request: Request) -> bool:
 async def v2_http_error(request: Request, exc: Exception) -> Response:
     """The app's HTTP errors under ``/v2``: ``{"error": "..."}`` as the protocol (and
     tritonclient) expects; elsewhere FastAPI's own."""
-    from fastapi.exception_handlers import (
-        http_exception_handler,
-        request_validation_exception_handler,
-    )
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.exception_handlers import http_exception_handler
 
     if isinstance(exc, RequestValidationError):
         if not is_v2(request):
-            return await request_validation_exception_handler(request, exc)
+            # FastAPI's own answer, less its failure on a non-finite number it echoes
+            # (``{"conf": NaN}`` was refused, then could not be written back: a 500).
+            detail = _json_safe(jsonable_encoder(exc.errors()))
+            return JSONResponse({"detail": detail}, status_code=422)
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()
         )
@@ -87,6 +89,17 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
         return await http_exception_handler(request, exc)
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinity (JSON has neither) as its text: ``"nan"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _model_name(state: AppState) -> str:
