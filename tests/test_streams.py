@@ -303,9 +303,10 @@ async def test_file_stream_is_sampled_at_max_fps_and_published(
 async def test_a_held_up_event_loop_costs_a_stream_its_oldest_frames_not_memory(
     file_manager: StreamManager,
 ) -> None:
-    """While the loop is held (here: 3 s asleep on it), the engine goes on detecting the
-    stream's frames; at most OUTBOX_PER_STREAM of them wait for the loop, the older ones are
-    counted as drops, and the stream goes on once the loop does."""
+    """While the loop is held (here: asleep on it until the engine has detected a dozen
+    frames more than the outbox keeps), the engine goes on detecting the stream's frames; at
+    most OUTBOX_PER_STREAM of them wait for the loop, the older ones are counted as drops, and
+    the stream goes on once the loop does."""
     info = await file_manager.add(f"file://{CAR_CLIP}")
     sid = info["id"]
     await published_frames(file_manager, sid, 2)
@@ -320,7 +321,13 @@ async def test_a_held_up_event_loop_costs_a_stream_its_oldest_frames_not_memory(
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    time.sleep(3.0)  # holds the event loop  # noqa: ASYNC251
+    give_up = time.monotonic() + 60
+    while time.monotonic() < give_up:  # holds the event loop
+        now = file_manager.describe(sid)
+        assert now is not None
+        if now["frames_processed"] - before["frames_processed"] > OUTBOX_PER_STREAM + 12:
+            break
+        time.sleep(0.05)  # noqa: ASYNC251
     done.set()
     sampler.join()
     after = file_manager.describe(sid)
