@@ -271,12 +271,10 @@ def test_full_shared_memory_is_refused_with_what_to_change(
     assert list(tmp_path.iterdir()) == []  # nothing left behind
 
 
-def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Docker's default /dev/shm (64 MB) holds one 1080p stream at 8 slots: the next ones get
-    fewer slots (more copies) rather than failing, down to MIN_SLOTS."""
-    room = {"bytes": 30 * 2**20}  # what is left of the directory
+def _room_of(monkeypatch: pytest.MonkeyPatch, size_bytes: int) -> dict[str, int]:
+    """Shared memory with ``room["bytes"]`` left (change it to resize): a larger reservation
+    fails as a full ``/dev/shm`` does."""
+    room = {"bytes": size_bytes}
     reserve = os.posix_fallocate
 
     def limited(fd: int, offset: int, size: int) -> None:
@@ -285,6 +283,15 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
         reserve(fd, offset, size)
 
     monkeypatch.setattr(os, "posix_fallocate", limited)
+    return room
+
+
+def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Docker's default /dev/shm (64 MB) holds one 1080p stream at 8 slots: the next ones get
+    fewer slots (more copies) rather than failing, down to MIN_SLOTS."""
+    room = _room_of(monkeypatch, 30 * 2**20)  # what is left of the directory
 
     def make(slots: int = SLOTS) -> decode_child._Ring:
         return decode_child.make_ring(1, slots, (1920, 1080), 0, str(tmp_path), owner="stream c")
@@ -313,15 +320,7 @@ def test_a_job_in_short_shared_memory_runs_on_fewer_slots_or_fails_saying_what_t
 ) -> None:
     """A job's ring falls back to fewer slots as a stream's does (the process runs fewer
     frames ahead of the job); where not even MIN_SLOTS fit, the job ends with the reason."""
-    room = {"bytes": 3 * 2**20}  # the car clip's 768x432 frames: 8 slots do not fit, 2 do
-    reserve = os.posix_fallocate
-
-    def limited(fd: int, offset: int, size: int) -> None:
-        if size > room["bytes"]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        reserve(fd, offset, size)
-
-    monkeypatch.setattr(os, "posix_fallocate", limited)
+    room = _room_of(monkeypatch, 3 * 2**20)  # 768x432 frames (the car clip): 2 slots fit
     server, events = multiprocessing.Pipe(duplex=False)
     child = decode_child._Child(events, ReaderOptions(), SLOTS, str(tmp_path), None)
     spec = JobSpec(str(CAR_CLIP), StreamDetect())
