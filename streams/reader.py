@@ -29,6 +29,7 @@ from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
 from streams.motion import MotionGate, MotionOptions
+from streams.pacing import FilePacer, frame_interval
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ class StreamReader:
         self._last_frame_mono: float | None = None
         self._fps_in = RateMeter()
         self._fps_out = RateMeter()
+        self._pacer = FilePacer(options.file_fps)  # across a looped file's passes
         self._frame_no = 0
         self.detect = config.detect
         """What the next frames detect; one reference swap, read by the decode thread."""
@@ -448,8 +450,8 @@ class StreamReader:
         import av
 
         got = False
-        pace_base: tuple[float, float] | None = None  # (monotonic, pts) of the first frame
-        played = 0  # frames since then
+        paced = self.config.spec.is_file and self._opt.file_fps != 0
+        interval = frame_interval(stream.average_rate or stream.guessed_rate)
         last_sent = -1e9
         last_key: float | None = None  # when the last keyframe was (seconds of the stream)
         reorders = bool(stream.codec_context.has_b_frames)
@@ -488,14 +490,8 @@ class StreamReader:
                     got = True
                     self._set_state(StreamState.LIVE)
                 pts = frame.time
-                file_fps = self._opt.file_fps
-                if self.config.spec.is_file and pts is not None and file_fps != 0:
-                    # A file decodes faster than real time; pace it like the camera it stands for.
-                    if pace_base is None:
-                        pace_base = (now, pts)
-                    played += 1
-                    at = (played - 1) / file_fps if file_fps else pts - pace_base[1]
-                    wait = pace_base[0] + at - now
+                if paced:  # a file: played like the camera it stands for (streams.pacing)
+                    wait = self._pacer.due(pts, now, interval) - now
                     if wait > 0 and self._stop.wait(wait):
                         return got
                     now = time.monotonic()

@@ -268,10 +268,15 @@ async def published_frames(
 
 @contextlib.asynccontextmanager
 async def file_manager(
-    pool: EnginePool, data: Path, *, decode_processes: int = 0, **reader: Any
+    pool: EnginePool,
+    data: Path,
+    *,
+    decode_processes: int = 0,
+    allowed_dir: Path = VIDEOS[0].parent,
+    **reader: Any,
 ) -> AsyncIterator[StreamManager]:
     """A started stream manager feeding ``pool``, its stream list under ``data``, ``file://``
-    sources of the shared clips allowed, 5 s timeouts (``reader``: other
+    sources under ``allowed_dir`` (the shared clips') allowed, 5 s timeouts (``reader``: other
     :class:`~streams.reader.ReaderOptions`); stopped on the way out."""
     from streams.manager import ManagerOptions, StreamManager
     from streams.reader import ReaderOptions
@@ -279,7 +284,7 @@ async def file_manager(
 
     options = ManagerOptions(
         reader=ReaderOptions(**{"open_timeout_s": 5, "read_timeout_s": 5, **reader}),
-        allowed_file_dir=VIDEOS[0].parent,
+        allowed_file_dir=allowed_dir,
         decode_processes=decode_processes,
     )
     manager = StreamManager(pool, StreamStore(data), options)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import closing
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -28,6 +29,7 @@ from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.lines import Crossing
 from streams.manager import ManagerOptions, StreamManager
 from streams.outbox import OUTBOX_PER_STREAM, Outbox
+from streams.pacing import FilePacer, frame_interval
 from streams.reader import (
     ReaderOptions,
     StreamConfig,
@@ -44,6 +46,7 @@ from tests.helpers import (
     VIDEOS,
     detect_json,
     published_frames,
+    ultralytics_assets,
 )
 from tests.helpers import file_manager as started_file_manager
 
@@ -217,6 +220,27 @@ async def test_events_of_frames_a_viewer_loses_come_with_the_next_frame() -> Non
     assert stalled.dropped_events == MAX_CARRIED
 
 
+def test_a_file_plays_at_its_timestamps_across_loops_cuts_and_still_images() -> None:
+    interval = frame_interval(Fraction(25))
+    assert interval == pytest.approx(0.04)
+    pacer = FilePacer()
+    assert pacer.due(0.0, 100.0, interval) == 100.0  # the first frame: at once
+    assert pacer.due(0.1, 100.0, interval) == pytest.approx(100.1)  # decoded early, it waits
+    assert pacer.due(0.2, 100.05, interval) == pytest.approx(100.2)
+    # Looped (back to 0), or a still image looped: one frame interval each, not at once.
+    assert pacer.due(0.0, 100.1, interval) == pytest.approx(100.24)
+    assert pacer.due(0.0, 100.1, interval) == pytest.approx(100.28)
+    assert pacer.due(900.0, 100.1, interval) == pytest.approx(100.32)  # a cut: a leap of 15 min
+    assert pacer.due(None, 100.1, interval) == pytest.approx(100.36)  # no timestamp
+    assert pacer.due(904.8, 100.1, interval) == pytest.approx(105.16)  # a keyframe group: waited
+    assert pacer.due(904.84, 200.0, interval) == 200.0  # far behind (a reconnect): afresh
+    fixed = FilePacer(file_fps=10.0)  # a benchmark's rate, whatever the timestamps
+    assert [fixed.due(t, 5.0, interval) for t in (0.0, 3.0, 0.0)] == pytest.approx([5, 5.1, 5.2])
+    assert frame_interval(None) == pytest.approx(1 / 25)  # a video stating no rate
+    assert frame_interval(Fraction(90000)) == pytest.approx(1 / 120)  # kept to 1..120 frames/s
+    assert frame_interval(0.2) == 1.0
+
+
 def test_outbox_keeps_a_bounded_number_of_frames_of_each_stream_and_every_event() -> None:
     box = Outbox(per_stream=3)
     token = object()
@@ -338,6 +362,30 @@ async def test_a_held_up_event_loop_costs_a_stream_its_oldest_frames_not_memory(
     assert after["drops"] - before["drops"] >= detected - OUTBOX_PER_STREAM
     frames = await published_frames(file_manager, sid, 3)
     assert [f.frame for f in frames] == sorted(f.frame for f in frames)
+
+
+async def test_a_looped_still_image_is_a_camera_of_that_picture_at_its_rate(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """A JPEG as a looped file: each pass is one frame; the passes come at the picture's rate
+    (25 frames/s), not as fast as the file reopens (about 80 a second here before), and its
+    frames are detected like any other."""
+    still = tmp_path / "videos" / "bus.jpg"
+    still.parent.mkdir()
+    still.write_bytes((ultralytics_assets() / "bus.jpg").read_bytes())
+    async with started_file_manager(pool, tmp_path / "data", allowed_dir=still.parent) as m:
+        added = time.monotonic()
+        info = await m.add(f"file://{still}", loop=True)
+        frames = await published_frames(m, info["id"], 3)
+        last = frames[-1].detections
+        assert {last.name_of(int(c)) for c in last.class_ids} >= {"bus", "person"}
+        await asyncio.sleep(2.0)
+        stats = m.describe(info["id"])
+        assert stats is not None
+        played_s = time.monotonic() - added  # an upper bound of how long it has played
+    assert stats["state"] == StreamState.LIVE and stats["reconnects"] == 0
+    assert stats["frames_in"] <= 25 * played_s + 2, (stats["frames_in"], played_s)
+    assert stats["frames_in"] >= 10  # it goes on, pass after pass
 
 
 def test_keyframes_suffice_where_they_come_as_often_as_the_samples() -> None:
