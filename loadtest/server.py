@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -53,6 +56,11 @@ class ServerProcess:
         args: extra ``streamdet serve`` flags (they override ``settings``); the log level must
             stay ``info`` or lower, since readiness is read from the log.
         cwd: the server's working directory (relative paths in ``settings`` start there).
+
+    Where neither ``settings`` nor ``args`` name a ``data_dir``, the server keeps its streams,
+    events and jobs in a temporary folder of its own (the same across restarts, removed
+    with this object), never the user's: a benchmark would open their cameras, and what a
+    test added would still be there for the next run.
     """
 
     def __init__(
@@ -77,6 +85,10 @@ class ServerProcess:
         self._tail: list[str] = []
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
+        self._data: str | None = None
+        if "data_dir" not in settings and all(a.split("=")[0] != "--data-dir" for a in args):
+            self._data = tempfile.mkdtemp(prefix="streamdet-data-")
+            weakref.finalize(self, shutil.rmtree, self._data, ignore_errors=True)
 
     @property
     def pid(self) -> int:
@@ -98,6 +110,8 @@ class ServerProcess:
         env = dict(os.environ)
         env.update({f"STREAMDET_{k.upper()}": _env_value(v) for k, v in self._settings.items()})
         env.update({"STREAMDET_HOST": "127.0.0.1", "STREAMDET_PORT": str(self.port)})
+        if self._data is not None:
+            env["STREAMDET_DATA_DIR"] = self._data
         env.setdefault("STREAMDET_LOG_LEVEL", "info")  # the ready line is an info log
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._proc = subprocess.Popen(

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +17,14 @@ from tests.helpers import CACHE_DIR, MODEL_PT, MODEL_TS
 os.environ.setdefault("YOLO_OFFLINE", "true")
 os.environ.setdefault("YOLO_AUTOINSTALL", "false")
 os.environ.setdefault("YOLO_VERBOSE", "false")
+
+# The tests' streams, events and jobs go to a folder of this run's own, never the user's data
+# dir: a developer's cameras (from `make serve`) would open in the tests, and what the tests
+# add would be there for the next run. The servers the tests start inherit it.
+TEST_DATA_HOME = tempfile.mkdtemp(prefix="streamdet-tests-data-")
+os.environ["XDG_DATA_HOME"] = TEST_DATA_HOME
+os.environ.pop("STREAMDET_DATA_DIR", None)
+atexit.register(shutil.rmtree, TEST_DATA_HOME, ignore_errors=True)
 
 # Every backend is tried; the ones that cannot load here (no GPU, no TensorRT) are skipped
 # with the reason their load gave.

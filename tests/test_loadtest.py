@@ -8,11 +8,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loadtest.profiles import ProfileError, Target, available, load_profile
 from loadtest.report import Row, evaluate, passed
 from loadtest.server import REPO, ServerProcess
+from streams.store import StreamStore, new_record
 from tests.helpers import CACHE_DIR, MODEL_PT
 
 
@@ -123,3 +125,37 @@ def test_cli_unknown_profile_exits_2() -> None:
     done = run_cli("--profile", "no-such-profile")
     assert done.returncode == 2
     assert "no profile 'no-such-profile'" in done.stderr
+
+
+def test_a_server_process_keeps_its_streams_apart_from_the_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A benchmark's or a test's server without a ``data_dir`` opens none of the user's
+    cameras and leaves nothing in their data; its own streams last across its restarts."""
+    users = StreamStore(tmp_path / "share" / "streamdet")  # the default data dir, made here
+    camera = new_record(
+        "porch", "rtsp://10.0.0.9/1", name="", max_fps=None, transport="tcp", loop=False
+    )
+    users.add(camera)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "share"))
+    settings: dict[str, object] = {"model": str(MODEL_PT), "cache_dir": str(CACHE_DIR)}
+    with ServerProcess(settings, log_path=tmp_path / "server.log") as proc:
+        assert httpx.get(f"{proc.base_url}/streams").json()["streams"] == []
+        body = {"url": "rtsp://127.0.0.1:9/none", "enabled": False}
+        assert httpx.put(f"{proc.base_url}/streams/mine", json=body).status_code == 201
+        proc.stop()
+        proc.start()
+        kept = httpx.get(f"{proc.base_url}/streams").json()["streams"]
+        assert [s["id"] for s in kept] == ["mine"]
+    assert [r.id for r in users.load()] == ["porch"]
+
+
+def test_the_tests_keep_their_data_apart_from_the_users() -> None:
+    """In-process apps made with default settings (``tests/conftest.py``) use the run's own
+    data folder."""
+    from server.settings import Settings
+    from tests.conftest import TEST_DATA_HOME
+
+    data_dir = Settings().data_dir
+    assert data_dir == Path(TEST_DATA_HOME) / "streamdet"
+    assert not data_dir.is_relative_to(Path.home() / ".local" / "share")
