@@ -296,6 +296,8 @@ def sampled_frames(
                 f"reading the video failed at {progress.position_s:.2f} s: {exc}"
             ) from None
         progress.decode_errors = errors[0]
+        if progress.frames_read:  # read to the end of its last frame: a whole video shows 1
+            progress.position_s += 1.0 / rate
 
 
 def local_frames(
