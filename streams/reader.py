@@ -111,6 +111,10 @@ class ReaderOptions:
     (benchmarks: every stream at one rate, or unpaced)."""
 
 
+FILE_ENDED = 'the file ended ("loop": false; "loop": true plays it again and again)'
+"""A ``file://`` stream's ``last_error`` once it has played to its end without ``loop``."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Pending:
     """A frame on its way through the pool."""
@@ -399,8 +403,12 @@ class StreamReader:
             else:
                 if self._stop.is_set():
                     break
-                if self.config.spec.is_file and self.config.spec.loop and got_frames:
-                    continue  # clip ended: start it again at once
+                if self.config.spec.is_file and got_frames:
+                    if self.config.spec.loop:
+                        continue  # clip ended: start it again at once
+                    # Played once, as asked: not reopened as a camera would be.
+                    self._set_state(StreamState.STOPPED, FILE_ENDED)
+                    return
                 self._set_state(StreamState.RECONNECTING, "source ended")
             attempt = 1 if got_frames else attempt + 1
             if self._opt.max_attempts and attempt > self._opt.max_attempts:

@@ -20,6 +20,7 @@ import av
 import numpy as np
 import pytest
 
+from benchmarks.make_clip import make_clip
 from engines.batching import WorkItem, WorkResult
 from engines.nvdec import nvdec_unavailable
 from engines.pool import EnginePool
@@ -31,6 +32,7 @@ from streams.manager import ManagerOptions, StreamManager
 from streams.outbox import OUTBOX_PER_STREAM, Outbox
 from streams.pacing import FilePacer, frame_interval
 from streams.reader import (
+    FILE_ENDED,
     ReaderOptions,
     StreamConfig,
     StreamReader,
@@ -386,6 +388,27 @@ async def test_a_looped_still_image_is_a_camera_of_that_picture_at_its_rate(
     assert stats["state"] == StreamState.LIVE and stats["reconnects"] == 0
     assert stats["frames_in"] <= 25 * played_s + 2, (stats["frames_in"], played_s)
     assert stats["frames_in"] >= 10  # it goes on, pass after pass
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_file_without_loop_plays_once_and_stops_saying_so(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """``"loop": false``: the file plays to its end, then the stream stops with the reason
+    (it was reopened after a reconnect's wait, again and again, as a camera is)."""
+    clip = tmp_path / "videos" / "short.mp4"
+    clip.parent.mkdir()
+    make_clip(CAR_CLIP, clip, width=384, height=216, fps=25, gop=25, frames=12)  # 24 frames
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=clip.parent, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{clip}", loop=False)
+        assert await m.wait_state(info["id"], {StreamState.STOPPED}, 60)
+        await asyncio.sleep(1.0)  # a reconnect would come within its first backoff
+        stats = m.describe(info["id"])
+    assert stats is not None
+    assert stats["state"] == StreamState.STOPPED and stats["last_error"] == FILE_ENDED
+    assert stats["frames_in"] == 24 and stats["reconnects"] == 0
 
 
 def test_keyframes_suffice_where_they_come_as_often_as_the_samples() -> None:
