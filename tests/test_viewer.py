@@ -799,7 +799,7 @@ def test_a_video_job_is_uploaded_followed_and_its_drawn_video_played(
     row = pg.locator("#job-rows tr").first
     expect(row.locator("td").first).to_have_text(car.name)
     expect(row.locator(".job-state")).to_have_text("done", timeout=120_000)
-    expect(row.locator(".job-progress")).to_contain_text("30.1 of 30.2 s · 61 frames")
+    expect(row.locator(".job-progress")).to_contain_text("30.2 of 30.2 s · 61 frames")  # whole
     expect(row.locator(".job-found")).to_contain_text("car")
     pg.locator("#jobs-panel").screenshot(path=artifacts / "viewer-jobs.png")
     row.locator("button.job-video").click()
