@@ -41,7 +41,7 @@ from PIL import Image as PILImage
 from engines.types import Image
 from engines.yolo import letterbox
 from server.images import decode_upload
-from streams.reader import decoded_size, frame_rgb
+from streams.frames import decoded_size, frame_rgb
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared"))

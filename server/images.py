@@ -10,7 +10,7 @@ from PIL import Image as PILImage
 from PIL import ImageFile, ImageOps, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
 from engines.types import Image
-from streams.reader import decoded_size
+from streams.frames import decoded_size
 
 # We check the pixel count ourselves, with our own setting and a clear error.
 PILImage.MAX_IMAGE_PIXELS = None

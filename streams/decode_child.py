@@ -35,6 +35,7 @@ import numpy as np
 from engines.batching import WorkItem
 from streams.clips import ClipOptions, ClipRecorder
 from streams.fanout import ProcessedFrame
+from streams.frames import decoded_size, frame_rgb
 from streams.jobs import (
     JOB_NICE,
     JobCancelled,
@@ -44,14 +45,7 @@ from streams.jobs import (
     lower_priority,
     sampled_frames,
 )
-from streams.reader import (
-    ReaderOptions,
-    StreamConfig,
-    StreamReader,
-    StreamState,
-    decoded_size,
-    frame_rgb,
-)
+from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 
 log = logging.getLogger("streams.decode_child")  # not __main__ in a decode process
 

@@ -39,7 +39,7 @@ from engines.types import Detections, Image
 from streams.analytics import Analysed, StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import detections_json
-from streams.reader import decoded_size, frame_rgb
+from streams.frames import decoded_size, frame_rgb
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class JobSpec:
         max_pixels: a larger frame stops the job (setting ``STREAMDET_MAX_IMAGE_PIXELS``).
         timeout_s: FFmpeg's open and read timeouts (an HTTP video that stalls).
         decode_max_side: frames are decoded at most this large on their longer side, as a
-            live stream's (:func:`streams.reader.decoded_size`; 0: whole); a job that draws
+            live stream's (:func:`streams.frames.decoded_size`; 0: whole); a job that draws
             its video (``sink``) decodes them whole.
     """
 

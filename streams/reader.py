@@ -28,6 +28,7 @@ from engines.yolo import resize
 from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
+from streams.frames import decoded_size, frame_rgb, keyframes_suffice
 from streams.motion import MotionGate, MotionOptions
 from streams.pacing import FilePacer, frame_interval
 from streams.sources import SourceSpec, backoff_delay, open_options, redact
@@ -127,47 +128,6 @@ class _Pending:
     detect: StreamDetect
     source: tuple[int, int]
     """The frame's width and height as the camera sent it (``image`` may be smaller)."""
-
-
-def decoded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
-    """The size a ``width`` x ``height`` frame is decoded at: scaled down, aspect kept, so
-    its longer side is at most ``max_side`` (0: unscaled), rounded as the engines' letterbox
-    rounds (:func:`engines.yolo.letterbox`), so a frame scaled to the engine's input size is
-    not resized again there. A frame that would not shrink to half its pixels or less stays
-    as it is: a resize in the decoder (where a GPU host's CPU is short) for little saved."""
-    if max_side <= 0 or max(width, height) <= max_side:
-        return width, height
-    gain = min(max_side / width, max_side / height)
-    size = max(1, round(width * gain)), max(1, round(height * gain))
-    return size if 2 * size[0] * size[1] <= width * height else (width, height)
-
-
-def frame_rgb(frame: Any, size: tuple[int, int], out: Image | None = None) -> Image:
-    """An ``av.VideoFrame`` as an RGB array of ``size`` (width, height), into ``out`` where
-    given: converted by FFmpeg, then resized as the engines' letterbox resizes
-    (:func:`engines.yolo.resize`), so the engine gets the very pixels it would have made."""
-    image: Image = frame.to_ndarray(format="rgb24")
-    if size != (frame.width, frame.height):
-        return resize(image, size, out)
-    if out is None:
-        return image
-    out[...] = image
-    return out
-
-
-KEYFRAME_SLACK = 1.05
-"""A group of pictures may be this much longer than ``1 / max_fps`` for keyframes to do."""
-
-
-def keyframes_suffice(gop_s: float | None, max_fps: float | None, reorders: bool) -> bool:
-    """Whether decoding only a stream's keyframes gives the frames its sampling takes: it
-    samples at most ``max_fps`` frames a second and a keyframe comes every ``gop_s`` seconds
-    (the last group of pictures), at least as often; never for a stream that reorders frames
-    (B-frames: its decoder holds each picture back until the next one, a keyframe would wait
-    a whole group)."""
-    if not max_fps or gop_s is None or gop_s <= 0 or reorders:
-        return False
-    return gop_s <= KEYFRAME_SLACK / max_fps
 
 
 class RateMeter:

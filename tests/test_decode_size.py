@@ -20,10 +20,10 @@ from server.settings import Settings
 from server.snapshots import SnapshotStore
 from streams.events import EventLog
 from streams.fanout import ProcessedFrame
+from streams.frames import decoded_size, frame_rgb
 from streams.geometry import Seen
 from streams.lines import Crossing
 from streams.manager import StreamManager
-from streams.reader import decoded_size, frame_rgb
 from tests.helpers import (
     BOTTLE_CLIP,
     CAR_CLIP,

@@ -30,8 +30,8 @@ from loadtest.server import free_port
 from server.webhooks import sign
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
+from streams.frames import decoded_size
 from streams.jobs import JobProgress, JobSpec, Sampler, lower_priority, run_job
-from streams.reader import decoded_size
 from tests.helpers import (
     BOTTLE_CLIP,
     CACHE_DIR,

@@ -27,6 +27,7 @@ from engines.pool import EnginePool
 from engines.types import Detections, DetectParams
 from streams.detect import Roi, StreamDetect
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
+from streams.frames import keyframes_suffice
 from streams.lines import Crossing
 from streams.manager import ManagerOptions, StreamManager
 from streams.outbox import OUTBOX_PER_STREAM, Outbox
@@ -37,7 +38,6 @@ from streams.reader import (
     StreamConfig,
     StreamReader,
     StreamState,
-    keyframes_suffice,
 )
 from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
 from streams.store import StreamStore, new_record
