@@ -482,11 +482,8 @@ class StreamManager:
         if loop is None:
             return
         wake, dropped = self._outbox.put(frame, token)
-        if dropped is not None:
-            sid = dropped[0].stream_id
-            reader = self._readers.get(sid)
-            if reader is not None and self._tokens.get(sid) is dropped[1]:
-                reader.count_drop()
+        if dropped is not None and (reader := self._reader_of(*dropped)) is not None:
+            reader.count_drop()
         if not wake:
             return
         try:
@@ -521,10 +518,16 @@ class StreamManager:
             return  # removed, or reopened on a new source, meanwhile
         self.events.add(stream_id, record.name, at, [event], str)
 
-    def _publish(self, frame: ProcessedFrame, token: object) -> None:
+    def _reader_of(self, frame: ProcessedFrame, token: object) -> StreamReader | None:
+        """The reader of ``frame`` if it is still the one that read it (``token``); None for
+        a stream removed, or reopened on a new source, while the frame was in flight."""
         reader = self._readers.get(frame.stream_id)
-        if reader is None or self._tokens.get(frame.stream_id) is not token:
-            return  # removed, or reopened on a new source, while the frame was in flight
+        return reader if self._tokens.get(frame.stream_id) is token else None
+
+    def _publish(self, frame: ProcessedFrame, token: object) -> None:
+        reader = self._reader_of(frame, token)
+        if reader is None:
+            return
         frame.latency_ms = (time.monotonic() - frame.decoded_mono) * 1000.0
         reader.record_latency(frame.latency_ms)
         self._latest[frame.stream_id] = frame
