@@ -31,7 +31,14 @@ from streams.fanout import ProcessedFrame
 from streams.frames import decoded_size, frame_rgb, keyframes_suffice
 from streams.motion import MotionGate, MotionOptions
 from streams.pacing import FilePacer, frame_interval
-from streams.sources import SourceSpec, backoff_delay, open_options, redact
+from streams.sources import (
+    SNAPSHOT_FPS,
+    SourceSpec,
+    backoff_delay,
+    is_still_image,
+    open_options,
+    redact,
+)
 
 if TYPE_CHECKING:
     from engines.nvdec import GpuDecode
@@ -213,6 +220,9 @@ class StreamReader:
         self._fps_in = RateMeter()
         self._fps_out = RateMeter()
         self._pacer = FilePacer(options.file_fps)  # across a looped file's passes
+        self._opened_at = 0.0  # when the source was last opened (monotonic)
+        self._still = False  # it answers one picture an opening (a snapshot URL)
+        self._polling = False  # fetching such a picture again, the stream live
         self._frame_no = 0
         self.detect = config.detect
         """What the next frames detect; one reference swap, read by the decode thread."""
@@ -358,11 +368,21 @@ class StreamReader:
                 break
             except Exception as exc:  # any source failure: a camera may come back
                 got_frames = False
+                self._polling = False
                 self._set_state(StreamState.RECONNECTING, f"{type(exc).__name__}: {exc}")
                 log.warning("stream %s: %s: %s", sid, redact(self.config.spec.url), exc)
             else:
                 if self._stop.is_set():
                     break
+                self._polling = got_frames and self._still
+                if self._polling:
+                    # A snapshot URL: one picture a fetch, and the stream stays live between
+                    # them (it was "source ended", a reconnect and a state event each time).
+                    attempt = 0
+                    rate = self.max_fps or SNAPSHOT_FPS
+                    if self._stop.wait(self._opened_at + 1.0 / rate - time.monotonic()):
+                        break
+                    continue
                 if self.config.spec.is_file and got_frames:
                     if self.config.spec.loop:
                         continue  # clip ended: start it again at once
@@ -395,6 +415,7 @@ class StreamReader:
         import av
 
         spec = self.config.spec
+        self._opened_at = time.monotonic()
         container = av.open(
             spec.target,
             options=open_options(spec),
@@ -407,7 +428,9 @@ class StreamReader:
             stream = container.streams.video[0]
             if self._opt.codec_threads:
                 stream.codec_context.thread_count = self._opt.codec_threads
-            self._motion.reset()
+            self._still = not spec.is_file and is_still_image(container.format.name)
+            if not self._polling:  # the next picture of a snapshot URL is compared with its last
+                self._motion.reset()
             return self._read(container, stream)
         finally:
             if self.clips is not None:

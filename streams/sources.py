@@ -145,6 +145,18 @@ def open_options(spec: SourceSpec) -> dict[str, str]:
     return options
 
 
+SNAPSHOT_FPS = 1.0
+"""How often a still-image URL (a camera's ``snapshot.jpg``) is fetched when its stream sets
+no ``max_fps``."""
+
+
+def is_still_image(format_name: str) -> bool:
+    """Whether FFmpeg opened a source with an image demuxer (``image2``, ``jpeg_pipe``,
+    ``png_pipe``, ...): a URL that answers one picture a request, as a camera's snapshot URL
+    does."""
+    return format_name == "image2" or format_name.endswith("_pipe")
+
+
 def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
     """Delay before reconnect ``attempt`` (1-based): exponential, capped, full jitter.
 

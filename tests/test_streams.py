@@ -411,6 +411,88 @@ async def test_a_file_without_loop_plays_once_and_stops_saying_so(
     assert stats["frames_in"] == 24 and stats["reconnects"] == 0
 
 
+class _SnapshotCamera:
+    """A camera's snapshot URL on loopback: ``GET /snapshot`` answers the bus photo as a
+    JPEG (no file extension, as a camera's CGI answers), or ``404`` while ``down``; it
+    counts the requests."""
+
+    def __init__(self, jpeg: bytes) -> None:
+        import http.server
+
+        camera = self
+        self.jpeg, self.requests, self.down = jpeg, 0, False
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                camera.requests += 1
+                if camera.down:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/jpeg")
+                self.send_header("Content-Length", str(len(camera.jpeg)))
+                self.end_headers()
+                self.wfile.write(camera.jpeg)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/snapshot"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_snapshot_url_is_polled_at_max_fps_and_stays_live(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A URL that answers one picture a request (a camera's snapshot URL) is fetched again at
+    the stream's ``max_fps``, the stream live throughout, with no reconnects and no state
+    events (each picture was "source ended", a reconnect's wait and two state events); when
+    the URL fails, the stream reconnects as a camera does, and is live again once it
+    answers."""
+    camera = _SnapshotCamera((ultralytics_assets() / "bus.jpg").read_bytes())
+    try:
+        async with started_file_manager(
+            pool, tmp_path / "data", decode_processes=decode_processes
+        ) as m:
+            info = await m.add(camera.url, max_fps=4.0)
+            sid = info["id"]
+            still = await m.add(camera.url, max_fps=4.0, detect=StreamDetect(motion=True))
+            frames = await published_frames(m, sid, 3)
+            last = frames[-1].detections
+            assert {last.name_of(int(c)) for c in last.class_ids} >= {"bus", "person"}
+            requests, started = camera.requests, time.monotonic()
+            await asyncio.sleep(2.0)
+            polled = camera.requests - requests
+            elapsed = time.monotonic() - started
+            stats = m.describe(sid)
+            assert stats is not None
+            assert stats["state"] == StreamState.LIVE, stats
+            assert stats["reconnects"] == 0 and stats["last_error"] is None, stats
+            assert 4 <= polled <= 2 * (4 * elapsed + 1), (polled, elapsed)  # max_fps each
+            # The same picture again and again: motion compared across fetches, so it is
+            # inferred only as often as motion_idle_fps (2/s) asks.
+            unmoved = m.describe(still["id"])
+            assert unmoved is not None and unmoved["motion_skipped"] >= 2, unmoved
+            events = m.events.read(0, 100).events
+            states = [e["state"] for e in events if e["stream_id"] == sid]
+            assert states == ["live"], events
+
+            camera.down = True
+            assert await m.wait_state(sid, {StreamState.RECONNECTING}, 30)
+            camera.down = False
+            assert await m.wait_state(sid, {StreamState.LIVE}, 30)
+            await published_frames(m, sid, 1, after=frames[-1].frame)
+    finally:
+        camera.close()
+
+
 def test_keyframes_suffice_where_they_come_as_often_as_the_samples() -> None:
     assert keyframes_suffice(1.0, 1.0, reorders=False)  # a keyframe a second, one sample
     assert keyframes_suffice(1.04, 1.0, reorders=False)  # within the slack
