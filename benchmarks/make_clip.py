@@ -21,28 +21,56 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("STREAMDET_SHARED_DIR", REPO.parent / "shared"))
 
 
+CODECS = ("h264", "hevc")
+
+
 def make_clip(
-    source: Path, out: Path, *, width: int, height: int, fps: int, gop: int, frames: int = 0
+    source: Path,
+    out: Path,
+    *,
+    width: int,
+    height: int,
+    fps: int,
+    gop: int,
+    frames: int = 0,
+    codec: str = "h264",
+    start: int = 0,
 ) -> int:
-    """Write ``source`` (its first ``frames``; 0: all) to ``out`` at ``width`` x ``height``,
-    ``fps`` (frames repeated to reach it), a keyframe every ``gop`` frames; returns the frames
+    """Write ``source`` (``frames`` of it from its frame ``start``; 0: to its end) to ``out``
+    at ``width`` x ``height``,
+    ``fps`` (frames repeated to reach it), a keyframe every ``gop`` frames, in ``codec``
+    (``h264`` by x264, ``hevc`` by x265, as H.265 cameras send); returns the frames
     written."""
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     written = 0
     with av.open(str(source)) as src, av.open(str(out), "w") as dst:
-        stream = dst.add_stream("libx264", rate=fps)
+        if codec == "hevc":
+            stream = dst.add_stream("libx265", rate=fps)
+            stream.codec_tag = "hvc1"  # as Apple's players and browsers want it
+            stream.options = {
+                "preset": "veryfast",
+                "crf": "28",
+                "x265-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes=0"
+                ":log-level=error",
+            }
+        else:
+            stream = dst.add_stream("libx264", rate=fps)
+            stream.options = {
+                "g": str(gop),
+                "keyint_min": str(gop),
+                "sc_threshold": "0",
+                "bf": "0",
+                "preset": "veryfast",
+                "crf": "23",
+            }
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {
-            "g": str(gop),
-            "keyint_min": str(gop),
-            "sc_threshold": "0",
-            "bf": "0",
-            "preset": "veryfast",
-            "crf": "23",
-        }
         rate = float(src.streams.video[0].average_rate or fps)
         repeat = max(1, round(fps / rate))
         for index, frame in enumerate(src.decode(video=0)):
-            if frames and index >= frames:
+            if index < start:
+                continue
+            if frames and index >= start + frames:
                 break
             picture = frame.reformat(width, height, "yuv420p").to_ndarray()
             for _ in range(repeat):
@@ -65,9 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fps", type=int, default=25)
     parser.add_argument("--gop", type=int, default=25, help="frames from keyframe to keyframe")
     parser.add_argument("--frames", type=int, default=0, help="of the source; 0: all")
+    parser.add_argument("--codec", choices=CODECS, default="h264")
     args = parser.parse_args(argv)
     size = {"width": args.width, "height": args.height}
-    n = make_clip(args.clip, args.out, **size, fps=args.fps, gop=args.gop, frames=args.frames)
+    n = make_clip(
+        args.clip,
+        args.out,
+        **size,
+        fps=args.fps,
+        gop=args.gop,
+        frames=args.frames,
+        codec=args.codec,
+    )
     print(f"{args.out}: {n} frames", flush=True)
     return 0
 

@@ -318,6 +318,10 @@ class ClipRecorder:
         part = self._part(clip.id)
         clip.output = av.open(str(part), "w", format="mp4", options={"movflags": "+faststart"})
         clip.stream = clip.output.add_stream_from_template(stream)
+        if stream.codec_context.name == "hevc":
+            # FFmpeg tags H.265 in MP4 "hev1", which Apple's players and Safari refuse; they
+            # play "hvc1" (Frigate's apple_compatibility tags it so too).
+            clip.stream.codec_tag = "hvc1"
         step = _step(stream, packets)
         if packets[0].dts is not None:
             first = packets[0].dts

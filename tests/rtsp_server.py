@@ -5,7 +5,7 @@ gir1.2-gst-rtsp-server-1.0 (see scripts/system-deps.sh), not the project venv::
 
     /usr/bin/python3 tests/rtsp_server.py --port 8554 --mount cam0=../shared/videos/car.mp4
 
-Each mount serves its clip's H.264 as it is (no re-encoding, so a camera costs almost no
+Each mount serves its clip's H.264 or H.265 as it is (no re-encoding, so a camera costs almost no
 CPU) and loops it forever: the clip's access units are demuxed once into memory and pushed
 through an ``appsrc`` with timestamps that keep growing across loops, so clients see one
 endless live-like stream paced at the clip's own frame rate. Every client gets its own
@@ -43,13 +43,30 @@ class Clip:
     caps: Any
     units: list[AccessUnit]
     period_ns: int  # one loop of the clip
+    codec: str  # h264 or h265
+
+
+def clip_codec(path: str) -> str:
+    """``h264`` or ``h265``: the video codec of an MP4 clip (from its demuxed caps)."""
+    pipeline = Gst.parse_launch(
+        f'filesrc location="{path}" ! qtdemux ! video/x-h264;video/x-h265 ! '
+        "appsink name=sink sync=false"
+    )
+    sink = pipeline.get_by_name("sink")
+    pipeline.set_state(Gst.State.PLAYING)
+    sample = sink.emit("pull-sample")
+    pipeline.set_state(Gst.State.NULL)
+    if sample is None:
+        raise RuntimeError(f"{path}: no H.264 or H.265 video found")
+    return str(sample.get_caps().get_structure(0).get_name()).removeprefix("video/x-")
 
 
 def load_clip(path: str) -> Clip:
-    """Demux a clip's H.264 into byte-stream access units held in memory."""
+    """Demux a clip's H.264 or H.265 into byte-stream access units held in memory."""
+    codec = clip_codec(path)
     pipeline = Gst.parse_launch(
-        f'filesrc location="{path}" ! qtdemux ! h264parse config-interval=-1 ! '
-        "video/x-h264,stream-format=byte-stream,alignment=au ! appsink name=sink sync=false"
+        f'filesrc location="{path}" ! qtdemux ! {codec}parse config-interval=-1 ! '
+        f"video/x-{codec},stream-format=byte-stream,alignment=au ! appsink name=sink sync=false"
     )
     sink = pipeline.get_by_name("sink")
     pipeline.set_state(Gst.State.PLAYING)
@@ -77,14 +94,14 @@ def load_clip(path: str) -> Clip:
         )
     pipeline.set_state(Gst.State.NULL)
     if not units or caps is None:
-        raise RuntimeError(f"{path}: no H.264 video found")
+        raise RuntimeError(f"{path}: no {codec} video found")
     first = min(u.dts if u.dts != Gst.CLOCK_TIME_NONE else u.pts for u in units)
     for u in units:
         u.pts -= first
         u.dts = u.dts - first if u.dts != Gst.CLOCK_TIME_NONE else u.pts
     frame_ns = units[1].dts - units[0].dts if len(units) > 1 else 40_000_000
     period = max(u.pts for u in units) + (units[-1].duration or frame_ns)
-    return Clip(caps=caps, units=units, period_ns=period)
+    return Clip(caps=caps, units=units, period_ns=period, codec=codec)
 
 
 class LoopingFactory(GstRtspServer.RTSPMediaFactory):  # type: ignore[misc]
@@ -94,7 +111,7 @@ class LoopingFactory(GstRtspServer.RTSPMediaFactory):  # type: ignore[misc]
         self.loop = loop
         self.set_launch(
             "( appsrc name=src format=time is-live=false max-bytes=2000000 ! "
-            "h264parse ! rtph264pay name=pay0 pt=96 config-interval=1 )"
+            f"{clip.codec}parse ! rtp{clip.codec}pay name=pay0 pt=96 config-interval=1 )"
         )
         self.set_shared(False)
         self.connect("media-configure", self._configure)

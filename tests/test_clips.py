@@ -14,6 +14,7 @@ import av
 import httpx
 import pytest
 
+from benchmarks.make_clip import make_clip
 from streams.clips import (
     ClipIndex,
     ClipOptions,
@@ -214,6 +215,33 @@ def test_a_clip_of_a_source_with_b_frames_plays_in_order(tmp_path: Path) -> None
     # From the keyframe of 16.8 s (one every 250 frames at 29.8 fps) to 22 s.
     assert len(frames) == len(clip_packets(tmp_path / "3.mp4"))
     assert 5.0 <= times[-1] <= 5.4
+
+
+def test_a_clip_of_an_h265_camera_is_its_own_h265(tmp_path: Path) -> None:
+    """H.265 cameras' packets go into the clip as they are (no re-encoding), tagged ``hvc1``
+    as Apple's players and Safari want, and decode back frame for frame."""
+    hevc = tmp_path / "car-hevc.mp4"
+    make_clip(CAR_CLIP, hevc, width=384, height=216, fps=25, gop=25, frames=60, codec="hevc")
+    source = Source(hevc)
+    try:
+        done = Done()
+        recorder = ClipRecorder("cam", ClipOptions(tmp_path, pre_s=1.0, post_s=1.0), done)
+        source.feed_until(recorder, 2.1)
+        recorder.request(BASE + 2.0, 4)
+        source.feed_until(recorder, 4.0)
+        packets = clip_packets(tmp_path / "4.mp4")
+        first = source.index_of(packets[0])
+        assert packets == [bytes(p) for p in source.packets[first : first + len(packets)]]
+    finally:
+        source.close()
+    assert done.calls == [(4, tmp_path / "4.mp4", None)]
+    assert source.at(first) == BASE + 1.0  # the keyframe at 1 s (one a second)
+    with av.open(str(tmp_path / "4.mp4")) as clip:
+        stream = clip.streams.video[0]
+        assert (stream.codec_context.name, stream.codec_tag) == ("hevc", "hvc1")
+    frames = clip_frames(tmp_path / "4.mp4")
+    assert len(frames) == len(packets) >= 50  # 1 s to past 3 s at 25 fps
+    assert (frames[0].width, frames[0].height) == (384, 216)
 
 
 def test_the_oldest_clips_go_first_once_they_weigh_too_much(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.make_clip import make_clip
 from engines.pool import EnginePool
 from engines.types import ModelInfo
 from loadtest.server import free_port
@@ -96,6 +97,43 @@ async def test_detections_arrive_with_capture_time_and_latency(
     assert stats["state"] == "live"
     assert stats["frames_processed"] >= 30
     assert stats["last_frame_age_s"] is not None
+
+
+@pytest.fixture(scope="module")
+def hevc_camera(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RtspCamera]:
+    """An H.265 camera (as many are by default): 4.8 s of the car clip where cars pass
+    (its frames 180-240), encoded by x265 at 25 fps, a keyframe a second, looped by the RTSP
+    server."""
+    if CAR is None:
+        pytest.fail(f"shared clips missing: {VIDEOS} (set STREAMDET_SHARED_DIR)")
+    clip = tmp_path_factory.mktemp("hevc") / "car-hevc.mp4"
+    make_clip(CAR, clip, width=768, height=432, fps=25, gop=25, frames=60, codec="hevc", start=180)
+    cam = RtspCamera({"car": clip}).start()
+    yield cam
+    cam.stop()
+
+
+async def test_an_h265_camera_is_decoded_and_detected_as_an_h264_one(
+    manager: StreamManager, hevc_camera: RtspCamera
+) -> None:
+    """Every frame (``max_fps`` unset), then one a second: keyframes only are decoded then,
+    as for H.264 (a keyframe a second)."""
+    info = await manager.add(hevc_camera.url("car"))
+    sub = manager.subscribe(info["id"])
+    assert sub is not None
+    names: set[str] = set()
+    frames: list[ProcessedFrame] = []
+    while "car" not in names and len(frames) < 150:  # a loop and a half of the clip
+        frames.append(await next_frame(sub))
+        names |= {d["class_name"] for d in frames[-1].to_message()["detections"]}
+    assert all(f.image.shape == (432, 768, 3) for f in frames)
+    assert "car" in names, names
+    await manager.update(info["id"], {"max_fps": 1.0})
+    await asyncio.sleep(3.0)  # the next group of pictures is decoded keyframe only
+    stats = manager.describe(info["id"])
+    assert stats is not None
+    assert stats["state"] == "live" and stats["keyframes_only"], stats
+    assert stats["frames_decoded"] < stats["frames_in"], stats
 
 
 async def test_two_streams_share_batches(manager: StreamManager, camera: RtspCamera) -> None:
