@@ -473,7 +473,9 @@ def _batched_nms(
 def _first_per_image(
     keep: torch.Tensor, img: torch.Tensor, max_det: torch.Tensor, batch: int
 ) -> torch.Tensor:
-    """The first ``max_det[i]`` of ``keep`` (score order) for each image ``i``, without a sync."""
+    """The first ``max_det[i]`` of ``keep`` (score order) for each image ``i``, in a few tensor
+    operations instead of a loop over the images (the mask at the end waits for the device
+    once, as NMS's own result does)."""
     owner = img[keep]
     order = torch.sort(owner, stable=True).indices  # by image, score order kept within one
     keep, owner = keep[order], owner[order]

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 _BT601 = ((1.164383, 0.0, 1.596027), (1.164383, -0.391762, -0.812968), (1.164383, 2.017232, 0.0))
 _BT709 = ((1.164383, 0.0, 1.792741), (1.164383, -0.213249, -0.532909), (1.164383, 2.112402, 0.0))
 BT709_COLORSPACE = 1  # AVCOL_SPC_BT709; everything else is treated as BT.601 like swscale does
+# The same for full-range ("JPEG") video, which many IP cameras send: Y from 0, no gain.
+_BT601_FULL = ((1.0, 0.0, 1.402), (1.0, -0.344136, -0.714136), (1.0, 1.772, 0.0))
+_BT709_FULL = ((1.0, 0.0, 1.5748), (1.0, -0.187324, -0.468124), (1.0, 1.8556, 0.0))
+FULL_RANGE = 2  # AVCOL_RANGE_JPEG
 
 
 def nvdec_unavailable(device: str = "cuda") -> str | None:
@@ -108,29 +112,37 @@ def _nvdec_probe(index: int) -> str | None:
     return None
 
 
-def nv12_to_rgb(luma: Any, chroma: Any, colorspace: int = 0) -> Any:
-    """Convert an NV12 frame (torch tensors, any device) to ``(H, W, 3)`` uint8 RGB.
+def nv12_to_rgb(luma: Any, chroma: Any, colorspace: int = 0, color_range: int = 0) -> Any:
+    """Convert an NV12 (or P010) frame (torch tensors, any device) to ``(H, W, 3)`` uint8 RGB.
 
     Args:
-        luma: ``(H, W)`` uint8 Y plane.
-        chroma: ``(H/2, W/2, 2)`` uint8 interleaved Cb/Cr plane.
+        luma: ``(H, W)`` Y plane: uint8 (NV12), or uint16 with 10 bits in the high ones
+            (P010: what NVDEC gives for 10-bit video, HEVC Main10 and the like).
+        chroma: ``(H/2, W/2, 2)`` interleaved Cb/Cr plane, of the same type.
         colorspace: FFmpeg's ``AVColorSpace`` of the frame (1 = BT.709, else BT.601).
+        color_range: FFmpeg's ``AVColorRange`` (2 = full range, else limited, as swscale
+            takes an unspecified one).
 
     Returns:
         ``(H, W, 3)`` uint8 tensor on the planes' device.
     """
     import torch
 
-    matrix = torch.tensor(
-        _BT709 if colorspace == BT709_COLORSPACE else _BT601,
-        dtype=torch.float32,
-        device=luma.device,
-    )
+    full = color_range == FULL_RANGE
+    if colorspace == BT709_COLORSPACE:
+        coefficients = _BT709_FULL if full else _BT709
+    else:
+        coefficients = _BT601_FULL if full else _BT601
+    matrix = torch.tensor(coefficients, dtype=torch.float32, device=luma.device)
+    # 16-bit samples (P010) are scaled to 8 bits' range, their fraction kept.
+    scale = 1.0 / 256.0 if luma.dtype == torch.uint16 else 1.0
     h, w = int(luma.shape[0]), int(luma.shape[1])
-    y = luma.float() - 16.0
+    y = luma.float() * scale
+    if not full:
+        y -= 16.0
     # Chroma is sited between luma rows; nearest-neighbour upsampling is what swscale's
     # default fast path does for 4:2:0 -> RGB at the same size.
-    cbcr = chroma.float() - 128.0
+    cbcr = chroma.float() * scale - 128.0
     cbcr = cbcr.repeat_interleave(2, dim=0).repeat_interleave(2, dim=1)[:h, :w]
     ycc = torch.cat((y[..., None], cbcr), dim=2)
     rgb = ycc @ matrix.T
@@ -176,7 +188,7 @@ class GpuDecode:
             chroma = from_dlpack(frame.planes[1].__dlpack__())
             with torch.cuda.device(luma.device):
                 torch.cuda.default_stream().synchronize()
-                on_device = nv12_to_rgb(luma, chroma, int(frame.colorspace))
+                on_device = nv12_to_rgb(luma, chroma, int(frame.colorspace), int(frame.color_range))
                 # An engine reads it from its own stream: finish the conversion first.
                 torch.cuda.current_stream().synchronize()
             return on_device

@@ -120,23 +120,33 @@ class AnchorsPerShape:
     pass (the runner runs two before capturing) is stored and put back before every later
     call at that shape: no rebuild happens inside a capture, and every captured graph's grid
     stays alive.
+
+    The grid depends on the picture's height and width, not on the batch, so it is kept per
+    ``(H, W)`` and serves every batch bucket: one grid a letterbox shape (at most twice
+    ``imgsz / stride`` of them, about 100 kB each at 640), all kept. (Kept per batch shape and
+    capped at 64, a 65th shape's grid was rebuilt and then freed by the next shape while a
+    graph captured at it still read it.)
     """
 
-    def __init__(self, model: Any, max_shapes: int = 64) -> None:
+    def __init__(self, model: Any) -> None:
         self._model = model  # Ultralytics' DetectionModel (untyped)
         self._head: Any = model.model[-1]
         self._head.dynamic = False
-        self._grids: dict[tuple[int, ...], tuple[object, object, object]] = {}
-        self._max_shapes = max_shapes
+        self._grids: dict[tuple[int, int], tuple[object, object, tuple[int, ...]]] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        key = tuple(x.shape)
+        key = (int(x.shape[-2]), int(x.shape[-1]))
         grid = self._grids.get(key)
         if grid is not None:
-            self._head.anchors, self._head.strides, self._head.shape = grid
+            anchors, strides, feature = grid
+            # The head rebuilds its grid whenever its first feature map's shape changes,
+            # batch included: told this batch's shape, it keeps the grid put back.
+            self._head.anchors, self._head.strides = anchors, strides
+            self._head.shape = torch.Size((int(x.shape[0]), *feature))
         out = self._model(x)
-        if grid is None and len(self._grids) < self._max_shapes:
-            self._grids[key] = (self._head.anchors, self._head.strides, self._head.shape)
+        if grid is None:
+            head = self._head
+            self._grids[key] = (head.anchors, head.strides, tuple(head.shape[1:]))
         pred: torch.Tensor = out[0] if isinstance(out, tuple | list) else out
         return pred
 

@@ -306,6 +306,16 @@ def test_torch_model_keeps_each_shapes_anchor_grid(monkeypatch: pytest.MonkeyPat
         assert forward._head.anchors is not grid  # the wide shape's own grid is back
         forward(square)
         assert forward._head.anchors is grid
-    assert len(built) == 2, built
+        # Another batch bucket at a shape seen: the same grid (it does not hang on the batch).
+        forward(torch.rand((4, 3, 640, 640)))
+        assert forward._head.anchors is grid
+        # Many shapes (a camera of each aspect ratio): every grid kept, none built twice.
+        shapes = [(1, 3, 32 * h, 640) for h in range(1, 21)] + [(8, 3, 640, 32 * w) for w in (1, 2)]
+        grids = []
+        for shape in shapes * 2:
+            forward(torch.rand(shape))
+            grids.append(forward._head.anchors)
+        assert all(a is b for a, b in zip(grids[: len(shapes)], grids[len(shapes) :], strict=True))
+    assert len(built) == 2 + 20 + 2 - 2, built  # 384x640 and 640x640 were among them
     assert first.shape == (2, 84, 5040)
     assert torch.equal(first, again)

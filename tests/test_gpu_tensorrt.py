@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engines.registry import EngineConfig, load_backend
 from engines.tensorrt import (
     EngineKey,
     ProfileShapes,
+    TensorBindings,
     build_engine,
     import_tensorrt,
     profile_shapes,
@@ -216,3 +218,61 @@ def test_export_engine_command_says_why_it_cannot_build(
     assert rc == 2
     assert "TensorRT not installed" in err
     assert not (tmp_path / "m.engine").exists()
+
+
+class _FakeContext:
+    """An execution context's binding calls, on CPU tensors: outputs shaped as YOLOv8n's head
+    for the input shape set, each run recorded with the addresses bound."""
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, ...] = ()
+        self.addresses: dict[str, int] = {}
+        self.runs: list[tuple[tuple[int, ...], dict[str, int], int]] = []
+
+    def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+        self.shape = shape
+        return True
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        b, _, h, w = self.shape
+        return (b, 84, (h // 8) * (w // 8) * 21 // 16)
+
+    def set_tensor_address(self, name: str, address: int) -> bool:
+        self.addresses[name] = address
+        return True
+
+    def execute_async_v3(self, stream: int) -> bool:
+        self.runs.append((self.shape, dict(self.addresses), stream))
+        return True
+
+
+def test_outputs_are_bound_per_input_and_freed_with_it() -> None:
+    """Each input tensor (a bucket's static input) gets its outputs once and keeps them while
+    it lives, so a graph captured on them reads live memory; once the runner drops the
+    input, its outputs go too (kept per shape for ever, they grew without bound)."""
+    import gc
+
+    context = _FakeContext()
+    forward = TensorBindings(
+        context, "images", {"output0": torch.float16}, torch.device("cpu"), stream=lambda: 7
+    )
+    a = torch.zeros((4, 3, 384, 640))
+    out = forward(a)
+    assert out.shape == (4, 84, 5040) and out.dtype == torch.float16
+    assert forward(a) is out  # the same buffers, at the same addresses, run after run
+    assert (
+        context.runs[0][1]
+        == context.runs[1][1]
+        == {
+            "images": a.data_ptr(),
+            "output0": out.data_ptr(),
+        }
+    )
+    assert context.runs[-1][2] == 7  # on the caller's stream
+    for h in range(1, 21):  # a camera of every aspect ratio, each input dropped after use
+        forward(torch.zeros((1, 3, 32 * h, 640)))
+    gc.collect()
+    assert len(forward) == 1  # a's outputs only: the others went with their inputs
+    del a
+    gc.collect()
+    assert len(forward) == 0
