@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -86,6 +86,42 @@ class StreamChanges(TypedDict, total=False):
     enabled: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    """Every setting of a stream, as :meth:`StreamManager.add` and ``put`` take them."""
+
+    url: str
+    name: str = ""
+    max_fps: float | None = None
+    transport: Transport = "tcp"
+    loop: bool = True
+    detect: StreamDetect | None = None
+    from_file: bool = False
+    enabled: bool = True
+
+
+class _IdLocks:
+    """One :class:`asyncio.Lock` per id, kept only while a call holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[key]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
 class StreamManager:
     """Adds, removes, persists and reports streams; publishes their processed frames.
 
@@ -107,6 +143,11 @@ class StreamManager:
         self._store = store
         self._opt = options
         self._records: dict[str, StreamRecord] = {}
+        # Calls that add, change or remove a stream run one at a time per id (each awaits the
+        # store and stopping decode threads: interleaved, two of them left a reader running
+        # that nothing would stop, or GET showing another source than the one decoded).
+        self._held = _IdLocks()
+        self._creating: set[str] = set()  # ids being added: they count towards the limit
         self._readers: dict[str, StreamReader] = {}
         # Each reader's token: what a reader stopped to reopen its stream (a new source) still
         # hands over (frames in flight, its state) carries the old token and is dropped.
@@ -216,30 +257,44 @@ class StreamManager:
             StreamLimitError: already ``max_streams`` streams.
             ManagerClosed: shutting down.
         """
+        sid = stream_id or uuid.uuid4().hex[:12]
+        wanted = _Wanted(url, name, max_fps, transport, loop, detect, from_file, enabled)
+        async with self._held(sid):
+            return await self._add(sid, wanted)
+
+    async def _add(self, sid: str, wanted: _Wanted) -> dict[str, Any]:
         if self._closing:
             raise ManagerClosed("server shutting down")
-        if stream_id is not None and stream_id in self._records:
-            raise StreamExistsError(f"a stream with the id {stream_id!r} exists")
-        if len(self._records) >= self._opt.max_streams:
+        if sid in self._records:
+            raise StreamExistsError(f"a stream with the id {sid!r} exists")
+        count = len(self._records) + len(self._creating)
+        if count >= self._opt.max_streams:
             raise StreamLimitError(
-                f"already {len(self._records)} streams, the limit (setting STREAMDET_MAX_STREAMS)"
+                f"already {count} streams, the limit {self._opt.max_streams}"
+                " (setting STREAMDET_MAX_STREAMS)"
             )
-        spec = parse_source(url, self._opt.allowed_file_dir, transport, loop)
-        sid = stream_id or uuid.uuid4().hex[:12]
+        spec = parse_source(wanted.url, self._opt.allowed_file_dir, wanted.transport, wanted.loop)
         record = new_record(
             sid,
-            url,
-            name=name,
-            max_fps=max_fps,
-            transport=transport,
+            wanted.url,
+            name=wanted.name,
+            max_fps=wanted.max_fps,
+            transport=wanted.transport,
             loop=spec.loop,
-            detect=self._encode(detect or StreamDetect()),
-            from_file=from_file,
-            enabled=enabled,
+            detect=self._encode(wanted.detect or StreamDetect()),
+            from_file=wanted.from_file,
+            enabled=wanted.enabled,
         )
-        await asyncio.to_thread(self._store.add, record)
+        self._creating.add(sid)  # counted while the store writes it
+        try:
+            await asyncio.to_thread(self._store.add, record)
+        finally:
+            self._creating.discard(sid)
+        if self._closing:  # stopped meanwhile: what it stops would not include this one
+            await asyncio.to_thread(self._store.remove, sid)
+            raise ManagerClosed("server shutting down")
         self._launch(record, spec)
-        log.info("stream %s: added %s", sid, redact(url))
+        log.info("stream %s: added %s", sid, redact(wanted.url))
         return self._describe(record)
 
     @property
@@ -259,6 +314,10 @@ class StreamManager:
         """Apply ``changes`` from the stream's next frame on, without reopening its source,
         and persist them; returns its description, None if unknown. A stream that could not
         start because its stored settings no longer fit the model starts now."""
+        async with self._held(stream_id):
+            return await self._update(stream_id, changes)
+
+    async def _update(self, stream_id: str, changes: StreamChanges) -> dict[str, Any] | None:
         record = self._records.get(stream_id)
         if record is None:
             return None
@@ -274,8 +333,6 @@ class StreamManager:
             enabled=changes.get("enabled", record.enabled),
         )
         await asyncio.to_thread(self._store.update, record)
-        if stream_id not in self._records:
-            return None  # removed meanwhile
         self._records[stream_id] = record
         reader.max_fps = record.max_fps
         if detect is not None:
@@ -285,7 +342,7 @@ class StreamManager:
         log.info("stream %s: updated %s", stream_id, sorted(changes))
         return self.describe(stream_id)
 
-    async def replace(
+    async def put(
         self,
         stream_id: str,
         url: str,
@@ -297,33 +354,41 @@ class StreamManager:
         detect: StreamDetect,
         from_file: bool = False,
         enabled: bool = True,
-    ) -> dict[str, Any] | None:
-        """Give a stream every setting anew (``PUT /streams/{id}``, the streams file), keeping
-        its id, counts and viewers: a new source (``url``, ``transport``, ``loop``) is opened
-        in place of the old one; otherwise it changes from its next frame, as
-        :meth:`update`. Returns its description, None if unknown.
+    ) -> tuple[dict[str, Any], bool]:
+        """Give the stream ``stream_id`` every setting anew, or :meth:`add` it where there is
+        none, in one step (``PUT /streams/{id}``, the streams file); its description, and
+        whether it was added. An existing stream keeps its id, counts and viewers: a new
+        source (``url``, ``transport``, ``loop``) is opened in place of the old one;
+        otherwise it changes from its next frame, as :meth:`update`.
 
         Raises:
-            SourceError: malformed or disallowed URL.
+            SourceError, StreamLimitError, ManagerClosed: as :meth:`add`.
         """
+        wanted = _Wanted(url, name, max_fps, transport, loop, detect, from_file, enabled)
+        async with self._held(stream_id):
+            info = await self._replace(stream_id, wanted)
+            if info is not None:
+                return info, False
+            return await self._add(stream_id, wanted), True
+
+    async def _replace(self, stream_id: str, wanted: _Wanted) -> dict[str, Any] | None:
         old = self._records.get(stream_id)
         if old is None:
             return None
-        spec = parse_source(url, self._opt.allowed_file_dir, transport, loop)
+        spec = parse_source(wanted.url, self._opt.allowed_file_dir, wanted.transport, wanted.loop)
+        detect = wanted.detect or StreamDetect()
         record = dataclasses.replace(
             old,
-            url=url,
-            name=name,
-            max_fps=max_fps,
-            transport=transport,
+            url=wanted.url,
+            name=wanted.name,
+            max_fps=wanted.max_fps,
+            transport=wanted.transport,
             loop=spec.loop,
             detect=self._encode(detect),
-            from_file=from_file,
-            enabled=enabled,
+            from_file=wanted.from_file,
+            enabled=wanted.enabled,
         )
         await asyncio.to_thread(self._store.replace, record)
-        if stream_id not in self._records:
-            return None  # removed meanwhile
         self._records[stream_id] = record
         reader = self._readers[stream_id]
         same = (record.url, record.transport, record.loop, record.enabled) == (
@@ -351,8 +416,8 @@ class StreamManager:
                 record.id,
                 self._opt.stop_timeout_s,
             )
-        if self._records.get(record.id) is not record:
-            return  # removed or changed again meanwhile: that call launched what it needs
+        if self._closing:
+            return  # the manager is stopping its readers: a new one would run on
         self._latest.pop(record.id, None)
         if not record.enabled:
             disabled = StateEvent(old.state.value, StreamState.DISABLED.value, None, old.frames_in)
@@ -367,6 +432,10 @@ class StreamManager:
 
     async def remove(self, stream_id: str) -> bool:
         """Stop a stream, free its decoder, forget it. False if unknown."""
+        async with self._held(stream_id):
+            return await self._remove(stream_id)
+
+    async def _remove(self, stream_id: str) -> bool:
         record = self._records.pop(stream_id, None)
         if record is None:
             return False

@@ -29,7 +29,12 @@ from streams.detect import Roi, StreamDetect
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.frames import keyframes_suffice
 from streams.lines import Crossing
-from streams.manager import ManagerOptions, StreamManager
+from streams.manager import (
+    ManagerOptions,
+    StreamExistsError,
+    StreamLimitError,
+    StreamManager,
+)
 from streams.outbox import OUTBOX_PER_STREAM, Outbox
 from streams.pacing import FilePacer, frame_interval
 from streams.reader import (
@@ -491,6 +496,89 @@ async def test_a_snapshot_url_is_polled_at_max_fps_and_stays_live(
             await published_frames(m, sid, 1, after=frames[-1].frame)
     finally:
         camera.close()
+
+
+def _decode_threads(stream_id: str) -> int:
+    return sum(t.name == f"stream-{stream_id}" for t in threading.enumerate())
+
+
+async def test_calls_on_one_stream_at_once_leave_it_as_the_last_one_said(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Calls that add, change and remove the same stream at the same moment (scripts, a
+    dashboard and MQTT at once) take their turns: one of twenty PUTs of a new id creates it,
+    the rest replace it; the stream decodes the source it reports and is stored with it; and
+    however enable, disable, PUT and DELETE interleave, one decode thread runs while the
+    stream exists and none once it is removed. (Interleaved, they answered 500, left decode
+    threads running that nothing would stop, and GET naming another source than the one
+    decoded.)"""
+    clips = [f"file://{CAR_CLIP}", f"file://{BOTTLE_CLIP}"]
+    async with started_file_manager(pool, tmp_path / "data") as m:
+        puts = await asyncio.gather(
+            *(m.put("cam", clips[i % 2], detect=StreamDetect(), name=f"n{i}") for i in range(20))
+        )
+        assert sorted(added for _, added in puts) == [False] * 19 + [True]
+        last = m.describe("cam")
+        assert last is not None
+        assert last["name"] == puts[-1][0]["name"] == "n19"  # the last call's settings hold
+        assert m._readers["cam"].config.spec.url == last["url"] == clips[1]
+        assert m._store.load()[0].url == clips[1]
+        rng = random.Random(7)
+        for _ in range(3):
+            calls = []
+            for i in range(8):
+                on = rng.random() < 0.5
+                calls += [
+                    m.update("cam", {"enabled": on}),
+                    m.put("cam", clips[i % 2], detect=StreamDetect(), enabled=not on),
+                    m.update("cam", {"name": f"r{i}"}),
+                ]
+            results = await asyncio.gather(*calls)
+            info = m.describe("cam")
+            assert info is not None and info["url"] == m._readers["cam"].config.spec.url
+            assert info["enabled"] == results[-2][0]["enabled"] and info["name"] == "r7"
+            await asyncio.sleep(0.3)
+            assert _decode_threads("cam") == int(info["enabled"]), info
+            if not info["enabled"]:
+                assert info["state"] == StreamState.DISABLED, info
+        removed = await asyncio.gather(
+            m.remove("cam"), m.update("cam", {"enabled": True}), m.remove("cam")
+        )
+        assert removed == [True, None, False]
+        await asyncio.sleep(0.3)
+        assert _decode_threads("cam") == 0 and m.describe("cam") is None
+
+
+async def test_streams_added_at_once_keep_to_the_limit_and_each_id_once(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Ten POSTs at once under a limit of three: three streams, seven refused with the limit
+    named; ten POSTs of one id: one stream, nine refused as taken (they answered 201 past
+    the limit, and 500 for the taken id)."""
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5),
+        allowed_file_dir=CAR_CLIP.parent,
+        max_streams=3,
+    )
+    m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await m.start()
+    try:
+        url = f"file://{CAR_CLIP}"
+        got = await asyncio.gather(*(m.add(url) for _ in range(10)), return_exceptions=True)
+        refused = [r for r in got if isinstance(r, Exception)]
+        assert len(m.list()) == 3 and len(refused) == 7
+        assert all(isinstance(r, StreamLimitError) for r in refused), refused
+        assert "limit 3 (setting STREAMDET_MAX_STREAMS)" in str(refused[0])
+        for info in m.list():
+            await m.remove(info["id"])
+        got = await asyncio.gather(
+            *(m.add(url, stream_id="same") for _ in range(10)), return_exceptions=True
+        )
+        assert sum(isinstance(r, dict) for r in got) == 1
+        assert all(isinstance(r, StreamExistsError) for r in got if not isinstance(r, dict))
+        assert [r.id for r in m._store.load()] == ["same"] and len(m._held) == 0
+    finally:
+        await m.stop(10)
 
 
 def test_keyframes_suffice_where_they_come_as_often_as_the_samples() -> None:

@@ -345,7 +345,7 @@ class StreamIn(StreamPatch):
     loop: bool = True
 
     def settings(self, detect: StreamDetect, *, from_file: bool = False) -> dict[str, Any]:
-        """What :meth:`StreamManager.add` and :meth:`StreamManager.replace` take besides the
+        """What :meth:`StreamManager.add` and :meth:`StreamManager.put` take besides the
         url and the id, ``detect`` made from this body."""
         return {
             "name": self.name,
@@ -424,11 +424,10 @@ async def put_stream(
     check_changeable(request, stream_id)
     detect = body.detect(get_state(request).pool.engine.names, StreamDetect())
     with _refusals():
-        info = await manager.replace(stream_id, body.url, **body.settings(detect))
-        if info is not None:
-            return info
+        info, added = await manager.put(stream_id, body.url, **body.settings(detect))
+    if added:
         response.status_code = 201
-        return await manager.add(body.url, stream_id=stream_id, **body.settings(detect))
+    return info
 
 
 async def set_enabled(manager: StreamManager, stream_id: str, on: bool) -> bool:
@@ -581,8 +580,7 @@ async def apply_streams_file(
         sid = str(body.id)
         try:
             fields = body.settings(detect, from_file=True)
-            if await manager.replace(sid, body.url, **fields) is None:
-                await manager.add(body.url, stream_id=sid, **fields)
+            await manager.put(sid, body.url, **fields)
         except (SourceError, StreamLimitError) as exc:
             raise streams_file.StreamsFileError(
                 f"streams file {path}: stream {sid!r}: {exc}"
