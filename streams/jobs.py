@@ -293,7 +293,7 @@ def sampled_frames(
                 yield index, t, frame
         except av.error.FFmpegError as exc:
             raise JobError(
-                f"reading the video failed at {progress.position_s:.2f} s: {exc}"
+                f"reading the video failed at {progress.position_s:.2f} s: {_reason(exc)}"
             ) from None
         progress.decode_errors = errors[0]
         if progress.frames_read:  # read to the end of its last frame: a whole video shows 1

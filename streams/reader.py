@@ -38,6 +38,7 @@ from streams.sources import (
     is_still_image,
     open_options,
     redact,
+    redact_in,
 )
 
 if TYPE_CHECKING:
@@ -369,8 +370,9 @@ class StreamReader:
             except Exception as exc:  # any source failure: a camera may come back
                 got_frames = False
                 self._polling = False
-                self._set_state(StreamState.RECONNECTING, f"{type(exc).__name__}: {exc}")
-                log.warning("stream %s: %s: %s", sid, redact(self.config.spec.url), exc)
+                error = redact_in(f"{type(exc).__name__}: {exc}", self.config.spec.url)
+                self._set_state(StreamState.RECONNECTING, error)
+                log.warning("stream %s: %s: %s", sid, redact(self.config.spec.url), error)
             else:
                 if self._stop.is_set():
                     break

@@ -9,6 +9,7 @@ playlist naming ``file:///etc/passwd``, say) cannot reach other protocols than i
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -118,17 +119,72 @@ def _allowed_file(netloc: str, raw_path: str, allowed_dir: Path | None) -> Path:
     return resolved
 
 
+SECRET_WORDS = frozenset(
+    [
+        "pass",
+        "password",
+        "passwd",
+        "pwd",
+        "token",
+        "secret",
+        "key",
+        "apikey",
+        "accesskey",
+        "auth",
+        "authorization",
+        "signature",
+        "sig",
+        "credential",
+        "credentials",
+    ]
+)
+"""Query parameters that carry a secret, by name or by a word of it (``api_key``,
+``auth_token``, ``X-Amz-Signature``): cameras' snapshot and stream URLs put their password
+(``?user=admin&pwd=...``, Foscam's and others' CGI) or a token (``?token=...``) there."""
+
+
+def _is_secret(name: str) -> bool:
+    words = unquote(name).lower()
+    return words in SECRET_WORDS or any(w in SECRET_WORDS for w in re.split(r"[^a-z0-9]+", words))
+
+
 def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs and the API)."""
+    """``url`` with any password, in its user part or its query (:data:`SECRET_WORDS`),
+    replaced by ``***`` (for logs and the API)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return url
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{user}:***@{host}")
+    if parts.query:
+        pairs = [p.partition("=") for p in parts.query.split("&")]
+        query = "&".join(f"{k}={'***' if _is_secret(k) else v}" if eq else k for k, eq, v in pairs)
+        parts = parts._replace(query=query)
+    return parts.geturl()
+
+
+def redact_in(text: str, url: str) -> str:
+    """``text`` (an error's message) with ``url`` redacted wherever it shows, and its secrets
+    (password, secret query values of 4 characters or more) wherever else they do: FFmpeg's
+    errors name the URL they failed on, password and all, and those went into a stream's
+    ``last_error``, its state events and the log."""
+    text = text.replace(url, redact(url))
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return text
+    secrets = [unquote(parts.password or "")]
+    for pair in parts.query.split("&"):
+        key, eq, value = pair.partition("=")
+        if eq and _is_secret(key):
+            secrets += [value, unquote(value)]
+    for secret in sorted(set(secrets), key=len, reverse=True):
+        if len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
 
 
 def open_options(spec: SourceSpec) -> dict[str, str]:

@@ -25,6 +25,7 @@ from engines.batching import WorkItem, WorkResult
 from engines.nvdec import nvdec_unavailable
 from engines.pool import EnginePool
 from engines.types import Detections, DetectParams
+from loadtest.server import free_port
 from streams.detect import Roi, StreamDetect
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.frames import keyframes_suffice
@@ -44,7 +45,14 @@ from streams.reader import (
     StreamReader,
     StreamState,
 )
-from streams.sources import SourceError, backoff_delay, open_options, parse_source, redact
+from streams.sources import (
+    SourceError,
+    backoff_delay,
+    open_options,
+    parse_source,
+    redact,
+    redact_in,
+)
 from streams.store import StreamStore, new_record
 from tests.helpers import (
     BOTTLE_CLIP,
@@ -126,6 +134,36 @@ def test_ffmpeg_options_pin_protocols_and_transport() -> None:
 def test_passwords_are_redacted() -> None:
     assert redact("rtsp://admin:hunter2@cam:554/x") == "rtsp://admin:***@cam:554/x"
     assert redact("rtsp://cam/x") == "rtsp://cam/x"
+    # In the query, as cameras' CGI URLs and tokened streams carry them (they were shown).
+    assert (
+        redact("http://admin:pw@cam/cgi-bin/snapshot.cgi?user=admin&pwd=hunter2&res=0")
+        == "http://admin:***@cam/cgi-bin/snapshot.cgi?user=admin&pwd=***&res=0"
+    )
+    assert redact("rtsp://cam/live?token=abc&channel=1") == "rtsp://cam/live?token=***&channel=1"
+    assert (
+        redact("https://h/s?api_key=1&X-Amz-Signature=2&keyframe=3&monkey=4&flag")
+        == "https://h/s?api_key=***&X-Amz-Signature=***&keyframe=3&monkey=4&flag"
+    )
+
+
+async def test_a_cameras_password_stays_out_of_its_errors_and_events(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """FFmpeg's error names the URL it failed on, password and token included: the stream's
+    ``last_error``, its state event (webhooks, MQTT) and the log show it redacted."""
+    port = free_port()  # nothing listens there
+    url = f"rtsp://admin:hunter2@127.0.0.1:{port}/live?channel=1&token=s3cr3tT0ken"
+    async with started_file_manager(pool, tmp_path / "data") as m:
+        info = await m.add(url)
+        assert await m.wait_state(info["id"], {StreamState.RECONNECTING}, 30)
+        stats = m.describe(info["id"])
+        events = m.events.read(0, 10).events
+    assert stats is not None
+    error = stats["last_error"]
+    assert "Connection refused" in error and f"admin:***@127.0.0.1:{port}" in error, error
+    shown = json.dumps([stats, events])
+    assert "hunter2" not in shown and "s3cr3tT0ken" not in shown, shown
+    assert redact_in("bad 'x?pwd=p%40ss' p@ss", "http://h/x?pwd=p%40ss") == "bad 'x?pwd=***' ***"
 
 
 def test_backoff_grows_is_capped_and_jittered() -> None:
