@@ -75,6 +75,19 @@ class Done:
         self.calls.append((clip_id, path, error))
 
 
+def record_around(
+    source: Source, directory: Path, clip_id: int, *, event_s: float, pre_s: float, until_s: float
+) -> Done:
+    """``source`` fed to a recorder (``pre_s`` before and after each event) up to just past
+    ``event_s``, a clip asked for at ``event_s``, then fed on to ``until_s``."""
+    done = Done()
+    recorder = ClipRecorder("cam", ClipOptions(directory, pre_s=pre_s, post_s=pre_s), done)
+    source.feed_until(recorder, event_s + 0.1)
+    recorder.request(BASE + event_s, clip_id)
+    source.feed_until(recorder, until_s)
+    return done
+
+
 @pytest.fixture
 def car() -> Iterator[Source]:
     source = Source(CAR_CLIP)
@@ -201,11 +214,7 @@ def test_a_clip_of_a_source_with_b_frames_plays_in_order(tmp_path: Path) -> None
     """The bottle clip reorders frames (B-frames: dts before pts): the clip keeps both."""
     source = Source(BOTTLE_CLIP)
     try:
-        done = Done()
-        recorder = ClipRecorder("cam", ClipOptions(tmp_path, pre_s=2.0, post_s=2.0), done)
-        source.feed_until(recorder, 20.1)
-        recorder.request(BASE + 20.0, 3)
-        source.feed_until(recorder, 23.0)
+        done = record_around(source, tmp_path, 3, event_s=20.0, pre_s=2.0, until_s=23.0)
     finally:
         source.close()
     assert done.calls == [(3, tmp_path / "3.mp4", None)]
@@ -224,11 +233,7 @@ def test_a_clip_of_an_h265_camera_is_its_own_h265(tmp_path: Path) -> None:
     make_clip(CAR_CLIP, hevc, width=384, height=216, fps=25, gop=25, frames=60, codec="hevc")
     source = Source(hevc)
     try:
-        done = Done()
-        recorder = ClipRecorder("cam", ClipOptions(tmp_path, pre_s=1.0, post_s=1.0), done)
-        source.feed_until(recorder, 2.1)
-        recorder.request(BASE + 2.0, 4)
-        source.feed_until(recorder, 4.0)
+        done = record_around(source, tmp_path, 4, event_s=2.0, pre_s=1.0, until_s=4.0)
         packets = clip_packets(tmp_path / "4.mp4")
         first = source.index_of(packets[0])
         assert packets == [bytes(p) for p in source.packets[first : first + len(packets)]]
