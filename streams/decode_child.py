@@ -131,7 +131,8 @@ class _Ring:
         self.width, self.height = width, height = decoded_size(*source, max_side)
         self.slot_bytes = height * width * 3
         size = HEADER + slots * self.slot_bytes
-        fd, self.path = tempfile.mkstemp(prefix="streamdet-frames-", dir=directory)
+        # Named by this process's id: what a process killed leaves, the server removes.
+        fd, self.path = tempfile.mkstemp(prefix=ring_prefix(os.getpid()), dir=directory)
         try:
             try:
                 # Reserved now: a full /dev/shm fails here with a message, not later with a
@@ -150,6 +151,9 @@ class _Ring:
         finally:
             os.close(fd)
         self._next = 0
+        self.announced = False
+        """The server was sent it: it maps the file, then unlinks it (or fails and unlinks
+        it); this side unlinks only a ring it never announced."""
 
     def announce(self, key: str) -> tuple[Any, ...]:
         """The message telling the server to map this ring for ``key``."""
@@ -170,9 +174,22 @@ class _Ring:
         dst = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
         frame_rgb(frame, (self.width, self.height), dst.reshape(self.height, self.width, 3))
 
-    def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+    def retire(self) -> None:
+        """Done with it (a new size, the stream or job ended): this side's mapping closed at
+        once (the server keeps its own while it holds frames), the file unlinked if the
+        server was never told of it. (Every ring was kept mapped until the stream ended, a
+        ring of /dev/shm per change of size; and unlinked then, announced or not: a job of a
+        few frames could end before the server mapped its ring, and fail.)"""
+        with contextlib.suppress(BufferError):  # no view of it outlives a write
+            self.mm.close()
+        if not self.announced:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def ring_prefix(pid: int) -> str:
+    """The start of the name of every ring file of the decode process ``pid``."""
+    return f"streamdet-frames-{pid}-"
 
 
 def make_ring(
@@ -225,7 +242,6 @@ class _ChildReader(StreamReader):
         self._key = key
         self._child = child
         self._ring: _Ring | None = None
-        self._rings: list[_Ring] = []
         self._gens = itertools.count(1)
         self._reported = dict.fromkeys(COUNTED, 0)
 
@@ -240,10 +256,11 @@ class _ChildReader(StreamReader):
             gen, child = next(self._gens), self._child
             source = (frame.width, frame.height)
             max_side, owner = self._opt.decode_max_side, f"stream {self.config.id}"
+            if self._ring is not None:
+                self._ring.retire()
             ring = make_ring(gen, child.slots, source, max_side, child.dir, owner=owner)
             self._ring = ring
-            self._rings.append(ring)
-            self._child.post(ring.announce(self._key))
+            ring.announced = self._child.post(ring.announce(self._key))
         slot = ring.take()
         if slot is None:
             self.count_drop()
@@ -280,8 +297,8 @@ class _ChildReader(StreamReader):
             log.exception("stream %s: decode thread failed", self.config.id)
         finally:
             self.report()
-            for ring in self._rings:
-                ring.unlink()  # the server unlinked those it mapped; these it never will
+            if self._ring is not None:
+                self._ring.retire()
             self._child.forget(self._key, self)
             self._child.post(("exited", self._key))
 
@@ -301,7 +318,7 @@ class _ChildJob:
         self._key, self._spec, self._max_side, self._child = key, spec, max_side, child
         self._stop = threading.Event()
         self._progress = JobProgress()
-        self._rings: list[_Ring] = []
+        self._ring: _Ring | None = None
         self._gens = itertools.count(1)
         self.thread = threading.Thread(target=self._run, name=f"job-{key}", daemon=True)
 
@@ -325,8 +342,8 @@ class _ChildJob:
             log.exception("job %s: decoding failed", self._key)
             error = f"decoding failed: {exc!r}"
         finally:
-            for ring in self._rings:
-                ring.unlink()
+            if self._ring is not None:
+                self._ring.retire()
             self._child.forget_job(self._key, self)
             self._child.post(("job-end", self._key, error, *self._progress_now()))
 
@@ -335,15 +352,17 @@ class _ChildJob:
         return p.frames_read, p.decode_errors, p.position_s, p.duration_s
 
     def _decode(self) -> None:
-        ring: _Ring | None = None
         for index, t, frame in sampled_frames(self._spec, self._progress, self._stopped):
             source = (frame.width, frame.height)
+            ring = self._ring
             if ring is None or ring.source != source:
+                if ring is not None:
+                    ring.retire()
                 gen, child = next(self._gens), self._child
                 owner = f"job {self._key}"
                 ring = make_ring(gen, child.slots, source, self._max_side, child.dir, owner=owner)
-                self._rings.append(ring)
-                self._child.post(ring.announce(self._key))
+                self._ring = ring
+                ring.announced = self._child.post(ring.announce(self._key))
             wait_s = JOB_WAIT_S
             while (slot := ring.take()) is None:  # the job is behind: the engines are busy
                 if self._stop.wait(wait_s):
@@ -374,9 +393,10 @@ class _Child:
         self._jobs: dict[str, _ChildJob] = {}
         self._gone = threading.Event()  # the server stopped listening
 
-    def post(self, message: tuple[Any, ...]) -> None:
+    def post(self, message: tuple[Any, ...]) -> bool:
+        """Send ``message`` to the server; False where it is gone."""
         if self._gone.is_set():
-            return
+            return False
         try:
             with self._send_lock:
                 self._events.send(message)
@@ -386,6 +406,8 @@ class _Child:
                 reader.stop()
             for job in list(self._jobs.values()):
                 job.stop()
+            return False
+        return True
 
     def forget(self, key: str, reader: _ChildReader) -> None:
         if self._readers.get(key) is reader:

@@ -68,7 +68,14 @@ import numpy as np
 from engines.batching import PoolClosed
 from engines.types import Image
 from streams.clips import ClipDone, ClipOptions, ClipPlanner, ClipRecorder
-from streams.decode_child import HEADER, MAX_SLOTS, REPORT_S, shm_dir, shm_warning
+from streams.decode_child import (
+    HEADER,
+    MAX_SLOTS,
+    REPORT_S,
+    ring_prefix,
+    shm_dir,
+    shm_warning,
+)
 from streams.detect import StreamDetect
 from streams.jobs import JobCancelled, JobError, JobProgress, JobSpec
 from streams.reader import (
@@ -100,6 +107,15 @@ def _progress(progress: JobProgress, counts: Sequence[Any]) -> None:
         (progress.frames_read, progress.decode_errors, progress.position_s, duration) = counts
         if duration is not None:
             progress.duration_s = duration
+
+
+def remove_rings_of(pid: int) -> None:
+    """Remove the ring files the exited decode process ``pid`` left (made, but killed before
+    the server mapped them: during ``posix_fallocate``, or with its "ring" message unread)."""
+    directory = Path(shm_dir())
+    for leftover in directory.glob(ring_prefix(pid) + "*"):
+        with contextlib.suppress(OSError):
+            leftover.unlink()
 
 
 class _Mapped:
@@ -272,14 +288,16 @@ class DecodeHub:
         with self._lock:
             if self._closed:
                 raise RuntimeError("decode processes are shut down")
-            self._ensure_thread()
-            index = min(
-                range(self._n),
-                key=lambda i: -1 if (p := self._procs[i]) is None else len(p.readers) + len(p.jobs),
-            )
-            proc = self._procs[index] or self._start(index)
-            proc.readers[reader.key] = reader
-        self._send(proc, ("open", reader.key, reader.remote_config()))
+            if not reader.stopping:
+                proc = self._least_busy()
+                proc.readers[reader.key] = reader
+                # Sent with the lock held: a stop (which finds the process under it) can
+                # only follow it, never overtake it and leave the stream opened.
+                self._send(proc, ("open", reader.key, reader.remote_config()))
+                return
+        # Stopped before it could open (while its process was being started again): a stop
+        # that found no process sent nothing, so it must not open now.
+        reader.remote_exited()
 
     # ---- video jobs ------------------------------------------------------------------------
     def job_frames(
@@ -298,12 +316,7 @@ class DecodeHub:
         with self._lock:
             if self._closed:
                 raise JobCancelled(interrupted=True)
-            self._ensure_thread()
-            index = min(
-                range(self._n),
-                key=lambda i: -1 if (p := self._procs[i]) is None else len(p.readers) + len(p.jobs),
-            )
-            proc = self._procs[index] or self._start(index)
+            proc = self._least_busy()
             proc.jobs[key] = inbox
         self._send(proc, ("job", key, spec, max_side))
         ended = False
@@ -381,6 +394,8 @@ class DecodeHub:
                 log.warning("decode process %d did not exit: killed", proc.popen.pid)
                 proc.popen.kill()
                 proc.popen.wait()
+        for proc in procs:
+            remove_rings_of(proc.popen.pid)
         with self._lock:
             left = [r for p in procs for r in p.readers.values()]
             jobs = [j for p in procs for j in p.jobs.values()]
@@ -401,27 +416,26 @@ class DecodeHub:
             self._thread = threading.Thread(target=self._receive, name="decode-hub", daemon=True)
             self._thread.start()
 
+    def _least_busy(self) -> _Proc:
+        """The process with the fewest streams and jobs, started if it is not running, and
+        the receiving thread (``self._lock`` held)."""
+        self._ensure_thread()
+        index = min(
+            range(self._n),
+            key=lambda i: -1 if (p := self._procs[i]) is None else len(p.readers) + len(p.jobs),
+        )
+        return self._procs[index] or self._start(index)
+
     def _start(self, index: int) -> _Proc:
         """Start process ``index`` (with ``self._lock`` held)."""
         cmd_r, cmd_w = Pipe(duplex=False)
         evt_r, evt_w = Pipe(duplex=False)
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        popen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "streams.decode_child",
-                "--cmd-fd",
-                str(cmd_r.fileno()),
-                "--evt-fd",
-                str(evt_w.fileno()),
-            ],
-            pass_fds=(cmd_r.fileno(), evt_w.fileno()),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        try:
+            popen = self._popen(cmd_r, evt_w)
+        except OSError:
+            for end in (cmd_r, cmd_w, evt_r, evt_w):
+                end.close()
+            raise
         cmd_r.close()
         evt_w.close()
         level = logging.getLogger().getEffectiveLevel()
@@ -437,6 +451,28 @@ class DecodeHub:
         log.info("decode process %d started (pid %d)", index, popen.pid)
         self._wake()
         return proc
+
+    @staticmethod
+    def _popen(cmd_r: Connection, evt_w: Connection) -> subprocess.Popen[bytes]:
+        """A decode process on the pipe ends ``cmd_r`` (its commands) and ``evt_w`` (its
+        messages)."""
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "streams.decode_child",
+                "--cmd-fd",
+                str(cmd_r.fileno()),
+                "--evt-fd",
+                str(evt_w.fileno()),
+            ],
+            pass_fds=(cmd_r.fileno(), evt_w.fileno()),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
 
     def _send(self, proc: _Proc, message: tuple[Any, ...]) -> None:
         try:
@@ -477,7 +513,8 @@ class DecodeHub:
                             poller.unregister(fd)
                             del watched[fd]
                             gone.events.close()
-                            gone.commands.close()
+                            with gone.send_lock:  # not while a send is writing to it
+                                gone.commands.close()
                     for fd, proc in live.items():
                         if fd not in watched:
                             watched[fd] = (proc, _Inbox(proc.events))
@@ -492,7 +529,10 @@ class DecodeHub:
                     try:
                         messages = inbox.read()
                     except (EOFError, OSError):
-                        self._lost(proc)
+                        try:
+                            self._lost(proc)
+                        except Exception:  # this thread reads every process: it goes on
+                            log.exception("decode process %d: handling its exit", proc.index)
                         continue
                     for message in messages:
                         try:
@@ -536,6 +576,8 @@ class DecodeHub:
             try:
                 proc.rings[key] = _Mapped(gen, path, slots, height, width, source=source)
             except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # the server's to unlink, mapped or not
                 log.warning("stream %s: cannot map its frames: %s", key, exc)
                 proc.rings.pop(key, None)
                 if reader is not None:
@@ -577,6 +619,7 @@ class DecodeHub:
             closed = self._closed
             if not closed:
                 self.exits += 1
+        remove_rings_of(proc.popen.pid)  # those it made and the server never mapped
         why = f"decode process {proc.index} (pid {proc.popen.pid}) exited with code {code}"
         for job in jobs:
             job.put(("interrupted",) if closed else ("lost", f"{why}: run the job again"))
@@ -601,8 +644,14 @@ class DecodeHub:
         log.error("%s: starting it again for its %d streams", why, len(readers))
         for reader in readers:
             reader.remote_state(StreamState.RECONNECTING, f"{why}; started again")
-            with contextlib.suppress(RuntimeError):
+            try:
                 self.open(reader)
+            except RuntimeError:  # shut down meanwhile
+                reader.remote_exited()
+            except Exception as exc:  # e.g. no process can start (EAGAIN, ENOMEM, EMFILE)
+                log.error("stream %s: cannot start a decode process: %s", reader.key, exc)
+                reader.remote_state(StreamState.FAILED, f"{why}; starting it again failed: {exc}")
+                reader.remote_exited()
 
 
 class RemoteReader(StreamReader):

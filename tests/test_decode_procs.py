@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from benchmarks.make_clip import make_clip
 from engines.batching import WorkItem
 from engines.pool import EnginePool
 from streams import decode_child, decode_procs
@@ -165,6 +166,61 @@ def test_a_killed_decode_process_is_started_again_and_its_streams_reopen(
     assert reader.alive
 
 
+def test_a_stream_stopped_while_its_process_restarts_stays_stopped(
+    hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream removed between its process's death and the reopen in the new process (a
+    DELETE at the wrong moment, pinned here from the state change the restart reports)
+    ends: its stop found no process to send to, and it used to be opened all the same,
+    decoding for ever in the new process."""
+    monkeypatch.setattr(decode_procs, "QUICK_EXIT_S", 0.0)
+    holder: list[decode_procs.RemoteReader] = []
+
+    def on_state(prev: StreamState, state: StreamState, error: str | None, frame: int) -> None:
+        if state is StreamState.RECONNECTING and "started again" in (error or ""):
+            holder[0].stop()
+
+    kept = Kept()
+    reader = hub.reader(_config(BOTTLE_CLIP), kept, lambda frame: None, on_state=on_state)
+    holder.append(reader)
+    reader.start()
+    kept.wait_for(2)
+    os.kill(hub.pids()[0], signal.SIGKILL)
+    assert reader.join(10.0) and not reader.alive
+    assert hub.pids() == []  # nothing to decode: no process started for it
+
+
+def test_a_process_that_cannot_be_started_again_fails_its_streams_not_the_hub(
+    hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starting a dead process's replacement fails (fork: EAGAIN): its streams fail saying
+    so, and the hub goes on reading the others and starting processes (the failure used to
+    end its one receiving thread: no stream got a frame again)."""
+    monkeypatch.setattr(decode_procs, "QUICK_EXIT_S", 0.0)
+    real = decode_procs.DecodeHub._popen
+    failures = [0]
+
+    def flaky(cmd_r: Any, evt_w: Any) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real(cmd_r, evt_w)
+
+    monkeypatch.setattr(decode_procs.DecodeHub, "_popen", staticmethod(flaky))
+    first = hub.reader(_config(BOTTLE_CLIP, "a"), Kept(), lambda frame: None)
+    first.start()
+    assert first.wait_state({StreamState.LIVE}, 30)
+    failures[0] = 1
+    os.kill(hub.pids()[0], signal.SIGKILL)
+    assert first.wait_state({StreamState.FAILED}, 30)
+    assert "starting it again failed" in (first.last_error or ""), first.last_error
+    assert first.join(5.0)
+    kept = Kept()
+    second = hub.reader(_config(CAR_CLIP, "b"), kept, lambda frame: None)
+    second.start()
+    kept.wait_for(3, 30)  # a new process, its frames read
+
+
 def test_a_decode_process_that_dies_at_once_fails_its_streams_with_the_setting(
     hub: DecodeHub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -299,7 +355,7 @@ def test_short_shared_memory_gives_rings_fewer_slots_before_refusing(
     ring = make()  # 8 x 5.9 MiB do not fit 30 MiB; 4 do
     assert ring.slots == 4
     assert os.path.getsize(ring.path) == decode_child.HEADER + 4 * 1920 * 1080 * 3
-    ring.unlink()
+    ring.retire()  # never announced: its file goes
     room["bytes"] = 5 * 2**20  # not even MIN_SLOTS frames
     with pytest.raises(decode_child.SharedMemoryFull, match=r"2 frames of 1920x1080.*--shm-size"):
         make()
@@ -342,7 +398,12 @@ def test_a_job_in_short_shared_memory_runs_on_fewer_slots_or_fails_saying_what_t
     assert ring[0] == "ring" and ring[4:6] == (2, 432), ring  # 2 slots of 432 rows
     assert [m[0] for m in got[1:]] == ["job-frame", "job-frame", "job-end"]
     assert got[-1][2] is None  # stopped, not failed
-    assert list(tmp_path.iterdir()) == []  # its ring unlinked
+    # Announced, the ring is the server's to unlink (it maps it, then unlinks it), however
+    # soon the job ends: a job of a few frames can end before the server has mapped it.
+    assert [p.name for p in tmp_path.iterdir()] == [Path(ring[3]).name]
+    _, _, gen, path, slots, height, width, source = ring
+    decode_procs._Mapped(gen, path, slots, height, width, source=source)
+    assert list(tmp_path.iterdir()) == []
 
     room["bytes"] = 2**20  # not even 2 frames
     job = decode_child._ChildJob("job#2", spec, 0, child)
@@ -641,6 +702,75 @@ def test_the_server_runs_jobs_in_its_decode_processes(tmp_path: Path) -> None:
         assert done["progress"]["frames_read"] == 1189
         assert done["progress"]["frames_processed"] == 40
         assert c.get("/metrics").text.count("streamdet_decode_processes 1") == 1
+
+
+def test_a_job_that_ends_before_the_server_maps_its_ring_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A video of six frames is decoded and its job over before a busy server maps the
+    ring (here 50 ms late): every frame arrives, and no file is left (the process used to
+    unlink its ring as the job ended, and the job failed "cannot map its frames")."""
+    short = tmp_path / "short.mp4"
+    make_clip(CAR_CLIP, short, width=320, height=180, fps=25, gop=25, frames=3)  # 6 frames
+    mapped = decode_procs._Mapped.__init__
+
+    def late(self: decode_procs._Mapped, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.05)
+        mapped(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode_procs._Mapped, "__init__", late)
+    before = _shm_files()
+    hub = DecodeHub(1, ReaderOptions(), SLOTS)
+    try:
+        for _ in range(3):
+            spec = JobSpec(str(short), StreamDetect())
+            frames = list(hub.job_frames(spec, JobProgress(), lambda: None, 0))
+            assert [index for index, *_ in frames] == list(range(6))
+    finally:
+        hub.shutdown(10.0)
+    assert _shm_files() <= before
+
+
+def test_a_stream_changing_size_keeps_one_ring_of_shared_memory(
+    hub: DecodeHub, tmp_path: Path
+) -> None:
+    """Each change of frame size takes a new ring; the old one's memory goes once the
+    server's frames of it do (the process kept every ring mapped until the stream ended:
+    a ring of /dev/shm more per change)."""
+    clip = tmp_path / "sizes.ts"
+    with clip.open("wb") as joined:
+        for part in range(6):  # MPEG-TS pieces of 10 frames, end to end: sizes alternate
+            piece = tmp_path / f"{part}.ts"
+            w, h = (320, 240) if part % 2 else (352, 288)
+            with av.open(str(piece), "w", format="mpegts") as out:
+                stream = out.add_stream("mpeg2video", rate=25)
+                stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+                for i in range(10):
+                    picture = np.full((h, w, 3), part * 40 + i, np.uint8)
+                    frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
+                    frame.pts = part * 10 + i
+                    for packet in stream.encode(frame):
+                        out.mux(packet)
+                for packet in stream.encode():
+                    out.mux(packet)
+            joined.write(piece.read_bytes())
+    reader = hub.reader(_config(clip), lambda sid, item: None, lambda frame: None)
+    reader.start()
+    assert reader.wait_state({StreamState.LIVE}, 30)
+    (pid,) = hub.pids()
+
+    def rings_mapped() -> int:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        return len({line.split()[5] for line in maps if "streamdet-frames" in line})
+
+    seen = []
+    for _ in range(8):
+        time.sleep(0.5)
+        seen.append(rings_mapped())
+    assert reader.snapshot()["frames_in"] > 60  # it looped: sizes changed a dozen times
+    assert max(seen) <= 2, seen  # the ring of the size now (and, for a moment, the last)
+    reader.stop()
+    assert reader.join(10.0)
 
 
 def test_a_job_whose_frames_cannot_be_mapped_fails_and_its_process_lets_it_go(
