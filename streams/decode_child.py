@@ -174,15 +174,15 @@ class _Ring:
         dst = np.frombuffer(self.mm, np.uint8, self.slot_bytes, HEADER + slot * self.slot_bytes)
         frame_rgb(frame, (self.width, self.height), dst.reshape(self.height, self.width, 3))
 
-    def retire(self) -> None:
+    def retire(self, server_gone: bool = False) -> None:
         """Done with it (a new size, the stream or job ended): this side's mapping closed at
         once (the server keeps its own while it holds frames), the file unlinked if the
-        server was never told of it. (Every ring was kept mapped until the stream ended, a
-        ring of /dev/shm per change of size; and unlinked then, announced or not: a job of a
-        few frames could end before the server mapped its ring, and fail.)"""
+        server was never told of it, or is gone. (Every ring was kept mapped until the stream
+        ended, a ring of /dev/shm per change of size; and unlinked then, announced or not: a
+        job of a few frames could end before the server mapped its ring, and fail.)"""
         with contextlib.suppress(BufferError):  # no view of it outlives a write
             self.mm.close()
-        if not self.announced:
+        if not self.announced or server_gone:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
@@ -257,7 +257,7 @@ class _ChildReader(StreamReader):
             source = (frame.width, frame.height)
             max_side, owner = self._opt.decode_max_side, f"stream {self.config.id}"
             if self._ring is not None:
-                self._ring.retire()
+                self._ring.retire(self._child.gone)
             ring = make_ring(gen, child.slots, source, max_side, child.dir, owner=owner)
             self._ring = ring
             ring.announced = self._child.post(ring.announce(self._key))
@@ -298,7 +298,7 @@ class _ChildReader(StreamReader):
         finally:
             self.report()
             if self._ring is not None:
-                self._ring.retire()
+                self._ring.retire(self._child.gone)
             self._child.forget(self._key, self)
             self._child.post(("exited", self._key))
 
@@ -343,7 +343,7 @@ class _ChildJob:
             error = f"decoding failed: {exc!r}"
         finally:
             if self._ring is not None:
-                self._ring.retire()
+                self._ring.retire(self._child.gone)
             self._child.forget_job(self._key, self)
             self._child.post(("job-end", self._key, error, *self._progress_now()))
 
@@ -357,7 +357,7 @@ class _ChildJob:
             ring = self._ring
             if ring is None or ring.source != source:
                 if ring is not None:
-                    ring.retire()
+                    ring.retire(self._child.gone)
                 gen, child = next(self._gens), self._child
                 owner = f"job {self._key}"
                 ring = make_ring(gen, child.slots, source, self._max_side, child.dir, owner=owner)
@@ -392,6 +392,15 @@ class _Child:
         self._readers: dict[str, _ChildReader] = {}
         self._jobs: dict[str, _ChildJob] = {}
         self._gone = threading.Event()  # the server stopped listening
+
+    @property
+    def gone(self) -> bool:
+        """The server stopped listening (its rings left unmapped are this side's to unlink)."""
+        return self._gone.is_set()
+
+    def lost_server(self) -> None:
+        """The server closed its end: what it was told of it will never map."""
+        self._gone.set()
 
     def post(self, message: tuple[Any, ...]) -> bool:
         """Send ``message`` to the server; False where it is gone."""
@@ -491,6 +500,7 @@ def child_main(argv: list[str] | None = None) -> int:
                 message = commands.recv()
             except (EOFError, OSError):
                 log.warning("the server closed its pipe: stopping")
+                child.lost_server()
                 break
             if message[0] == "quit":
                 break
