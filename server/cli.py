@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import sys
@@ -95,7 +96,9 @@ def serve(settings: Settings) -> int:
             log_level=settings.log_level,
             access_log=settings.access_log,
             timeout_keep_alive=settings.keep_alive_s,
-            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
+            # Whole seconds for uvicorn, at least one: int() made anything under 1 s
+            # "None", which waits for open requests for ever.
+            timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_timeout_s)),
         )
     ).run()
     return 0

@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 import uuid
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from streams.jobs import (
     JobProgress,
     JobSpec,
     local_frames,
+    probe,
     run_job,
 )
 
@@ -53,6 +55,8 @@ JOB_FILE = "job.json"
 MB = 1024 * 1024  # as the settings count them
 LIVE_ONLY = frozenset({"clips", "motion", "motion_mask", "motion_min_area", "motion_threshold"})
 """A live stream's settings, which a job has no use for."""
+PROBE_THREADS = 4
+"""New jobs' videos probed at once (each up to the open timeout where a URL does not answer)."""
 CALLBACK_ATTEMPTS = 6
 CALLBACK_BACKOFF_S = 1.0  # doubled after each failure: the last try about 31 s after the first
 
@@ -201,16 +205,26 @@ class JobManager:
         self._decode_max_side = decode_max_side
         self._frames = frames or local_frames  # decode processes, where the server has them
         self._jobs: dict[str, Job] = {}  # in creation order
+        self._held: dict[str, int] = {}  # room held for jobs being received: bytes by id
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._runners: list[asyncio.Task[None]] = []
         self._interrupt = threading.Event()
         self._closed = False
+        # Set when shutdown begins (the signal), before the HTTP server waits for open
+        # requests: long-polls and followers of jobs answer then, and no job starts.
+        self._going = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Threads of their own: a job lowers its thread's CPU priority for good.
         self._executor = ThreadPoolExecutor(concurrency, thread_name_prefix="job")
+        # And for probing a new job's video: a URL that answers slowly or not at all holds
+        # its thread up to the open timeout, which in the shared default pool (6 threads on
+        # 2 cores) held up every other route's blocking work (a dozen such URLs: 18 s).
+        self._probes = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="job-probe")
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Load the kept jobs; those that were waiting or running wait again."""
+        self._loop = asyncio.get_running_loop()
         for job in await asyncio.to_thread(self._load):
             self._jobs[job.id] = job
             if job.state is JobState.QUEUED:
@@ -222,10 +236,26 @@ class JobManager:
             for i in range(self._concurrency)
         ]
 
+    def going_away(self) -> None:
+        """Shutdown begins (from a signal handler or any thread): waits and follows of jobs
+        end now with what there is (they held the server's exit until its graceful timeout,
+        then ended in a 500 or a cut body), and no queued job starts (it runs at the next
+        start)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop has already stopped
+                loop.call_soon_threadsafe(self._going.set)
+
+    @property
+    def leaving(self) -> bool:
+        """Shutdown has begun (:meth:`going_away`)."""
+        return self._going.is_set()
+
     async def stop(self, timeout_s: float) -> None:
         """Interrupt the running jobs (they run again at the next start) and wait for their
         threads for up to ``timeout_s``."""
         self._closed = True
+        self._going.set()
         self._interrupt.set()
         for task in self._callbacks:  # kept as pending: sent at the next start
             task.cancel()
@@ -239,6 +269,7 @@ class JobManager:
         if waiting:
             log.warning("%d video job(s) still running after %.1f s", len(waiting), timeout_s)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
 
     # ---- the API's side ------------------------------------------------------------------
     def new_id(self) -> str:
@@ -247,9 +278,12 @@ class JobManager:
     def directory_of(self, job_id: str) -> Path:
         return self.directory / job_id
 
-    async def make_room(self, incoming: int = 0) -> None:
+    async def make_room(self, incoming: int = 0, job_id: str | None = None) -> None:
         """Delete the oldest finished jobs until a new one fits: one more job, and
-        ``incoming`` more bytes (its video, uploaded).
+        ``incoming`` more bytes (its video, uploaded). With ``job_id``, the room is held for
+        that job until it is added or released (:meth:`release`): requests that come at once each
+        count the others' (they were all let through, past ``--max-jobs`` and
+        ``--jobs-max-mb``, while their uploads and probes ran).
 
         Raises:
             JobLimitError: every kept job is waiting or running.
@@ -264,20 +298,42 @@ class JobManager:
                 f"a video of {incoming / MB:.1f} MB is more than the {self._max_bytes / MB:.0f}"
                 " MB every job together may keep (setting STREAMDET_JOBS_MAX_MB)"
             )
-        while len(self._jobs) >= self._max_jobs or self.bytes_used() + incoming > self._max_bytes:
+
+        def others() -> tuple[int, int]:  # jobs and bytes, kept or held for other requests
+            held = [b for key, b in self._held.items() if key != job_id]
+            return len(self._jobs) + len(held), self.bytes_used() + sum(held)
+
+        while (taken := others())[0] >= self._max_jobs or taken[1] + incoming > self._max_bytes:
             oldest = next((j for j in self._jobs.values() if j.state in FINISHED), None)
             if oldest is None:
-                if len(self._jobs) >= self._max_jobs:
+                if taken[0] >= self._max_jobs:
                     raise JobLimitError(
-                        f"{len(self._jobs)} video jobs are already waiting or running"
+                        f"{taken[0]} video jobs are already waiting or running"
                         " (setting STREAMDET_MAX_JOBS)"
                     )
+                more = f"another {incoming / MB:.1f} MB would pass" if incoming else "the most,"
                 raise JobStorageError(
-                    f"jobs waiting or running keep {self.bytes_used() / MB:.1f} MB: another"
-                    f" {incoming / MB:.1f} MB would pass {self._max_bytes / MB:.0f} MB"
-                    " (setting STREAMDET_JOBS_MAX_MB)"
+                    f"jobs waiting or running keep {taken[1] / MB:.1f} MB: {more}"
+                    f" {self._max_bytes / MB:.0f} MB (setting STREAMDET_JOBS_MAX_MB)"
                 )
             await self.delete(oldest.id)
+        if job_id is not None:
+            self._held[job_id] = incoming
+
+    async def probe(
+        self, target: str, options: dict[str, str], timeout_s: tuple[float, float]
+    ) -> dict[str, Any]:
+        """:func:`streams.jobs.probe` in the probes' own threads.
+
+        Raises:
+            JobError: as ``probe`` does.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._probes, probe, target, options, timeout_s)
+
+    def release(self, job_id: str) -> None:
+        """Let go of the room :meth:`make_room` held for ``job_id`` (its request failed)."""
+        self._held.pop(job_id, None)
 
     def bytes_used(self) -> int:
         """What the kept jobs' files take (each measured when it was added and when it
@@ -290,6 +346,7 @@ class JobManager:
             raise JobsClosed("the server is shutting down")
         job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
         self._jobs[job.id] = job
+        self._held.pop(job.id, None)  # counted as itself from now on
         await asyncio.to_thread(self._save, job)
         self._queue.put_nowait(job.id)
         log.info("job %s: queued (%s)", job.id, job.source)
@@ -322,14 +379,21 @@ class JobManager:
         job.deleted = True
         job.cancel.set()
         if job.state is not JobState.RUNNING:
+            job.finished.set()  # nothing more will come of it: its waiters answer
             await asyncio.to_thread(shutil.rmtree, self.directory_of(job_id), True)
         log.info("job %s: deleted", job_id)
         return True
 
     async def wait(self, job: Job, timeout_s: float) -> None:
-        """Return once ``job`` has finished, or after ``timeout_s``."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.finished.wait(), timeout_s)
+        """Return once ``job`` has finished or is deleted, after ``timeout_s``, or when the
+        server begins to stop."""
+        ended = asyncio.ensure_future(job.finished.wait())
+        going = asyncio.ensure_future(self._going.wait())
+        try:
+            await asyncio.wait((ended, going), timeout=timeout_s, return_when=FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            going.cancel()
 
     def counts(self) -> dict[str, int]:
         """Kept jobs by state (for metrics)."""
@@ -342,8 +406,8 @@ class JobManager:
     async def _run_forever(self) -> None:
         while True:
             job_id = await self._queue.get()
-            if self._closed:
-                return
+            if self._closed or self._going.is_set():
+                return  # stopping: a queued job stays queued, and runs at the next start
             job = self._jobs.get(job_id)
             if job is None or job.state is not JobState.QUEUED or job.deleted:
                 continue
@@ -432,6 +496,9 @@ class JobManager:
         delay = CALLBACK_BACKOFF_S
         async with httpx.AsyncClient(timeout=self._callback_timeout_s) as client:
             for attempt in range(1, CALLBACK_ATTEMPTS + 1):
+                if job.deleted:  # its caller deleted it: nothing left to tell of
+                    job.callback["state"] = "cancelled"
+                    break
                 payload = {"job": job.to_json(self._names)}
                 error = await post_json(client, job.callback_url, payload, self._callback_secret)
                 job.callback.update(attempts=attempt, last_error=error)

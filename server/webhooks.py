@@ -120,6 +120,10 @@ class WebhookSender:
         self.last_error_at: float | None = None
         self.last_sent_at: float | None = None
 
+    def forget(self) -> None:
+        """Deleted: its cursor is no longer kept (one row a webhook ever added, before)."""
+        self._reader.log.drop_cursor(self._reader.sink)
+
     def describe(self) -> dict[str, Any]:
         """How it is doing, as ``GET /webhooks`` shows it."""
         return {
@@ -228,6 +232,7 @@ class Webhooks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        sender.forget()
         return True
 
     async def stop(self, timeout_s: float) -> None:

@@ -88,6 +88,10 @@ class EventStore:
     def save_cursor(self, name: str, cursor: int) -> None:
         self._ops.put(("cursor", (name, cursor)))
 
+    def drop_cursor(self, name: str) -> None:
+        """Forget the cursor of the sink ``name`` (gone for good)."""
+        self._ops.put(("drop-cursor", name))
+
     def forget_before(self, event_id: int) -> None:
         """Delete the events with ids below ``event_id`` (retention by age)."""
         self._ops.put(("forget", event_id))
@@ -139,6 +143,8 @@ class EventStore:
                 written += len(rows)
             elif kind == "forget":
                 db.execute("DELETE FROM events WHERE id < ?", (payload,))
+            elif kind == "drop-cursor":
+                db.execute("DELETE FROM cursors WHERE name = ?", (payload,))
             else:
                 db.execute(
                     "INSERT INTO cursors (name, cursor) VALUES (?, ?)"

@@ -296,6 +296,20 @@ class EventLog:
                     break
         return EventPage(found[::-1], self.last_id, 0)
 
+    def count_after(self, after: int, wanted: EventFilter) -> int:
+        """How many events the log holds with ids above ``after`` that are ``wanted``."""
+        n = 0
+        for event in reversed(self._events):
+            if int(event["id"]) <= after:
+                break
+            n += wanted.matches(event)
+        return n
+
+    def drop_cursor(self, name: str) -> None:
+        """Forget the sink ``name`` (a webhook deleted): its cursor is no longer kept."""
+        if self.store is not None:
+            self.store.drop_cursor(name)
+
     def held(self) -> list[dict[str, Any]]:
         """Every event the log holds, oldest first: a copy, which a worker thread may go
         through while the log takes new ones (3 ms for 100 000 events)."""
@@ -356,8 +370,11 @@ class LogReader:
 
     @property
     def pending(self) -> int:
-        """Events logged and not delivered yet."""
-        return self.log.last_id - self.cursor
+        """Events logged and not delivered yet: those it takes (a filtered sink's count
+        used to include the events its filter passes over)."""
+        if self.wanted is EVERY_EVENT:
+            return self.log.last_id - self.cursor
+        return self.log.count_after(self.cursor, self.wanted)
 
     def next_page(self, limit: int) -> EventPage:
         """Up to ``limit`` events to deliver next; those that left the log first are counted

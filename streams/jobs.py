@@ -202,6 +202,10 @@ def probe(
                     "codec": stream.codec_context.name,
                 }
             raise JobError("no frame of it decodes")
+    except av.error.ExitError:  # FFmpeg's wait cut short by the timeout
+        raise JobError(
+            f"no answer within {timeout_s[0]:g} s (setting STREAMDET_STREAM_OPEN_TIMEOUT_S)"
+        ) from None
     except av.error.FFmpegError as exc:
         hint = ""
         if source.startswith(("http://", "https://")) and getattr(exc, "errno", 0) == errno.EIO:
@@ -372,8 +376,10 @@ def run_job(
     with (
         contextlib.closing(sink) if sink is not None else contextlib.nullcontext(),
         contextlib.closing(frames(spec, progress, stopped, max_side)) as decoded,
-        (directory / FRAMES_FILE).open("w", encoding="utf-8") as frames_out,
-        (directory / EVENTS_FILE).open("w", encoding="utf-8") as events_out,
+        # A line at a time (line buffered), so followers and readers of a running job get
+        # each frame and event as it is done (an 8 kB buffer held events until the job's end).
+        (directory / FRAMES_FILE).open("w", encoding="utf-8", buffering=1) as frames_out,
+        (directory / EVENTS_FILE).open("w", encoding="utf-8", buffering=1) as events_out,
     ):
         try:
             for index, t, image, source in decoded:

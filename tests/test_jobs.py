@@ -24,6 +24,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from benchmarks.events_bench import WebhookReceiver
+from engines.batching import WorkItem
 from engines.types import DetectParams, Engine, ModelInfo
 from engines.yolo import resize
 from loadtest.server import free_port
@@ -117,6 +118,53 @@ def test_a_jobs_frames_are_those_the_engine_gives_for_the_same_pictures(
     assert counts["detections"]["bottle"] == sum(
         1 for line in lines for d in line["detections"] if d["class_name"] == "bottle"
     )
+
+
+def test_a_running_jobs_files_hold_each_frame_as_soon_as_it_is_done(
+    tmp_path: Path, model_info: ModelInfo
+) -> None:
+    """Held at its sixth frame, a job's ``frames.ndjson`` already has the five before it (the
+    files were written through an 8 kB buffer: followers and "the lines so far" got them
+    in bursts, a job's events only at its end)."""
+    pool = start_ort_pool(model_info, max_wait_ms=2, max_batch=4)
+    held, release, sent = threading.Event(), threading.Event(), [0]
+
+    def submit(item: WorkItem) -> None:
+        sent[0] += 1
+        if sent[0] != 6:
+            pool.submit_background(item)
+            return
+        held.set()
+
+        def later() -> None:
+            release.wait(60)
+            pool.submit_background(item)
+
+        threading.Thread(target=later).start()
+
+    progress = JobProgress()
+    spec = JobSpec(str(BOTTLE_CLIP), StreamDetect(), fps=2.0)
+    job = threading.Thread(
+        target=run_job,
+        args=(spec, submit, tmp_path, str),
+        kwargs={
+            "inflight": 1,
+            "cancel": threading.Event(),
+            "interrupt": threading.Event(),
+            "progress": progress,
+        },
+    )
+    job.start()
+    try:
+        assert held.wait(60)
+        time.sleep(0.2)  # the fifth frame's line written, if it ever is before the end
+        lines = (tmp_path / "frames.ndjson").read_text().splitlines()
+        assert [json.loads(line)["pts"] for line in lines] == [0.0, 0.5028, 1.0056, 1.5084, 2.0112]
+    finally:
+        release.set()
+        job.join(60)
+        pool.stop(5)
+    assert progress.frames_processed == 80  # the whole clip, 2 a second
 
 
 def _decoded(mp4: bytes) -> list[tuple[float, np.ndarray]]:

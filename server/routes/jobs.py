@@ -46,7 +46,7 @@ from server.state import AppState, get_state
 from streams.detect import StreamDetect
 from streams.events import COUNT_KEYS, count_events
 from streams.files import VIDEO_SUFFIXES
-from streams.jobs import JobError, probe
+from streams.jobs import JobError
 from streams.sources import SourceError, open_options, parse_source, redact
 
 log = logging.getLogger(__name__)
@@ -284,15 +284,15 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
     ``application/json``, a ``url``; ``202`` with the job, which waits its turn."""
     state = get_state(request)
     jobs = _jobs(state)
-    await _make_room(jobs, 0, state.settings.jobs_max_mb)
     job_id = jobs.new_id()
+    await _make_room(jobs, 0, state.settings.jobs_max_mb, job_id)
     directory = jobs.directory_of(job_id)
     names = state.pool.engine.names
     try:
         job_in, source, target, options = await _receive(request, state, directory)
         if "bytes" in source:  # room for the upload beside what is kept
             try:
-                await jobs.make_room(source["bytes"])
+                await jobs.make_room(source["bytes"], job_id)
             except JobStorageError as exc:
                 too_large = source["bytes"] > state.settings.jobs_max_mb * 1024 * 1024
                 raise HTTPException(413 if too_large else 507, str(exc)) from None
@@ -303,7 +303,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
         detect = job_in.detect(names, StreamDetect())
         timeout = (state.settings.stream_open_timeout_s, state.settings.stream_read_timeout_s)
         try:
-            video = await asyncio.to_thread(probe, target, options, timeout)
+            video = await jobs.probe(target, options, timeout)
         except JobError as exc:
             raise HTTPException(415 if "upload" in source else 422, f"video: {exc}") from None
         job = Job(
@@ -321,6 +321,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
         )
         await jobs.add(job)
     except BaseException:
+        jobs.release(job_id)
         with contextlib.suppress(OSError):
             await asyncio.to_thread(shutil.rmtree, directory, True)
         raise
@@ -328,10 +329,11 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
     return job.to_json(names)
 
 
-async def _make_room(jobs: JobManager, incoming: int, max_mb: int) -> None:
-    """Room for one more job with ``incoming`` bytes, or the HTTP error saying why not."""
+async def _make_room(jobs: JobManager, incoming: int, max_mb: int, job_id: str) -> None:
+    """Room for one more job with ``incoming`` bytes, held for ``job_id``, or the HTTP error
+    saying why not."""
     try:
-        await jobs.make_room(incoming)
+        await jobs.make_room(incoming, job_id)
     except JobStorageError as exc:
         raise HTTPException(413 if incoming > max_mb * 1024 * 1024 else 507, str(exc)) from None
     except JobLimitError as exc:
@@ -377,6 +379,7 @@ async def get_job(
     job = _job(state, job_id)
     if wait_s:
         await _jobs(state).wait(job, wait_s)
+        job = _job(state, job_id)  # 404 once deleted meanwhile
     return _describe(_jobs(state), job, state.pool.engine.names)
 
 
@@ -437,10 +440,12 @@ def _whole_lines(path: Path, offset: int) -> bytes:
 
 async def _follow(request: Request, jobs: JobManager, job: Job, path: Path) -> AsyncIterator[bytes]:
     """Each batch of new whole lines of ``path`` until ``job`` has ended (and its last lines
-    are out), is deleted, or the client has gone."""
+    are out), is deleted, the client has gone, or the server begins to stop (its lines so
+    far out: the client reads on with ``follow`` once the server is back)."""
     offset = 0
     while True:
-        ended = job.finished.is_set()  # read before the file: no line written after is lost
+        # Read before the file: no line written after is lost.
+        ended = job.finished.is_set() or jobs.leaving
         chunk = await asyncio.to_thread(_whole_lines, path, offset)
         if chunk:
             offset += len(chunk)

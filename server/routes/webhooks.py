@@ -153,12 +153,18 @@ async def add_webhook(body: WebhookIn, request: Request) -> dict[str, Any]:
         raise HTTPException(409, f"already {len(added)} webhooks, the most; delete one first")
     spec = filter_spec(body.filter, get_state(request).pool.engine.names)
     record = WebhookRecord(uuid.uuid4().hex[:12], body.url, body.secret, spec, time.time())
-    await asyncio.to_thread(store.add, record)
     state = get_state(request)
     sender = make_sender(
         record, get_manager(request).events, state.settings.webhook_timeout_s, get_metrics(request)
     )
+    # Counted at once, before the store's write is awaited: calls at the same moment each
+    # see the others (a hundred at once were all let past the limit).
     webhooks.add(sender)
+    try:
+        await asyncio.to_thread(store.add, record)
+    except BaseException:
+        await webhooks.remove(record.id)
+        raise
     return sender.describe()
 
 

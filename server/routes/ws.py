@@ -97,7 +97,8 @@ async def _receive_until_gone(websocket: WebSocket) -> None:
 
 
 def going_away(app: FastAPI) -> None:
-    """Close every viewer with 1001 at once; safe from a signal handler or any thread.
+    """Close every viewer with 1001 at once, and end waits on jobs; safe from a signal
+    handler or any thread.
 
     The CLI calls it when shutdown begins, before uvicorn closes open WebSockets itself
     (which it does with 1012); the lifespan's shutdown closes any left the same way.
@@ -105,6 +106,8 @@ def going_away(app: FastAPI) -> None:
     state = getattr(app.state, "streamdet", None)
     if state is not None and state.streams is not None:
         state.streams.going_away()
+    if state is not None and state.jobs is not None:
+        state.jobs.going_away()  # long-polls and followers of jobs answer now
 
 
 async def viewers_gone(app: FastAPI, timeout_s: float) -> None:

@@ -1,0 +1,135 @@
+"""Calls that come at the same moment, and shutdown beginning while calls wait: the real app
+in process (``TestClient``: its requests from several threads share the app's event loop).
+
+Found by firing the calls of scripts, dashboards and integrations together at a running
+server: limits let past, long-polls that held the server's exit, a deleted job still
+waited on and called back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from server.routes.webhooks import MAX_WEBHOOKS
+from server.state import AppState
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, file_stream_app
+
+
+def _state(client: TestClient) -> AppState:
+    state: AppState = client.app.state.streamdet  # type: ignore[attr-defined]
+    return state
+
+
+def test_jobs_sent_at_once_keep_to_the_job_limit(tmp_path: Path) -> None:
+    """Six jobs at once with room for two: two accepted, four refused with the setting named
+    (each request checked the limit, then probed its video while the others did the same:
+    all six were kept)."""
+    with TestClient(file_stream_app(tmp_path, max_jobs=2, job_concurrency=1)) as c:
+        body = {"url": f"file://{CAR_CLIP}", "classes": "car"}
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: c.post("/jobs", json=body), range(6)))
+        codes = sorted(a.status_code for a in answers)
+        assert codes == [202, 202, 429, 429, 429, 429], [a.text for a in answers]
+        refused = next(a for a in answers if a.status_code == 429)
+        assert "STREAMDET_MAX_JOBS" in refused.text
+        assert len(c.get("/jobs").json()["jobs"]) == 2
+        for job in c.get("/jobs").json()["jobs"]:
+            assert c.delete(f"/jobs/{job['id']}").status_code == 204
+        # Room held by a request that failed is given back.
+        bad = c.post("/jobs", json={"url": f"file://{tmp_path}/missing.mp4"})
+        assert bad.status_code == 422
+        assert c.post("/jobs", json=body).status_code == 202
+
+
+def test_a_wait_on_a_job_ends_when_it_is_deleted_or_the_server_begins_to_stop(
+    tmp_path: Path,
+) -> None:
+    """``wait_s`` on a queued job that is deleted answers at once, 404 (it waited the whole
+    ``wait_s`` and answered 200 for a job that was gone); once shutdown begins, every wait
+    and ``follow`` answers with what there is (they held the server's exit until its
+    graceful timeout, then ended in a 500 or a cut body), and no queued job starts."""
+    with TestClient(file_stream_app(tmp_path, job_concurrency=1)) as c:
+        running = c.post("/jobs", json={"url": f"file://{CAR_CLIP}"}).json()["id"]
+        queued = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}"}).json()["id"]
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            waiting = pool.submit(c.get, f"/jobs/{queued}", params={"wait_s": 30})
+            time.sleep(0.5)
+            assert c.delete(f"/jobs/{queued}").status_code == 204
+            assert waiting.result(10).status_code == 404
+            assert time.monotonic() - started < 5
+        queued = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}"}).json()["id"]
+        with ThreadPoolExecutor(2) as pool:
+            started = time.monotonic()
+            waited = pool.submit(c.get, f"/jobs/{running}", params={"wait_s": 60})
+            followed = pool.submit(c.get, f"/jobs/{running}/frames", params={"follow": True})
+            time.sleep(1.0)
+            jobs = _state(c).jobs
+            assert jobs is not None
+            jobs.going_away()  # as the server's signal handler does
+            answer, lines = waited.result(10), followed.result(10)
+            assert time.monotonic() - started < 8
+        assert answer.status_code == 200 and answer.json()["state"] == "running"
+        assert lines.status_code == 200  # the lines so far, then the end of the body
+        time.sleep(1.0)
+        assert c.get(f"/jobs/{queued}").json()["state"] == "queued"  # runs at the next start
+
+
+def test_webhooks_added_at_once_keep_to_the_most(tmp_path: Path) -> None:
+    """Eighty webhooks at once: no more than the most are kept, the rest refused (a hundred
+    at once were all let past the limit); deleting one forgets its cursor."""
+    with TestClient(file_stream_app(tmp_path)) as c:
+        hook = {"url": "http://127.0.0.1:9/hook"}
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: c.post("/webhooks", json=hook), range(80)))
+        added = [a.json()["id"] for a in answers if a.status_code == 201]
+        assert len(added) == MAX_WEBHOOKS
+        assert all(a.status_code == 409 for a in answers if a.status_code != 201)
+        assert len(c.get("/webhooks").json()["webhooks"]) == MAX_WEBHOOKS
+        assert c.delete(f"/webhooks/{added[0]}").status_code == 204
+        events = _state(c).streams
+        assert events is not None
+        store = events.events.store
+        assert store is not None
+        deadline = time.monotonic() + 10
+        while store.cursor(f"webhook {added[0]}") is not None:
+            assert time.monotonic() < deadline, "the deleted webhook's cursor is still kept"
+            time.sleep(0.1)
+        assert store.cursor(f"webhook {added[1]}") is not None
+
+
+def test_a_deleted_jobs_callback_is_not_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job deleted while its callback is being retried is not called back again (it was,
+    up to 30 s later, for a job that answered 404)."""
+    calls: list[float] = []
+    failing = threading.Event()
+
+    def receiver(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        failing.set()
+        return httpx.Response(500)
+
+    real_client = httpx.AsyncClient
+
+    def client(**kwargs: Any) -> httpx.AsyncClient:
+        return real_client(transport=httpx.MockTransport(receiver), **kwargs)
+
+    # The job's callback client answers from here (TestClient is a sync httpx.Client).
+    monkeypatch.setattr(httpx, "AsyncClient", client)
+    with TestClient(file_stream_app(tmp_path)) as c:
+        body = {"url": f"file://{BOTTLE_CLIP}", "fps": 0.25, "callback_url": "http://x/cb"}
+        job_id = c.post("/jobs", json=body).json()["id"]
+        assert failing.wait(60)  # the first try failed: the next comes after 1 s
+        assert c.delete(f"/jobs/{job_id}").status_code == 204
+        tried = len(calls)
+        time.sleep(4.0)  # the 2nd and 3rd tries would have come (1 s, then 2 s)
+        assert len(calls) == tried, (tried, len(calls))
