@@ -14,6 +14,8 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from engines.pool import EnginePool
 from server import metrics as metrics_module
@@ -36,6 +38,14 @@ from server.webhook_store import WebhookStore
 from server.webhooks import Webhooks, WebhookSender
 
 log = logging.getLogger(__name__)
+
+
+async def client_went_away(request: Request, exc: Exception) -> Response:
+    """A client that went away while sending its body (an upload cut off): logged as such,
+    not as "Exception in ASGI application" with a traceback; what the route had made of the
+    request is cleaned up by the route itself. The answer goes nowhere."""
+    log.info("%s %s: the client went away during its upload", request.method, request.url.path)
+    return Response(status_code=400)
 
 
 def create_app(settings: Settings | None = None, pool: EnginePool | None = None) -> FastAPI:
@@ -188,6 +198,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     # Under /v2 errors answer {"error": ...}, as the KServe v2 protocol's clients expect.
     app.add_exception_handler(StarletteHTTPException, kserve.v2_http_error)
     app.add_exception_handler(RequestValidationError, kserve.v2_http_error)
+    app.add_exception_handler(ClientDisconnect, client_went_away)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

@@ -133,3 +133,51 @@ def test_a_deleted_jobs_callback_is_not_sent_again(
         tried = len(calls)
         time.sleep(4.0)  # the 2nd and 3rd tries would have come (1 s, then 2 s)
         assert len(calls) == tried, (tried, len(calls))
+
+
+def test_an_upload_cut_off_is_logged_as_such_and_leaves_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that goes away halfway through its upload: an info line, no "Exception in
+    ASGI application" traceback, and nothing of the job kept."""
+    with TestClient(file_stream_app(tmp_path)) as c:
+        body = CAR_CLIP.read_bytes()
+        parts: list[dict[str, Any]] = [
+            {"type": "http.request", "body": body[:65536], "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/jobs",
+            "raw_path": b"/jobs",
+            "query_string": b"",
+            "headers": [
+                (b"content-type", b"video/mp4"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+            "scheme": "http",
+            "root_path": "",
+            "state": {},
+        }
+        assert c.portal is not None
+        with caplog.at_level("INFO"):
+            app: Any = c.app
+            c.portal.call(app, scope, receive, send)
+        assert sent[0]["status"] == 400
+        assert "went away during its upload" in caplog.text
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        assert c.get("/jobs").json() == {"jobs": []}
+        assert list((tmp_path / "data" / "jobs").iterdir()) == []
