@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
+from server.ranges import RangedFile
 from server.routes.detect import parse_classes
 from server.routes.streams import get_manager
 from server.state import get_state
@@ -369,4 +370,4 @@ async def event_clip(clip_id: int, request: Request) -> FileResponse:
             retry = str(max(1, round(manager.clips.options.post_s)))
             raise HTTPException(503, found, headers={"Retry-After": retry})
         raise HTTPException(404, found)
-    return FileResponse(found, media_type="video/mp4", headers={"Cache-Control": "max-age=3600"})
+    return RangedFile(found, media_type="video/mp4", headers={"Cache-Control": "max-age=3600"})

@@ -39,6 +39,7 @@ from server.jobs import (
     JobsClosed,
     JobStorageError,
 )
+from server.ranges import RangedFile
 from server.routes.detect import capped_stream
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.streams import DetectIn
@@ -471,7 +472,7 @@ async def _results(
             _follow(request, jobs, job, path), media_type=NDJSON, headers=headers
         )
     if output == "ndjson" and job.finished.is_set() and path.is_file():
-        return FileResponse(path, media_type=NDJSON, headers=headers)
+        return RangedFile(path, media_type=NDJSON, headers=headers)
 
     def as_csv() -> str:
         columns, rows = (
@@ -574,7 +575,7 @@ async def job_video(request: Request, job_id: str) -> FileResponse:
     path = _jobs(state).directory_of(job.id) / VIDEO_FILE
     if not await asyncio.to_thread(path.is_file):
         raise HTTPException(404, f"job {job_id!r} ended ({job.state}) before any frame was drawn")
-    return FileResponse(path, media_type="video/mp4", headers={"X-Job-State": str(job.state)})
+    return RangedFile(path, media_type="video/mp4", headers={"X-Job-State": str(job.state)})
 
 
 @router.delete("/jobs/{job_id}", status_code=204)
