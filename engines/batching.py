@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engines.types import Detections, DetectParams, Image
@@ -59,6 +59,8 @@ class WorkItem:
     request_id: str = ""
     stream_id: str | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
+    answered: bool = field(default=False, compare=False)
+    """Set by the worker that answered it: an answer is given once, whatever fails after."""
 
 
 class WorkQueue:
@@ -93,18 +95,38 @@ class WorkQueue:
         self._needs: list[int] = []  # items each filling worker still wants
         self._closed = False
 
+    @property
+    def max_interactive(self) -> int:
+        """Interactive items that may wait at once."""
+        return self._max_interactive
+
     def put(self, item: WorkItem) -> None:
         """Queue an interactive item. Raises :class:`QueueFull` or :class:`PoolClosed`."""
+        self.put_all([item])
+
+    def put_all(self, items: Sequence[WorkItem]) -> None:
+        """Queue the interactive items of one call, all of them or none (a call of several
+        images half queued ran its first ones for an answer of 429). Raises
+        :class:`QueueFull` or :class:`PoolClosed`."""
         with self._lock:
             if self._closed:
                 raise PoolClosed("the engine pool is shutting down")
-            if len(self._interactive) >= self._max_interactive:
+            if len(self._interactive) + len(items) > self._max_interactive:
                 raise QueueFull(
                     f"{len(self._interactive)} requests already waiting"
                     " (setting STREAMDET_MAX_QUEUE)"
                 )
-            self._interactive.append(item)
+            self._interactive.extend(items)
             self._wake()
+
+    def withdraw(self, items: Sequence[WorkItem]) -> int:
+        """Take back those of ``items`` still waiting (their caller went away); how many."""
+        gone = {id(item) for item in items}
+        with self._lock:
+            kept = deque(i for i in self._interactive if id(i) not in gone)
+            taken = len(self._interactive) - len(kept)
+            self._interactive = kept
+        return taken
 
     def put_latest(self, key: str, item: WorkItem) -> WorkItem | None:
         """Offer a stream frame; returns the frame it replaced (a drop), if any."""

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engines.batching import (
@@ -157,14 +157,34 @@ class EnginePool:
         self, image: Image, params: DetectParams, deadline: float, request_id: str = ""
     ) -> WorkResult:
         """Run one interactive image from the event loop; raises QueueFull / PoolClosed."""
+        (result,) = await self.detect_many([image], params, deadline, request_id)
+        return result
+
+    async def detect_many(
+        self, images: Sequence[Image], params: DetectParams, deadline: float, request_id: str = ""
+    ) -> list[WorkResult]:
+        """Run the interactive images of one call from the event loop, queued all or none;
+        raises QueueFull / PoolClosed. Cancelled (its caller went away), the images still
+        waiting are taken back: they ran for nobody before, holding places in the queue."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[WorkResult] = loop.create_future()
+        futures: list[asyncio.Future[WorkResult]] = []
+        items: list[WorkItem] = []
+        for i, image in enumerate(images):
+            future: asyncio.Future[WorkResult] = loop.create_future()
 
-        def done(result: WorkResult) -> None:
-            loop.call_soon_threadsafe(_set_result, future, result)
+            def done(result: WorkResult, future: asyncio.Future[WorkResult] = future) -> None:
+                loop.call_soon_threadsafe(_set_result, future, result)
 
-        self.submit(WorkItem(image, params, deadline, done, request_id=request_id))
-        return await future
+            rid = request_id if len(images) == 1 else f"{request_id}:{i}"
+            futures.append(future)
+            items.append(WorkItem(image, params, deadline, done, request_id=rid))
+        self.queue.put_all(items)
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:
+            if taken := self.queue.withdraw(items):
+                log.info("request %s: gone; %d image(s) taken back", request_id, taken)
+            raise
 
     # ---- workers ------------------------------------------------------------------------
     def _run(self, idx: int, started: threading.Barrier, errors: list[BaseException]) -> None:
@@ -188,29 +208,28 @@ class EnginePool:
                 batch = collect_batch(self.queue, self._max_batch, self._max_wait_ms)
                 if not batch:
                     break
-                self._run_batch(engine, batch)
+                try:
+                    self._run_batch(engine, batch)
+                except Exception as exc:  # a bug must cost this batch, not the worker
+                    log.exception("engine worker %d: batch of %d failed", idx, len(batch))
+                    for item in batch:  # those not answered yet (an answer is given once)
+                        _deliver(item, WorkResult(None, EngineError(f"{exc!r}"), 0.0, 0.0, 0))
         finally:
             engine.close()
 
+    def _expired(self, item: WorkItem, now: float) -> bool:
+        """Whether ``item``'s deadline has passed; if so it is answered so, and counted."""
+        if item.deadline >= now:
+            return False
+        self._count(expired=1)
+        waited = (now - item.enqueued_at) * 1000
+        error = DeadlineExceeded(f"waited {waited:.0f} ms in queue, past its deadline")
+        _deliver(item, WorkResult(None, error, waited, 0.0, 0))
+        return True
+
     def _run_batch(self, engine: Engine, batch: list[WorkItem]) -> None:
         now = time.monotonic()
-        live: list[WorkItem] = []
-        for item in batch:
-            if item.deadline < now:
-                self._count(expired=1)
-                waited = (now - item.enqueued_at) * 1000
-                _deliver(
-                    item,
-                    WorkResult(
-                        None,
-                        DeadlineExceeded(f"waited {waited:.0f} ms in queue, past its deadline"),
-                        waited,
-                        0.0,
-                        0,
-                    ),
-                )
-            else:
-                live.append(item)
+        live = [item for item in batch if not self._expired(item, now)]
         if not live:
             return
         with self._stats_lock:
@@ -224,12 +243,17 @@ class EnginePool:
     def _infer_isolating(self, engine: Engine, items: list[WorkItem], started: float) -> None:
         try:
             results = engine.infer([i.image for i in items], [i.params for i in items])
+            if len(results) != len(items):
+                raise EngineError(f"{len(results)} results for {len(items)} images")
         except Exception as exc:
             if len(items) > 1:
-                # Retry one by one so a single bad input fails only its own request.
+                # Retry one by one so a single bad input fails only its own request; those
+                # whose deadline passed meanwhile are answered so, as in the queue.
                 log.warning("batch of %d failed (%s); retrying items singly", len(items), exc)
                 for item in items:
-                    self._infer_isolating(engine, [item], time.monotonic())
+                    now = time.monotonic()
+                    if not self._expired(item, now):
+                        self._infer_isolating(engine, [item], now)
                 return
             item = items[0]
             log.error("request %s: inference failed: %s", item.request_id, exc)
@@ -276,6 +300,9 @@ class EnginePool:
 
 
 def _deliver(item: WorkItem, result: WorkResult) -> None:
+    if item.answered:
+        return
+    item.answered = True
     try:
         item.on_done(result)
     except Exception:

@@ -248,17 +248,21 @@ class AdmissionController:
         timeout = self.settings.request_timeout_ms
         return min(target, timeout) if target > 0 else timeout
 
-    def estimate(self, decode_left: bool = False) -> Estimate:
+    def estimate(self, decode_left: bool = False, more: int = 0) -> Estimate:
         """Prediction for a call now.
 
         Args:
             decode_left: the call has yet to read and decode its upload (the arrival check):
                 calls decoding now are ahead of it too. Once decoded, only the queue is.
+            more: images of the call besides its last (a call of several images ends
+                with its last).
         """
         interactive, _ = self.pool.queue.depth()
         stats = self.pool.stats
+        if self.item_s <= 0:
+            more = 0  # no figures yet: a cold server admits one round, a call's images too
         return predict(
-            ahead=interactive + (self.decoding if decode_left else 0),
+            ahead=interactive + more + (self.decoding if decode_left else 0),
             busy=self.pool.busy,
             workers=self.pool.workers,
             max_batch=self.pool.max_batch,
@@ -337,6 +341,7 @@ class Ticket:
     decoding: bool = field(default=False)
     queued_at: float | None = field(default=None)
     predicted_s: float = field(default=0.0)
+    calibrates: bool = field(default=True)
     refused: bool = field(default=False)
     checked: bool = field(default=False)
     """Admission had a say (the pool was not idle): the outcome tunes the budget scale."""
@@ -385,16 +390,25 @@ class Ticket:
             self.request_id,
         )
 
-    def decoded(self, seconds: float) -> None:
-        """The upload is decoded: record the time and check the deadline again (429)."""
+    def decoded(self, seconds: float, images: int = 1) -> None:
+        """The upload (``images`` pictures) is decoded: record the time and check the
+        deadline again (429)."""
         c = self.controller
         self._stop_decoding()
         c.decode_ewma_s += (DECODE_ALPHA if c.decode_ewma_s else 1.0) * (seconds - c.decode_ewma_s)
-        # Decoding is done: only the queue and this call's own batch are left.
-        estimate = c.estimate()
+        # Decoding is done: only the queue and this call's own images are left. A call of
+        # several images does not calibrate the model of one (one call of 30 took it to its
+        # cap, x4, and every /detect after it was refused for a while).
+        self.calibrates = images == 1
+        estimate = c.estimate(more=images - 1)
         self.check(estimate)
         self.queued_at = time.monotonic()
         self.predicted_s = estimate.finish_s
+
+    def abandon(self) -> None:
+        """Not run to its end (its client went away, or it could never be queued): not
+        counted as a refusal, and no calibration from it."""
+        self.refused = True
 
     def reject(self, reason: str) -> None:
         """Count a refusal decided elsewhere (queue full, expired, shutting down)."""
@@ -411,7 +425,8 @@ class Ticket:
         self._stop_decoding()
         if self.queued_at is not None and not self.refused:
             now = time.monotonic()
-            self.controller.calibrate(self.predicted_s, now - self.queued_at)
+            if self.calibrates:
+                self.controller.calibrate(self.predicted_s, now - self.queued_at)
             if self.checked:
                 self.controller.observe_outcome(now - self.arrived, self.deadline - self.arrived)
 

@@ -190,7 +190,7 @@ def make_servicer(app: FastAPI) -> Any:
                 params = _params(inference, state.pool.engine.names)
                 started = time.monotonic()
                 images = await _images(state, inference, binary, asyncio.get_running_loop())
-                ticket.decoded(time.monotonic() - started)
+                ticket.decoded(time.monotonic() - started, len(images))
                 results = await run_admitted(state, ticket, [im for im, _ in images], params)
             finally:
                 ticket.release()

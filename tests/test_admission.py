@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Iterator
 from typing import Never
 
@@ -308,3 +309,29 @@ def test_cpu_backend_defaults_to_one_single_thread_worker_per_core_gpu_to_two() 
     assert Settings(backend="onnxruntime", workers=3).workers == 3  # an explicit value stays
     # Two CUDA streams: one worker's host side overlaps the other's GPU work.
     assert Settings(backend="torch").workers == 2
+
+
+def test_a_call_of_many_images_is_predicted_whole_and_calibrates_nothing() -> None:
+    """A KServe call of 30 images is predicted with its 30 images, and does not calibrate
+    the model of one image (compared with the one-image prediction, one such call took the
+    correction to its cap, x4: /detect calls were refused for a while after it)."""
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=64)
+    controller = AdmissionController(pool, Settings(admission_deadline_ms=60_000), Metrics())
+    for _ in range(50):
+        pool._observe(4, 0.4)  # 0.1 s per image
+    one = controller.estimate()
+    many = controller.estimate(more=29)
+    assert many.finish_s == pytest.approx(one.finish_s + 7 * 0.4, abs=0.2)  # 7 more rounds
+    ticket = controller.admit(time.monotonic(), Headers(), "k1")
+    ticket.decoded(0.01, images=30)
+    time.sleep(0.05)
+    ticket.release()
+    assert controller.correction == 1.0

@@ -181,3 +181,99 @@ def test_an_upload_cut_off_is_logged_as_such_and_leaves_nothing(
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
         assert c.get("/jobs").json() == {"jobs": []}
         assert list((tmp_path / "data" / "jobs").iterdir()) == []
+
+
+def test_a_detect_call_whose_client_goes_away_takes_its_image_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``/detect`` client that closes its connection while its image waits: the image is
+    taken back from the queue (the pool's call is cancelled; ``EnginePool.detect_many``
+    withdraws what still waits) instead of running for nobody."""
+    import asyncio
+
+    from tests.helpers import ultralytics_assets
+
+    with TestClient(file_stream_app(tmp_path)) as c:
+        pool = _state(c).pool
+        cancelled = threading.Event()
+
+        async def never(*args: Any, **kwargs: Any) -> Any:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        monkeypatch.setattr(pool, "detect_many", never)
+        body = (ultralytics_assets() / "bus.jpg").read_bytes()
+        parts: list[dict[str, Any]] = [{"type": "http.request", "body": body, "more_body": False}]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if parts:
+                return parts.pop(0)
+            await asyncio.sleep(0.3)  # then the client hangs up
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/detect",
+            "raw_path": b"/detect",
+            "query_string": b"",
+            "headers": [(b"content-type", b"image/jpeg"), (b"content-length", b"%d" % len(body))],
+            "client": ("127.0.0.1", 5001),
+            "server": ("127.0.0.1", 8000),
+            "scheme": "http",
+            "root_path": "",
+            "state": {},
+        }
+        assert c.portal is not None
+        app: Any = c.app
+        c.portal.call(app, scope, receive, send)
+        assert cancelled.is_set()
+        assert sent[0]["status"] == 499
+
+
+def test_a_triton_call_of_more_images_than_may_wait_is_refused_as_too_large(
+    tmp_path: Path,
+) -> None:
+    """Three images in one KServe v2 call where two may wait: ``413`` naming the setting (it
+    was ``429`` + ``Retry-After`` on an idle server, for ever, each retry running the first
+    images for nobody)."""
+    import json
+    import struct
+
+    from tests.helpers import ultralytics_assets
+
+    jpeg = (ultralytics_assets() / "bus.jpg").read_bytes()
+    blob = b"".join(struct.pack("<I", len(jpeg)) + jpeg for _ in range(3))
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image_bytes",
+                    "shape": [3],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(blob)},
+                }
+            ]
+        }
+    ).encode()
+    with TestClient(file_stream_app(tmp_path, max_queue=2)) as c:
+        answer = c.post(
+            "/v2/models/yolov8n/infer",
+            content=header + blob,
+            headers={
+                "Inference-Header-Content-Length": str(len(header)),
+                "Content-Type": "application/octet-stream",
+            },
+        )
+        assert answer.status_code == 413, answer.text
+        assert "STREAMDET_MAX_QUEUE" in answer.text
+        assert _state(c).pool.queue.depth()[0] == 0

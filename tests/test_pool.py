@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from engines.batching import DeadlineExceeded, PoolClosed, WorkItem, WorkResult
+from engines.batching import DeadlineExceeded, PoolClosed, QueueFull, WorkItem, WorkResult
 from engines.pool import EnginePool
 from engines.types import DetectParams, EngineError, ModelInfo
 from streams.files import load_image
@@ -111,3 +114,92 @@ def test_failed_load_names_the_problem(model_info: ModelInfo) -> None:
     p = EnginePool(ort_factory(bad), workers=2, max_batch=1, max_wait_ms=0, max_queue=4)
     with pytest.raises(EngineError, match=r"/nonexistent/model\.onnx"):
         p.start()
+
+
+class _Wrapped:
+    """The real engine, held at each ``infer`` until ``gate`` opens, counting its calls;
+    ``short`` times it answers one result too few (a broken engine)."""
+
+    def __init__(self, inner: Any, gate: threading.Event, short: int = 0) -> None:
+        self.inner, self.gate, self.short, self.calls = inner, gate, short, 0
+        self.entered = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def infer(self, images: Any, params: Any) -> Any:
+        self.calls += 1
+        self.entered.set()
+        assert self.gate.wait(60)
+        out = self.inner.infer(images, params)
+        if self.short:
+            self.short -= 1
+            return out[:-1]
+        return out
+
+
+def _gated_pool(
+    model_info: ModelInfo, gate: threading.Event, short: int = 0, max_batch: int = 1
+) -> tuple[EnginePool, list[_Wrapped]]:
+    made: list[_Wrapped] = []
+
+    def factory() -> Any:
+        made.append(_Wrapped(ort_factory(model_info)(), gate, short))
+        return made[-1]
+
+    p = EnginePool(factory, workers=1, max_batch=max_batch, max_wait_ms=50, max_queue=4)
+    p.start()
+    return p, made
+
+
+async def test_a_call_of_several_images_is_queued_whole_or_not_and_taken_back_when_gone(
+    model_info: ModelInfo,
+) -> None:
+    """With the one worker busy: a call of 3 images where 2 places are left is refused
+    whole (the first ones were queued and ran for an answer of 429); a call whose caller
+    goes away (its task cancelled) takes its waiting images back (they ran for nobody)."""
+    bus = load_image(ultralytics_assets() / "bus.jpg")
+    gate = threading.Event()
+    pool, made = _gated_pool(model_info, gate)
+    far = time.monotonic() + 60
+    try:
+        busy = asyncio.ensure_future(pool.detect(bus, DetectParams(), far, "busy"))
+        assert await asyncio.to_thread(made[0].entered.wait, 30)  # held at the gate
+        two = asyncio.ensure_future(pool.detect_many([bus, bus], DetectParams(), far, "two"))
+        await asyncio.sleep(0.05)
+        assert pool.queue.depth()[0] == 2
+        with pytest.raises(QueueFull):
+            await pool.detect_many([bus] * 3, DetectParams(), far, "three")
+        assert pool.queue.depth()[0] == 2  # nothing of it queued
+        two.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await two
+        assert pool.queue.depth()[0] == 0  # taken back
+        gate.set()
+        assert (await busy).detections is not None
+        await asyncio.sleep(0.3)
+        assert made[0].calls == 1  # only the call that stayed ran
+    finally:
+        gate.set()
+        pool.stop(5)
+
+
+async def test_an_engine_answering_too_few_results_fails_nobody_and_keeps_its_worker(
+    model_info: ModelInfo,
+) -> None:
+    """A batch the engine answers with one result too few is retried image by image (each
+    its own answer); the worker goes on (the mismatch escaped the worker and ended it: its
+    batch and every call after it were never answered)."""
+    bus = load_image(ultralytics_assets() / "bus.jpg")
+    gate = threading.Event()
+    gate.set()
+    pool, made = _gated_pool(model_info, gate, short=1, max_batch=2)
+    far = time.monotonic() + 60
+    try:
+        got = await asyncio.wait_for(pool.detect_many([bus, bus], DetectParams(), far, "x"), 60)
+        assert [len(r.detections or ()) for r in got] == [5, 5]
+        after = await asyncio.wait_for(pool.detect(bus, DetectParams(), far, "after"), 60)
+        assert after.detections is not None
+        assert made[0].calls == 4  # the batch, each image alone, then the next call
+    finally:
+        pool.stop(5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -88,21 +89,42 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
 
 
 async def run_admitted(
-    state: AppState, ticket: Ticket, images: Sequence[Image], params: DetectParams
+    state: AppState,
+    ticket: Ticket,
+    images: Sequence[Image],
+    params: DetectParams,
+    request: Request | None = None,
 ) -> list[WorkResult]:
-    """Run ``images`` as interactive calls under ``ticket``'s deadline, each with detections;
-    raises the HTTP error ``/detect`` answers otherwise: 429 (queue full), 503 (shutting
-    down, or not served within the deadline), 500 (the engine failed)."""
+    """Run ``images`` as interactive calls under ``ticket``'s deadline, each with detections,
+    queued all or none; raises the HTTP error ``/detect`` answers otherwise: 413 (more images
+    than may ever wait), 429 (queue full), 503 (shutting down, or not served within the
+    deadline), 500 (the engine failed). With ``request``, a client that goes away takes its
+    images back from the queue (they ran for nobody)."""
     rid = ticket.request_id
-    try:
-        results = await asyncio.gather(
-            *(
-                state.pool.detect(
-                    image, params, ticket.hard_deadline, rid if len(images) == 1 else f"{rid}:{i}"
-                )
-                for i, image in enumerate(images)
-            )
+    most = state.pool.queue.max_interactive
+    if len(images) > most:
+        ticket.abandon()
+        raise HTTPException(
+            413,
+            f"{len(images)} images in one call; at most {most} may wait at once"
+            " (setting STREAMDET_MAX_QUEUE)",
         )
+    work = asyncio.ensure_future(state.pool.detect_many(images, params, ticket.hard_deadline, rid))
+    try:
+        if request is not None:
+            gone = asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not work.done():  # the client went away: its images come back out
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                ticket.abandon()
+                log.info("request %s: the client went away before its answer", rid)
+                raise HTTPException(499, "the client closed the connection")
+        results = await work
     except QueueFull as exc:
         ticket.reject("queue_full")
         raise HTTPException(429, f"server busy: {exc}", headers=ticket.retry_after()) from None
@@ -124,6 +146,12 @@ async def run_admitted(
         if result.error is not None or result.detections is None:
             raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
     return results
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (its body read) has closed the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @router.post(
@@ -167,7 +195,7 @@ async def detect(
         raise HTTPException(exc.status_code, exc.message) from None
     preprocess_s = time.monotonic() - pre_start
     ticket.decoded(preprocess_s)  # admission checks the deadline again: 429 if now too late
-    (result,) = await run_admitted(state, ticket, [image], params)
+    (result,) = await run_admitted(state, ticket, [image], params, request)
     assert result.detections is not None  # run_admitted answered every error
     det = result.detections.rescaled(*source)  # in the image's own pixels
     post_start = time.monotonic()

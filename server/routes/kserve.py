@@ -461,6 +461,6 @@ async def infer(
     loop = asyncio.get_running_loop()
     started = time.monotonic()
     images = await _images(state, inference, binary, loop)
-    ticket.decoded(time.monotonic() - started)  # admission checks the deadline again
-    results = await run_admitted(state, ticket, [image for image, _ in images], params)
+    ticket.decoded(time.monotonic() - started, len(images))  # admission checks it again
+    results = await run_admitted(state, ticket, [image for image, _ in images], params, request)
     return _response(inference, model_name, _outputs(_found(results, images)))
