@@ -20,7 +20,7 @@ from starlette.responses import Response
 from engines.pool import EnginePool
 from server import metrics as metrics_module
 from server.admission import AdmissionController
-from server.auth import ApiKeyMiddleware, ApiKeys
+from server.auth import ApiKeyMiddleware, ApiKeys, TokenFilter
 from server.jobs import JobManager
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
@@ -57,6 +57,12 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # After uvicorn has set its logging up: keys given as ?access_token= are masked in
+        # its request lines (and its WebSocket ones, which it logs as errors' logger does).
+        for name in ("uvicorn.access", "uvicorn.error"):
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, TokenFilter) for f in logger.filters):
+                logger.addFilter(TokenFilter())
         engine_pool = pool if pool is not None else await asyncio.to_thread(build_pool, settings)
         executor = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
         state = AppState(settings=settings, pool=engine_pool, decode_executor=executor)
@@ -209,7 +215,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST", "PATCH", "DELETE", "OPTIONS"],
+            allow_methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
             allow_headers=[
                 "Authorization",
                 "Content-Type",
@@ -222,6 +228,9 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 "X-Detections",
                 "X-Inference-Ms",
                 "X-Request-Id",
+                "X-Complete",
+                "X-Job-State",
+                "WWW-Authenticate",
                 "X-Frame",
                 "X-Captured-At",
             ],

@@ -24,8 +24,10 @@ route that wants to check again, or a server that runs without the middleware, c
             return
         await websocket.accept()
 
-Browsers cannot set headers on a WebSocket, so there the token may also come as the
-``access_token`` query parameter (RFC 6750 §2.3); HTTP routes accept only the header.
+Browsers cannot set headers on a WebSocket, an ``EventSource`` or an ``<img>``, so there the
+token may also come as the ``access_token`` query parameter (RFC 6750 §2.3): WebSockets,
+``GET /events``, and a stream's ``mjpeg`` and ``latest.jpg``; other HTTP routes accept only
+the header. The access log shows such a token masked (:class:`TokenFilter`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -66,6 +69,7 @@ class Access(Enum):
 
 
 EVENTS_PATH = "/events"
+PICTURE_ROUTES = frozenset({"mjpeg", "latest.jpg"})
 
 
 def _digest(token: str) -> bytes:
@@ -142,13 +146,14 @@ def authorize(
         method: HTTP method, or ``"WEBSOCKET"`` for a WebSocket handshake.
         path: the request path.
         headers: request headers.
-        query: query parameters; only consulted for WebSockets and ``GET /events``
-            (``access_token``), which browsers open without headers (``EventSource``).
+        query: query parameters; only consulted for WebSockets, ``GET /events`` and a
+            stream's ``mjpeg`` and ``latest.jpg`` (``access_token``), which browsers and
+            cameras' integrations open without headers.
     """
     if not keys.enabled or is_open(method, path):
         return None
     token = bearer_token(headers)
-    headerless = method == "WEBSOCKET" or (method == "GET" and path == EVENTS_PATH)
+    headerless = method == "WEBSOCKET" or (method == "GET" and _opened_without_headers(path))
     if token is None and headerless and query is not None:
         token = query.get("access_token") or None
     if token is None:
@@ -166,6 +171,16 @@ def authorize(
             f"this API key is read-only; {method} {path} needs a key from STREAMDET_API_KEYS",
         )
     return None
+
+
+def _opened_without_headers(path: str) -> bool:
+    """Routes that browsers and cameras' integrations open without headers: the event
+    stream (``EventSource``) and a stream's pictures (``<img src>``, Home Assistant's MJPEG
+    and still-image cameras), which take the key as ``?access_token=``."""
+    if path == EVENTS_PATH:
+        return True
+    parts = path.split("/")
+    return len(parts) == 4 and parts[1] == "streams" and parts[3] in PICTURE_ROUTES
 
 
 def is_open(method: str, path: str) -> bool:
@@ -207,6 +222,23 @@ async def websocket_allowed(websocket: WebSocket) -> bool:
     log.info("websocket %s refused: %s", websocket.url.path, failure.detail)
     await websocket.close(code=WS_POLICY_VIOLATION, reason=failure.detail[:120])
     return False
+
+
+class TokenFilter(logging.Filter):
+    """Masks ``access_token=...`` in uvicorn's request lines (``uvicorn.access``, and
+    ``uvicorn.error`` for WebSocket handshakes), where a key given in the query would
+    otherwise be written out."""
+
+    _TOKEN = re.compile(r"(access_token=)[^&\s\"']+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(
+            isinstance(a, str) and "access_token=" in a for a in record.args
+        ):
+            record.args = tuple(
+                self._TOKEN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
+        return True
 
 
 class ApiKeyMiddleware:

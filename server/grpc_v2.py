@@ -30,6 +30,7 @@ from fastapi import FastAPI, HTTPException
 from starlette.datastructures import Headers
 
 from server.admission import DEADLINE_HEADER, AdmissionController
+from server.auth import Access, ApiKeys, bearer_token
 from server.routes.detect import run_admitted
 from server.routes.kserve import (
     NP_TYPES,
@@ -51,6 +52,52 @@ log = logging.getLogger(__name__)
 
 STATUS_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT"}
 STATUS_CODES |= {422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+
+def grpc_key_failure(keys: ApiKeys, metadata: Any) -> str | None:
+    """Why a call with gRPC ``metadata`` (``authorization: Bearer <key>``) is refused, or
+    None: any configured key, full or read-only, may call every method (they read or
+    detect, as read-only keys may over HTTP)."""
+    value = next((v for k, v in metadata or () if k.lower() == "authorization"), None)
+    token = bearer_token(Headers({"authorization": value})) if isinstance(value, str) else None
+    if token is None:
+        return (
+            "missing API key: send the metadata 'authorization: Bearer <key>' (keys are set"
+            " with STREAMDET_API_KEYS)"
+        )
+    if keys.check(token) is Access.NONE:
+        return "unknown API key (keys are set with STREAMDET_API_KEYS)"
+    return None
+
+
+def key_interceptor(grpc: Any, keys: ApiKeys) -> Any:
+    """A ``grpc.aio`` server interceptor refusing calls without a configured key
+    (``UNAUTHENTICATED``, the detail saying what to send)."""
+
+    class KeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+        async def intercept_service(self, continuation: Any, details: Any) -> Any:
+            handler = await continuation(details)
+            why = grpc_key_failure(keys, details.invocation_metadata)
+            if why is None or handler is None:
+                return handler
+            log.info("gRPC %s refused: %s", details.method, why)
+
+            async def refuse(request: Any, context: Any) -> Any:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+            if handler.unary_unary is None:  # a streaming method: refused all the same
+                return grpc.stream_stream_rpc_method_handler(
+                    refuse,
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+            return grpc.unary_unary_rpc_method_handler(
+                refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
+    return KeyInterceptor()
 
 
 class GrpcUnavailable(RuntimeError):
@@ -230,11 +277,15 @@ async def start(app: FastAPI, settings: Settings) -> Any:
     """
     grpc, _, pb_grpc, _ = grpc_modules()
     limit = settings.max_upload_bytes + 64 * 1024  # the images, and the request around them
+    keys: ApiKeys = app.state.api_keys
     server = grpc.aio.server(
+        # API keys as over HTTP (any key: every method reads or detects). Without it the
+        # gRPC port answered everyone while HTTP asked for a key.
+        interceptors=[key_interceptor(grpc, keys)] if keys.enabled else [],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ]
+        ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(app), server)
     address = f"{settings.host}:{settings.grpc_port}"

@@ -369,7 +369,12 @@ class MqttPublisher:
             return
 
         async def apply(on: bool) -> None:
-            if not await enable(stream_id, on):
+            try:
+                known = await enable(stream_id, on)
+            except Exception as exc:  # shutting down, say: logged, not a task's traceback
+                log.warning("mqtt %s: %s: not applied: %s", self.name, topic, exc)
+                return
+            if not known:
                 log.warning("mqtt %s: %s: no stream %r", self.name, topic, stream_id)
                 return
             log.info("mqtt %s: stream %s %s", self.name, stream_id, "on" if on else "off")

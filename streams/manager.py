@@ -318,6 +318,8 @@ class StreamManager:
             return await self._update(stream_id, changes)
 
     async def _update(self, stream_id: str, changes: StreamChanges) -> dict[str, Any] | None:
+        if self._closing:  # its readers are stopped (an MQTT command during shutdown)
+            raise ManagerClosed("server shutting down")
         record = self._records.get(stream_id)
         if record is None:
             return None
@@ -372,6 +374,8 @@ class StreamManager:
             return await self._add(stream_id, wanted), True
 
     async def _replace(self, stream_id: str, wanted: _Wanted) -> dict[str, Any] | None:
+        if self._closing:
+            raise ManagerClosed("server shutting down")
         old = self._records.get(stream_id)
         if old is None:
             return None

@@ -11,7 +11,7 @@ from starlette.datastructures import Headers, QueryParams
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from loadtest.server import ServerProcess
+from loadtest.server import ServerProcess, free_port
 from server.auth import Access, ApiKeys, authorize
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
@@ -19,6 +19,7 @@ from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
 FULL = "full-7d1c0e9a4b"
 READONLY = "read-52aa1f03c8"
 ORIGIN = "https://viewer.example"
+GRPC_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "api_keys": [FULL, "second-key-0b9e"],
         "api_keys_readonly": [READONLY],
         "cors_origins": [ORIGIN],
+        "grpc_port": GRPC_PORT,
     }
     with ServerProcess(settings, log_path=logs / "server.log") as proc:
         yield proc
@@ -173,3 +175,52 @@ def test_settings_take_comma_lists_from_the_environment(monkeypatch: pytest.Monk
     assert settings.api_keys == ["k1", "k2"]
     assert settings.cors_origins == ["https://a.example", "https://b.example"]
     assert "k1" not in repr(settings)
+
+
+def test_grpc_needs_a_key_as_http_does(server: ServerProcess) -> None:
+    """With keys set, the KServe v2 gRPC port refuses a call without a key or with an unknown
+    one (UNAUTHENTICATED, saying what to send) and serves one with any configured key (it
+    answered everyone)."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+    from tritonclient.utils import InferenceServerException
+
+    client = triton_grpc.InferenceServerClient(url=f"127.0.0.1:{GRPC_PORT}")
+    try:
+        for headers in ({}, {"authorization": "Bearer wrong-key"}):
+            with pytest.raises(InferenceServerException) as refused:
+                client.is_server_live(headers=headers)
+            assert "UNAUTHENTICATED" in str(refused.value), refused.value
+        with pytest.raises(InferenceServerException) as refused:
+            client.get_model_metadata("yolov8n")
+        assert "send the metadata 'authorization: Bearer <key>'" in str(refused.value)
+        encoded = triton_grpc.InferInput("image_bytes", [1], "BYTES")
+        encoded.set_data_from_numpy(np.array([bus()], dtype=np.object_))
+        for key in (FULL, READONLY):
+            result = client.infer("yolov8n", [encoded], headers={"authorization": f"Bearer {key}"})
+            assert int(result.as_numpy("num_detections")[0, 0]) > 0
+    finally:
+        client.close()
+
+
+def test_pictures_take_the_key_in_the_query_and_the_log_masks_it(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    """A stream's ``mjpeg`` and ``latest.jpg`` are opened by ``<img src>`` and cameras'
+    integrations, which send no header: they take ``?access_token=`` (they refused it), and
+    the access log shows such a token masked (it wrote the key out)."""
+    for route in ("/streams/nope/latest.jpg", "/streams/nope/mjpeg"):
+        assert http.get(route).status_code == 401
+        assert http.get(route, params={"access_token": READONLY}).status_code == 404
+    assert http.get("/model", params={"access_token": FULL}).status_code == 401  # header only
+    log = server.log_path.read_text()
+    assert "access_token=***" in log and READONLY not in log and FULL not in log
+
+
+def test_cors_lets_a_browser_put_a_stream(http: httpx.Client) -> None:
+    preflight = http.options(
+        "/streams/cam",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "PUT"},
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert "PUT" in preflight.headers["access-control-allow-methods"]
