@@ -56,6 +56,9 @@ from streams.events import EventLog, LogReader
 from streams.fanout import ProcessedFrame
 
 log = logging.getLogger(__name__)
+
+ACK_POLL_S = 0.02
+"""How often the broker's acknowledgements of a page of events are looked at."""
 BATCH = 100
 QOS = 1
 COUNT_TOPICS = ("objects", "active")
@@ -142,6 +145,10 @@ class MqttPublisher:
         self._name_of = name_of
         self._discovery = discovery
         self._announced: dict[str, dict[str, tuple[str, ...]]] = {}  # stream -> kind -> topics
+        # Kept across reconnects (what the broker may still retain, and what a new broker
+        # must be given again): every retained topic published per stream, and its state.
+        self._retained: dict[str, set[str]] = {}
+        self._states: dict[str, str] = {}
         self._commands: set[asyncio.Task[None]] = set()
         self._thumbnails: dict[str, set[str]] = {}  # stream -> thumbnail topics it has
         client = mqtt.Client(
@@ -163,6 +170,17 @@ class MqttPublisher:
 
     def topic(self, *levels: str) -> str:
         return "/".join((self.prefix, *levels))
+
+    def _keep(self, stream_id: str, topic: str, payload: str | bytes) -> None:
+        """Publish ``payload`` retained on ``topic``, a topic of ``stream_id`` (cleared with
+        it, whatever reconnects came between)."""
+        self._client.publish(topic, payload, QOS, retain=True)
+        self._retained.setdefault(stream_id, set()).add(topic)
+
+    def _clear(self, stream_id: str, topic: str) -> None:
+        """Clear the retained ``topic`` of ``stream_id``."""
+        self._client.publish(topic, b"", QOS, retain=True)
+        self._retained.get(stream_id, set()).discard(topic)
 
     @property
     def pending(self) -> int:
@@ -221,18 +239,37 @@ class MqttPublisher:
         # Of the thumbnails a page has (many, after a broker outage), the newest of each
         # stream and class is the one the retained topic keeps: only those are sent.
         newest = {_thumbnail_key(e): e["id"] for e in events if "thumbnail" in e}
-        for k, event in enumerate(events):
+        sent: list[list[mqtt.MQTTMessageInfo]] = []
+        for event in events:
             body = json.dumps(event, separators=(",", ":"))
+            infos = []
             for topic in (self.topic("events"), self.topic(event["stream_id"], "events")):
                 info = self._client.publish(topic, body, qos=QOS)
                 if info.rc != mqtt.MQTT_ERR_SUCCESS:
                     await asyncio.sleep(0.5)  # the broker is going away: wait for it
-                    return k
+                    return await self._acknowledged(sent)
+                infos.append(info)
+            sent.append(infos)
             if event["type"] == "stream_state":
                 self._retain_state(event["stream_id"], event["state"])
             elif "thumbnail" in event and newest[_thumbnail_key(event)] == event["id"]:
                 await self._retain_thumbnail(event)
-        return len(events)
+        return await self._acknowledged(sent)
+
+    async def _acknowledged(self, sent: list[list[mqtt.MQTTMessageInfo]]) -> int:
+        """How many of the events ``sent`` (each its messages) the broker acknowledged, in
+        order, waiting while connected: an event counts as delivered (the cursor kept across
+        restarts moves past it) once the broker has it, not once the client has queued it
+        (a broker stalled at shutdown lost them all: the client's queue went with it)."""
+        while True:
+            done = 0
+            for infos in sent:
+                if not all(info.is_published() for info in infos):
+                    break
+                done += 1
+            if done == len(sent) or not self._connected.is_set():
+                return done
+            await asyncio.sleep(ACK_POLL_S)
 
     async def _retain_thumbnail(self, event: dict[str, Any]) -> None:
         """Keep the thumbnail of ``event`` as its stream's newest of its class."""
@@ -243,7 +280,7 @@ class MqttPublisher:
             return
         stream_id, class_name = _thumbnail_key(event)
         topic = self.topic(stream_id, level(class_name), "thumbnail")
-        self._client.publish(topic, jpeg, qos=QOS, retain=True)
+        self._keep(stream_id, topic, jpeg)
         self._thumbnails.setdefault(stream_id, set()).add(topic)
         if self._discovery is not None:  # a camera entity per class, from its first thumbnail
             config_topic, config = self._discovery.thumbnail(
@@ -251,7 +288,7 @@ class MqttPublisher:
             )
             announced = self._announced.setdefault(stream_id, {})
             if config_topic not in announced.get("cameras", ()):
-                self._client.publish(config_topic, json.dumps(config), QOS, retain=True)
+                self._keep(stream_id, config_topic, json.dumps(config))
                 announced["cameras"] = (*announced.get("cameras", ()), config_topic)
 
     def observe_frame(self, frame: ProcessedFrame) -> None:
@@ -267,14 +304,22 @@ class MqttPublisher:
                 name is not None and announced.get("name") != (name,)
             ):  # new, renamed, or its zones changed
                 self._announce_stream(frame.stream_id, name, zones=names)
+        sid = frame.stream_id
         for kind, counts in (("objects", object_counts(frame)), ("active", active_counts(frame))):
-            key = (frame.stream_id, kind)
+            key = (sid, kind)
             if counts != self._objects.get(key):
-                body = json.dumps(counts, separators=(",", ":"))
-                self._client.publish(self.topic(frame.stream_id, kind), body, QOS, True)
+                self._keep(sid, self.topic(sid, kind), json.dumps(counts, separators=(",", ":")))
                 self._objects[key] = counts
-        before = self._zones.get(frame.stream_id, {})
+        before = self._zones.get(sid)
+        if before is None:  # first frame since a (re)connect: zones gone meanwhile go now
+            wanted = {self._zone_topic(sid, zone) for zone in names}
+            zone_topics = self.topic(sid, "zones", "")
+            for topic in list(self._retained.get(sid, ())):
+                if topic.startswith(zone_topics) and topic not in wanted:
+                    self._clear(sid, topic)
+            before = {}
         if not names and not before:
+            self._zones[sid] = {}
             return
         now = zone_counts(frame, names)
         if now == before:
@@ -282,48 +327,56 @@ class MqttPublisher:
         for zone, counts in now.items():
             if counts != before.get(zone):
                 body = json.dumps(counts, separators=(",", ":"))
-                self._client.publish(self._zone_topic(frame.stream_id, zone), body, QOS, True)
+                self._keep(sid, self._zone_topic(sid, zone), body)
         for zone in before.keys() - now.keys():  # removed: its retained count goes too
-            self._client.publish(self._zone_topic(frame.stream_id, zone), b"", QOS, True)
-        self._zones[frame.stream_id] = now
+            self._clear(sid, self._zone_topic(sid, zone))
+        self._zones[sid] = now
 
     def _retain_state(self, stream_id: str, state: str) -> None:
         """Keep a stream's state (and whether it is enabled); a removed stream's retained
         topics are cleared."""
         if state != "removed":
-            self._client.publish(self.topic(stream_id, "state"), state, qos=QOS, retain=True)
+            self._states[stream_id] = state
+            self._keep(stream_id, self.topic(stream_id, "state"), state)
             self._retain_enabled(stream_id, state != "disabled")
+            if self._discovery is not None and stream_id not in self._announced:
+                self._announce_stream(stream_id)  # a camera that never sent a frame too
             if state == "disabled":  # it shows nothing now: the counts say so
                 nothing = json.dumps({"all": 0}, separators=(",", ":"))
                 for kind in COUNT_TOPICS:
-                    self._client.publish(self.topic(stream_id, kind), nothing, QOS, True)
+                    self._keep(stream_id, self.topic(stream_id, kind), nothing)
                     self._objects[(stream_id, kind)] = {"all": 0}
                 for zone in self._zones.get(stream_id, {}):
-                    self._client.publish(self._zone_topic(stream_id, zone), nothing, QOS, True)
+                    self._keep(stream_id, self._zone_topic(stream_id, zone), nothing)
                     self._zones[stream_id][zone] = {"all": 0}
             return
+        # Removed: every retained topic it ever had goes, its entities with them, whatever
+        # reconnects came between (those after a reconnect were left behind).
+        self._states.pop(stream_id, None)
         self._client.publish(self.topic(stream_id, "state"), b"", qos=QOS, retain=True)
         self._client.publish(self.topic(stream_id, "enabled", "state"), b"", QOS, retain=True)
         for kind in COUNT_TOPICS:
-            if self._objects.pop((stream_id, kind), None) is not None:
-                self._client.publish(self.topic(stream_id, kind), b"", QOS, retain=True)
+            self._objects.pop((stream_id, kind), None)
         self._forget_stream(stream_id)
-        for zone in self._zones.pop(stream_id, {}):
-            self._client.publish(self._zone_topic(stream_id, zone), b"", qos=QOS, retain=True)
-        for topic in self._thumbnails.pop(stream_id, ()):
+        self._zones.pop(stream_id, None)
+        self._thumbnails.pop(stream_id, None)
+        for topic in self._retained.pop(stream_id, set()):
             self._client.publish(topic, b"", qos=QOS, retain=True)
 
     def _retain_enabled(self, stream_id: str, on: bool) -> None:
-        self._client.publish(
-            self.topic(stream_id, "enabled", "state"), "ON" if on else "OFF", QOS, retain=True
-        )
+        self._keep(stream_id, self.topic(stream_id, "enabled", "state"), "ON" if on else "OFF")
 
     def _announce(self) -> None:
-        """Event loop, once connected: whether each stream is enabled, and its entities."""
+        """Event loop, once connected: whether each stream is enabled, its state (a broker
+        that restarted without keeping retained topics had none: Home Assistant showed
+        "unknown" until the next change), and its entities."""
         self._announced.clear()
-        for stream_id, (name, on) in (self._roster() if self._roster is not None else {}).items():
+        roster = self._roster() if self._roster is not None else {}
+        for stream_id, (name, on) in roster.items():
             self._retain_enabled(stream_id, on)
             self._announce_stream(stream_id, name)
+            if (state := self._states.get(stream_id)) is not None:
+                self._retain_state(stream_id, state)
 
     def _zone_names(self, stream_id: str) -> list[str]:
         """The names of a stream's zones now."""
@@ -345,19 +398,25 @@ class MqttPublisher:
             zones = self._zone_names(stream_id)
         configs = self._discovery.stream(stream_id, name, zones)
         announced = self._announced.setdefault(stream_id, {})
-        for topic in set(announced.get("stream", ())) - configs.keys():
-            self._client.publish(topic, b"", QOS, retain=True)
+        cameras = set(announced.get("cameras", ()))
+        config_topics = self._discovery.discovery_prefix + "/"
+        for topic in list(self._retained.get(stream_id, ())):
+            # A sensor of a zone gone (while connected, or while the broker was away).
+            stale = topic.startswith(config_topics) and topic not in configs
+            if stale and topic not in cameras and "/thumbnail_" not in topic:
+                self._clear(stream_id, topic)
         for topic, config in configs.items():
-            self._client.publish(topic, json.dumps(config), QOS, retain=True)
+            self._keep(stream_id, topic, json.dumps(config))
         announced["stream"] = tuple(configs)
         announced["zones"] = tuple(zones)
         announced["name"] = (name,)
 
     def _forget_stream(self, stream_id: str) -> None:
-        """A removed stream's entities go from Home Assistant."""
+        """A removed stream's entities go from Home Assistant (what it announced before a
+        reconnect is among its retained topics, cleared with them)."""
         announced = self._announced.pop(stream_id, {})
         for topic in (*announced.get("stream", ()), *announced.get("cameras", ())):
-            self._client.publish(topic, b"", QOS, retain=True)
+            self._clear(stream_id, topic)
 
     def _command(self, topic: str, payload: bytes) -> None:
         """Event loop: ``<prefix>/<stream id>/enabled/set`` with ``ON`` or ``OFF``."""

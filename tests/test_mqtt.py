@@ -326,3 +326,73 @@ def test_discovery_names_entities_as_home_assistant_allows() -> None:
     assert topic == "ha/camera/streamdet_door/thumbnail_traffic_light/config"
     assert camera["topic"] == "cams/door/traffic light/thumbnail"
     assert camera["device"]["name"] == "streamdet door"  # no name: its id
+
+
+@pytest.mark.mqtt
+def test_a_broker_that_restarts_or_stalls_loses_no_state_event_or_entity(
+    tmp_path: Path, broker: Broker
+) -> None:
+    """A broker that restarts without keeping retained topics gets each stream's state again
+    (Home Assistant showed "unknown" until the next change); a stream removed after that
+    takes every topic and entity it had, those from before the reconnect too (they stayed);
+    events a stalled broker never acknowledged are published after the server's restart (the
+    server counted them delivered once queued, and lost them)."""
+    import signal
+
+    broker.start()
+    settings = {"mqtt_url": f"mqtt://127.0.0.1:{broker.port}", "shutdown_timeout_s": 2}
+    server = clip_server(tmp_path, **settings)
+    with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+        lower = {"name": "lower", "points": [[0, 0.5], [1, 0.5], [1, 1], [0, 1]]}
+        stream = {"id": "bay", "url": f"file://{CAR_CLIP}", "max_fps": 4, "zones": [lower]}
+        assert c.post("/streams", json=stream).status_code == 201
+        first = Listener(broker.port)
+        try:
+            assert first.wait_last("streamdet/bay/state", "live", 30)
+            assert first.wait_for("streamdet/bay/zones/lower", 1, 30)
+        finally:
+            first.close()
+        broker.stop()  # a broker that keeps nothing: its retained topics are gone
+        broker.start()
+        again = Listener(broker.port)
+        try:
+            assert again.wait_last("streamdet/bay/state", "live", 30)  # published again
+            assert again.wait_for("homeassistant/sensor/streamdet_bay/zone_lower/config", 1, 10)
+            assert again.wait_for("streamdet/bay/objects", 1, 30)
+            assert c.delete("/streams/bay").status_code == 204
+            time.sleep(1.0)
+        finally:
+            again.close()
+        late = Listener(broker.port)
+        try:
+            assert late.wait_for("streamdet/available", 1, 10) == ["online"]
+            time.sleep(1.0)
+            left = sorted({t for t, p, _ in late.messages if p})
+            assert left == ["streamdet/available"], left  # nothing of the stream retained
+        finally:
+            late.close()
+        # A stalled broker (stopped, its connection open): events queued, never acknowledged.
+        assert c.post("/streams", json={**stream, "zones": []}).status_code == 201
+        assert c.post("/streams/bay/events", json={"label": "warm-up"}).status_code == 201
+        proc = broker._proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            ids = [
+                c.post("/streams/bay/events", json={"label": f"stalled {i}"}).json()["id"]
+                for i in range(20)
+            ]
+            server.stop()  # the broker still stalled: they cannot go out
+        finally:
+            proc.send_signal(signal.SIGCONT)
+    listener = Listener(broker.port)
+    try:
+        with server:  # started again on the same data: what was not acknowledged goes out
+            got: set[int] = set()
+            deadline = time.monotonic() + 30
+            while not set(ids) <= got and time.monotonic() < deadline:
+                got = {json.loads(m)["id"] for m in listener.on("streamdet/bay/events") if m}
+                time.sleep(0.2)
+            assert set(ids) <= got, sorted(set(ids) - got)
+    finally:
+        listener.close()
