@@ -135,6 +135,37 @@ def test_a_deleted_jobs_callback_is_not_sent_again(
         assert len(calls) == tried, (tried, len(calls))
 
 
+def _call(
+    c: TestClient, path: str, headers: list[tuple[bytes, bytes]], receive: Any
+) -> list[dict[str, Any]]:
+    """``POST path`` through the app as its server would call it, its body from ``receive``
+    (a client that may hang up); the messages the app sent back."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+        "scheme": "http",
+        "root_path": "",
+        "state": {},
+    }
+    assert c.portal is not None
+    app: Any = c.app
+    c.portal.call(app, scope, receive, send)
+    return sent
+
+
 def test_an_upload_cut_off_is_logged_as_such_and_leaves_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -146,36 +177,13 @@ def test_an_upload_cut_off_is_logged_as_such_and_leaves_nothing(
             {"type": "http.request", "body": body[:65536], "more_body": True},
             {"type": "http.disconnect"},
         ]
-        sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:
             return parts.pop(0) if parts else {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "path": "/jobs",
-            "raw_path": b"/jobs",
-            "query_string": b"",
-            "headers": [
-                (b"content-type", b"video/mp4"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-            "client": ("127.0.0.1", 5000),
-            "server": ("127.0.0.1", 8000),
-            "scheme": "http",
-            "root_path": "",
-            "state": {},
-        }
-        assert c.portal is not None
+        headers = [(b"content-type", b"video/mp4"), (b"content-length", b"%d" % len(body))]
         with caplog.at_level("INFO"):
-            app: Any = c.app
-            c.portal.call(app, scope, receive, send)
+            sent = _call(c, "/jobs", headers, receive)
         assert sent[0]["status"] == 400
         assert "went away during its upload" in caplog.text
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
@@ -207,7 +215,6 @@ def test_a_detect_call_whose_client_goes_away_takes_its_image_back(
         monkeypatch.setattr(pool, "detect_many", never)
         body = (ultralytics_assets() / "bus.jpg").read_bytes()
         parts: list[dict[str, Any]] = [{"type": "http.request", "body": body, "more_body": False}]
-        sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:
             if parts:
@@ -215,27 +222,8 @@ def test_a_detect_call_whose_client_goes_away_takes_its_image_back(
             await asyncio.sleep(0.3)  # then the client hangs up
             return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "path": "/detect",
-            "raw_path": b"/detect",
-            "query_string": b"",
-            "headers": [(b"content-type", b"image/jpeg"), (b"content-length", b"%d" % len(body))],
-            "client": ("127.0.0.1", 5001),
-            "server": ("127.0.0.1", 8000),
-            "scheme": "http",
-            "root_path": "",
-            "state": {},
-        }
-        assert c.portal is not None
-        app: Any = c.app
-        c.portal.call(app, scope, receive, send)
+        headers = [(b"content-type", b"image/jpeg"), (b"content-length", b"%d" % len(body))]
+        sent = _call(c, "/detect", headers, receive)
         assert cancelled.is_set()
         assert sent[0]["status"] == 499
 
