@@ -62,6 +62,8 @@ ACK_POLL_S = 0.02
 BATCH = 100
 QOS = 1
 COUNT_TOPICS = ("objects", "active")
+SHOWS_NOTHING = frozenset({"disabled", "failed", "stopped"})
+"""Stream states in which it shows nothing now: its counts are published as 0."""
 """A stream's retained counts of what its last frame shows: all, and those not stationary."""
 MAX_INFLIGHT = 1000
 """Publications the client keeps unacknowledged before the publisher waits for the broker."""
@@ -341,7 +343,7 @@ class MqttPublisher:
             self._retain_enabled(stream_id, state != "disabled")
             if self._discovery is not None and stream_id not in self._announced:
                 self._announce_stream(stream_id)  # a camera that never sent a frame too
-            if state == "disabled":  # it shows nothing now: the counts say so
+            if state in SHOWS_NOTHING:  # disabled, failed, ended: the counts say so
                 nothing = json.dumps({"all": 0}, separators=(",", ":"))
                 for kind in COUNT_TOPICS:
                     self._keep(stream_id, self.topic(stream_id, kind), nothing)

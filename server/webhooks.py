@@ -124,6 +124,17 @@ class WebhookSender:
         """Deleted: its cursor is no longer kept (one row a webhook ever added, before)."""
         self._reader.log.drop_cursor(self._reader.sink)
 
+    def unlabel(self) -> None:
+        """Deleted, and no other webhook has its URL: its metric series go (a series a
+        webhook ever added stayed in ``/metrics`` until the restart)."""
+        if self._metrics is None:
+            return
+        with contextlib.suppress(KeyError):
+            self._metrics.webhook_failures.remove(self.name)
+        for outcome in ("sent", "missed"):
+            with contextlib.suppress(KeyError):
+                self._metrics.webhook_events.remove(self.name, outcome)
+
     def describe(self) -> dict[str, Any]:
         """How it is doing, as ``GET /webhooks`` shows it."""
         return {
@@ -233,6 +244,8 @@ class Webhooks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         sender.forget()
+        if not any(s.name == sender.name for s in self.senders):
+            sender.unlabel()  # its metric series go with it (another of its URL keeps them)
         return True
 
     async def stop(self, timeout_s: float) -> None:

@@ -169,17 +169,27 @@ class StreamAnalytics:
             detect.stationary_after_s,
         )
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, showing: bool = True) -> dict[str, Any]:
         """The counts, as ``GET /streams/{id}`` shows them: ``detections`` and ``objects`` by
         class; ``tracked`` objects by class; ``crossings`` as ``{line: {"in": {class: n},
         "out": {...}}}``; ``zones`` as ``{zone: {"now": {class: n}, "entered": {...},
-        "exited": {...}}}``."""
+        "exited": {...}}}``.
+
+        ``showing`` False (a stream disabled, failed or ended: it shows nothing now): what
+        is seen now (``objects``, ``stationary``, each zone's ``now``) is empty, as MQTT's
+        counts go to 0, so no dashboard keeps counting what its last frame showed; the
+        totals stay."""
         with self._lock:
             crossings: dict[str, dict[str, dict[str, int]]] = {}
             for (line, direction, cls), n in sorted(self._crossings.items()):
                 crossings.setdefault(line, {"in": {}, "out": {}})[direction][cls] = n
             zones: dict[str, dict[str, dict[str, int]]] = {
-                zone: {"now": dict(now), "entered": {}, "exited": {}, "loitered": {}}
+                zone: {
+                    "now": dict(now) if showing else {},
+                    "entered": {},
+                    "exited": {},
+                    "loitered": {},
+                }
                 for zone, now in self._zone_now.items()
             }
             for (zone, kind, cls), n in sorted(self._zone_moves.items()):
@@ -192,8 +202,8 @@ class StreamAnalytics:
                 zones.setdefault(zone, empty)[f"{kind}ed"][cls] = n
             return {
                 "detections": dict(self._detections),
-                "objects": dict(self._objects),
-                "stationary": dict(self._stationary),
+                "objects": dict(self._objects) if showing else {},
+                "stationary": dict(self._stationary) if showing else {},
                 "tracked": dict(self._tracked),
                 "crossings": crossings,
                 "zones": zones,

@@ -65,6 +65,10 @@ class StreamState(enum.StrEnum):
     DISABLED = "disabled"  # by its user: camera closed, settings and counts kept
 
 
+NOT_SHOWING = frozenset({StreamState.DISABLED, StreamState.FAILED, StreamState.STOPPED})
+"""States in which a stream shows nothing now: its ``objects`` and zones' ``now`` are empty."""
+
+
 class FatalSourceError(RuntimeError):
     """The source opened but can never work (no video, frames too large): no retry."""
 
@@ -310,7 +314,7 @@ class StreamReader:
                 "motion_area": round(self._motion.area, 4) if self.detect.motion else None,
                 "reconnects": self.reconnects,
                 "frames_failed": self.failed,
-                **self._analytics.snapshot(),
+                **self._analytics.snapshot(showing=self.state not in NOT_SHOWING),
                 "last_frame_age_s": None if age is None else round(age, 3),
                 "last_latency_ms": None
                 if self.last_latency_ms is None
@@ -351,7 +355,11 @@ class StreamReader:
             self.state = state
             if error is not None:
                 self.last_error = error
-        told = state not in (StreamState.CONNECTING, StreamState.STOPPED)
+        # A reader stopped by the server (the stream removed, replaced, disabled) is not news;
+        # a file that played to its end is (MQTT's and the dashboards' counts go to 0).
+        told = state is not StreamState.CONNECTING and (
+            state is not StreamState.STOPPED or error == FILE_ENDED
+        )
         if state != previous and told and self._on_state is not None:
             self._on_state(previous, state, error, self._frame_no)
 

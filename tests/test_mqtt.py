@@ -26,7 +26,7 @@ from server.mqtt import active_counts, check_mqtt_url, object_counts, safe_url, 
 from server.mqtt_discovery import Discovery
 from server.settings import Settings
 from streams.fanout import ProcessedFrame
-from tests.helpers import CAR_CLIP, GATE, clip_server, decode_jpeg
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server, decode_jpeg
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
@@ -394,5 +394,36 @@ def test_a_broker_that_restarts_or_stalls_loses_no_state_event_or_entity(
                 got = {json.loads(m)["id"] for m in listener.on("streamdet/bay/events") if m}
                 time.sleep(0.2)
             assert set(ids) <= got, sorted(set(ids) - got)
+    finally:
+        listener.close()
+
+
+@pytest.mark.mqtt
+def test_a_stream_that_ends_shows_nothing_now(tmp_path: Path, broker: Broker) -> None:
+    """A file that ends (or a camera that fails) shows nothing now: its retained counts go
+    to 0 (they kept its last frame's objects for ever), as ``GET /streams/{id}`` says too."""
+    from benchmarks.make_clip import make_clip
+
+    short = tmp_path / "clips" / "short.mp4"
+    short.parent.mkdir()
+    make_clip(BOTTLE_CLIP, short, width=640, height=360, fps=25, gop=25, frames=40)
+    broker.start()
+    server = clip_server(
+        tmp_path, mqtt_url=f"mqtt://127.0.0.1:{broker.port}", allowed_file_dir=str(short.parent)
+    )
+    listener = Listener(broker.port)
+    try:
+        with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
+            whole = {"name": "whole", "points": [[0, 0], [1, 0], [1, 1], [0, 1]]}
+            stream = {"id": "end", "url": f"file://{short}", "loop": False, "zones": [whole]}
+            assert c.post("/streams", json=stream).status_code == 201
+            assert listener.wait_last("streamdet/end/state", "stopped", 60)
+            seen = [json.loads(m)["all"] for m in listener.on("streamdet/end/objects")]
+            assert max(seen) > 0  # its bottles were counted while it played
+            assert listener.wait_last("streamdet/end/objects", '{"all":0}', 10)
+            assert listener.wait_last("streamdet/end/zones/whole", '{"all":0}', 10)
+            info = c.get("/streams/end").json()
+            assert info["state"] == "stopped" and info["objects"] == {}
+            assert info["zones"]["whole"]["now"] == {} and info["detections"]["bottle"] > 0
     finally:
         listener.close()

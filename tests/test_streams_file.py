@@ -272,6 +272,7 @@ def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
             return info
 
         wait_until(lambda: stream("road")["frames_processed"] > 2, "road's frames")
+        wait_until(lambda: bool(stream("road")["objects"]), "road's cars in a frame")
         off = c.patch("/streams/road", json={"enabled": False})
         assert off.status_code == 200 and off.json()["enabled"] is False
         assert off.json()["state"] == "disabled"
@@ -281,6 +282,11 @@ def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
         events = c.get("/events", params={"stream_id": "road", "type": "stream_state"})
         assert events.json()["events"][-1]["state"] == "disabled"
         counted = stream("road")
+        # It shows nothing now: no dashboard goes on counting what its last frame showed.
+        assert counted["objects"] == {} and counted["stationary"] == {}
+        assert counted["detections"]  # the totals stay
+        metrics = c.get("/metrics").text
+        assert 'streamdet_stream_objects{class="car",stream="road"} 0.0' in metrics
         assert c.patch("/streams/road", json={"enabled": True}).json()["state"] != "disabled"
         wait_until(
             lambda: stream("road")["frames_processed"] > counted["frames_processed"],
@@ -291,7 +297,9 @@ def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
         assert all(again["detections"].get(k, 0) >= n for k, n in counted["detections"].items())
         assert c.patch("/streams/road", json={"enabled": False}).status_code == 200
         # A stream of the streams file may be switched off too, but nothing else changed.
+        wait_until(lambda: bool(stream("shelf")["zones"]), "shelf's zone counts")
         assert c.patch("/streams/shelf", json={"enabled": False}).json()["state"] == "disabled"
+        assert all(not z["now"] for z in stream("shelf")["zones"].values())
         both = c.patch("/streams/shelf", json={"enabled": True, "conf": 0.4})
         assert both.status_code == 409
         assert stream("shelf")["detect"]["zones"][0]["name"] == "shelf"  # settings kept

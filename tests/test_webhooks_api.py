@@ -87,7 +87,11 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         again = c.get(f"/webhooks/{hook['id']}")
         assert again.status_code == 200 and again.json()["filter"] == hook["filter"]
+        series = f'streamdet_webhook_failures_total{{webhook="{hook["url"]}"}}'
+        assert series in c.get("/metrics").text
         assert c.delete(f"/webhooks/{hook['id']}").status_code == 204
+        assert series not in c.get("/metrics").text  # its metric series go with it
+        assert everything.url.split("?")[0] in c.get("/metrics").text  # the others stay
         assert c.get(f"/webhooks/{hook['id']}").status_code == 404
         gone = c.delete("/webhooks/nope")
         assert gone.status_code == 404 and "webhooks setting" in gone.text
