@@ -125,7 +125,7 @@ class Placement:
 def placement(height: int, width: int, shape: tuple[int, int], imgsz: int) -> Placement:
     """Scale and offset of an ``height x width`` image letterboxed into ``shape``."""
     gain = min(imgsz / height, imgsz / width, shape[0] / height, shape[1] / width)
-    new_w, new_h = round(width * gain), round(height * gain)
+    new_w, new_h = max(1, round(width * gain)), max(1, round(height * gain))  # never 0: 1x5000
     dw, dh = (shape[1] - new_w) / 2, (shape[0] - new_h) / 2
     top, left = round(dh - 0.1), round(dw - 0.1)
     meta = LetterboxMeta(gain=gain, pad_x=left, pad_y=top, width=width, height=height)

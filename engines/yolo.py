@@ -40,7 +40,7 @@ def rect_shape(height: int, width: int, imgsz: int, stride: int) -> tuple[int, i
     640x640, 40% fewer pixels for the same detections.
     """
     gain = min(imgsz / height, imgsz / width)
-    new_w, new_h = round(width * gain), round(height * gain)
+    new_w, new_h = max(1, round(width * gain)), max(1, round(height * gain))  # never 0: 1x5000
     return new_h + (imgsz - new_h) % stride, new_w + (imgsz - new_w) % stride
 
 
@@ -91,7 +91,7 @@ def letterbox(
     """
     h, w = image.shape[:2]
     gain = min(imgsz / h, imgsz / w, shape[0] / h, shape[1] / w)
-    new_w, new_h = round(w * gain), round(h * gain)
+    new_w, new_h = max(1, round(w * gain)), max(1, round(h * gain))  # never 0: a 1x5000 image
     dw, dh = (shape[1] - new_w) / 2, (shape[0] - new_h) / 2
     resized = image if (new_w, new_h) == (w, h) else resize(image, (new_w, new_h))
     top, left = round(dh - 0.1), round(dw - 0.1)

@@ -29,7 +29,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
@@ -43,6 +43,8 @@ from server.state import get_state
 log = logging.getLogger(__name__)
 
 DEADLINE_HEADER = "x-request-deadline-ms"
+DEADLINE_HEADER_NAME = "X-Request-Deadline-Ms"
+"""The header as errors name it."""
 DECODE_ALPHA = 0.2
 ITEM_ALPHA = 0.125
 """EWMA gain of the mean per-image time (TCP's gain for the smoothed RTT)."""
@@ -188,20 +190,33 @@ class AdmissionController:
         self.ratio_mean = 1.0
         self.ratio_dev = 0.0
         self.clock = clock
+        self._ratio_at = self.clock()
         self._budget_scale = 1.0
         self._budget_at = self.clock()
         pool.batch_observers.append(self.observe_batch)
         metrics.set_wait_source(lambda: self.estimate().wait_s)
 
+    def _relaxed(self) -> tuple[float, float]:
+        """The ratio's mean and deviation, relaxed towards the model as it is (1, 0) with
+        :data:`BUDGET_RELAX_S`'s time constant since the last call calibrated them: only
+        admitted calls calibrate, so a lesson of a burst was kept for ever where every call
+        after it was refused (a client's own deadline: 10 lone calls 2 s apart on an idle
+        server, all refused)."""
+        decay = math.exp(-(self.clock() - self._ratio_at) / BUDGET_RELAX_S)
+        return 1.0 + (self.ratio_mean - 1.0) * decay, self.ratio_dev * decay
+
     @property
     def correction(self) -> float:
         """Factor applied to model predictions: mean + 2 deviations of real/predicted."""
-        return min(MAX_CORRECTION, max(MIN_CORRECTION, self.ratio_mean + 2 * self.ratio_dev))
+        mean, dev = self._relaxed()
+        return min(MAX_CORRECTION, max(MIN_CORRECTION, mean + 2 * dev))
 
     def calibrate(self, predicted_s: float, actual_s: float) -> None:
         """One call ran: compare its queue-to-answer time with the model's prediction."""
         if predicted_s < 0.001 or math.isinf(predicted_s):
             return
+        self.ratio_mean, self.ratio_dev = self._relaxed()
+        self._ratio_at = self.clock()
         ratio = actual_s / predicted_s
         self.ratio_dev += RATIO_ALPHA * (abs(ratio - self.ratio_mean) - self.ratio_dev)
         self.ratio_mean += RATIO_ALPHA * (ratio - self.ratio_mean)
@@ -299,8 +314,23 @@ class AdmissionController:
         log.info("request %s: 429 (%s): %s", request_id, reason, detail)
         return HTTPException(429, detail, headers={"Retry-After": str(retry_after_s)})
 
-    def admit(self, arrived: float, headers: Headers, request_id: str) -> Ticket:
+    def deadline_source(self) -> str:
+        """The setting that gives a call that asks for no deadline its deadline."""
+        target = self.settings.admission_deadline_ms
+        if 0 < target < self.settings.request_timeout_ms:
+            return "setting STREAMDET_ADMISSION_DEADLINE_MS"
+        return "setting STREAMDET_REQUEST_TIMEOUT_MS"
+
+    def admit(
+        self,
+        arrived: float,
+        headers: Headers,
+        request_id: str,
+        client_deadline: str = DEADLINE_HEADER_NAME,
+    ) -> Ticket:
         """Admit a call that arrived at ``arrived`` (monotonic), or raise HTTP 429.
+        ``client_deadline`` names where a client's deadline comes from, in errors (the
+        header; gRPC: the call's own deadline).
 
         Raises:
             HTTPException: 400 bad deadline header, 429 predicted to miss its deadline.
@@ -320,6 +350,10 @@ class AdmissionController:
             arrived + budget_ms / 1000.0,
             arrived + hard_ms / 1000.0,
             from_client=client_ms is not None,
+            source=client_deadline if client_ms is not None else self.deadline_source(),
+            hard_source=client_deadline
+            if client_ms is not None and client_ms < self.settings.request_timeout_ms
+            else "setting STREAMDET_REQUEST_TIMEOUT_MS",
         )
         ticket.check(self.estimate(decode_left=True))
         self.decoding += 1
@@ -338,6 +372,11 @@ class Ticket:
     deadline: float
     hard_deadline: float
     from_client: bool
+    source: str = field(default="")
+    """What set ``deadline``, for errors: the client's header (or gRPC deadline), or the
+    setting."""
+    hard_source: str = field(default="setting STREAMDET_REQUEST_TIMEOUT_MS")
+    """What set ``hard_deadline``, for errors."""
     decoding: bool = field(default=False)
     queued_at: float | None = field(default=None)
     predicted_s: float = field(default=0.0)
@@ -375,16 +414,11 @@ class Ticket:
             if scale < 0.995
             else ""
         )
-        source = (
-            "X-Request-Deadline-Ms"
-            if self.from_client
-            else "setting STREAMDET_ADMISSION_DEADLINE_MS"
-        )
         retry_after_s = self.controller.retry_after_s(estimate)
         raise self.controller.refuse(
             "deadline",
             f"server busy: predicted to finish in {predicted}, past this"
-            f" request's {deadline_ms:.0f} ms deadline{planned} ({source});"
+            f" request's {deadline_ms:.0f} ms deadline{planned} ({self.source});"
             f" retry after {retry_after_s} s",
             retry_after_s,
             self.request_id,
@@ -401,6 +435,10 @@ class Ticket:
         # cap, x4, and every /detect after it was refused for a while).
         self.calibrates = images == 1
         estimate = c.estimate(more=images - 1)
+        if images > 1 and c.estimate().idle:
+            # Its own images are nobody else's wait: a call of several on an idle server is
+            # run, as a call of one is (it was refused 429 on every retry, for ever).
+            estimate = replace(estimate, idle=True)
         self.check(estimate)
         self.queued_at = time.monotonic()
         self.predicted_s = estimate.finish_s

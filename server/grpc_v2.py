@@ -51,6 +51,7 @@ from server.state import AppState
 log = logging.getLogger(__name__)
 
 STATUS_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT"}
+STATUS_CODES |= {415: "INVALID_ARGUMENT"}  # an image format it does not take
 STATUS_CODES |= {422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
@@ -231,7 +232,9 @@ def make_servicer(app: FastAPI) -> Any:
             )
             metadata = dict(context.invocation_metadata() or ())
             request_id = str(metadata.get("x-request-id") or request.id or uuid.uuid4().hex[:12])
-            ticket = controller.admit(time.monotonic(), headers, request_id)
+            ticket = controller.admit(
+                time.monotonic(), headers, request_id, client_deadline="the call's gRPC deadline"
+            )
             try:
                 inference, binary = _as_v2_json(request)
                 params = _params(inference, state.pool.engine.names)

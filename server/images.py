@@ -67,22 +67,20 @@ EXIF_ORIENTATION = 0x0112
 """The EXIF tag saying how a picture is turned; values 5 to 8 swap its width and height."""
 
 
-def decode_upload(data: bytes, max_pixels: int, max_side: int = 0) -> tuple[Image, tuple[int, int]]:
-    """:func:`decode_image`, and the image's width and height; with ``max_side``, a JPEG at
-    least twice that size is decoded at a half, a quarter or an eighth of it by libjpeg itself
-    (``draft``: the scaled inverse DCT, several times faster than decoding it whole), as
-    long as it stays at least ``max_side`` on its longer side: what an engine of that input
-    size sees is the same picture, the engine resizes it anyway. The size returned is the
-    image's own (EXIF-rotated), to give boxes in.
+def _opened(
+    data: bytes, max_pixels: int, max_side: int
+) -> tuple[ImageFile.ImageFile, str, tuple[int, int]]:
+    """The image opened (its header read, no pixel decoded; a large JPEG set to decode
+    smaller: see :func:`decode_upload`), its format and its width and height as sent.
 
     Raises:
-        ImageError: 400 empty/corrupt/truncated, 415 another format, 413 too many pixels.
+        ImageError: 400 empty or unreadable header, 415 another format, 413 too many pixels.
     """
     if not data:
         raise ImageError(400, "empty image: the upload has no bytes")
     fmt, decoder = _sniff(data)
     try:
-        img: PILImage.Image = decoder(io.BytesIO(data))
+        img = decoder(io.BytesIO(data))
     except (OSError, ValueError, SyntaxError, IndexError) as exc:
         raise ImageError(400, f"unreadable {fmt} header: {exc}") from None
     width, height = img.size
@@ -94,14 +92,49 @@ def decode_upload(data: bytes, max_pixels: int, max_side: int = 0) -> tuple[Imag
             f"image is {width}x{height} = {width * height / 1e6:.1f} MP, over the limit of"
             f" {max_pixels / 1e6:.1f} MP (setting STREAMDET_MAX_IMAGE_PIXELS)",
         )
-    try:
-        if max_side and fmt == "JPEG" and max(width, height) >= 2 * max_side:
+    if max_side and fmt == "JPEG" and max(width, height) >= 2 * max_side:
+        try:
             img.draft("RGB", decoded_size(width, height, max_side))  # libjpeg keeps at least it
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise ImageError(400, f"truncated or corrupt {fmt} image: {exc}") from None
+    return img, fmt, (width, height)
+
+
+def decoded_pixels(data: bytes, max_pixels: int, max_side: int = 0) -> int:
+    """How many pixels :func:`decode_upload` will decode ``data`` to, from its header alone
+    (a large JPEG decoded smaller counts as such), after the same checks.
+
+    Raises:
+        ImageError: as :func:`decode_upload` does for its header.
+    """
+    img, _, _ = _opened(data, max_pixels, max_side)
+    width, height = img.size
+    return width * height
+
+
+def decode_upload(data: bytes, max_pixels: int, max_side: int = 0) -> tuple[Image, tuple[int, int]]:
+    """:func:`decode_image`, and the image's width and height; with ``max_side``, a JPEG at
+    least twice that size is decoded at a half, a quarter or an eighth of it by libjpeg itself
+    (``draft``: the scaled inverse DCT, several times faster than decoding it whole), as
+    long as it stays at least ``max_side`` on its longer side: what an engine of that input
+    size sees is the same picture, the engine resizes it anyway. The size returned is the
+    image's own (EXIF-rotated), to give boxes in.
+
+    Raises:
+        ImageError: 400 empty/corrupt/truncated, 415 another format, 413 too many pixels.
+    """
+    opened, fmt, (width, height) = _opened(data, max_pixels, max_side)
+    img: PILImage.Image = opened
+    try:
         swapped = img.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
         img.load()
         img = ImageOps.exif_transpose(img) or img
-        rgb = img.convert("RGB")
+        if img.mode.startswith("I"):  # 16-bit grey PNG ("I;16", or "I" from older Pillow)
+            grey = (np.asarray(img).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8)
+            rgb_array = np.ascontiguousarray(np.repeat(grey[..., None], 3, axis=2))
+        else:
+            rgb_array = np.asarray(img.convert("RGB"), dtype=np.uint8)
     except (OSError, ValueError, SyntaxError) as exc:
         raise ImageError(400, f"truncated or corrupt {fmt} image: {exc}") from None
     size = (height, width) if swapped else (width, height)
-    return np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8)), size
+    return np.ascontiguousarray(rgb_array), size

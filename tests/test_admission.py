@@ -335,3 +335,40 @@ def test_a_call_of_many_images_is_predicted_whole_and_calibrates_nothing() -> No
     time.sleep(0.05)
     ticket.release()
     assert controller.correction == 1.0
+
+
+def test_a_bursts_lesson_fades_and_refusals_name_the_deadlines_setting() -> None:
+    """The correction relaxes towards the model as it is once calls stop calibrating it (only
+    admitted calls do: a client's own deadline was refused for ever after a burst), and a
+    refusal names the setting that set its deadline."""
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=8)
+    now = [100.0]
+    controller = AdmissionController(pool, Settings(), Metrics(), clock=lambda: now[0])
+    for _ in range(200):
+        controller.calibrate(0.1, 0.3)  # a burst: 3x the model
+    assert controller.correction == pytest.approx(3.0, abs=0.05)
+    now[0] += 30.0
+    assert controller.correction == pytest.approx(1 + 2 / math.e, abs=0.05)
+    now[0] += 300.0
+    assert controller.correction == pytest.approx(1.0, abs=0.001)
+    controller.calibrate(0.1, 0.1)  # from where it had relaxed to
+    assert controller.correction == pytest.approx(1.0, abs=0.001)
+
+    def source(admission_ms: float, timeout_ms: float) -> str:
+        settings = Settings(admission_deadline_ms=admission_ms, request_timeout_ms=timeout_ms)
+        return AdmissionController(pool, settings, Metrics()).deadline_source()
+
+    assert source(1000, 10_000) == "setting STREAMDET_ADMISSION_DEADLINE_MS"
+    assert source(0, 10_000) == "setting STREAMDET_REQUEST_TIMEOUT_MS"
+    assert source(5000, 800) == "setting STREAMDET_REQUEST_TIMEOUT_MS"
+    ticket = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "50"}), "r1")
+    assert ticket.source == ticket.hard_source == "X-Request-Deadline-Ms"
+    ticket.release()

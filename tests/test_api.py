@@ -148,6 +148,9 @@ def test_query_parameters_filter(client: TestClient) -> None:
     assert len(top1) == 1
     high = client.post("/detect?conf=0.88&iou=0.5", files=files).json()["detections"]
     assert high and all(d["confidence"] > 0.88 for d in high)
+    # A blank list is every class, as no list is (",": it dropped every detection).
+    every = client.post("/detect?classes=,", files=files).json()["detections"]
+    assert {d["class_name"] for d in every} == {"bus", "person"}
 
 
 @pytest.mark.parametrize(
@@ -194,6 +197,10 @@ def test_wrong_multipart_field_is_422(client: TestClient) -> None:
     resp = client.post("/detect", files={"image": (None, "not a file")})
     assert resp.status_code == 422
     assert "must be a file" in resp.json()["detail"]
+    two = [("image", ("a.jpg", bus_bytes(), "image/jpeg")), ("image", ("b.jpg", b"x", "x/y"))]
+    resp = client.post("/detect", files=two)  # the last one was answered for, the first lost
+    assert resp.status_code == 422
+    assert "2 fields 'image'" in resp.json()["detail"]
     resp = client.post("/detect", data={"image": "not a file"})  # url-encoded form
     assert resp.status_code == 415
     assert "multipart/form-data" in resp.json()["detail"]
@@ -204,6 +211,7 @@ def test_upload_over_limit_is_413(client: TestClient) -> None:
     resp = client.post("/detect", content=big, headers={"content-type": "image/jpeg"})
     assert resp.status_code == 413
     assert "STREAMDET_MAX_UPLOAD_MB" in resp.json()["detail"]
+    assert "larger than 2 MB" in resp.json()["detail"]  # as set (it said 2.1: MiB over 1e6)
 
 
 def test_decompression_bomb_is_refused_from_its_header(client: TestClient) -> None:

@@ -99,3 +99,16 @@ def test_params_filter_results(engine: Engine) -> None:
     (strict,) = engine.infer([image], [DetectParams(conf=0.88)])
     assert all(s > 0.88 for s in strict.scores)
     assert 1 <= len(strict) < 5
+
+
+@pytest.mark.parametrize(("h", "w"), [(1, 5000), (5000, 1), (3, 4000), (1, 1)])
+def test_a_sliver_of_an_image_finds_nothing_as_ultralytics(engine: Engine, h: int, w: int) -> None:
+    """Scaled to fit, a 1x5000 image is under half a pixel high: it runs at one pixel (it
+    failed every call it was in with OpenCV's "inv_scale_x > 0" assertion, a 500); Ultralytics'
+    predictor finds nothing in it either."""
+    sliver = np.full((h, w, 3), 128, np.uint8)
+    bus = load_image(ultralytics_assets() / "bus.jpg")
+    det, with_it = engine.infer([sliver, bus], [DetectParams(conf=CONF)] * 2)
+    assert len(det) == 0 and (det.height, det.width) == (h, w)
+    assert len(reference(engine, sliver)[0]) == 0
+    assert len(with_it) >= 4  # a batch it is in is unharmed

@@ -51,3 +51,19 @@ def test_a_turned_jpeg_is_decoded_smaller_and_gives_its_turned_size() -> None:
     image, size = decode_upload(_jpeg(4000, 3000, orientation=6), 50_000_000, 640)
     assert size == (3000, 4000) and image.shape == (1000, 750, 3)
     assert decode_upload(_jpeg(4000, 3000, orientation=3), 50_000_000, 640)[1] == (4000, 3000)
+
+
+def test_a_16_bit_grey_png_is_decoded_as_opencv_reads_it() -> None:
+    """Its samples scaled to 8 bits (the high byte, as ``cv2.imread`` and so Ultralytics read
+    it): ``convert("RGB")`` clipped them at 255, an almost white picture and no detection."""
+    import cv2
+
+    ramp = (np.arange(64 * 48, dtype=np.uint32).reshape(48, 64) * 21).astype(np.uint16)
+    out = io.BytesIO()
+    PILImage.fromarray(ramp).save(out, format="PNG")
+    image = decode_image(out.getvalue(), 50_000_000)
+    theirs = cv2.imdecode(np.frombuffer(out.getvalue(), np.uint8), cv2.IMREAD_COLOR)
+    assert theirs is not None
+    assert image.shape == (48, 64, 3) and image.dtype == np.uint8
+    np.testing.assert_array_equal(image, theirs[..., ::-1])
+    assert 100 < image.mean() < 150  # not all white

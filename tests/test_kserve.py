@@ -243,3 +243,107 @@ def test_a_grpc_port_without_the_grpc_extra_stops_the_start_saying_so(
     finally:
         sys.setswitchinterval(before)
     assert "STREAMDET_GRPC_PORT needs gRPC" in caplog.text and ".[grpc]" in caplog.text
+
+
+def _png(width: int, height: int, mode: str = "RGB") -> bytes:
+    import io
+
+    from PIL import Image as PILImage
+
+    out = io.BytesIO()
+    PILImage.new(mode, (width, height)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_a_call_of_several_images_is_run_on_an_idle_server_and_bounded_before_decoding(
+    server: ServerProcess, client: triton.InferenceServerClient
+) -> None:
+    """A call of several images on an idle server is run (its own images counted as a queue
+    ahead of it, it was refused 429 + Retry-After on every retry); one of more images than
+    may wait, or whose images decode to more than twice STREAMDET_MAX_IMAGE_PIXELS
+    together, is refused 413 from the headers, before any image is decoded."""
+    small = _png(64, 64)
+    _detect(server, small)  # the engine's figures known: admission predicts
+    six = triton.InferInput("image_bytes", [6], "BYTES")
+    six.set_data_from_numpy(np.array([small] * 6, dtype=np.object_))
+    result = client.infer(MODEL, [six])
+    assert result.as_numpy("num_detections").shape == (6, 1)
+    many = triton.InferInput("image_bytes", [65], "BYTES")
+    many.set_data_from_numpy(np.array([small] * 65, dtype=np.object_))
+    with pytest.raises(InferenceServerException) as failed:
+        client.infer(MODEL, [many])
+    assert "at most 64 may wait at once (setting STREAMDET_MAX_QUEUE)" in str(failed.value)
+    large = _png(6000, 6000, "L")  # 36 MP of grey: 36 kB
+    three = triton.InferInput("image_bytes", [3], "BYTES")
+    three.set_data_from_numpy(np.array([large] * 3, dtype=np.object_))
+    with pytest.raises(InferenceServerException) as failed:
+        client.infer(MODEL, [three])
+    assert "108.0 MP together" in str(failed.value) and "STREAMDET_MAX_IMAGE_PIXELS" in str(
+        failed.value
+    )
+
+
+def test_malformed_v2_requests_are_400s_naming_what_is_wrong(server: ServerProcess) -> None:
+    """Each was a plain-text 500 (the header's ``isdigit`` takes "²"; ``parameters`` not an
+    object); a bad output is refused before the images are run."""
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        url = f"/v2/models/{MODEL}/infer"
+        odd = c.post(url, content=b"{}", headers={b"inference-header-content-length": b"\xb2"})
+        assert odd.status_code == 400 and "not a length" in odd.json()["error"]
+        for body, words in (
+            (
+                {
+                    "inputs": [
+                        {
+                            "name": "image_bytes",
+                            "datatype": "BYTES",
+                            "shape": [1],
+                            "parameters": "binary_data_size",
+                        }
+                    ]
+                },
+                "input 'image_bytes': parameters must be a JSON object",
+            ),
+            (
+                {
+                    "inputs": [
+                        {
+                            "name": "images",
+                            "datatype": "UINT8",
+                            "shape": [1, 1, 1, 3],
+                            "data": [0, 0, 0],
+                        }
+                    ],
+                    "outputs": [{"name": "num_detections", "parameters": ["binary_data"]}],
+                },
+                "output 'num_detections': parameters must be a JSON object",
+            ),
+            (
+                {
+                    "inputs": [
+                        {
+                            "name": "images",
+                            "datatype": "UINT8",
+                            "shape": [1, 1, 1, 3],
+                            "data": [0, 0, 0],
+                        }
+                    ],
+                    "parameters": [1],
+                },
+                "the request: parameters must be a JSON object",
+            ),
+        ):
+            bad = c.post(url, json=body)
+            assert bad.status_code == 400 and words in bad.json()["error"], bad.text
+
+
+def test_an_image_format_it_does_not_take_is_invalid_argument_over_grpc(
+    grpc_client: triton_grpc.InferenceServerClient,
+) -> None:
+    """HTTP's 415, as INVALID_ARGUMENT (it was INTERNAL, a server fault)."""
+    gif = triton_grpc.InferInput("image_bytes", [1], "BYTES")
+    gif.set_data_from_numpy(np.array([b"GIF89a" + bytes(32)], dtype=np.object_))
+    with pytest.raises(InferenceServerException) as failed:
+        grpc_client.infer(MODEL, [gif])
+    assert "INVALID_ARGUMENT" in str(failed.value.status())
+    assert "unsupported image format GIF" in failed.value.message()

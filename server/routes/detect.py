@@ -30,8 +30,9 @@ def parse_classes(
     raw: str | Sequence[str | int] | None, names: Mapping[int, str]
 ) -> frozenset[int] | None:
     """``"0,car,5"`` (or a list of ids and names) to class ids, None (every class) for None or a
-    blank string; raises HTTP 422 naming the unknown entry."""
-    if raw is None or (isinstance(raw, str) and not raw.strip()):
+    blank string (``","`` too: it dropped every detection); raises HTTP 422 naming the unknown
+    entry."""
+    if raw is None or (isinstance(raw, str) and not raw.replace(",", "").strip()):
         return None
     try:
         return class_ids(raw.split(",") if isinstance(raw, str) else raw, names)
@@ -57,7 +58,7 @@ async def capped_stream(
 
 async def read_body_capped(request: Request, limit: int) -> bytes:
     """Read the request body, refusing (413) once it passes ``limit`` bytes."""
-    too_large = f"upload larger than {limit / 1e6:.1f} MB (setting STREAMDET_MAX_UPLOAD_MB)"
+    too_large = f"upload larger than {limit / 2**20:g} MB (setting STREAMDET_MAX_UPLOAD_MB)"
     body = b"".join([chunk async for chunk in capped_stream(request, limit, too_large)])
     request._body = body  # lets request.form() parse what we already read
     return body
@@ -70,7 +71,12 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
     if ctype == "multipart/form-data":
         form = await request.form()
         try:
-            field = form.get("image")
+            fields = form.getlist("image")
+            if len(fields) > 1:  # one was answered for, the others dropped
+                raise HTTPException(
+                    422, f"multipart form has {len(fields)} fields 'image'; send one a call"
+                )
+            field = fields[0] if fields else None
             if field is None:
                 got = ", ".join(sorted(form.keys())) or "none"
                 raise HTTPException(422, f"multipart form needs a file field 'image' (got: {got})")
@@ -134,13 +140,10 @@ async def run_admitted(
     for result in results:
         if isinstance(result.error, DeadlineExceeded):
             ticket.reject("expired")
-            source = (
-                "X-Request-Deadline-Ms" if ticket.from_client else "STREAMDET_REQUEST_TIMEOUT_MS"
-            )
             raise HTTPException(
                 503,
                 f"request not served within {(ticket.hard_deadline - ticket.arrived) * 1000:.0f}"
-                f" ms ({result.error}; {source})",
+                f" ms ({result.error}; {ticket.hard_source})",
                 headers=ticket.retry_after(),
             )
         if result.error is not None or result.detections is None:

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engines.batching import WorkResult
 from engines.types import Detections, DetectParams, Image
 from server.admission import AdmissionTicket
-from server.images import ImageError, decode_upload
+from server.images import ImageError, decode_upload, decoded_pixels
 from server.routes.detect import parse_classes, read_body_capped, run_admitted
 from server.state import AppState, get_state
 
@@ -46,6 +46,8 @@ PREFIX = "/v2"
 VERSION = "1"
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_IMAGES = 256  # images in one request
+CALL_PIXELS = 2
+"""A call's images together decode to at most this many times ``max_image_pixels``."""
 NP_TYPES: dict[str, npt.DTypeLike] = {
     "UINT8": np.uint8,
     "INT32": np.int32,
@@ -206,7 +208,7 @@ def _split(body: bytes, header: str | None) -> tuple[dict[str, Any], bytes]:
     """The request's JSON and the binary data after it."""
     size = len(body)
     if header is not None:
-        if not header.isdigit() or int(header) > size:
+        if not (header.isascii() and header.isdigit()) or int(header) > size:
             raise HTTPException(
                 400, f"{HEADER_LENGTH}: {header!r} is not a length within the {size}-byte body"
             )
@@ -231,7 +233,7 @@ def _shape(tensor: Mapping[str, Any], name: str) -> list[int]:
 
 def _raw(tensor: Mapping[str, Any], name: str, binary: bytes) -> bytes:
     """The one input's binary data (binary tensor data extension): the body after the JSON."""
-    size = (tensor.get("parameters") or {}).get("binary_data_size")
+    size = _parameters(tensor, f"input {name!r}").get("binary_data_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise HTTPException(400, f"input {name!r}: binary_data_size must be a byte count")
     if size > len(binary):
@@ -272,7 +274,7 @@ async def _images(
     tensor = inputs[0]
     name, datatype = tensor.get("name"), tensor.get("datatype")
     shape = _shape(tensor, str(name))
-    binary_given = "binary_data_size" in (tensor.get("parameters") or {})
+    binary_given = "binary_data_size" in _parameters(tensor, f"input {name!r}")
     if name == "image_bytes":
         if datatype != "BYTES" or len(shape) != 1:
             raise HTTPException(400, f"input 'image_bytes': BYTES [N], not {datatype} {shape}")
@@ -287,10 +289,21 @@ async def _images(
             raise HTTPException(
                 400, f"input 'image_bytes': shape says {shape[0]} images, the data has {len(items)}"
             )
-        _check_count(len(items))
+        _check_count(len(items), state)
         decode = state.decode_executor
         limit, side = state.settings.max_image_pixels, state.pool.engine.input_size
         try:
+            # From their headers first: a few kB of PNGs decode to gigabytes (24 of 19 MP
+            # took 2 GB and 18 s of the decode threads, then the call was refused anyway).
+            total = sum(decoded_pixels(item, limit, side) for item in items)
+            if total > CALL_PIXELS * limit:
+                raise HTTPException(
+                    413,
+                    f"input 'image_bytes': {len(items)} images of {total / 1e6:.1f} MP"
+                    f" together, over a call's {CALL_PIXELS * limit / 1e6:.0f} MP"
+                    f" ({CALL_PIXELS} x setting STREAMDET_MAX_IMAGE_PIXELS; large JPEGs count"
+                    " at the size they are decoded to)",
+                )
             return list(
                 await asyncio.gather(
                     *(
@@ -305,7 +318,7 @@ async def _images(
         if datatype != "UINT8" or len(shape) != 4 or shape[3] != 3:
             raise HTTPException(400, f"input 'images': UINT8 [N, H, W, 3], not {datatype} {shape}")
         n, height, width = shape[:3]
-        _check_count(n)
+        _check_count(n, state)
         if height * width > state.settings.max_image_pixels or not height or not width:
             raise HTTPException(
                 413 if height * width else 400,
@@ -333,15 +346,22 @@ async def _images(
     )
 
 
-def _check_count(n: int) -> None:
+def _check_count(n: int, state: AppState) -> None:
+    """Before any image is decoded: a count the protocol allows, and no more than may wait
+    at once (a call of more was decoded, then refused 429 for ever: :func:`run_admitted`)."""
     if not 1 <= n <= MAX_IMAGES:
         raise HTTPException(400, f"1 to {MAX_IMAGES} images a request, not {n}")
+    most = state.pool.queue.max_interactive
+    if n > most:
+        raise HTTPException(
+            413,
+            f"{n} images in one call; at most {most} may wait at once"
+            " (setting STREAMDET_MAX_QUEUE)",
+        )
 
 
 def _params(request: dict[str, Any], names: Mapping[int, str]) -> DetectParams:
-    given = request.get("parameters") or {}
-    if not isinstance(given, dict):
-        raise HTTPException(400, "parameters must be a JSON object")
+    given = _parameters(request, "the request")
 
     def number(key: str, default: float, low: float, high: float) -> float:
         value = given.get(key, default)
@@ -401,25 +421,43 @@ def _outputs(results: Sequence[Detections]) -> dict[str, npt.NDArray[Any]]:
     }
 
 
-def _response(
-    request: dict[str, Any], model: str, outputs: dict[str, npt.NDArray[Any]]
-) -> Response:
+def _parameters(holder: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``holder``'s ``parameters`` (a JSON object; none: empty), or 400 naming ``where``."""
+    params = holder.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise HTTPException(400, f"{where}: parameters must be a JSON object, not {params!r}")
+    return params
+
+
+def _chosen(request: dict[str, Any]) -> list[tuple[str, bool]]:
+    """The outputs asked for, each with whether it goes as binary data; checked before any
+    image is run (a bad one answered 400 only after the inference, or 500)."""
+    names = [o["name"] for o in OUTPUTS]
     wanted = request.get("outputs")
-    params = request.get("parameters") or {}
-    all_binary = bool(params.get("binary_data_output", False))
-    chosen: list[tuple[str, bool]] = []
+    all_binary = bool(_parameters(request, "the request").get("binary_data_output", False))
     if wanted is None:
-        chosen = [(name, all_binary) for name in outputs]
-    else:
-        if not isinstance(wanted, list):
-            raise HTTPException(400, "outputs must be a list")
-        for item in wanted:
-            name = item.get("name") if isinstance(item, dict) else None
-            if name not in outputs:
-                known = ", ".join(outputs)
-                raise HTTPException(400, f"unknown output {name!r}; the model has {known}")
-            binary = (item.get("parameters") or {}).get("binary_data", all_binary)
-            chosen.append((name, bool(binary)))
+        return [(name, all_binary) for name in names]
+    if not isinstance(wanted, list):
+        raise HTTPException(400, "outputs must be a list")
+    chosen: list[tuple[str, bool]] = []
+    for item in wanted:
+        name = item.get("name") if isinstance(item, dict) else None
+        if name not in names:
+            raise HTTPException(400, f"unknown output {name!r}; the model has {', '.join(names)}")
+        assert isinstance(item, dict) and isinstance(name, str)
+        binary = _parameters(item, f"output {name!r}").get("binary_data", all_binary)
+        chosen.append((name, bool(binary)))
+    return chosen
+
+
+def _response(
+    request: dict[str, Any],
+    model: str,
+    outputs: dict[str, npt.NDArray[Any]],
+    chosen: list[tuple[str, bool]],
+) -> Response:
     described: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for name, binary in chosen:
@@ -458,9 +496,10 @@ async def infer(
     body = await read_body_capped(request, state.settings.max_upload_bytes)
     inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
     params = _params(inference, engine.names)
+    chosen = _chosen(inference)
     loop = asyncio.get_running_loop()
     started = time.monotonic()
     images = await _images(state, inference, binary, loop)
     ticket.decoded(time.monotonic() - started, len(images))  # admission checks it again
     results = await run_admitted(state, ticket, [image for image, _ in images], params, request)
-    return _response(inference, model_name, _outputs(_found(results, images)))
+    return _response(inference, model_name, _outputs(_found(results, images)), chosen)
