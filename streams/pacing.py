@@ -55,3 +55,28 @@ class FilePacer:
             due = now
         self._due = due
         return due
+
+
+class RateSampler:
+    """Which frames a stream's ``max_fps`` takes: one every ``1/max_fps`` seconds on average,
+    each taken up to half of that early, so a camera a little faster than ``max_fps`` gives
+    ``max_fps`` (frames spaced at least ``0.95/max_fps`` apart took every other frame of a
+    12.5 fps camera at ``max_fps`` 10: 6.25). A gap (a slow decode, a reconnect) is not made
+    up with a burst."""
+
+    def __init__(self) -> None:
+        self._due: float | None = None
+
+    def take(self, now: float, max_fps: float | None) -> bool:
+        """Whether the frame that came at ``now`` (monotonic) is taken; ``max_fps`` ``None``
+        or 0: every frame is."""
+        if not max_fps:
+            return True
+        step = 1.0 / max_fps
+        due = self._due
+        if due is not None and now < due - step / 2:
+            return False
+        if due is None or due < now - step / 2:  # the first frame, or behind: afresh
+            due = now
+        self._due = due + step
+        return True

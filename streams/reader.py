@@ -30,7 +30,7 @@ from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
 from streams.frames import decoded_size, frame_rgb, keyframes_suffice
 from streams.motion import MotionGate, MotionOptions
-from streams.pacing import FilePacer, frame_interval
+from streams.pacing import FilePacer, RateSampler, frame_interval
 from streams.sources import (
     SNAPSHOT_FPS,
     SourceSpec,
@@ -227,6 +227,7 @@ class StreamReader:
         self._pacer = FilePacer(options.file_fps)  # across a looped file's passes
         self._opened_at = 0.0  # when the source was last opened (monotonic)
         self._still = False  # it answers one picture an opening (a snapshot URL)
+        self._recorded = False  # a recording (a file, or a video file over HTTP), not live
         self._polling = False  # fetching such a picture again, the stream live
         self._frame_no = 0
         self.detect = config.detect
@@ -393,7 +394,7 @@ class StreamReader:
                     if self._stop.wait(self._opened_at + 1.0 / rate - time.monotonic()):
                         break
                     continue
-                if self.config.spec.is_file and got_frames:
+                if self._recorded and got_frames:
                     if self.config.spec.loop:
                         continue  # clip ended: start it again at once
                     # Played once, as asked: not reopened as a camera would be.
@@ -439,6 +440,10 @@ class StreamReader:
             if self._opt.codec_threads:
                 stream.codec_context.thread_count = self._opt.codec_threads
             self._still = not spec.is_file and is_still_image(container.format.name)
+            # A video of known length (an MP4 over HTTP, an HLS recording) plays as a file
+            # does, at its own rate, and its end is no camera lost: it decoded at 35x real
+            # time and went live/reconnecting at each end, for ever. Cameras have none.
+            self._recorded = spec.is_file or (not self._still and bool(container.duration))
             if not self._polling:  # the next picture of a snapshot URL is compared with its last
                 self._motion.reset()
             return self._read(container, stream)
@@ -451,9 +456,9 @@ class StreamReader:
         import av
 
         got = False
-        paced = self.config.spec.is_file and self._opt.file_fps != 0
+        paced = self._recorded and self._opt.file_fps != 0
         interval = frame_interval(stream.average_rate or stream.guessed_rate)
-        last_sent = -1e9
+        sampler = RateSampler()
         last_key: float | None = None  # when the last keyframe was (seconds of the stream)
         reorders = bool(stream.codec_context.has_b_frames)
         self.keyframes_only = False
@@ -502,12 +507,10 @@ class StreamReader:
                         f"frames of {frame.width}x{frame.height} exceed"
                         f" {self._opt.max_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
                     )
-                max_fps = self.max_fps
-                if max_fps and now - last_sent < 0.95 / max_fps:
+                if not sampler.take(now, self.max_fps):
                     with self._lock:
                         self.skipped += 1
                     continue
-                last_sent = now
                 detect = self.detect
                 if detect.motion and not self._motion.infer(
                     frame, now, detect.motion_mask, detect.motion_min_area, detect.motion_threshold

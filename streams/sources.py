@@ -42,7 +42,7 @@ class SourceSpec:
         url: the URL as given (credentials included: it is what FFmpeg opens).
         scheme: ``rtsp``, ``rtsps``, ``http``, ``https`` or ``file``.
         transport: RTSP lower transport.
-        loop: restart a file at its end (files only).
+        loop: restart a file (or a video file over HTTP) at its end.
         path: the resolved local path of a ``file`` source.
     """
 
@@ -94,7 +94,8 @@ def parse_source(
         raise SourceError(f"url {redact(url)!r} has no host")
     if port == 0:
         raise SourceError("port 0 is not a valid source port")
-    return SourceSpec(url, scheme, transport, False, None)
+    # "loop" also plays a video file over HTTP again at its end (a camera's stream has none).
+    return SourceSpec(url, scheme, transport, loop and scheme in ("http", "https"), None)
 
 
 def _allowed_file(netloc: str, raw_path: str, allowed_dir: Path | None) -> Path:

@@ -37,7 +37,7 @@ from streams.manager import (
     StreamManager,
 )
 from streams.outbox import OUTBOX_PER_STREAM, Outbox
-from streams.pacing import FilePacer, frame_interval
+from streams.pacing import FilePacer, RateSampler, frame_interval
 from streams.reader import (
     FILE_ENDED,
     ReaderOptions,
@@ -286,6 +286,28 @@ def test_a_file_plays_at_its_timestamps_across_loops_cuts_and_still_images() -> 
     assert frame_interval(0.2) == 1.0
 
 
+@pytest.mark.parametrize(
+    ("camera_fps", "max_fps", "expected"),
+    [(12.5, 10, 10), (12.5, 8, 8), (30, 20, 20), (30, 15, 15), (5, 10, 5), (25, 1, 1)],
+)
+def test_max_fps_takes_max_fps_frames_a_second(
+    camera_fps: float, max_fps: float, expected: float
+) -> None:
+    """As many frames a second as ``max_fps`` asks where the camera sends more (a 12.5 fps
+    camera at max_fps 10 gave 6.25: frames spaced at least 0.95/max_fps apart), every frame
+    where it sends fewer; with a little jitter."""
+    rng = np.random.default_rng(7)
+    sampler = RateSampler()
+    seconds = 60
+    times = np.arange(0, seconds, 1 / camera_fps) + rng.uniform(0, 0.004, int(seconds * camera_fps))
+    taken = sum(sampler.take(100.0 + float(t), max_fps) for t in times)
+    assert taken / seconds == pytest.approx(expected, rel=0.03)
+    assert all(RateSampler().take(t, None) for t in (0.0, 0.0, 0.001))  # no max_fps: all
+    gap = RateSampler()
+    assert gap.take(0.0, 10) and not gap.take(0.01, 10)
+    assert gap.take(50.0, 10) and not gap.take(50.01, 10)  # after a gap: no burst
+
+
 def test_outbox_keeps_a_bounded_number_of_frames_of_each_stream_and_every_event() -> None:
     box = Outbox(per_stream=3)
     token = object()
@@ -452,6 +474,51 @@ async def test_a_file_without_loop_plays_once_and_stops_saying_so(
     assert stats is not None
     assert stats["state"] == StreamState.STOPPED and stats["last_error"] == FILE_ENDED
     assert stats["frames_in"] == 24 and stats["reconnects"] == 0
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_video_file_over_http_plays_at_its_rate_and_ends_as_a_file(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """An MP4 served over HTTP is a recording: it plays at its own frame rate and, with
+    ``"loop": false``, stops at its end. (It decoded at 35x real time, then went reconnecting
+    and live again at each end, two state events a pass, for ever.)"""
+    import functools
+    import http.server
+
+    clip = tmp_path / "site" / "short.mp4"
+    clip.parent.mkdir()
+    make_clip(CAR_CLIP, clip, width=384, height=216, fps=25, gop=25, frames=12)  # 24 frames
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=clip.parent)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/short.mp4"
+    try:
+        async with started_file_manager(
+            pool, tmp_path / "data", decode_processes=decode_processes
+        ) as m:
+            started = time.monotonic()
+            info = await m.add(url, loop=False)
+            assert info["loop"] is False
+            assert await m.wait_state(info["id"], {StreamState.STOPPED}, 60)
+            played_s = time.monotonic() - started
+            await asyncio.sleep(1.0)  # a reconnect would come within its first backoff
+            stats = m.describe(info["id"])
+            looped = await m.add(url)  # "loop" (the default): again and again, at its rate
+            await asyncio.sleep(3.0)
+            again = m.describe(looped["id"])
+            events = m.events.read(0, 100).events
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert stats is not None and again is not None
+    assert stats["state"] == StreamState.STOPPED and stats["last_error"] == FILE_ENDED
+    assert stats["frames_in"] == 24 and stats["reconnects"] == 0
+    assert played_s > 0.7  # 24 frames at 25 frames/s, not as fast as they decode
+    assert again["state"] == StreamState.LIVE and again["reconnects"] == 0, again
+    assert 24 < again["frames_in"] <= 25 * 3 + 26, again["frames_in"]
+    states = [e["state"] for e in events if e["stream_id"] == looped["id"]]
+    assert states == ["live"], states
 
 
 class _SnapshotCamera:
