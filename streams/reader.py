@@ -10,6 +10,7 @@ engines loses frames, never gains latency, and never blocks another stream.
 from __future__ import annotations
 
 import enum
+import errno
 import functools
 import logging
 import random
@@ -228,6 +229,8 @@ class StreamReader:
         self._opened_at = 0.0  # when the source was last opened (monotonic)
         self._still = False  # it answers one picture an opening (a snapshot URL)
         self._recorded = False  # a recording (a file, or a video file over HTTP), not live
+        self._phase = "open"  # what the source is doing: "open" or "read" (for errors)
+        self._got_frames = False  # frames came since the source was last opened
         self._polling = False  # fetching such a picture again, the stream live
         self._frame_no = 0
         self.detect = config.detect
@@ -377,9 +380,11 @@ class StreamReader:
             except PoolClosed:
                 break
             except Exception as exc:  # any source failure: a camera may come back
-                got_frames = False
+                # One that sent frames before it failed starts its backoff afresh: a camera
+                # dropping once a day went on counting attempts, to --reconnect-max-attempts.
+                got_frames = self._got_frames
                 self._polling = False
-                error = redact_in(f"{type(exc).__name__}: {exc}", self.config.spec.url)
+                error = redact_in(self._explain(exc), self.config.spec.url)
                 self._set_state(StreamState.RECONNECTING, error)
                 log.warning("stream %s: %s: %s", sid, redact(self.config.spec.url), error)
             else:
@@ -420,6 +425,30 @@ class StreamReader:
                 self.reconnects += 1
         self._set_state(StreamState.STOPPED)
 
+    def _explain(self, exc: Exception) -> str:
+        """What a source failure says in ``last_error``: FFmpeg's own words, or, where it
+        gave up waiting (its "Immediate exit requested", or RTSP's "Invalid data" at the
+        open timeout), the wait and the setting that sets it."""
+        import av
+
+        text = f"{type(exc).__name__}: {exc}"
+        waited = time.monotonic() - self._opened_at
+        opening = self._phase == "open"
+        limit = self._opt.open_timeout_s if opening else self._opt.read_timeout_s
+        timed_out = isinstance(exc, av.error.ExitError) or (
+            isinstance(exc, av.error.InvalidDataError) and opening and waited >= 0.9 * limit
+        )
+        if timed_out and not self._stop.is_set():
+            if opening:
+                return (
+                    f"no answer within {limit:g} s (setting STREAMDET_STREAM_OPEN_TIMEOUT_S);"
+                    f" {text}"
+                )
+            return f"no data for {limit:g} s (setting STREAMDET_STREAM_READ_TIMEOUT_S); {text}"
+        if opening and isinstance(exc, OSError) and exc.errno == errno.EIO:
+            return f"cannot reach the host (unknown name, or no route); {text}"
+        return text
+
     def _open_and_read(self) -> bool:
         """Open the source and read it until it ends or the stream stops; True if any
         frame was decoded."""
@@ -427,12 +456,15 @@ class StreamReader:
 
         spec = self.config.spec
         self._opened_at = time.monotonic()
+        self._phase = "open"
+        self._got_frames = False
         container = av.open(
             spec.target,
             options=open_options(spec),
             timeout=(self._opt.open_timeout_s, self._opt.read_timeout_s),
             hwaccel=self._gpu_decode.hwaccel() if self._gpu_decode else None,
         )
+        self._phase = "read"
         try:
             if not container.streams.video:
                 raise FatalSourceError(f"{redact(spec.url)} has no video stream")
@@ -493,7 +525,7 @@ class StreamReader:
             for frame in frames:
                 now = time.monotonic()
                 if not got:
-                    got = True
+                    got = self._got_frames = True
                     self._set_state(StreamState.LIVE)
                 pts = frame.time
                 if paced:  # a file: played like the camera it stands for (streams.pacing)

@@ -115,6 +115,8 @@ def _allowed_file(netloc: str, raw_path: str, allowed_dir: Path | None) -> Path:
             f"file {path} is outside the allowed directory {root}"
             " (setting STREAMDET_ALLOWED_FILE_DIR)"
         )
+    if resolved.is_dir():
+        raise SourceError(f"file {path} is a directory, not a video file")
     if not resolved.is_file():
         raise SourceError(f"file {path} does not exist under {root}")
     return resolved

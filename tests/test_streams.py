@@ -118,6 +118,11 @@ def test_file_sources_only_under_the_allowed_dir(tmp_path: Path) -> None:
         parse_source(f"file://{allowed}/escape.mp4", allowed)  # a symlink out
     with pytest.raises(SourceError, match="does not exist"):
         parse_source(f"file://{allowed}/missing.mp4", allowed)
+    (allowed / "cam1").mkdir()
+    with pytest.raises(SourceError, match="is a directory, not a video file"):
+        parse_source(f"file://{allowed}/cam1", allowed)  # it said "does not exist"
+    assert parse_source("http://cam/clip.mp4", None, loop=True).loop  # a recording may loop
+    assert not parse_source("rtsp://cam/live", None, loop=True).loop  # a camera does not end
     with pytest.raises(SourceError, match="must be local"):
         parse_source(f"file://otherhost{clip}", allowed)
 

@@ -252,3 +252,65 @@ async def test_streams_survive_a_restart(
         assert await second.wait_state(info["id"], {StreamState.LIVE}, 30)
     finally:
         await second.stop(10)
+
+
+async def test_a_stalled_camera_says_which_wait_ran_out_and_each_return_starts_afresh(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """A camera that accepts the connection and never answers, and one that stops sending
+    mid-stream, say which wait ran out and its setting (they said "Invalid data found" and
+    "Immediate exit requested"); a camera that sent frames before it stalled starts its
+    backoff afresh each time, so one that stalls now and then is never given up on (each
+    stall counted one more attempt, up to --reconnect-max-attempts: failed for good)."""
+    import signal
+    import socket
+
+    assert CAR is not None
+    options = ManagerOptions(
+        reader=ReaderOptions(
+            open_timeout_s=1.5,
+            read_timeout_s=1.5,
+            backoff_initial_s=0.2,
+            backoff_max_s=0.5,
+            max_attempts=1,
+            frame_deadline_ms=5000,
+        ),
+        allowed_file_dir=None,
+        stop_timeout_s=10,
+    )
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are accepted by the kernel, never answered
+    cam = RtspCamera({"car": CAR}).start()
+    m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await m.start()
+    try:
+        mute = await m.add(f"rtsp://127.0.0.1:{silent.getsockname()[1]}/cam")
+        info = await m.add(cam.url("car"))
+        sid = info["id"]
+        assert cam.proc is not None
+        for _ in range(2):
+            assert await m.wait_state(sid, {StreamState.LIVE}, 30)
+            cam.proc.send_signal(signal.SIGSTOP)
+            try:
+                assert await m.wait_state(sid, {StreamState.RECONNECTING}, 30)
+                stats = m.describe(sid)
+                assert stats is not None
+                assert (
+                    "no data for 1.5 s (setting STREAMDET_STREAM_READ_TIMEOUT_S)"
+                    in (stats["last_error"])
+                ), stats["last_error"]
+            finally:
+                cam.proc.send_signal(signal.SIGCONT)
+        assert await m.wait_state(sid, {StreamState.LIVE}, 30)  # not failed: it came back
+        assert await m.wait_state(mute["id"], {StreamState.FAILED}, 30)  # it never sent
+        gone = m.describe(mute["id"])
+        assert gone is not None
+        assert (
+            "no answer within 1.5 s (setting STREAMDET_STREAM_OPEN_TIMEOUT_S)"
+            in (gone["last_error"])
+        ), gone["last_error"]
+    finally:
+        await m.stop(10)
+        cam.stop()
+        silent.close()
