@@ -147,6 +147,12 @@ class StreamDetect:
                 "lines: counting lines need track set to true (crossings are counted per"
                 " tracked object)"
             )
+        loiter = next((z.name for z in self.zones if z.loiter_s is not None), None)
+        if loiter is not None and not self.track:
+            raise ValueError(
+                f"zones: {loiter!r}: loiter_s needs track set to true (how long an object stays"
+                " is counted per tracked object)"
+            )
 
     @property
     def stationary_after_s(self) -> float:

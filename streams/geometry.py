@@ -32,6 +32,10 @@ def check_point(point: Point, what: str) -> None:
         raise ValueError(f"{what}: point ({x:g}, {y:g}) is outside [0, 1] of the frame")
 
 
+MIN_AREA = 1e-6
+"""The least area (in shares of the frame) a polygon encloses: a few pixels of 1080p."""
+
+
 def check_polygon(points: Sequence[Point], what: str) -> None:
     """Raises ValueError, naming ``what``, for a polygon of fewer than 3 or more than 64
     points or a point outside [0, 1]."""
@@ -41,6 +45,12 @@ def check_polygon(points: Sequence[Point], what: str) -> None:
         )
     for point in points:
         check_point(point, what)
+    ring = zip(points, (*points[1:], points[0]), strict=True)
+    area = 0.5 * abs(sum(x1 * y2 - x2 * y1 for (x1, y1), (x2, y2) in ring))
+    if area < MIN_AREA:
+        # Points on one line, or all alike: nothing is ever inside (a roi of it dropped
+        # every detection).
+        raise ValueError(f"{what}: its points enclose no area (on one line, or the same)")
 
 
 def parse_class_names(raw: object, what: str) -> tuple[str, ...]:
@@ -82,6 +92,39 @@ def polygon_contains(
     return inside
 
 
+BAND = 0.1
+"""How near a line or a zone's edge (a share of the object's box height) an object stands
+on it: its side, or whether it is in the zone, stays what it was until it is further."""
+
+
+def edge_distance(
+    points: Sequence[Point], xs: npt.NDArray[np.float64], ys: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
+    """Each relative point's distance from the polygon's outline (relative units)."""
+    best = np.full(xs.shape, np.inf)
+    n = len(points)
+    for i in range(n):
+        (x1, y1), (x2, y2) = points[i], points[(i + 1) % n]
+        dx, dy = x2 - x1, y2 - y1
+        length2 = dx * dx + dy * dy
+        u = np.zeros(xs.shape) if length2 == 0 else ((xs - x1) * dx + (ys - y1) * dy) / length2
+        u = np.clip(u, 0.0, 1.0)
+        best = np.minimum(best, np.hypot(xs - (x1 + u * dx), ys - (y1 + u * dy)))
+    return best
+
+
+def heights(detections: Detections) -> npt.NDArray[np.float64]:
+    """Each box's height, relative to the frame's (zeros for an unsized frame)."""
+    if not detections.height:
+        return np.zeros(len(detections))
+    boxes = detections.boxes.astype(np.float64)
+    return np.maximum(boxes[:, 3] - boxes[:, 1], 0.0) / detections.height
+
+
+EDGE = 1.0 - 1e-9
+"""The largest relative coordinate an anchor has (see :func:`anchors`)."""
+
+
 def anchors(detections: Detections) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """Each box's bottom centre, in 0..1 of the frame (empty for an unsized frame)."""
     if not detections.width or not detections.height:
@@ -89,7 +132,10 @@ def anchors(detections: Detections) -> tuple[npt.NDArray[np.float64], npt.NDArra
     boxes = detections.boxes.astype(np.float64)
     xs = (boxes[:, 0] + boxes[:, 2]) / 2.0 / detections.width
     ys = boxes[:, 3] / detections.height
-    return xs, ys
+    # A box cut off by the frame's bottom (or right) edge stands at 1.0, on the edge of a
+    # zone or roi drawn to it, and the even-odd rule put it outside: in no zone, dropped by
+    # a whole-frame roi. Just inside, it is in them.
+    return np.clip(xs, 0.0, EDGE), np.clip(ys, 0.0, EDGE)
 
 
 @dataclass(frozen=True, slots=True)

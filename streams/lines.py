@@ -4,24 +4,32 @@ which way (DeepStream's nvdsanalytics and Roboflow's ``LineZone`` do the same).
 A line is a segment between two points in 0..1 of the frame. An object crosses it when the
 anchor of its box (the bottom centre, where it stands, as regions use) moves from one side of
 the segment to the other between two frames in which its track was seen, and the move passes
-between the segment's ends. Standing at ``a`` and looking at ``b`` in the picture, a crossing
+between the segment's ends. An object standing on a line (a car queued at a stop line, its
+box's bottom jittering a pixel either way) crosses nothing: its side changes only once its
+anchor is past :data:`BAND` of its box's height from the line, so a crossing is a move from
+clearly one side to clearly the other (it was counted in and out 27 times in 30 s; Roboflow's
+``LineZone`` has ``minimum_crossing_threshold`` for the same). Standing at ``a`` and looking at
+``b`` in the picture, a crossing
 towards the right-hand side is ``in``, towards the left ``out``: for a line drawn left to right
 across the picture, ``in`` is moving down it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from engines.types import Detections
 from streams.geometry import (
+    BAND,
     Point,
     Seen,
     anchors,
     check_name,
     check_point,
+    heights,
     parse_class_names,
     parse_named,
     parse_points,
@@ -81,6 +89,12 @@ class Line:
             "classes": list(self.classes) or None,
         }
 
+    def distance(self, p: Point) -> float:
+        """Signed distance of ``p`` from the line through ``a`` and ``b`` (> 0: its right),
+        in relative units of the frame."""
+        length = math.hypot(self.b[0] - self.a[0], self.b[1] - self.a[1])
+        return _side(self.a, self.b, p) / length
+
     def crossing(self, before: Point, after: Point) -> Direction | None:
         """Which way a move from ``before`` to ``after`` crosses the line, if it does."""
         s0, s1 = _side(self.a, self.b, before), _side(self.a, self.b, after)
@@ -133,10 +147,12 @@ class LineCounter:
     thread-safe: its stream calls it in frame order, after the tracker."""
 
     def __init__(self) -> None:
-        self._last: dict[int, Point] = {}
+        # (track id, line name) -> the side it is on (1: right, -1: left) and where it was
+        # last seen clearly there
+        self._sides: dict[tuple[int, str], tuple[int, Point]] = {}
 
     def clear(self) -> None:
-        self._last.clear()
+        self._sides.clear()
 
     def update(
         self, detections: Detections, lines: Sequence[Line], live: Iterable[int], frame: int
@@ -147,23 +163,32 @@ class LineCounter:
         xs, ys = (a.tolist() for a in anchors(detections))
         if ids is None or len(xs) != len(ids):
             return []
+        tall = heights(detections).tolist()
         crossings: list[Crossing] = []
-        now: dict[int, Point] = {}
+        seen: set[int] = set()
         for i, track_id in enumerate(ids.tolist()):
-            if track_id in now:
+            if track_id in seen:
                 continue  # a second class on the same object: one crossing
-            now[track_id] = (xs[i], ys[i])
-            before = self._last.get(track_id)
-            if before is None:
-                continue
+            seen.add(track_id)
+            point = (xs[i], ys[i])
             class_id = int(detections.class_ids[i])
+            band = BAND * tall[i]
             for line in lines:
+                distance = line.distance(point)
+                if abs(distance) <= band:
+                    continue  # on the line: still on the side it was
+                side = 1 if distance > 0 else -1
+                key = (track_id, line.name)
+                before = self._sides.get(key)
+                self._sides[key] = (side, point)
+                if before is None or before[0] == side:
+                    continue
                 if line.classes and detections.name_of(class_id) not in line.classes:
                     continue
-                direction = line.crossing(before, now[track_id])
+                direction = line.crossing(before[1], point)
                 if direction is not None:
                     crossings.append(Crossing(line.name, direction, track_id, class_id, frame))
         alive = set(live)
-        self._last = {k: v for k, v in self._last.items() if k in alive}
-        self._last.update(now)
+        names = {line.name for line in lines}
+        self._sides = {k: v for k, v in self._sides.items() if k[0] in alive and k[1] in names}
         return crossings

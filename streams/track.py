@@ -26,6 +26,7 @@ those no track takes are dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass
 
@@ -38,7 +39,15 @@ from engines.yolo import box_iou, box_iou_rows
 IOU_MATCH = 0.2
 """Least IoU between a track's predicted box and a detection for them to be paired."""
 MAX_AGE_S = 1.0
-"""A track not seen for this long ends (about Ultralytics' 30-frame buffer at 30 fps)."""
+"""A track not seen for this long ends (about Ultralytics' 30-frame buffer at 30 fps), or
+for :data:`MAX_AGE_FRAMES` of the stream's frames where they come further apart."""
+MAX_AGE_FRAMES = 3
+"""Frames a track lives unseen at least, however far apart they come (a stream at max_fps
+0.5, a snapshot camera polled once a second, a job at fps 0.9): with a fixed second, every
+frame started every object anew, and nothing was tracked, crossed or entered."""
+GAPS_KEPT = 9
+"""Recent gaps between frames whose median is the stream's frame interval (one long gap, a
+reconnect, does not make it)."""
 MIN_HITS = 3
 """Frames a track must be seen in before it counts as an object."""
 LOW_IOU_MATCH = 0.5
@@ -112,6 +121,8 @@ class Tracker:
         self._settled = np.zeros((0, 4))  # where each track has stood since _settled_at
         self._settled_at = np.zeros(0)
         self._next_id = 1
+        self._last_t: float | None = None
+        self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)
 
     def __len__(self) -> int:
         """Live tracks."""
@@ -130,6 +141,17 @@ class Tracker:
         still = self._seen_at - self._settled_at
         return [float(still[row_of[i]]) if i in row_of else 0.0 for i in ids.tolist()]
 
+    def _max_age(self, t: float) -> float:
+        """How long a track lives unseen, with the frame at ``t`` counted in the stream's
+        frame interval: :attr:`max_age_s`, or :data:`MAX_AGE_FRAMES` frame intervals."""
+        if self._last_t is not None and t > self._last_t:
+            self._gaps.append(t - self._last_t)
+        self._last_t = t if self._last_t is None else max(t, self._last_t)
+        if not self._gaps:
+            return self.max_age_s
+        interval = sorted(self._gaps)[len(self._gaps) // 2]
+        return max(self.max_age_s, MAX_AGE_FRAMES * interval)
+
     def clear(self) -> None:
         """End every track (ids are not reused: a later track gets a new one)."""
         if len(self):  # called for every frame of an untracked stream: nothing to do there
@@ -144,7 +166,7 @@ class Tracker:
         Frames must come in order of ``t``; an older frame than the last one is treated as
         if it were taken at the last one's time.
         """
-        self._keep(t - self._seen_at <= self.max_age_s)
+        self._keep(t - self._seen_at <= self._max_age(t))
         boxes = detections.boxes.astype(np.float64)
         classes = detections.class_ids
         n = len(detections)

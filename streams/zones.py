@@ -25,11 +25,14 @@ from typing import Any, Literal
 
 from engines.types import Detections
 from streams.geometry import (
+    BAND,
     Point,
     Seen,
     anchors,
     check_name,
     check_polygon,
+    edge_distance,
+    heights,
     parse_class_names,
     parse_named,
     parse_points,
@@ -230,9 +233,13 @@ class ZoneCounter:
         first: dict[int, int] = {}
         for i, track_id in enumerate(ids or ()):
             first.setdefault(track_id, i)
+        bands = BAND * heights(detections) if ids is not None and len(xs) else None
         for zone in zones:
             # An unsized frame has no anchors: nothing is in any zone.
             inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else [False] * n
+            near = [False] * n
+            if bands is not None:
+                near = (edge_distance(zone.points, xs, ys) <= bands).tolist()
             # Objects of other classes are not in it (nor out of it: a car the model calls
             # a truck for a frame neither enters nor leaves a zone for cars).
             counted_class = [
@@ -250,8 +257,13 @@ class ZoneCounter:
             for track_id, i in first.items():
                 if not counted_class[i]:
                     continue
+                stay = stays.get(track_id)
+                # On its edge, an object in the zone is still in it: a car parked across the
+                # edge, its anchor jittering either side, is one stay (it entered and exited
+                # 8 times in 30 s).
+                hit = inside[i] or (near[i] and stay is not None and stay.entered)
                 events += self._step(
-                    zone, stays, track_id, hit=inside[i], class_id=classes[i], t=t, frame=frame
+                    zone, stays, track_id, hit=hit, class_id=classes[i], t=t, frame=frame
                 )
             for track_id in [k for k in stays if k not in first and k not in alive]:
                 gone = stays.pop(track_id)  # its track ended while it was in the zone

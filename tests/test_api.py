@@ -277,6 +277,33 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             ({"lines": [{"name": "gate", "points": [[0, 0.5], [1, 0.5]]}]}, "track set to true"),
             ({"track": True, "lines": [{"name": "gate", "points": [[0, 0.5]]}]}, "points"),
             ({"track": True, "lines": [{"name": "g", "points": [[0, 0], [1, 1]], "x": 1}]}, "x"),
+            # Shapes that could never hold anything, and settings that could never work.
+            ({"roi": [[0.1, 0.1], [0.5, 0.5], [0.9, 0.9]]}, "roi: its points enclose no area"),
+            (
+                {"zones": [{"name": "z", "points": [[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]]}]},
+                "zones: 'z': its points enclose no area",
+            ),
+            (
+                {"zones": [{"name": "z", "points": [[0, 0], [1, 0], [1, 1]], "loiter_s": 5}]},
+                "zones: 'z': loiter_s needs track set to true",
+            ),
+            (
+                {
+                    "classes": "person",
+                    "track": True,
+                    "lines": [{"name": "g", "points": [[0, 0.5], [1, 0.5]], "classes": ["car"]}],
+                },
+                "lines: 'g': counts car, which the stream's classes (person) leave out",
+            ),
+            (
+                {
+                    "zones": [
+                        {"name": "z1", "points": [[0, 0], [1, 0], [1, 1]]},
+                        {"name": "z2", "points": [[0, 0], [1, 0], [1, 1]], "classes": ["carr"]},
+                    ]
+                },
+                "zones: 'z2': classes: unknown class name 'carr'",
+            ),
         ):
             resp = c.post("/streams", json={"url": url, **bad})
             assert resp.status_code == 422, resp.text

@@ -365,3 +365,55 @@ def test_a_streams_stationary_s_sets_when_a_still_object_is_stationary() -> None
     assert StreamDetect.from_description(quick.describe(names), names) == quick
     with pytest.raises(ValueError, match="stationary_s"):
         StreamDetect(track=True, stationary_s=0)
+
+
+def test_an_object_standing_on_a_line_crosses_nothing() -> None:
+    """A car queued at a stop line for 30 s, its box's bottom jittering 2 px either way of the
+    line, crosses nothing (it was counted 73 times in and 74 out); once it drives on, once."""
+    tracker, counter = Tracker(), LineCounter()
+    rng = np.random.default_rng(3)
+    crossings: list[Crossing] = []
+    for k in range(150):  # 5 frames a second: comes down to the line at y = 500, stands there
+        y = 400 + 20 * k if k < 5 else 500 + float(rng.uniform(-2, 2))
+        frame = tracker.update(dets([[400, y - 100, 500, y]]), 0.2 * k).detections
+        crossings += counter.update(frame, [ACROSS], tracker.live_ids(), k)
+    assert crossings == []
+    for k in range(150, 156):  # then drives on, down the picture
+        y = 500 + 30 * (k - 149)
+        frame = tracker.update(dets([[400, y - 100, 500, y]]), 0.2 * k).detections
+        crossings += counter.update(frame, [ACROSS], tracker.live_ids(), k)
+    assert [(c.direction, c.track_id) for c in crossings] == [("in", 1)]
+
+
+def test_a_box_cut_off_by_the_frame_edge_is_in_a_zone_drawn_to_it() -> None:
+    """A box reaching the frame's bottom or right edge stands on it (1.0): it is in a zone and
+    a region of interest drawn to the edge (the even-odd rule put it outside both)."""
+    from streams.geometry import anchors, polygon_contains
+    from streams.zones import Zone
+
+    whole = ((0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0))
+    cut = dets([[100, 700, 300, 1000], [900, 500, 1000, 800], [0, 0, 1000, 1000]])
+    xs, ys = anchors(cut)
+    assert polygon_contains(whole, xs, ys).tolist() == [True, True, True]
+    porch = Zone("porch", ((0.0, 0.5), (1.0, 0.5), (1.0, 1.0), (0.0, 1.0)))
+    roi = Roi(whole)
+    assert len(roi.filter(cut)) == 3
+    analytics = StreamAnalytics()
+    done = analytics.process(cut, StreamDetect(zones=(porch,)), 0.0, 1)
+    assert done.zones == [["porch"], ["porch"], ["porch"]]
+
+
+def test_frames_further_apart_than_a_second_keep_their_tracks() -> None:
+    """A stream at max_fps 0.5 (or a snapshot camera polled once a second, a job at fps 0.9):
+    a track lives 3 of its frame intervals unseen, so a standing person keeps one id (every
+    frame was a new object: 30 ids in 30 frames, nothing counted); a reconnect's long gap
+    among them does not stretch it."""
+    tracker = Tracker()
+    seen = {i for k in range(30) for i in ids(tracker, dets([[400, 300, 500, 600]]), 2.0 * k)}
+    assert seen == {1}
+    assert MAX_AGE_S == 1.0  # at 10 frames a second it is still a second
+    fast = Tracker()
+    for k in range(20):
+        ids(fast, dets([[400, 300, 500, 600]]), 0.1 * k)
+    assert ids(fast, dets([[400, 300, 500, 600]]), 0.1 * 19 + 1.5) == [2]
+

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -37,7 +37,7 @@ from streams.event_store import EventStore
 from streams.events import EventLog
 from streams.filters import ObjectFilters
 from streams.geometry import MAX_NAME
-from streams.lines import MAX_LINES, parse_lines
+from streams.lines import MAX_LINES, Line, parse_lines
 from streams.manager import (
     ManagerClosed,
     ManagerOptions,
@@ -50,7 +50,7 @@ from streams.motion import MotionOptions
 from streams.reader import ReaderOptions
 from streams.sources import SourceError, Transport
 from streams.store import StreamStore
-from streams.zones import INERTIA, MAX_INERTIA, MAX_LOITER_S, MAX_ZONES, parse_zones
+from streams.zones import INERTIA, MAX_INERTIA, MAX_LOITER_S, MAX_ZONES, Zone, parse_zones
 
 if TYPE_CHECKING:
     from server.metrics import StreamSample
@@ -247,11 +247,11 @@ class DetectIn(BaseModel):
         try:
             if "lines" in given:
                 lines = parse_lines(
-                    [_by_name(line.model_dump(), names) for line in self.lines or ()]
+                    [_by_name(line.model_dump(), names, "lines") for line in self.lines or ()]
                 )
             if "zones" in given:
                 zones = parse_zones(
-                    [_by_name(zone.model_dump(), names) for zone in self.zones or ()]
+                    [_by_name(zone.model_dump(), names, "zones") for zone in self.zones or ()]
                 )
             track = self.track if "track" in given else current.track
             clips = self.clips if "clips" in given else current.clips
@@ -268,6 +268,7 @@ class DetectIn(BaseModel):
                 raw = {k: f.model_dump(exclude_none=True) for k, f in (self.filters or {}).items()}
                 filters = ObjectFilters.parse(raw, names) if raw else None
             still = self.stationary_s if "stationary_s" in given else current.stationary_s
+            _check_shape_classes(params.classes, names, (("lines", lines), ("zones", zones)))
             return StreamDetect(
                 params, roi, track, lines, zones, clips, motion, masks, area, level, filters, still
             )
@@ -275,11 +276,34 @@ class DetectIn(BaseModel):
             raise HTTPException(422, str(exc)) from None
 
 
-def _by_name(shape: dict[str, Any], names: Mapping[int, str]) -> dict[str, Any]:
+def _check_shape_classes(
+    wanted: frozenset[int] | None,
+    names: Mapping[int, str],
+    shapes: Sequence[tuple[str, Sequence[Line] | Sequence[Zone]]],
+) -> None:
+    """ValueError for a line or zone counting only classes the stream's ``classes`` leave
+    out: it would never count anything (it was accepted, and counted nothing)."""
+    if wanted is None:
+        return
+    detected = {names[i] for i in wanted}
+    for kind, group in shapes:
+        for shape in group:
+            if shape.classes and not detected.intersection(shape.classes):
+                raise ValueError(
+                    f"{kind}: {shape.name!r}: counts {', '.join(shape.classes)}, which the"
+                    f" stream's classes ({', '.join(sorted(detected))}) leave out: it would"
+                    " never count anything"
+                )
+
+
+def _by_name(shape: dict[str, Any], names: Mapping[int, str], kind: str) -> dict[str, Any]:
     """A line's or zone's JSON with its ``classes`` as the model's class names (HTTP 422
-    naming one it lacks)."""
-    ids = parse_classes(shape.get("classes"), names)
-    where = f"{shape['name']!r}"
+    naming ``kind`` (``lines`` or ``zones``), the shape and the class it lacks)."""
+    where = f"{kind}: {shape['name']!r}"
+    try:
+        ids = parse_classes(shape.get("classes"), names)
+    except HTTPException as exc:
+        raise HTTPException(422, f"{where}: {exc.detail}") from None
     if ids is not None and not ids:
         raise HTTPException(422, f"{where}: classes: give at least one class, or null for every")
     return {**shape, "classes": None if ids is None else sorted(names[i] for i in ids)}
