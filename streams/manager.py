@@ -412,6 +412,7 @@ class StreamManager:
         disabled (logged as a ``disabled`` state event), going on from ``old``'s counts,
         analytics and frame numbers. The new reader has a new token: frames the old one
         still hands over are not published."""
+        was = old.state  # before it stops (a disabled event said "previous": "stopped")
         old.stop()
         self._pool.queue.discard(record.id)
         if old.alive and not await asyncio.to_thread(old.join, self._opt.stop_timeout_s):
@@ -424,7 +425,9 @@ class StreamManager:
             return  # the manager is stopping its readers: a new one would run on
         self._latest.pop(record.id, None)
         if not record.enabled:
-            disabled = StateEvent(old.state.value, StreamState.DISABLED.value, None, old.frames_in)
+            # In the stream's frame numbers, as its other events and frames (frames_in
+            # counted every frame the camera sent, those max_fps skipped too).
+            disabled = StateEvent(was.value, StreamState.DISABLED.value, None, old.frame_no)
             self.events.add(record.id, record.name, time.time(), [disabled], str)
             self._launch(record, None, carry=old)
             return
@@ -445,10 +448,11 @@ class StreamManager:
             return False
         self._tokens.pop(stream_id, None)
         reader = self._readers.pop(stream_id)
+        was = reader.state
         reader.stop()
         self._pool.queue.discard(stream_id)
         # The last word on it, for webhooks, MQTT (which clears its retained topics) and SSE.
-        removed = StateEvent(reader.state.value, "removed", None, reader.frames_in)
+        removed = StateEvent(was.value, "removed", None, reader.frame_no)
         self.events.add(stream_id, record.name, time.time(), [removed], str)
         for sub in self._subs.pop(stream_id, set()):
             sub.close(WS_NORMAL, "stream removed")

@@ -281,6 +281,11 @@ class StreamReader:
         return not self._thread.is_alive()
 
     @property
+    def frame_no(self) -> int:
+        """The stream's number of its newest frame (the WebSocket's and events' ``frame``)."""
+        return self._frame_no
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

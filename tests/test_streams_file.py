@@ -280,7 +280,9 @@ def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
         time.sleep(0.5)
         assert stream("road")["frames_in"] == frames  # its camera is closed
         events = c.get("/events", params={"stream_id": "road", "type": "stream_state"})
-        assert events.json()["events"][-1]["state"] == "disabled"
+        off_event = events.json()["events"][-1]
+        assert off_event["state"] == "disabled"
+        assert off_event["previous"] == "live"  # as it was (it said "stopped": read after)
         counted = stream("road")
         # It shows nothing now: no dashboard goes on counting what its last frame showed.
         assert counted["objects"] == {} and counted["stationary"] == {}
