@@ -5,13 +5,12 @@ A line is a segment between two points in 0..1 of the frame. An object crosses i
 anchor of its box (the bottom centre, where it stands, as regions use) moves from one side of
 the segment to the other between two frames in which its track was seen, and the move passes
 between the segment's ends. An object standing on a line (a car queued at a stop line, its
-box's bottom jittering a pixel either way) crosses nothing: its side changes only once its
-anchor is past :data:`BAND` of its box's height from the line, so a crossing is a move from
-clearly one side to clearly the other (it was counted in and out 27 times in 30 s; Roboflow's
-``LineZone`` has ``minimum_crossing_threshold`` for the same). Standing at ``a`` and looking at
-``b`` in the picture, a crossing
-towards the right-hand side is ``in``, towards the left ``out``: for a line drawn left to right
-across the picture, ``in`` is moving down it.
+box's bottom jittering a pixel either way) crosses nothing: once it has a side, its side
+changes only when its anchor is past :data:`BAND` of its box's height from the line, so a
+crossing is a move to clearly the other side (it was counted in and out 27 times in 30 s;
+Roboflow's ``LineZone`` has ``minimum_crossing_threshold`` for the same). Standing at ``a`` and
+looking at ``b`` in the picture, a crossing towards the right-hand side is ``in``, towards the
+left ``out``: for a line drawn left to right across the picture, ``in`` is moving down it.
 """
 
 from __future__ import annotations
@@ -175,11 +174,11 @@ class LineCounter:
             band = BAND * tall[i]
             for line in lines:
                 distance = line.distance(point)
-                if abs(distance) <= band:
-                    continue  # on the line: still on the side it was
-                side = 1 if distance > 0 else -1
                 key = (track_id, line.name)
                 before = self._sides.get(key)
+                if before is not None and abs(distance) <= band:
+                    continue  # on the line: still on the side it was
+                side = 1 if distance >= 0 else -1
                 self._sides[key] = (side, point)
                 if before is None or before[0] == side:
                     continue
