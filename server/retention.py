@@ -3,8 +3,10 @@ their clips older than that are deleted, as Frigate's ``retain: days`` deletes t
 deployment under a data-protection policy must ("kept 7 days, then deleted").
 
 A task of the event loop checks every :func:`period_s` (a minute, or sooner for a short
-retention): events captured before the cutoff leave the log and its store; snapshots,
-thumbnails and clips of events older than the oldest event left are deleted with them.
+retention): events captured before the cutoff leave the log and its store, and their
+snapshots, thumbnails and clips are deleted with them. Those of events that had left the log
+earlier by its size (``--event-log-size``), whose age the log no longer knows, go by the age
+of their files, so a full log never deletes the pictures and clips of recent events.
 Counting limits (``--event-log-size``, ``--event-snapshots``, ``--event-clips-max-mb``) still
 apply; whichever comes first deletes.
 """
@@ -43,11 +45,20 @@ async def forget_older_than(
     cutoff: float, events: EventLog, snapshots: SnapshotStore | None, clips: ClipIndex | None
 ) -> Forgotten:
     """Delete the events captured before ``cutoff`` (Unix seconds) and the snapshots,
-    thumbnails and clips of events older than the oldest one left."""
+    thumbnails and clips of events older than that.
+
+    Ids grow with time, so when this pass drops events for their age every id below the
+    oldest event left is older than the cutoff; otherwise those ids left the log by its size
+    (maybe a minute ago), and only their files' age tells."""
     dropped = events.forget_before(cutoff)
     oldest = events.oldest_id
-    pictures = 0 if snapshots is None else snapshots.forget_before(oldest)
-    videos = 0 if clips is None else await clips.forget_before(oldest)
+    old = oldest if dropped else 0  # ids known to be older than the cutoff
+    pictures = (
+        0 if snapshots is None else snapshots.forget_before(old, cutoff=cutoff, dated_before=oldest)
+    )
+    videos = (
+        0 if clips is None else await clips.forget_before(old, cutoff=cutoff, dated_before=oldest)
+    )
     return Forgotten(dropped, pictures, videos)
 
 

@@ -79,6 +79,12 @@ class SnapshotStore:
         self._metrics = metrics
         self._drawing: dict[int, asyncio.Future[bytes]] = {}
         directory.mkdir(parents=True, exist_ok=True)
+        # Made once, at startup (nothing is being drawn yet): a .part left by a crash, or by
+        # a write that failed before _write cleaned up after itself, is no snapshot.
+        for part in directory.glob("*.part"):
+            with contextlib.suppress(OSError):
+                if part.is_file():
+                    part.unlink()
         kept: set[int] = set()
         self._thumbnails: dict[int, list[int]] = {}  # a frame's thumbnails, by first event id
         for path in directory.glob("*.jpg"):
@@ -164,15 +170,35 @@ class SnapshotStore:
         bisect.insort(self._kept, first)  # drawings may finish out of order
         self._prune()
 
-    def forget_before(self, event_id: int) -> int:
+    def forget_before(
+        self, event_id: int, *, cutoff: float | None = None, dated_before: int = 0
+    ) -> int:
         """Retention: delete the snapshots (and thumbnails) of frames whose events have ids
-        below ``event_id`` (a frame's events share its capture time, so they go together);
-        returns how many frames'."""
+        below ``event_id`` (a frame's events share its capture time, so they go together),
+        and with ``cutoff`` (Unix seconds) those of frames below ``dated_before`` whose
+        snapshot was written before it; returns how many frames'.
+
+        Retention knows an event's age only while the log holds it (or has just dropped it
+        for its age); one that left the log by its size (``--event-log-size``) may be a
+        minute old, so its snapshot goes by the file's age (written once its events were
+        logged: never older than they are). Ids grow with time: the first frame not old
+        enough ends the pass (a file looked at for each frame deleted, on the event loop)."""
         gone = 0
-        while self._kept and self._kept[0] < event_id:
+        while self._kept:
+            first = self._kept[0]
+            dated = cutoff is not None and first < dated_before
+            if first >= event_id and not (dated and self._older(first, cutoff or 0.0)):
+                break
             self._delete(self._kept.pop(0))
             gone += 1
         return gone
+
+    def _older(self, first: int, cutoff: float) -> bool:
+        """Whether frame ``first``'s snapshot was written before ``cutoff`` (or is gone)."""
+        try:
+            return self._path(first).stat().st_mtime < cutoff
+        except OSError:
+            return True
 
     def _prune(self) -> None:
         while len(self._kept) > self.size:
@@ -220,7 +246,13 @@ class SnapshotStore:
 
 
 def _write(path: Path, data: bytes) -> None:
-    """``data`` to ``path``, whole or not at all."""
+    """``data`` to ``path``, whole or not at all (a write that fails, a full disk say, leaves
+    no ``.part`` behind: nothing would ever delete it)."""
     part = path.with_suffix(".part")
-    part.write_bytes(data)
-    os.replace(part, path)
+    try:
+        part.write_bytes(data)
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            part.unlink()
+        raise

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -134,11 +135,15 @@ def _plan(
     """The clip of an event that happened in the frame decoded at ``at_mono``: ``latest``
     (the last one reserved, not ended) extended, where the event comes before its end, else
     a new one (not yet holding the event). ``now``: when the recorder is elsewhere, the clip
-    counts as ended once its end has passed (the recorder ends it at the first packet after)."""
+    counts as ended once its end has passed (the recorder ends it at the first packet after).
+
+    A new clip's end is capped by its limit too: with ``max_s`` below ``post_s`` a clip
+    still lasts at most ``max_s`` after its event, as ``--event-clip-max-s`` promises."""
     if latest is not None and at_mono <= latest.end and (now is None or now <= latest.end):
         latest.end = max(latest.end, min(at_mono + opt.post_s, latest.limit))
         return latest
-    return _Clip(event_id, at_mono - opt.pre_s, at_mono + opt.post_s, at_mono + opt.max_s)
+    limit = at_mono + opt.max_s
+    return _Clip(event_id, at_mono - opt.pre_s, min(at_mono + opt.post_s, limit), limit)
 
 
 class ClipPlanner:
@@ -170,6 +175,16 @@ class ClipPlanner:
         """The recorder is gone (its process died): the next event starts a new clip."""
         with self._lock:
             self._latest = None
+
+    def ended(self, clip_id: int) -> None:
+        """The recorder ended clip ``clip_id`` (written or failed), maybe before its planned
+        end (the source was lost or reopened, a file stream looped, writing failed): the next
+        event starts a new clip. Without this the planner would keep extending the ended
+        clip, whose recorder drops the plan: the event would name a clip that never shows it
+        and that the server waits for forever."""
+        with self._lock:
+            if self._latest is not None and self._latest.id == clip_id:
+                self._latest = None
 
 
 def _step(stream: Any, packets: list[_Packet]) -> int:
@@ -365,6 +380,33 @@ class ClipRecorder:
             self._failed(clip.id, error)
             return
         path = self.options.path(clip.id)
+        try:
+            size = self._publish(clip, part, path)
+        except Exception as exc:
+            # A full disk, an I/O error, something in the way: the clip fails (said so and
+            # counted) and leaves nothing behind, rather than stay "being written" forever.
+            sidecar = path.with_suffix(".json")
+            for leftover in (part, sidecar.with_suffix(".json.part"), sidecar):
+                with contextlib.suppress(OSError):
+                    if leftover.is_file():
+                        leftover.unlink()
+            self._failed(
+                clip.id,
+                f"saving it as {path} failed: {type(exc).__name__}: {exc} (check the space and"
+                " permissions of the data directory, setting STREAMDET_DATA_DIR)",
+            )
+            return
+        log.info("stream %s: clip %d written (%d bytes)", self.stream_id, clip.id, size)
+        try:
+            self._prune()
+        except Exception:  # the clip is written all the same; the next one prunes again
+            log.exception("stream %s: pruning clips failed", self.stream_id)
+        if self._on_done is not None:
+            self._on_done(clip.id, path, None)
+
+    def _publish(self, clip: _Clip, part: Path, path: Path) -> int:
+        """Write the sidecar of the closed ``part``, then move ``part`` to ``path`` (listed
+        from then on); returns its size."""
         with self._lock:
             events = list(clip.events)
         size = part.stat().st_size
@@ -381,12 +423,7 @@ class ClipRecorder:
         sidecar.with_suffix(".json.part").write_text(json.dumps(info))
         sidecar.with_suffix(".json.part").replace(sidecar)
         part.replace(path)  # listed from now on
-        log.info(
-            "stream %s: clip %d written (%d bytes)", self.stream_id, clip.id, path.stat().st_size
-        )
-        self._prune()
-        if self._on_done is not None:
-            self._on_done(clip.id, path, None)
+        return size
 
     def _failed(self, clip_id: int, error: str) -> None:
         with self._lock:
@@ -425,14 +462,44 @@ def prune_clips(directory: Path, max_bytes: int) -> int:
     return total
 
 
-def forget_clips(directory: Path, before: int, keep: frozenset[int]) -> int:
-    """Delete the clips with ids below ``before``, except ``keep``; returns how many."""
+def forget_clips(
+    directory: Path,
+    before: int,
+    keep: frozenset[int],
+    *,
+    cutoff: float | None = None,
+    dated_before: int = 0,
+) -> int:
+    """Delete the clips with ids below ``before``, and with ``cutoff`` (Unix seconds) those
+    with ids below ``dated_before`` whose file was last written before it, except ``keep``;
+    returns how many.
+
+    Retention knows the age of a clip's first event only while the event log holds it (or
+    has just dropped it for its age); one that left the log by its size may be minutes old,
+    so its clip goes by the file's age: a clip's file is last written after its last event
+    (``post_s`` later), so it is never older than its events."""
     gone = 0
     for path in directory.glob("*.mp4"):
         with contextlib.suppress(ValueError, OSError):
             clip_id = int(path.stem)
-            if clip_id < before and clip_id not in keep:
+            if clip_id in keep:
+                continue
+            if clip_id < before or (
+                cutoff is not None and clip_id < dated_before and path.stat().st_mtime < cutoff
+            ):
                 delete_clip(path)
+                gone += 1
+    return gone
+
+
+def remove_parts(directory: Path) -> int:
+    """Delete the ``*.part`` files in ``directory`` (files being written when a server
+    stopped, or crashed); returns how many. Only at startup: no file is being written then."""
+    gone = 0
+    for part in directory.glob("*.part"):
+        with contextlib.suppress(OSError):
+            if part.is_file():
+                part.unlink()
                 gone += 1
     return gone
 
@@ -477,6 +544,7 @@ class ClipIndex:
     """
 
     FAILURES_KEPT = 1024
+    ENDED_KEPT = 1024
 
     def __init__(
         self, options: ClipOptions, on_outcome: Callable[[str], None] | None = None
@@ -485,7 +553,16 @@ class ClipIndex:
         self.on_outcome = on_outcome
         self._writing: dict[int, asyncio.Future[None]] = {}
         self._failed: OrderedDict[int, str] = OrderedDict()
+        self._ended: OrderedDict[int, None] = OrderedDict()  # written or failed, newest last
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Made once, at startup (before any stream records): a clip left half-written by a
+        # crash is no clip (nothing lists or prunes a .part), and a lower
+        # --event-clips-max-mb than the last run's applies now, not at the next clip.
+        if options.directory.is_dir():
+            stale = remove_parts(options.directory)
+            if stale:
+                log.info("deleted %d unfinished clip file(s) of an earlier run", stale)
+            prune_clips(options.directory, options.max_bytes)
 
     def recorder(self, stream_id: str) -> ClipRecorder:
         """A new stream's recorder, reporting here."""
@@ -495,7 +572,12 @@ class ClipIndex:
         """Reserve the clip of an event (see :meth:`ClipRecorder.request`); returns its id."""
         self._loop = asyncio.get_running_loop()
         clip_id = recorder.request(at_mono, event_id)
-        if clip_id not in self._writing:
+        if clip_id in self._ended and isinstance(recorder, ClipPlanner):
+            # The planner had not heard yet that the clip ended: the event starts its own.
+            # (Waiting on the ended one would wait forever: no recorder finishes it again.)
+            recorder.ended(clip_id)
+            clip_id = recorder.request(at_mono, event_id)
+        if clip_id not in self._writing and clip_id not in self._ended:
             self._writing[clip_id] = self._loop.create_future()
         return clip_id
 
@@ -511,6 +593,9 @@ class ClipIndex:
         waiting = self._writing.pop(clip_id, None)
         if waiting is not None and not waiting.done():
             waiting.set_result(None)
+        self._ended[clip_id] = None
+        while len(self._ended) > self.ENDED_KEPT:
+            self._ended.popitem(last=False)
         if error is not None:
             self._failed[clip_id] = error
             while len(self._failed) > self.FAILURES_KEPT:
@@ -525,12 +610,22 @@ class ClipIndex:
         """See :func:`list_clips` (read in a worker thread)."""
         return await asyncio.to_thread(list_clips, self.options.directory, stream_id, limit)
 
-    async def forget_before(self, event_id: int) -> int:
-        """Retention: delete the clips whose first event has an id below ``event_id`` (but
-        not one being written); returns how many."""
-        writing = set(self._writing)
+    async def forget_before(
+        self, event_id: int, *, cutoff: float | None = None, dated_before: int = 0
+    ) -> int:
+        """Retention: delete the clips whose first event has an id below ``event_id``, and
+        with ``cutoff`` those below ``dated_before`` whose file is older than it (see
+        :func:`forget_clips`), but not one being written; returns how many."""
+        writing = frozenset(self._writing)
         return await asyncio.to_thread(
-            forget_clips, self.options.directory, event_id, frozenset(writing)
+            functools.partial(
+                forget_clips,
+                self.options.directory,
+                event_id,
+                writing,
+                cutoff=cutoff,
+                dated_before=dated_before,
+            )
         )
 
     async def delete(self, clip_id: int) -> str | None:

@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
@@ -67,7 +68,7 @@ import numpy as np
 
 from engines.batching import PoolClosed
 from engines.types import Image
-from streams.clips import ClipDone, ClipOptions, ClipPlanner, ClipRecorder
+from streams.clips import ENDED_KEPT, ClipDone, ClipOptions, ClipPlanner, ClipRecorder
 from streams.decode_child import (
     HEADER,
     MAX_SLOTS,
@@ -680,6 +681,7 @@ class RemoteReader(StreamReader):
         self._planner: ClipPlanner | None = None
         self._on_clip_done: ClipDone | None = None
         self._clips_open: set[int] = set()  # reserved, not yet written or failed
+        self._clips_ended: deque[int] = deque(maxlen=ENDED_KEPT)  # written or failed
         super().__init__(config, options, submit, publish, on_state=on_state)
 
     def plan_clips(self, options: ClipOptions, on_done: ClipDone | None) -> None:
@@ -691,7 +693,9 @@ class RemoteReader(StreamReader):
         self, clip_id: int, start: float, end: float, limit: float, event: int
     ) -> None:
         with self._lock:
-            self._clips_open.add(clip_id)
+            # A plan made just before the clip-done came (the recorder drops it) is not open.
+            if clip_id not in self._clips_ended:
+                self._clips_open.add(clip_id)
         self._hub.reserve_clip(self, clip_id, start, end, limit, event)
 
     @property
@@ -791,8 +795,14 @@ class RemoteReader(StreamReader):
             ) = latest
 
     def remote_clip_done(self, clip_id: int, path: Path | None, error: str | None) -> None:
+        """The process's recorder wrote or gave up on a clip, maybe before its planned end (a
+        source lost or reopened, a file looped): the planner hears of it first, so the next
+        event starts a new clip instead of naming this one."""
         with self._lock:
             self._clips_open.discard(clip_id)
+            self._clips_ended.append(clip_id)
+        if self._planner is not None:
+            self._planner.ended(clip_id)
         if self._on_clip_done is not None:
             self._on_clip_done(clip_id, path, error)
 

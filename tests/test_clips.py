@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from benchmarks.make_clip import make_clip
+from engines.batching import WorkItem
 from streams.clips import (
     ClipIndex,
     ClipOptions,
@@ -23,6 +25,10 @@ from streams.clips import (
     list_clips,
     prune_clips,
 )
+from streams.decode_procs import DecodeHub
+from streams.detect import StreamDetect
+from streams.reader import ReaderOptions, StreamConfig
+from streams.sources import parse_source
 from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server
 
 BASE = 1000.0  # monotonic time of each clip's first packet, in these tests
@@ -60,6 +66,10 @@ class Source:
 def clip_packets(path: Path) -> list[bytes]:
     with av.open(str(path)) as clip:
         return [bytes(p) for p in clip.demux(clip.streams.video[0]) if p.size]
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
 
 
 def clip_frames(path: Path) -> list[Any]:
@@ -435,3 +445,143 @@ def test_an_event_created_from_outside_gets_the_latest_frame_and_the_video_aroun
     seconds = len(clip_frames(path)) / 12.5
     # From the keyframe at or before 1 s ahead of it (one every 4.8 s) to 2 s after.
     assert 3.0 - 0.3 <= seconds <= 1 + 4.8 + 2 + 0.3, seconds
+
+
+# ---- clips that end early, fail late, or outlive a restart ----------------------------------
+
+
+class Frames:
+    """A decode process's frame sink that keeps nothing, only counts."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.arrived = threading.Condition()
+
+    def __call__(self, stream_id: str, item: WorkItem) -> WorkItem | None:
+        with self.arrived:
+            self.count += 1
+            self.arrived.notify_all()
+        return None
+
+    def wait_for(self, n: int, timeout_s: float = 60.0) -> None:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: self.count >= n, timeout_s), self.count
+
+
+async def test_with_a_decode_process_an_event_after_a_clip_ended_early_gets_a_new_clip(
+    tmp_path: Path,
+) -> None:
+    """The process's recorder ends a clip before its planned end (here clips are turned off;
+    a source lost or reopened, a file that loops do the same): the server's planner hears of
+    it, so the next event starts its own clip. It used to get the ended clip's id, a clip
+    the server then waited for forever (503, 409 on delete, never pruned)."""
+    options = ClipOptions(tmp_path / "clips", pre_s=1.0, post_s=60.0, max_s=60.0)
+    index = ClipIndex(options)
+    hub = DecodeHub(1, ReaderOptions(open_timeout_s=5, read_timeout_s=5), 8, options)
+    frames = Frames()
+    config = StreamConfig("cam", parse_source(f"file://{CAR_CLIP}", CAR_CLIP.parent))
+    reader = hub.reader(config, frames, lambda frame: None, on_clip_done=index.done_threadsafe)
+    reader.detect = StreamDetect(clips=True)
+    planner = reader.clip_requests
+    assert isinstance(planner, ClipPlanner)
+    try:
+        reader.start()
+        await asyncio.to_thread(frames.wait_for, 15)
+        assert index.request(planner, time.monotonic(), 7) == 7  # planned for 60 s
+        await asyncio.sleep(0.5)
+        reader.detect = StreamDetect(clips=False)  # the recorder ends it now
+        assert await index.find(7, 10.0) == options.path(7)
+        reader.detect = StreamDetect(clips=True)
+        await asyncio.to_thread(frames.wait_for, frames.count + 15)
+        assert index.request(planner, time.monotonic(), 8) == 8  # its own clip
+        assert planner.request(time.monotonic(), 9) == 8  # the planner knows (no index)
+        await asyncio.sleep(0.5)
+    finally:
+        await asyncio.to_thread(hub.shutdown, 10.0)  # the source closes: clip 8 ends there
+    # Written, or failed where no keyframe came after clips were on again: not waited for.
+    eight = await index.find(8, 10.0)
+    assert eight == options.path(8) or "before the clip began" in str(eight), eight
+    assert not index.writing(8)
+    assert await index.find(7, 0.1) == options.path(7)  # not "still being written"
+    assert await index.delete(7) is None  # not "being written" (409)
+
+
+async def test_the_index_never_waits_on_a_clip_it_saw_end(tmp_path: Path, car: Source) -> None:
+    """A planner that has not heard yet that its recorder ended a clip names it again: the
+    index starts the event's own clip instead of waiting for one that nothing will finish."""
+    # Planned to last for ever: the planner counts it as ended only once the recorder says.
+    index = ClipIndex(ClipOptions(tmp_path, pre_s=1.0, post_s=1e12, max_s=1e12))
+    recorder = index.recorder("cam")
+    planner = ClipPlanner(index.options, recorder.reserve)
+    car.feed_until(recorder, 5.1)
+    assert index.request(planner, BASE + 5.0, 42) == 42
+    car.feed_until(recorder, 6.0)
+    recorder.source_closed("the file looped")  # ended early; the planner is not told
+    assert await index.find(42, 5.0) == tmp_path / "42.mp4"
+    fresh = Source(CAR_CLIP)
+    try:
+        fresh.feed_until(recorder, 2.1)
+        assert index.request(planner, BASE + 2.0, 43) == 43
+        assert not index.writing(42)
+        assert await index.delete(42) is None
+        fresh.feed_until(recorder, 3.0)
+        recorder.source_closed("camera gone")
+    finally:
+        fresh.close()
+    assert await index.find(43, 5.0) == tmp_path / "43.mp4"
+
+
+async def test_a_clip_that_cannot_be_saved_fails_saying_where_and_leaves_nothing(
+    tmp_path: Path, car: Source
+) -> None:
+    """Saving a closed clip fails (a full disk, an I/O error; here a folder in the way of
+    its sidecar): the clip fails with the path, counted, and no ``.part`` is left. It used
+    to stay "being written" for ever (503, 409 on delete) with its ``.mp4.part`` on disk."""
+    outcomes: list[str] = []
+    index = ClipIndex(ClipOptions(tmp_path, pre_s=1.0, post_s=1.0), outcomes.append)
+    recorder = index.recorder("cam")
+    (tmp_path / "42.json.part").mkdir()
+    car.feed_until(recorder, 5.1)
+    assert index.request(recorder, BASE + 5.0, 42) == 42
+    car.feed_until(recorder, 7.0)
+    why = await index.find(42, 5.0)
+    assert isinstance(why, str) and why.startswith("clip 42 could not be made: saving it as")
+    assert str(tmp_path / "42.mp4") in why and "STREAMDET_DATA_DIR" in why
+    assert outcomes == ["failed"] and not index.writing(42)
+    assert await index.delete(42) == "no clip 42"
+    assert names(tmp_path) == ["42.json.part"]  # the folder in the way only
+
+
+def test_a_restart_deletes_unfinished_clips_and_applies_a_lower_size_cap(tmp_path: Path) -> None:
+    """A crash mid-clip leaves ``<id>.mp4.part`` (and maybe its sidecar's part): nothing
+    lists or prunes those, so the next start deletes them. A lower
+    ``--event-clips-max-mb`` applies at start too, not only once a new clip is written."""
+    mb = 1024 * 1024
+    for clip_id in (10, 20, 30):
+        (tmp_path / f"{clip_id}.mp4").write_bytes(b"x" * mb)
+        (tmp_path / f"{clip_id}.json").write_text(json.dumps({"id": clip_id, "stream_id": "s"}))
+    (tmp_path / "40.mp4.part").write_bytes(b"x" * 100)
+    (tmp_path / "40.json.part").write_text("{}")
+    ClipIndex(ClipOptions(tmp_path, max_bytes=2 * mb))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20.json", "20.mp4", "30.json", "30.mp4"]
+
+
+def test_a_clip_lasts_at_most_its_longest_even_when_that_is_below_the_seconds_after(
+    tmp_path: Path, car: Source
+) -> None:
+    """``max_s`` below ``post_s``: the clip ends ``max_s`` after its event, as the setting
+    promises (it used to run ``post_s``)."""
+    done = Done()
+    options = ClipOptions(tmp_path, pre_s=1.0, post_s=8.0, max_s=2.0)
+    recorder = ClipRecorder("cam", options, done)
+    car.feed_until(recorder, 10.1)
+    assert recorder.request(BASE + 10.0, 5) == 5
+    car.feed_until(recorder, 20.0)
+    assert done.calls == [(5, tmp_path / "5.mp4", None)]
+    frames = clip_frames(tmp_path / "5.mp4")
+    # From the keyframe of 4.8 s (at or before 9 s) to the first packet past 12 s (not 18 s).
+    assert frames[-1].time == pytest.approx(12.08 - 4.8)
+    planned: list[tuple[float, ...]] = []
+    planner = ClipPlanner(options, lambda *plan: planned.append(plan))
+    planner.request(BASE + 10.0, 6, BASE + 10.1)
+    assert planned == [(6, BASE + 9.0, BASE + 12.0, BASE + 12.0, 6)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from pathlib import Path
 
@@ -111,3 +112,83 @@ def test_a_server_with_a_retention_deletes_its_events_once_they_are_older(
         assert not list((tmp_path / "data" / "snapshots").glob(f"{event['id']}*.jpg"))
         assert c.get("/healthz").status_code == 200
     assert "retention: deleted" in server.log_text()
+
+
+def _log_frame(
+    log: EventLog, snapshots: SnapshotStore, at: float, clips: Path | None = None
+) -> int:
+    """One frame with one line crossing (an object: a thumbnail too), captured at ``at``,
+    logged, drawn and, with ``clips``, given a clip file; returns its event's id."""
+    image = np.full((90, 160, 3), 60, np.uint8)
+    frame = ProcessedFrame("s", 1, None, at, 0.0, image, Detections.empty({2: "car"}, 160, 90), 1)
+    crossing = Crossing("gate", "in", 1, 2, 1, Seen((10.0, 10.0, 50.0, 50.0), 0.9))
+    logged = log.add("s", "", at, [crossing], str, extra=functools.partial(snapshots.extra, frame))
+    snapshots.capture(frame, logged)
+    event_id = int(logged[0]["id"])
+    if clips is not None:
+        (clips / f"{event_id}.mp4").write_bytes(b"video")
+        (clips / f"{event_id}.json").write_text("{}")
+    return event_id
+
+
+def _snapshots_on_disk(directory: Path) -> int:
+    return len([p for p in directory.glob("*.jpg") if "-" not in p.stem])
+
+
+async def _drawn(directory: Path, frames: int) -> None:
+    """Until ``frames`` snapshots are on disk and filed as kept."""
+    deadline = time.monotonic() + 10
+    while _snapshots_on_disk(directory) < frames:
+        assert time.monotonic() < deadline, "snapshots not drawn in 10 s"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # their done-callbacks, on the loop
+
+
+async def test_a_full_event_log_does_not_make_retention_delete_recent_clips_or_snapshots(
+    tmp_path: Path,
+) -> None:
+    """Events that left the log by its size (``--event-log-size``) are not old: their clips
+    and snapshots go by the age of their files. They used to be deleted with everything
+    below the log's oldest event at the next pass, a minute after they were made."""
+    log = EventLog(size=2, start_id=1)
+    snapshots = SnapshotStore(
+        10, 320, None, lambda _: None, directory=tmp_path / "snapshots", events=log
+    )
+    (tmp_path / "clips").mkdir()
+    clips = ClipIndex(ClipOptions(tmp_path / "clips"))
+    now = time.time()
+    ids = [_log_frame(log, snapshots, now - 40 + i, tmp_path / "clips") for i in range(4)]
+    assert ids == [1, 2, 3, 4] and log.oldest_id == 3  # 1 and 2 left the log by its size
+    await _drawn(tmp_path / "snapshots", 4)
+    two_days_ago = now - 2 * 86_400
+    for path in (*(tmp_path / "snapshots").glob("1*.jpg"), tmp_path / "clips" / "1.mp4"):
+        os.utime(path, (two_days_ago, two_days_ago))  # event 1's files are old
+
+    gone = await forget_older_than(now - 86_400, log, snapshots, clips)
+    assert (gone.events, gone.snapshots, gone.clips) == (0, 1, 1)  # only event 1's
+    left = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    assert left == ["2-2.jpg", "2.jpg", "3-3.jpg", "3.jpg", "4-4.jpg", "4.jpg"]
+    names = sorted(p.name for p in (tmp_path / "clips").iterdir())
+    assert names == ["2.json", "2.mp4", "3.json", "3.mp4", "4.json", "4.mp4"]
+
+    # Once events leave the log for their age, everything below them goes with them.
+    gone = await forget_older_than(now - 37.5, log, snapshots, clips)
+    assert (gone.events, gone.snapshots, gone.clips) == (1, 2, 2)
+    assert sorted(p.name for p in (tmp_path / "clips").iterdir()) == ["4.json", "4.mp4"]
+
+
+async def test_snapshot_files_half_written_never_stay(tmp_path: Path) -> None:
+    """A ``.part`` left by a crash goes at the next start, and a write that fails (a full
+    disk; here a folder in the way) removes its own: nothing else ever deletes them."""
+    directory = tmp_path / "snapshots"
+    directory.mkdir()
+    (directory / "7.part").write_bytes(b"half a jpeg")
+    (directory / "7-8.part").write_bytes(b"half a thumbnail")
+    log = EventLog(size=10, start_id=1)
+    snapshots = SnapshotStore(10, 320, None, lambda _: None, directory=directory, events=log)
+    assert list(directory.iterdir()) == []
+    (directory / "1.jpg").mkdir()  # frame 1's snapshot cannot be written
+    assert _log_frame(log, snapshots, time.time()) == 1
+    assert await snapshots.get(1) is None  # drawing failed
+    await asyncio.sleep(0.05)
+    assert [p.name for p in directory.iterdir()] == ["1.jpg"]  # the folder only
