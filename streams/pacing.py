@@ -57,26 +57,37 @@ class FilePacer:
         return due
 
 
+EARLY_SHARE = 0.05
+"""A frame may always be taken this share of ``1/max_fps`` early (a keyframe 4.8 s after the
+last at ``max_fps`` 0.2: :data:`streams.frames.KEYFRAME_SLACK`)."""
+
+
 class RateSampler:
     """Which frames a stream's ``max_fps`` takes: one every ``1/max_fps`` seconds on average,
-    each taken up to half of that early, so a camera a little faster than ``max_fps`` gives
-    ``max_fps`` (frames spaced at least ``0.95/max_fps`` apart took every other frame of a
-    12.5 fps camera at ``max_fps`` 10: 6.25). A gap (a slow decode, a reconnect) is not made
+    each taken up to half the gap between the frames that come (at most half a step, at
+    least :data:`EARLY_SHARE` of it) early, so a camera a little faster than ``max_fps``
+    gives ``max_fps`` (frames spaced at least ``0.95/max_fps`` apart took every other frame
+    of a 12.5 fps camera at ``max_fps`` 10: 6.25), and keyframes 4.8 s apart (keyframe-only
+    decode) are each taken at ``max_fps`` 0.2. A gap (a slow decode, a reconnect) is not made
     up with a burst."""
 
     def __init__(self) -> None:
         self._due: float | None = None
+        self._came: float | None = None  # when the last frame came
 
     def take(self, now: float, max_fps: float | None) -> bool:
         """Whether the frame that came at ``now`` (monotonic) is taken; ``max_fps`` ``None``
         or 0: every frame is."""
+        gap = 0.0 if self._came is None else max(0.0, now - self._came)
+        self._came = now
         if not max_fps:
             return True
         step = 1.0 / max_fps
+        early = max(EARLY_SHARE * step, min(step, gap) / 2)
         due = self._due
-        if due is not None and now < due - step / 2:
+        if due is not None and now < due - early:
             return False
-        if due is None or due < now - step / 2:  # the first frame, or behind: afresh
+        if due is None or due < now - early:  # the first frame, or behind: afresh
             due = now
         self._due = due + step
         return True
