@@ -197,6 +197,14 @@ class Settings(BaseSettings):
     ws_queue_size: int = Field(
         4, ge=1, le=1024, description="messages kept per WebSocket viewer (oldest dropped)"
     )
+    ws_send_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="time one message may take to go out to a WebSocket viewer; a viewer that"
+        " stops reading (its socket's buffers full) is dropped after it, and at once when its"
+        " stream is removed or the server shuts down",
+    )
 
     # Events: GET /events and webhooks (streams/events.py, server/webhooks.py)
     event_log_size: int = Field(

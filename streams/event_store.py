@@ -33,6 +33,22 @@ PRUNE_EVERY = 500
 _Op = tuple[str, Any]
 
 
+def _close_emptied_run(db: sqlite3.Connection) -> None:
+    """A store that holds no event but has held some (retention deleted them all) starts a
+    new run of ids from the clock: the old run's ids are kept as gone, so ``missed`` counts
+    its events and not the microseconds between the two runs."""
+    if db.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None:
+        return
+    first = db.execute("SELECT value FROM meta WHERE key = 'first_id'").fetchone()
+    last = db.execute("SELECT value FROM meta WHERE key = 'last_id'").fetchone()
+    if first is not None and last is not None and last[0] >= first[0]:
+        db.execute(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+            (f"gone:{first[0]}", last[0]),
+        )
+    db.execute("DELETE FROM meta WHERE key IN ('first_id', 'last_id')")
+
+
 class EventStore:
     """Events and delivery cursors in ``<data_dir>/events.sqlite3``.
 
@@ -49,6 +65,7 @@ class EventStore:
             db.execute("PRAGMA journal_mode=WAL")
             for statement in _SCHEMA:
                 db.execute(statement)
+            _close_emptied_run(db)
         self._ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="event-store", daemon=True)
         self._writer.start()
@@ -58,8 +75,8 @@ class EventStore:
 
     # ---- reads, at start -----------------------------------------------------------------
     def load(self) -> tuple[list[dict[str, Any]], int | None]:
-        """The last ``size`` events, oldest first, and the id of the first event this store
-        ever kept (None for a new one)."""
+        """The last ``size`` events, oldest first, and the id of the first event of the run of
+        ids they belong to (None for a new store, or one found empty at start)."""
         with closing(self._connect()) as db:
             rows = db.execute(
                 "SELECT body FROM events ORDER BY id DESC LIMIT ?", (self.size,)
@@ -72,6 +89,13 @@ class EventStore:
             except ValueError:
                 log.warning("event store %s: an unreadable event was skipped", self.path)
         return events, None if first is None else int(first[0])
+
+    def gone_runs(self) -> list[tuple[int, int]]:
+        """``(first, last)`` ids of earlier runs of ids every event of which left the log
+        (retention emptied it, then ids started afresh from the clock), oldest first."""
+        with closing(self._connect()) as db:
+            rows = db.execute("SELECT key, value FROM meta WHERE key LIKE 'gone:%'").fetchall()
+        return sorted((int(key.split(":", 1)[1]), int(last)) for key, last in rows)
 
     def cursor(self, name: str) -> int | None:
         """Where the sink ``name`` (a webhook, an MQTT broker) had delivered up to."""
@@ -139,6 +163,10 @@ class EventStore:
                 db.executemany("INSERT OR REPLACE INTO events (id, body) VALUES (?, ?)", rows)
                 db.execute(
                     "INSERT OR IGNORE INTO meta (key, value) VALUES ('first_id', ?)", (rows[0][0],)
+                )
+                db.execute(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('last_id', ?)",
+                    (rows[-1][0],),
                 )
                 written += len(rows)
             elif kind == "forget":

@@ -161,6 +161,10 @@ class EventLog:
         self._first = first  # id of the first event of this run
         self._next = first  # id the next event gets
         self._waiters: set[asyncio.Future[None]] = set()
+        # Earlier runs of ids whose events all left the log, (first, last): ids restart from
+        # the clock where retention emptied the store, and ``missed`` counts events, not the
+        # gap between two runs.
+        self._gone: list[tuple[int, int]] = []
         self.closed = False
         self.store = store
         if store is not None:
@@ -169,6 +173,7 @@ class EventLog:
                 self._events.extend(kept[-size:])
                 self._next = int(kept[-1]["id"]) + 1
                 self._first = int(kept[0]["id"]) if first_ever is None else first_ever
+            self._gone = [(a, b) for a, b in store.gone_runs() if b < self._first]
 
     def saved_cursor(self, name: str) -> int:
         """Where the sink ``name`` had delivered up to before a restart; a new sink starts
@@ -272,7 +277,7 @@ class EventLog:
     def read(self, after: int, limit: int, wanted: EventFilter = EVERY_EVENT) -> EventPage:
         """Up to ``limit`` events with ids above ``after`` that are ``wanted``."""
         oldest = self._next - len(self._events)
-        missed = max(0, oldest - max(after + 1, self._first))
+        missed = self._missed(after, oldest)
         start = max(0, after + 1 - oldest)
         found: list[dict[str, Any]] = []
         cursor = max(after, oldest - 1)
@@ -284,6 +289,14 @@ class EventLog:
                 if len(found) >= limit:
                     break
         return EventPage(found, cursor, missed)
+
+    def _missed(self, after: int, oldest: int) -> int:
+        """Events with ids above ``after`` that left the log (which now starts at ``oldest``):
+        those of this run of ids, and of earlier runs that left it whole."""
+        missed = max(0, oldest - max(after + 1, self._first))
+        for first, last in self._gone:
+            missed += max(0, last + 1 - max(after + 1, first))
+        return missed
 
     def latest(self, limit: int, wanted: EventFilter = EVERY_EVENT) -> EventPage:
         """The newest ``limit`` events that are ``wanted``, oldest first; ``next`` is the
@@ -320,7 +333,10 @@ class EventLog:
         """When the oldest event the log still holds was captured, where older ones (of this
         run or before a restart) left it; None while it holds every event it ever had."""
         oldest = self._next - len(self._events)
-        return float(self._events[0]["captured_at"]) if oldest > self._first else None
+        if oldest <= self._first and not self._gone:
+            return None
+        # Retention may have emptied it: then nothing before now is held.
+        return float(self._events[0]["captured_at"]) if self._events else time.time()
 
     def has_stream(self, stream_id: str) -> bool:
         """Whether the log holds an event of ``stream_id`` (one since removed, say)."""

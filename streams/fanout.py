@@ -169,6 +169,9 @@ class Subscriber:
         # may miss pictures, never an event.
         self._carried: list[StreamEvent] = []
         self.dropped_events = 0
+        # Set with ``closed``: the viewer's handler waits on it beside its send, which a
+        # viewer that stopped reading holds up (the Closed in the queue would never be read).
+        self._ended = asyncio.Event()
 
     def offer(self, frame: ProcessedFrame) -> None:
         """Queue ``frame``, dropping the oldest waiting one if the queue is full."""
@@ -184,6 +187,11 @@ class Subscriber:
         while not self._queue.empty():  # a closing viewer needs no backlog
             self._queue.get_nowait()
         self._queue.put_nowait(self.closed)
+        self._ended.set()
+
+    async def wait_closed(self) -> None:
+        """Wait until the subscription is closed (stream removed, server going away)."""
+        await self._ended.wait()
 
     def _put(self, item: ProcessedFrame | Closed) -> None:
         if self._queue.full():

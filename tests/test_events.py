@@ -12,7 +12,7 @@ import hmac
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,11 +26,12 @@ from fastapi.testclient import TestClient
 from benchmarks.events_bench import WebhookReceiver
 from engines.types import Detections
 from server.render import crop_jpeg
+from server.routes import events as events_route
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhooks import WebhookSender, label, sign
 from streams.event_store import EventStore
-from streams.events import EventFilter, EventLog, StateEvent, count_events
+from streams.events import EventFilter, EventLog, ManualEvent, StateEvent, count_events
 from streams.fanout import ProcessedFrame
 from streams.geometry import Seen
 from streams.lines import Crossing
@@ -422,11 +423,13 @@ def test_webhooks_get_every_event_signed_after_failures_and_sse_streams_them(
             sse_events: list[dict[str, Any]] = []
             sse_ids: list[str] = []
             lines = sse.iter_lines()
+            last_id = None  # also sent alone: with the opening and each keep-alive
             for line in lines:
                 if line.startswith("id: "):
-                    sse_ids.append(line[4:])
+                    last_id = line[4:]
                 if line.startswith("data: "):
                     sse_events.append(json.loads(line[6:]))
+                    sse_ids.append(str(last_id))
                 if len(sse_events) == len(logged):
                     server.signal_stop()
                     break
@@ -492,3 +495,87 @@ def test_webhook_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="STREAMDET_WEBHOOKS"):
         Settings(webhooks=["ftp://example.com/x"])
     assert Settings(webhooks="http://a/x, https://b/y").webhooks == ["http://a/x", "https://b/y"]
+
+
+async def _next_chunk(stream: AsyncGenerator[str, None], timeout_s: float = 5.0) -> str:
+    return await asyncio.wait_for(anext(stream), timeout_s)
+
+
+async def test_a_filtered_event_stream_keeps_alive_while_other_events_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Events the filter passes over wake the stream without sending anything: the keep-alive
+    still goes out every ``HEARTBEAT_S``, with the cursor past them as its ``id``."""
+    monkeypatch.setattr(events_route, "HEARTBEAT_S", 0.3)
+    log = EventLog(size=100, start_id=1)
+    busy = EventFilter(types=frozenset({"line_crossing"}))
+    stream = events_route._event_stream(log, log.last_id, busy)
+
+    async def other_events() -> None:
+        for n in range(100):
+            log.add("a", "", 1.0, [ManualEvent("busy", n)], _name)
+            await asyncio.sleep(0.05)
+
+    adding = asyncio.create_task(other_events())
+    try:
+        assert (await _next_chunk(stream)).startswith("retry: 2000\n")
+        kept_alive = await _next_chunk(stream, 2.0)  # within 0.3 s
+        assert kept_alive.startswith(": keep-alive\nid: ")
+        assert int(kept_alive.split("id: ")[1]) > 0  # past the events it passed over
+    finally:
+        adding.cancel()
+        await stream.aclose()
+
+
+async def test_an_event_stream_reconnecting_before_its_first_event_misses_nothing() -> None:
+    """The opening sends the cursor as ``id``: an EventSource that lost its connection before
+    any event came sends it back as ``Last-Event-ID`` and gets the events of the gap."""
+    log = EventLog(size=100, start_id=1)
+    log.add("a", "", 1.0, [ManualEvent("before", 0)], _name)  # 1: before it connected
+    manual = EventFilter(types=frozenset({"manual"}))
+    first = events_route._event_stream(log, events_route._resume_from(None, None, log), manual)
+    opening = await _next_chunk(first)
+    await first.aclose()  # the connection drops before any event
+    last_event_id = opening.split("id: ")[1].strip()
+    assert opening.startswith("retry: 2000\n") and last_event_id == "1"
+    log.add("a", "", 2.0, [ManualEvent("during-gap", 1), ManualEvent("during-gap", 2)], _name)
+    cursor = events_route._resume_from(last_event_id, None, log)
+    again = events_route._event_stream(log, cursor, manual)
+    try:
+        assert await _next_chunk(again) == "retry: 2000\nid: 1\n\n"
+        got = [await _next_chunk(again), await _next_chunk(again)]
+        assert [chunk.split("\n")[0] for chunk in got] == ["id: 2", "id: 3"]
+        assert all('"label":"during-gap"' in chunk for chunk in got)
+    finally:
+        await again.aclose()
+
+
+def test_missed_counts_the_events_of_a_run_retention_emptied_not_the_id_gap(
+    tmp_path: Path,
+) -> None:
+    """Retention deletes every event; the next start's ids start afresh from the clock (here
+    5000), far above the old ones: a reader from before them missed 3 events, across any
+    number of restarts, not the distance between the two runs' ids."""
+    store = EventStore(tmp_path, size=10)
+    log = EventLog(size=10, start_id=100, store=store)
+    log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 100-102
+    assert log.forget_before(2.0) == 3  # retention: all of them
+    assert log.read(0, 10).missed == 3
+    store.close()
+    for restart in range(2):
+        store = EventStore(tmp_path, size=10)
+        log = EventLog(size=10, start_id=5000, store=store)
+        if restart == 0:  # an empty store: a new run of ids
+            assert [e["id"] for e in log.add("a", "", 3.0, [_crossing(8)] * 2, _name)] == [
+                5000,
+                5001,
+            ]
+        assert (log.read(0, 10).missed, len(log.read(0, 10).events)) == (3, 2), restart
+        assert log.read(100, 10).missed == 2  # 101 and 102
+        assert log.read(102, 10).missed == 0 and log.read(4999, 10).missed == 0
+        assert log.kept_since == 3.0
+        store.close()
+    emptied = EventLog(size=10, start_id=1)
+    emptied.add("a", "", 1.0, [_crossing(1)], _name)
+    emptied.forget_before(2.0)
+    assert emptied.kept_since is not None  # incomplete counts (it raised IndexError)

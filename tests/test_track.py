@@ -416,4 +416,3 @@ def test_frames_further_apart_than_a_second_keep_their_tracks() -> None:
     for k in range(20):
         ids(fast, dets([[400, 300, 500, 600]]), 0.1 * k)
     assert ids(fast, dets([[400, 300, 500, 600]]), 0.1 * 19 + 1.5) == [2]
-

@@ -1,12 +1,16 @@
 """End to end: a real ``streamdet serve`` process, a real RTSP camera, a WebSocket client.
 
-Covers the control API, the WebSocket messages and close codes, and that the stream list
-survives a server restart."""
+Covers the control API, the WebSocket messages and close codes, that the stream list
+survives a server restart, and that a viewer that stops reading is dropped."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import signal
+import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +20,8 @@ import pytest
 import websockets
 
 from loadtest.server import ServerProcess, free_port
-from tests.helpers import CACHE_DIR, MESSAGE_KEYS, MODEL_PT
+from tests.helpers import BOTTLE_CLIP, CACHE_DIR, MESSAGE_KEYS, MODEL_PT, clip_server
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
-
-pytestmark = pytest.mark.rtsp
 
 
 def start_server(data_dir: Path, log_path: Path) -> ServerProcess:
@@ -76,6 +78,7 @@ async def close_code(url: str) -> int | None:
         return await read_until_closed(ws)
 
 
+@pytest.mark.rtsp
 async def test_control_api_and_websocket(
     camera: RtspCamera, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
@@ -127,6 +130,7 @@ async def test_control_api_and_websocket(
         server.stop(60)
 
 
+@pytest.mark.rtsp
 async def test_restart_keeps_streams_and_shutdown_says_going_away(
     camera: RtspCamera, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
@@ -156,3 +160,110 @@ async def test_restart_keeps_streams_and_shutdown_says_going_away(
         assert message["stream_id"] == sid
     finally:
         restarted.stop(60)
+
+
+# ---- a viewer that stops reading ------------------------------------------------------------
+STALLING_STREAM = {"url": f"file://{BOTTLE_CLIP}", "max_fps": 30}
+"""The bottle clip looping, fast: with full-size JPEGs (``STALLING_VIEW``) it fills a stalled
+viewer's socket buffers in seconds."""
+STALLING_VIEW = "frames=jpeg&max_fps=60&quality=95"
+
+
+def stalled_viewer(port: int, sid: str) -> socket.socket:
+    """A WebSocket viewer of ``sid`` that never reads: its tiny receive buffer closes its
+    TCP window at once, and the server's buffers fill behind it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    request = (
+        f"GET /ws/streams/{sid}?{STALLING_VIEW} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    sock.sendall(request.encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += sock.recv(1)
+    assert answer.startswith(b"HTTP/1.1 101"), answer
+    return sock
+
+
+def unsent_bytes(server_port: int, client_port: int) -> int | None:
+    """Bytes the server's end of an open connection holds unacknowledged (Linux
+    /proc/net/tcp); None once the server closed it (what is left to the kernel then)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        _, local, remote, state, queues, *_ = line.split()
+        ports = (int(local.split(":")[1], 16), int(remote.split(":")[1], 16))
+        if ports == (server_port, client_port) and state == "01":  # ESTABLISHED
+            return int(queues.split(":")[0], 16)
+    return None
+
+
+def wait_until(what: str, check: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s:.0f} s"
+        time.sleep(0.25)
+
+
+def wait_stalled(server_port: int, sock: socket.socket) -> None:
+    """Until the server's socket buffer for ``sock`` is full (its unsent bytes stop growing
+    for a second): the server's next send to it waits."""
+    client_port = sock.getsockname()[1]
+    seen: list[int | None] = []
+
+    def stalled() -> bool:
+        seen.append(unsent_bytes(server_port, client_port))
+        last = seen[-5:]
+        return len(last) == 5 and len(set(last)) == 1 and bool(last[0])
+
+    wait_until("stalled", stalled)
+
+
+def test_a_viewer_that_stops_reading_is_dropped_after_the_send_timeout(tmp_path: Path) -> None:
+    with (
+        clip_server(tmp_path, ws_send_timeout_s=1, stream_decode_size=0) as server,
+        httpx.Client(base_url=server.base_url, timeout=30) as c,
+    ):
+        sid = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        with stalled_viewer(server.port, sid) as sock:
+            client_port = sock.getsockname()[1]
+            wait_until("dropped", lambda: "waited over 1 s" in server.log_text())
+            # Its connection is aborted: the server holds no socket for what it never read.
+            wait_until("aborted", lambda: unsent_bytes(server.port, client_port) is None, 10)
+        assert c.get(f"/streams/{sid}").json()["subscribers"] == 0
+    log = server.log_text()
+    assert "(setting STREAMDET_WS_SEND_TIMEOUT_S)" in log, log
+    assert "graceful shutdown exceeded" not in log
+
+
+def test_a_stalled_viewer_holds_up_neither_its_streams_removal_nor_the_shutdown(
+    tmp_path: Path,
+) -> None:
+    """Its send waits (the timeout is long): the stream's removal and the server's shutdown
+    drop it at once, instead of waiting for a send that never ends."""
+    server = clip_server(
+        tmp_path, ws_send_timeout_s=600, stream_decode_size=0, shutdown_timeout_s=30
+    )
+    with server, httpx.Client(base_url=server.base_url, timeout=30) as c:
+        removed = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        with stalled_viewer(server.port, removed) as sock:
+            wait_stalled(server.port, sock)
+            assert c.delete(f"/streams/{removed}").status_code == 204
+            client_port = sock.getsockname()[1]
+            gone = "not reading when its stream closed (stream removed)"
+            wait_until("dropped", lambda: gone in server.log_text(), 10)
+            wait_until("aborted", lambda: unsent_bytes(server.port, client_port) is None, 10)
+
+        kept = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        with stalled_viewer(server.port, kept) as sock:
+            wait_stalled(server.port, sock)
+            started = time.monotonic()
+            # SIGTERM: well under the 30 s the shutdown may take, and nothing cancelled.
+            assert server.stop(60) in (0, -signal.SIGTERM)
+            took = time.monotonic() - started
+    log = server.log_text()
+    assert "graceful shutdown exceeded" not in log and took < 25, (took, log[-3000:])
+    assert log.count("(setting STREAMDET_WS_SEND_TIMEOUT_S)") == 2, log
+    assert "shutdown complete" in log

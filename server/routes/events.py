@@ -27,7 +27,7 @@ import csv
 import io
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -269,8 +269,20 @@ def _resume_from(last_event_id: str | None, after: int | None, log: EventLog) ->
     return log.last_id if after is None else after
 
 
-async def _event_stream(log: EventLog, cursor: int, wanted: EventFilter) -> AsyncIterator[str]:
-    yield "retry: 2000\n\n"  # how soon an EventSource reconnects
+async def _event_stream(
+    log: EventLog, cursor: int, wanted: EventFilter
+) -> AsyncGenerator[str, None]:
+    """The event stream from ``cursor`` on.
+
+    The cursor goes out as an ``id:`` with the opening ``retry:`` and with each keep-alive
+    too (an ``id:`` alone sets an ``EventSource``'s ``lastEventId``): a browser that got no
+    event yet, or none for a while (a filter that passes few), reconnects with it as
+    ``Last-Event-ID`` and gets what happened meanwhile, where without it the stream started
+    again from the newest. The keep-alive goes out whenever ``HEARTBEAT_S`` passed with
+    nothing sent, whether events the filter passes over woke the stream meanwhile or not.
+    """
+    yield f"retry: 2000\nid: {cursor}\n\n"  # how soon an EventSource reconnects, and whence
+    sent_at = time.monotonic()
     while not log.closed:
         page = log.read(cursor, MAX_LIMIT, wanted)
         cursor = page.next
@@ -279,10 +291,14 @@ async def _event_stream(log: EventLog, cursor: int, wanted: EventFilter) -> Asyn
             yield f"data: {json.dumps(missed)}\n\n"
         for event in page.events:
             yield f"id: {event['id']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+        now = time.monotonic()
         if page.events or page.missed:
+            sent_at = now
             continue
-        if not await log.wait(cursor, HEARTBEAT_S) and not log.closed:
-            yield ": keep-alive\n\n"
+        if now - sent_at >= HEARTBEAT_S:
+            yield f": keep-alive\nid: {cursor}\n\n"
+            sent_at = now
+        await log.wait(cursor, sent_at + HEARTBEAT_S - now)
 
 
 @router.get(

@@ -2,7 +2,11 @@
 
 Close codes: ``4404`` unknown stream id, ``1000`` the stream was removed, ``1001`` the
 server is shutting down. Each viewer reads from its own bounded queue (setting
-``STREAMDET_WS_QUEUE_SIZE``): a slow viewer loses old messages, never slows the stream.
+``STREAMDET_WS_QUEUE_SIZE``): a slow viewer loses old messages, never slows the stream. A
+viewer that stops reading altogether (its socket's buffers full, every send waiting) is
+dropped, its connection aborted, once a send has waited ``STREAMDET_WS_SEND_TIMEOUT_S``, and
+at once when its stream is removed or the server shuts down: a send without a limit waited
+for ever, and held the stream's removal and the server's shutdown with it.
 
 Query parameters are kept on the subscriber (``Subscriber.options``) so a richer viewer
 (e.g. a JPEG of ``ProcessedFrame.image`` beside the JSON) can be added in ``_send`` alone.
@@ -13,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol, cast
 
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from server.routes.viewer import WS_BAD_OPTION, JpegFrames
+from server.settings import Settings
 from server.state import get_state
 from streams.fanout import WS_GOING_AWAY, Closed, ProcessedFrame, Subscriber
 
@@ -26,6 +32,12 @@ router = APIRouter()
 
 WS_UNKNOWN_STREAM = 4404
 MAX_OPTIONS = 16
+CLOSE_GRACE_S = 1.0
+"""How long a viewer's close (stream removed, server going away) may take to go out before the
+viewer counts as stalled; under the 2 s the CLI's shutdown gives viewers to be sent theirs."""
+MAX_WRAPPERS = 64
+"""Callables looked through for the transport under a WebSocket's ``send``."""
+SEND_TIMEOUT_S: float = Settings.model_fields["ws_send_timeout_s"].default
 
 
 @router.websocket("/ws/streams/{stream_id}")
@@ -49,17 +61,47 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
         )
         return
     log.info("stream %s: viewer connected (%s)", stream_id, websocket.client)
-    sender = asyncio.create_task(_send(websocket, sub, jpeg))
+    timeout_s = state.settings.ws_send_timeout_s
+    sender = asyncio.create_task(_send(websocket, sub, jpeg, timeout_s))
     receiver = asyncio.create_task(_receive_until_gone(websocket))
+    closed = asyncio.create_task(sub.wait_closed())
+    stuck = None
     try:
-        await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {sender, receiver, closed}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if done == {closed}:
+            # Removed or going away: the sender sends the close unless a send holds it up.
+            await asyncio.wait(
+                {sender, receiver},
+                timeout=min(timeout_s, CLOSE_GRACE_S),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not sender.done() and not receiver.done():
+                why = sub.closed.reason if sub.closed is not None else "closed"
+                stuck = f"not reading when its stream closed ({why})"
+        timed_out = sender.done() and not sender.cancelled() and sender.exception()
+        if isinstance(timed_out, TimeoutError):
+            stuck = f"a send to it waited over {timeout_s:g} s"
     finally:
         manager.unsubscribe(sub)
-        for task in (sender, receiver):
+        for task in (sender, receiver, closed):
             task.cancel()
-        for task in (sender, receiver):
-            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, RuntimeError):
+        for task in (sender, receiver, closed):
+            with contextlib.suppress(
+                asyncio.CancelledError, WebSocketDisconnect, RuntimeError, TimeoutError, OSError
+            ):
                 await task
+        if stuck is not None:
+            log.warning(
+                "stream %s: viewer %s dropped, %s (setting STREAMDET_WS_SEND_TIMEOUT_S)",
+                stream_id,
+                websocket.client,
+                stuck,
+            )
+        # A stalled viewer's socket would keep its unsent bytes (and the connection, which
+        # the server's shutdown waits for) until its peer reads them: abort it.
+        _abort_later(websocket, 0.0 if stuck is not None else timeout_s)
         log.info(
             "stream %s: viewer gone, %d message(s) and %d event(s) dropped for it",
             stream_id,
@@ -68,24 +110,86 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
         )
 
 
-async def _send(websocket: WebSocket, sub: Subscriber, jpeg: JpegFrames | None = None) -> None:
-    """Forward frames until the subscription closes, then close with its code."""
+async def _send(
+    websocket: WebSocket,
+    sub: Subscriber,
+    jpeg: JpegFrames | None = None,
+    timeout_s: float = SEND_TIMEOUT_S,
+) -> None:
+    """Forward frames until the subscription closes, then close with its code.
+
+    Raises:
+        TimeoutError: one message (or the close) took over ``timeout_s`` to go out.
+    """
     while True:
         item = await sub.get()
-        if isinstance(item, Closed):
-            await websocket.close(item.code, item.reason)
-            return
-        if jpeg is None:
-            await _send_frame(websocket, item, sub)
-        elif jpeg.due(item, newer_waiting=sub.qsize() > 0):
-            await jpeg.send(websocket, item)
-        else:
-            sub.carry(item)
+        async with asyncio.timeout(timeout_s):
+            if isinstance(item, Closed):
+                await websocket.close(item.code, item.reason)
+                return
+            if jpeg is None:
+                await _send_frame(websocket, item, sub)
+            elif jpeg.due(item, newer_waiting=sub.qsize() > 0):
+                await jpeg.send(websocket, item)
+            else:
+                sub.carry(item)
 
 
 async def _send_frame(websocket: WebSocket, frame: ProcessedFrame, sub: Subscriber) -> None:
     # The one place to add per-viewer extras from ``sub.options`` (frame.image is here).
     await websocket.send_text(frame.json_text())
+
+
+class _Transport(Protocol):
+    """What of an asyncio or uvloop transport dropping a viewer takes."""
+
+    def abort(self) -> None: ...
+    def get_write_buffer_size(self) -> int: ...
+
+
+def _abort_later(websocket: WebSocket, delay_s: float) -> None:
+    """Abort the viewer's connection now (``delay_s`` 0), or in ``delay_s`` if it still holds
+    unsent bytes then: closing a socket whose peer stopped reading waits for ever for those
+    bytes to go out (a close frame that fitted in the buffer of a viewer that stalled then).
+    """
+    transport = _transport_of(websocket)
+    if transport is None:
+        return
+    if delay_s <= 0:
+        transport.abort()
+    elif transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(delay_s, _abort_if_unsent, transport)
+
+
+def _abort_if_unsent(transport: _Transport) -> None:
+    if transport.get_write_buffer_size():
+        transport.abort()
+
+
+def _transport_of(websocket: WebSocket) -> _Transport | None:
+    """The server's transport under ``websocket``: ASGI has no message that aborts a
+    connection, so it is found on uvicorn's protocol, the owner of the ``send`` callable at
+    the bottom of the middlewares' wrappers (closures); None where there is none."""
+    todo: list[object] = [websocket._send]
+    seen: set[int] = set()
+    while todo and len(seen) < MAX_WRAPPERS:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        owner = getattr(obj, "__self__", None)
+        transport = getattr(owner, "transport", None)
+        if callable(getattr(transport, "abort", None)) and callable(
+            getattr(transport, "get_write_buffer_size", None)
+        ):  # duck-typed: uvloop's transports are no asyncio.WriteTransport
+            return cast(_Transport, transport)
+        for cell in getattr(obj, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                if callable(cell.cell_contents):
+                    todo.append(cell.cell_contents)
+        if owner is not None:  # a middleware's responder object keeping the send it wraps
+            todo.extend(v for v in getattr(owner, "__dict__", {}).values() if callable(v))
+    return None
 
 
 async def _receive_until_gone(websocket: WebSocket) -> None:
