@@ -267,3 +267,30 @@ def test_a_stalled_viewer_holds_up_neither_its_streams_removal_nor_the_shutdown(
     assert "graceful shutdown exceeded" not in log and took < 25, (took, log[-3000:])
     assert log.count("(setting STREAMDET_WS_SEND_TIMEOUT_S)") == 2, log
     assert "shutdown complete" in log
+
+
+def test_an_mjpeg_client_that_stops_reading_is_dropped_after_the_send_timeout(
+    tmp_path: Path,
+) -> None:
+    """The same for ``GET /streams/{id}/mjpeg`` (a dashboard tab left in the background, a
+    camera viewer gone to sleep): its part waited for ever, holding its subscription."""
+    with (
+        clip_server(tmp_path, ws_send_timeout_s=1, stream_decode_size=0) as server,
+        httpx.Client(base_url=server.base_url, timeout=30) as c,
+    ):
+        sid = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.connect(("127.0.0.1", server.port))
+            query = "max_fps=60&max_width=3840&quality=95"
+            sock.sendall(f"GET /streams/{sid}/mjpeg?{query} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            client_port = sock.getsockname()[1]
+            wait_until(
+                "dropped",
+                lambda: (
+                    "MJPEG client" in server.log_text() and ("waited over 1 s" in server.log_text())
+                ),
+            )
+            wait_until("aborted", lambda: unsent_bytes(server.port, client_port) is None, 10)
+        wait_until("unsubscribed", lambda: c.get(f"/streams/{sid}").json()["subscribers"] == 0)
+    assert "(setting STREAMDET_WS_SEND_TIMEOUT_S)" in server.log_text()

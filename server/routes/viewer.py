@@ -20,9 +20,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, WebSocket
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.types import Message, Send
 
 from server.render import line_label, render_jpeg, zone_label
 from server.routes.streams import get_manager
+from server.state import get_state
+from server.transport import abort_later
 from streams.detect import StreamDetect
 from streams.fanout import Closed, ProcessedFrame
 from streams.manager import StreamManager
@@ -272,8 +275,42 @@ async def mjpeg(
             manager.unsubscribe(sub)
             log.info("stream %s: MJPEG client gone after %d frame(s)", stream_id, pace.sent)
 
-    return StreamingResponse(
+    return TimedStream(
         parts(),
+        send_timeout_s=get_state(request).settings.ws_send_timeout_s,
+        what=f"stream {stream_id}: MJPEG client {request.client}",
         media_type=f"multipart/x-mixed-replace; boundary={MJPEG_BOUNDARY}",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )
+
+
+class TimedStream(StreamingResponse):
+    """A streamed response each of whose parts has ``send_timeout_s`` to go out: a client that
+    stops reading (its socket's buffers full) is dropped, its connection aborted, where the
+    send waited for ever, holding its subscription and the server's shutdown."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, send_timeout_s: float, what: str, **kwargs: Any
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._timeout_s = send_timeout_s
+        self._what = what
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            async with asyncio.timeout(self._timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            log.warning(
+                "%s dropped, a part waited over %g s to go out (setting"
+                " STREAMDET_WS_SEND_TIMEOUT_S)",
+                self._what,
+                self._timeout_s,
+            )
+            closing = getattr(self.body_iterator, "aclose", None)
+            if closing is not None:
+                await closing()  # its subscription ends now
+            abort_later(send, 0.0)

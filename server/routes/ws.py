@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol, cast
 
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
@@ -25,6 +24,7 @@ from starlette.websockets import WebSocketDisconnect
 from server.routes.viewer import WS_BAD_OPTION, JpegFrames
 from server.settings import Settings
 from server.state import get_state
+from server.transport import abort_later
 from streams.fanout import WS_GOING_AWAY, Closed, ProcessedFrame, Subscriber
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,6 @@ MAX_OPTIONS = 16
 CLOSE_GRACE_S = 1.0
 """How long a viewer's close (stream removed, server going away) may take to go out before the
 viewer counts as stalled; under the 2 s the CLI's shutdown gives viewers to be sent theirs."""
-MAX_WRAPPERS = 64
-"""Callables looked through for the transport under a WebSocket's ``send``."""
 SEND_TIMEOUT_S: float = Settings.model_fields["ws_send_timeout_s"].default
 
 
@@ -101,7 +99,7 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
             )
         # A stalled viewer's socket would keep its unsent bytes (and the connection, which
         # the server's shutdown waits for) until its peer reads them: abort it.
-        _abort_later(websocket, 0.0 if stuck is not None else timeout_s)
+        abort_later(websocket._send, 0.0 if stuck is not None else timeout_s)
         log.info(
             "stream %s: viewer gone, %d message(s) and %d event(s) dropped for it",
             stream_id,
@@ -138,58 +136,6 @@ async def _send(
 async def _send_frame(websocket: WebSocket, frame: ProcessedFrame, sub: Subscriber) -> None:
     # The one place to add per-viewer extras from ``sub.options`` (frame.image is here).
     await websocket.send_text(frame.json_text())
-
-
-class _Transport(Protocol):
-    """What of an asyncio or uvloop transport dropping a viewer takes."""
-
-    def abort(self) -> None: ...
-    def get_write_buffer_size(self) -> int: ...
-
-
-def _abort_later(websocket: WebSocket, delay_s: float) -> None:
-    """Abort the viewer's connection now (``delay_s`` 0), or in ``delay_s`` if it still holds
-    unsent bytes then: closing a socket whose peer stopped reading waits for ever for those
-    bytes to go out (a close frame that fitted in the buffer of a viewer that stalled then).
-    """
-    transport = _transport_of(websocket)
-    if transport is None:
-        return
-    if delay_s <= 0:
-        transport.abort()
-    elif transport.get_write_buffer_size():
-        asyncio.get_running_loop().call_later(delay_s, _abort_if_unsent, transport)
-
-
-def _abort_if_unsent(transport: _Transport) -> None:
-    if transport.get_write_buffer_size():
-        transport.abort()
-
-
-def _transport_of(websocket: WebSocket) -> _Transport | None:
-    """The server's transport under ``websocket``: ASGI has no message that aborts a
-    connection, so it is found on uvicorn's protocol, the owner of the ``send`` callable at
-    the bottom of the middlewares' wrappers (closures); None where there is none."""
-    todo: list[object] = [websocket._send]
-    seen: set[int] = set()
-    while todo and len(seen) < MAX_WRAPPERS:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        owner = getattr(obj, "__self__", None)
-        transport = getattr(owner, "transport", None)
-        if callable(getattr(transport, "abort", None)) and callable(
-            getattr(transport, "get_write_buffer_size", None)
-        ):  # duck-typed: uvloop's transports are no asyncio.WriteTransport
-            return cast(_Transport, transport)
-        for cell in getattr(obj, "__closure__", None) or ():
-            with contextlib.suppress(ValueError):  # an empty cell
-                if callable(cell.cell_contents):
-                    todo.append(cell.cell_contents)
-        if owner is not None:  # a middleware's responder object keeping the send it wraps
-            todo.extend(v for v in getattr(owner, "__dict__", {}).values() if callable(v))
-    return None
 
 
 async def _receive_until_gone(websocket: WebSocket) -> None:

@@ -1,0 +1,69 @@
+"""Dropping a client that stopped reading: aborting the connection under an ASGI ``send``.
+
+A WebSocket viewer or an MJPEG client whose socket buffers are full makes every send wait
+for ever; closing it waits for its unsent bytes to go out, for ever too, and the server's
+shutdown with it. ASGI has no message that aborts a connection, so the transport is found on
+uvicorn's protocol object and aborted (``server/routes/ws.py``, ``server/routes/viewer.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Protocol, cast
+
+MAX_WRAPPERS = 64
+"""Callables looked through for the transport under a ``send``."""
+
+
+class Transport(Protocol):
+    """What of an asyncio or uvloop transport dropping a viewer takes."""
+
+    def abort(self) -> None: ...
+    def get_write_buffer_size(self) -> int: ...
+
+
+def abort_later(send: object, delay_s: float) -> None:
+    """Abort the connection under the ASGI ``send`` callable now (``delay_s`` 0), or in
+    ``delay_s`` if it still holds unsent bytes then: closing a socket whose peer stopped
+    reading waits for ever for those bytes to go out (a close frame that fitted in the buffer
+    of a viewer that stalled then)."""
+    transport = transport_of(send)
+    if transport is None:
+        return
+    if delay_s <= 0:
+        transport.abort()
+    elif transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(delay_s, _abort_if_unsent, transport)
+
+
+def _abort_if_unsent(transport: Transport) -> None:
+    if transport.get_write_buffer_size():
+        transport.abort()
+
+
+def transport_of(send: object) -> Transport | None:
+    """The server's transport under the ASGI ``send`` callable: ASGI has no message that
+    aborts a connection, so it is found on uvicorn's protocol, the owner of the ``send``
+    callable at the bottom of the middlewares' wrappers (closures); None where there is
+    none."""
+    todo: list[object] = [send]
+    seen: set[int] = set()
+    while todo and len(seen) < MAX_WRAPPERS:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        owner = getattr(obj, "__self__", None)
+        transport = getattr(owner, "transport", None)
+        if callable(getattr(transport, "abort", None)) and callable(
+            getattr(transport, "get_write_buffer_size", None)
+        ):  # duck-typed: uvloop's transports are no asyncio.WriteTransport
+            return cast(Transport, transport)
+        for cell in getattr(obj, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                if callable(cell.cell_contents):
+                    todo.append(cell.cell_contents)
+        if owner is not None:  # a middleware's responder object keeping the send it wraps
+            todo.extend(v for v in getattr(owner, "__dict__", {}).values() if callable(v))
+    return None
