@@ -746,6 +746,11 @@ class RemoteReader(StreamReader):
         return self._started and not self._exited.is_set()
 
     @property
+    def opening(self) -> bool:
+        """Never let go of early: its process says when it has closed the stream."""
+        return False
+
+    @property
     def stopping(self) -> bool:
         return self._stop.is_set()
 

@@ -38,6 +38,10 @@ from streams.store import StreamRecord, StreamStore, new_record
 
 log = logging.getLogger(__name__)
 
+OPENING_WAIT_S = 0.5
+"""How long a stream's removal (or new source) waits for a decode thread still opening its
+source before it lets it go (see :meth:`StreamManager._let_go`)."""
+
 
 class StreamLimitError(RuntimeError):
     """No more streams may be added (setting ``STREAMDET_MAX_STREAMS``)."""
@@ -415,12 +419,7 @@ class StreamManager:
         was = old.state  # before it stops (a disabled event said "previous": "stopped")
         old.stop()
         self._pool.queue.discard(record.id)
-        if old.alive and not await asyncio.to_thread(old.join, self._opt.stop_timeout_s):
-            log.warning(
-                "stream %s: old decode thread did not exit within %.1f s",
-                record.id,
-                self._opt.stop_timeout_s,
-            )
+        await self._let_go(old, record.id)
         if self._closing:
             return  # the manager is stopping its readers: a new one would run on
         self._latest.pop(record.id, None)
@@ -436,6 +435,31 @@ class StreamManager:
         except SourceError as exc:
             self._launch(record, None, error=str(exc), carry=old)
         log.info("stream %s: opened on %s", record.id, redact(record.url))
+
+    async def _let_go(self, reader: StreamReader, stream_id: str) -> None:
+        """Wait for a stopped reader's decode thread to exit, up to ``stop_timeout_s``; but
+        one still opening its source (a camera that accepted the connection and says
+        nothing) is let go after :data:`OPENING_WAIT_S`: FFmpeg's open cannot be interrupted,
+        and DELETE, a disable or a new source waited up to the whole open timeout (10 s).
+        Its thread ends by itself when the open returns, publishing nothing."""
+        if not reader.alive:
+            return
+        if await asyncio.to_thread(reader.join, min(OPENING_WAIT_S, self._opt.stop_timeout_s)):
+            return
+        if reader.opening:
+            log.info(
+                "stream %s: let go of its decode thread while it opens its source; it ends"
+                " when the open returns (within STREAMDET_STREAM_OPEN_TIMEOUT_S)",
+                stream_id,
+            )
+            return
+        left = max(0.0, self._opt.stop_timeout_s - OPENING_WAIT_S)
+        if not await asyncio.to_thread(reader.join, left):
+            log.warning(
+                "stream %s: decode thread did not exit within %.1f s",
+                stream_id,
+                self._opt.stop_timeout_s,
+            )
 
     async def remove(self, stream_id: str) -> bool:
         """Stop a stream, free its decoder, forget it. False if unknown."""
@@ -458,12 +482,7 @@ class StreamManager:
             sub.close(WS_NORMAL, "stream removed")
         self._latest.pop(stream_id, None)
         await asyncio.to_thread(self._store.remove, stream_id)
-        if not await asyncio.to_thread(reader.join, self._opt.stop_timeout_s):
-            log.warning(
-                "stream %s: decode thread did not exit within %.1f s",
-                stream_id,
-                self._opt.stop_timeout_s,
-            )
+        await self._let_go(reader, stream_id)
         log.info("stream %s: removed", stream_id)
         return True
 

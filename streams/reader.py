@@ -281,6 +281,11 @@ class StreamReader:
         return not self._thread.is_alive()
 
     @property
+    def opening(self) -> bool:
+        """Whether its thread is in FFmpeg's open of the source (which no stop interrupts)."""
+        return self._phase == "open" and self.alive
+
+    @property
     def frame_no(self) -> int:
         """The stream's number of its newest frame (the WebSocket's and events' ``frame``)."""
         return self._frame_no

@@ -977,3 +977,38 @@ def test_roi_keeps_boxes_whose_bottom_centre_is_inside() -> None:
 def test_bad_regions_are_refused_with_the_reason(raw: list[list[object]], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         Roi.parse(raw)  # type: ignore[arg-type]
+
+
+async def test_a_stream_still_opening_its_source_is_removed_or_replaced_at_once(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """A camera that accepted the connection and says nothing holds FFmpeg's open (which no
+    stop interrupts) for the whole open timeout: removing the stream, disabling it or giving
+    it a new source answered only then (10 s by default); now in well under a second, the
+    thread left to end by itself when the open returns."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepted by the kernel, never answered
+    url = f"rtsp://127.0.0.1:{silent.getsockname()[1]}/cam"
+    try:
+        async with started_file_manager(pool, tmp_path / "data", open_timeout_s=8) as m:
+            gone = await m.add(url)
+            off = await m.add(url)
+            await asyncio.sleep(0.5)  # both in their open
+            started = time.monotonic()
+            assert await m.remove(gone["id"])
+            removed_s = time.monotonic() - started
+            started = time.monotonic()
+            info = await m.update(off["id"], {"enabled": False})
+            disabled_s = time.monotonic() - started
+            assert info is not None and info["state"] == StreamState.DISABLED
+            started = time.monotonic()
+            replaced, _ = await m.put(off["id"], f"file://{CAR_CLIP}", detect=StreamDetect())
+            assert await m.wait_state(off["id"], {StreamState.LIVE}, 30)
+            replaced_s = time.monotonic() - started
+    finally:
+        silent.close()
+    assert removed_s < 2 and disabled_s < 2, (removed_s, disabled_s)
+    assert replaced_s < 10, replaced_s
