@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import os
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -293,3 +294,12 @@ async def file_manager(
         yield manager
     finally:
         await manager.stop(10)
+
+
+def silent_camera() -> socket.socket:
+    """A listening socket on loopback whose connections the kernel accepts and nothing ever
+    answers: a camera that hangs (close it when done)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    return sock

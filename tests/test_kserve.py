@@ -286,50 +286,23 @@ def test_a_call_of_several_images_is_run_on_an_idle_server_and_bounded_before_de
 def test_malformed_v2_requests_are_400s_naming_what_is_wrong(server: ServerProcess) -> None:
     """Each was a plain-text 500 (the header's ``isdigit`` takes "²"; ``parameters`` not an
     object); a bad output is refused before the images are run."""
+    pixel = {"name": "images", "datatype": "UINT8", "shape": [1, 1, 1, 3], "data": [0, 0, 0]}
+    encoded = {"name": "image_bytes", "datatype": "BYTES", "shape": [1]}
     with httpx.Client(base_url=server.base_url, timeout=30) as c:
         url = f"/v2/models/{MODEL}/infer"
         odd = c.post(url, content=b"{}", headers={b"inference-header-content-length": b"\xb2"})
         assert odd.status_code == 400 and "not a length" in odd.json()["error"]
         for body, words in (
             (
-                {
-                    "inputs": [
-                        {
-                            "name": "image_bytes",
-                            "datatype": "BYTES",
-                            "shape": [1],
-                            "parameters": "binary_data_size",
-                        }
-                    ]
-                },
+                {"inputs": [{**encoded, "parameters": "binary_data_size"}]},
                 "input 'image_bytes': parameters must be a JSON object",
             ),
             (
-                {
-                    "inputs": [
-                        {
-                            "name": "images",
-                            "datatype": "UINT8",
-                            "shape": [1, 1, 1, 3],
-                            "data": [0, 0, 0],
-                        }
-                    ],
-                    "outputs": [{"name": "num_detections", "parameters": ["binary_data"]}],
-                },
+                {"inputs": [pixel], "outputs": [{"name": "num_detections", "parameters": [1]}]},
                 "output 'num_detections': parameters must be a JSON object",
             ),
             (
-                {
-                    "inputs": [
-                        {
-                            "name": "images",
-                            "datatype": "UINT8",
-                            "shape": [1, 1, 1, 3],
-                            "data": [0, 0, 0],
-                        }
-                    ],
-                    "parameters": [1],
-                },
+                {"inputs": [pixel], "parameters": [1]},
                 "the request: parameters must be a JSON object",
             ),
         ):

@@ -61,6 +61,7 @@ from tests.helpers import (
     VIDEOS,
     detect_json,
     published_frames,
+    silent_camera,
     ultralytics_assets,
 )
 from tests.helpers import file_manager as started_file_manager
@@ -986,11 +987,7 @@ async def test_a_stream_still_opening_its_source_is_removed_or_replaced_at_once(
     stop interrupts) for the whole open timeout: removing the stream, disabling it or giving
     it a new source answered only then (10 s by default); now in well under a second, the
     thread left to end by itself when the open returns."""
-    import socket
-
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)  # accepted by the kernel, never answered
+    silent = silent_camera()
     url = f"rtsp://127.0.0.1:{silent.getsockname()[1]}/cam"
     try:
         async with started_file_manager(pool, tmp_path / "data", open_timeout_s=8) as m:
@@ -1005,7 +1002,7 @@ async def test_a_stream_still_opening_its_source_is_removed_or_replaced_at_once(
             disabled_s = time.monotonic() - started
             assert info is not None and info["state"] == StreamState.DISABLED
             started = time.monotonic()
-            replaced, _ = await m.put(off["id"], f"file://{CAR_CLIP}", detect=StreamDetect())
+            await m.put(off["id"], f"file://{CAR_CLIP}", detect=StreamDetect())
             assert await m.wait_state(off["id"], {StreamState.LIVE}, 30)
             replaced_s = time.monotonic() - started
     finally:

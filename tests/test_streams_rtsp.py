@@ -8,6 +8,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from streams.fanout import ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
 from streams.store import StreamStore
-from tests.helpers import VIDEOS, start_ort_pool
+from tests.helpers import VIDEOS, silent_camera, start_ort_pool
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
 
 pytestmark = pytest.mark.rtsp
@@ -43,13 +44,17 @@ def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
     p.stop(5)
 
 
-def manager_options(decode_processes: int = 0) -> ManagerOptions:
+def manager_options(decode_processes: int = 0, **changed: Any) -> ManagerOptions:
+    """Short timeouts and backoff; ``changed``: other :class:`ReaderOptions`."""
     reader = ReaderOptions(
-        open_timeout_s=3,
-        read_timeout_s=2,
-        backoff_initial_s=0.2,
-        backoff_max_s=1.0,
-        frame_deadline_ms=5000,
+        **{
+            "open_timeout_s": 3,
+            "read_timeout_s": 2,
+            "backoff_initial_s": 0.2,
+            "backoff_max_s": 1.0,
+            "frame_deadline_ms": 5000,
+            **changed,
+        }
     )
     return ManagerOptions(
         reader=reader,
@@ -263,24 +268,12 @@ async def test_a_stalled_camera_says_which_wait_ran_out_and_each_return_starts_a
     backoff afresh each time, so one that stalls now and then is never given up on (each
     stall counted one more attempt, up to --reconnect-max-attempts: failed for good)."""
     import signal
-    import socket
 
     assert CAR is not None
-    options = ManagerOptions(
-        reader=ReaderOptions(
-            open_timeout_s=1.5,
-            read_timeout_s=1.5,
-            backoff_initial_s=0.2,
-            backoff_max_s=0.5,
-            max_attempts=1,
-            frame_deadline_ms=5000,
-        ),
-        allowed_file_dir=None,
-        stop_timeout_s=10,
+    options = manager_options(
+        open_timeout_s=1.5, read_timeout_s=1.5, backoff_max_s=0.5, max_attempts=1
     )
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)  # connections are accepted by the kernel, never answered
+    silent = silent_camera()
     cam = RtspCamera({"car": CAR}).start()
     m = StreamManager(pool, StreamStore(tmp_path / "data"), options)
     await m.start()
