@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -152,6 +152,7 @@ class StreamManager:
         # that nothing would stop, or GET showing another source than the one decoded).
         self._held = _IdLocks()
         self._creating: set[str] = set()  # ids being added: they count towards the limit
+        self._reserved: set[str] = set()  # ids the streams file is adding: so do they
         self._readers: dict[str, StreamReader] = {}
         # Each reader's token: what a reader stopped to reopen its stream (a new source) still
         # hands over (frames in flight, its state) carries the old token and is dropped.
@@ -271,7 +272,8 @@ class StreamManager:
             raise ManagerClosed("server shutting down")
         if sid in self._records:
             raise StreamExistsError(f"a stream with the id {sid!r} exists")
-        count = len(self._records) + len(self._creating)
+        held = self._reserved - self._records.keys() - self._creating - {sid}
+        count = len(self._records) + len(self._creating) + len(held)
         if count >= self._opt.max_streams:
             raise StreamLimitError(
                 f"already {count} streams, the limit {self._opt.max_streams}"
@@ -300,6 +302,17 @@ class StreamManager:
         self._launch(record, spec)
         log.info("stream %s: added %s", sid, redact(wanted.url))
         return self._describe(record)
+
+    @contextlib.contextmanager
+    def reserving(self, ids: Iterable[str]) -> Iterator[None]:
+        """Count the streams ``ids`` towards ``max_streams`` while a caller adds them one by
+        one (the streams file): another stream added meanwhile cannot take their room."""
+        new = set(ids) - self._reserved
+        self._reserved |= new
+        try:
+            yield
+        finally:
+            self._reserved -= new
 
     @property
     def max_streams(self) -> int:

@@ -331,3 +331,50 @@ def test_serve_hands_the_gil_over_every_gil_switch_ms(tmp_path: Path) -> None:
         assert sys.getswitchinterval() == pytest.approx(0.0007)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_file_stream_is_the_apis_once_the_server_runs_without_the_file(
+    tmp_path: Path,
+) -> None:
+    """A stream a streams file declared, the server restarted without ``--streams-file``:
+    the API may change and remove it (it was refused 409 for good: no file to change it in)."""
+    shelf = {"id": "shelf", "url": f"file://{BOTTLE_CLIP}", "max_fps": 8}
+    path = write(tmp_path / "streams.yaml", [shelf])
+    with TestClient(file_stream_app(tmp_path, streams_file=path)) as c:
+        refused = c.delete("/streams/shelf")
+        assert refused.status_code == 409 and "SIGHUP" in refused.text
+    with TestClient(file_stream_app(tmp_path)) as c:
+        assert c.patch("/streams/shelf", json={"max_fps": 4}).json()["max_fps"] == 4
+        assert c.delete("/streams/shelf").status_code == 204
+
+
+async def test_a_streams_files_room_is_held_while_it_is_applied(tmp_path: Path) -> None:
+    """An API call coming between the steps of a reload cannot take the room its streams
+    were checked to have (the reload was half applied, its log saying nothing changed)."""
+    import asyncio
+    import dataclasses
+
+    from engines.registry import prepare_model
+    from server.routes.streams import apply_streams_file
+    from streams.manager import StreamLimitError
+    from tests.helpers import file_manager, start_ort_pool
+
+    pool = start_ort_pool(prepare_model(str(MODEL_PT), CACHE_DIR, 640), max_wait_ms=2)
+    try:
+        async with file_manager(pool, tmp_path / "data") as m:
+            m._opt = dataclasses.replace(m._opt, max_streams=2)
+            with m.reserving(["a", "b"]):
+                with pytest.raises(StreamLimitError):
+                    await m.add(f"file://{CAR_CLIP}", stream_id="api")
+                await m.add(f"file://{CAR_CLIP}", stream_id="a")  # its own room
+                await m.add(f"file://{CAR_CLIP}", stream_id="b")
+            await m.remove("b")
+            path = write(tmp_path / "streams.yaml", [{"id": "b", "url": f"file://{CAR_CLIP}"}])
+            apply = asyncio.create_task(apply_streams_file(m, path, pool.engine.names, {}))
+            await asyncio.sleep(0)  # the file checked, its room held
+            with pytest.raises(StreamLimitError):
+                await m.add(f"file://{CAR_CLIP}", stream_id="api")
+            await apply
+            assert {s["id"] for s in m.list()} == {"a", "b"}
+    finally:
+        pool.stop(5)

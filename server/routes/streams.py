@@ -473,14 +473,16 @@ def _refusals() -> Iterator[None]:
 
 
 def check_changeable(request: Request, stream_id: str) -> None:
-    """HTTP 409 for a stream the streams file declares: the file alone changes it."""
+    """HTTP 409 for a stream the streams file declares: the file alone changes it. A stream
+    a streams file declared in an earlier run, the server started without one now, is the
+    API's (it was locked for good: no file to change it in)."""
     info = get_manager(request).describe(stream_id)
-    if info is not None and info["from_file"]:
-        path = get_state(request).settings.streams_file
+    path = get_state(request).settings.streams_file
+    if info is not None and info["from_file"] and path is not None:
         raise HTTPException(
             409,
             f"stream {stream_id!r} is declared in the streams file {path}: change it there and"
-            " restart (setting STREAMDET_STREAMS_FILE)",
+            " send the server SIGHUP, or restart it (setting STREAMDET_STREAMS_FILE)",
         )
 
 
@@ -589,26 +591,31 @@ async def apply_streams_file(
         except SourceError as exc:
             raise streams_file.StreamsFileError(f"{where}: url: {exc}") from None
         declared.append((body, detect))
-    ids = {body.id for body, _ in declared}
+    ids = {str(body.id) for body, _ in declared}
     others = [s for s in manager.list() if not s["from_file"] and s["id"] not in ids]
     if len(others) + len(declared) > manager.max_streams:
         raise streams_file.StreamsFileError(
             f"streams file {path}: {len(declared)} streams and {len(others)} added through the"
             f" API are more than {manager.max_streams} (setting STREAMDET_MAX_STREAMS)"
         )
-    for info in manager.list():
-        if info["from_file"] and info["id"] not in ids:
-            await manager.remove(info["id"])
-            log.info("stream %s: removed, as the streams file no longer declares it", info["id"])
-    for body, detect in declared:
-        sid = str(body.id)
-        try:
-            fields = body.settings(detect, from_file=True)
-            await manager.put(sid, body.url, **fields)
-        except (SourceError, StreamLimitError) as exc:
-            raise streams_file.StreamsFileError(
-                f"streams file {path}: stream {sid!r}: {exc}"
-            ) from None
+    # The file's streams hold their room from the check on: an API call coming between its
+    # steps cannot take it (the reload was half applied, its log saying nothing changed).
+    with manager.reserving(ids):
+        for info in manager.list():
+            if info["from_file"] and info["id"] not in ids:
+                await manager.remove(info["id"])
+                log.info(
+                    "stream %s: removed, as the streams file no longer declares it", info["id"]
+                )
+        for body, detect in declared:
+            sid = str(body.id)
+            try:
+                fields = body.settings(detect, from_file=True)
+                await manager.put(sid, body.url, **fields)
+            except (SourceError, StreamLimitError) as exc:
+                raise streams_file.StreamsFileError(
+                    f"streams file {path}: stream {sid!r}: {exc}"
+                ) from None
     log.info("streams file %s: %d stream(s) declared", path, len(declared))
 
 
