@@ -29,6 +29,8 @@ ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 NEEDS_A_GPU = {"GPU"}  # panels with no data on a machine without an NVIDIA GPU
 INTERVAL = "30s"  # $__rate_interval, at a 1 s scrape
 
+pytestmark = pytest.mark.prometheus
+
 
 def _dashboard_queries() -> list[tuple[str, str]]:
     dashboard = json.loads(DASHBOARD.read_text())
