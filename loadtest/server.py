@@ -50,7 +50,7 @@ class ServerProcess:
 
     Args:
         settings: ``streamdet serve`` settings as ``{name: value}`` (e.g. ``{"max_batch": 2}``);
-            passed as ``STREAMDET_*`` environment variables.
+            passed as ``STREAMDET_*`` environment variables (a None value is left out).
         log_path: where the server's output goes; a temporary name beside the cwd if omitted.
         ready_timeout_s: how long model export, load and warm-up may take.
         args: extra ``streamdet serve`` flags (they override ``settings``); the log level must
@@ -108,7 +108,14 @@ class ServerProcess:
         self._signalled = False
         self._tail = []
         env = dict(os.environ)
-        env.update({f"STREAMDET_{k.upper()}": _env_value(v) for k, v in self._settings.items()})
+        # None is "not set": str(None) gave e.g. STREAMDET_MQTT_URL=None, a broker named None.
+        env.update(
+            {
+                f"STREAMDET_{k.upper()}": _env_value(v)
+                for k, v in self._settings.items()
+                if v is not None
+            }
+        )
         env.update({"STREAMDET_HOST": "127.0.0.1", "STREAMDET_PORT": str(self.port)})
         if self._data is not None:
             env["STREAMDET_DATA_DIR"] = self._data

@@ -43,6 +43,7 @@ def add_analyze_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
+    from server.cli import unusable_dir
     from server.job_video import VIDEO_FILE, AnnotatedVideo
     from server.jobs import job_settings
     from server.routes.jobs import JobIn, settings_of
@@ -72,6 +73,11 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
     except JobError as exc:
         print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
         return 2
+    # Before the model loads (it was made after: a traceback once the model had loaded).
+    unusable = unusable_dir(out)
+    if unusable is not None:
+        print(f"streamdet analyze: --out: {out}: {unusable}", file=sys.stderr)
+        return 2
     try:
         pool = build_pool(settings)
     except EngineError as exc:
@@ -84,7 +90,6 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
         except HTTPException as exc:
             print(f"streamdet analyze: --settings: {exc.detail}", file=sys.stderr)
             return 2
-        out.mkdir(parents=True, exist_ok=True)
         sink = (
             AnnotatedVideo(out / VIDEO_FILE, detect, job_in.fps, video) if job_in.render else None
         )
@@ -123,7 +128,11 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
             "counts": counts,
             "results": str(out),
         }
-        (out / "job.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        try:
+            (out / "job.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+        except OSError as exc:
+            print(f"streamdet analyze: --out: {out}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(json.dumps(summary, indent=2))
         return 0
     finally:

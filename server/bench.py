@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from engines.registry import load_backend, prepare_model, usable_cores
 from engines.types import Image
 from engines.yolo import preprocess, rect_shape
 from loadtest.client import Phase, closed_loop
-from loadtest.server import ServerProcess, free_port
+from loadtest.server import ServerError, ServerProcess, free_port
 from server.runtime import engine_config
 from server.settings import Settings
 from streams.files import encode_jpeg, sample_video_frames
@@ -60,16 +61,42 @@ def run_load(base: str, jpegs: list[bytes], args: argparse.Namespace) -> Phase:
     )
 
 
+# Never handed to the bench's server: ServerProcess gives it the address and the log level its
+# readiness is read at, and a temporary data dir; and no cameras (the user's persisted ones
+# or their streams file), which would compete with the /detect load being measured.
+NOT_BENCHED = frozenset({"host", "port", "log_level", "data_dir", "streams_file"})
+
+
+def serve_settings(settings: Settings) -> dict[str, object]:
+    """``settings`` as the bench's ``streamdet serve`` gets them (``STREAMDET_*`` variables):
+    only those given (flags or environment), none of :data:`NOT_BENCHED`. Everything dumped
+    made None "None" (STREAMDET_MQTT_URL=None, an MQTT broker named None) and always passed the
+    user's data dir, so the bench opened their cameras and ran beside their jobs."""
+    given = settings.model_fields_set - NOT_BENCHED
+    chosen: dict[str, object] = settings.model_dump(include=set(given), exclude_none=True)
+    chosen["access_log"] = False  # a log line per request is not what is measured
+    # Set, and empty (unset), so an exported STREAMDET_STREAMS_FILE is not inherited.
+    chosen["streams_file"] = ""
+    return chosen
+
+
 def run_streamdet_load(settings: Settings, jpegs: list[bytes], args: argparse.Namespace) -> Phase:
     """A real ``streamdet serve`` with ``settings`` under the closed loop; its log goes to a
-    temporary folder."""
-    serve_settings: dict[str, object] = {
-        k: v for k, v in settings.model_dump().items() if k not in {"host", "port", "log_level"}
-    }
-    serve_settings["access_log"] = False  # a log line per request is not what is measured
-    log_path = Path(tempfile.mkdtemp(prefix="streamdet-bench-")) / "server.log"
-    with ServerProcess(serve_settings, log_path=log_path, cwd=Path.cwd()) as server:
-        return run_load(server.base_url, jpegs, args)
+    temporary folder, kept only when the server fails.
+
+    Raises:
+        ServerError: the server did not start (the message says where its log is).
+    """
+    log_dir = Path(tempfile.mkdtemp(prefix="streamdet-bench-"))
+    try:
+        with ServerProcess(
+            serve_settings(settings), log_path=log_dir / "server.log", cwd=Path.cwd()
+        ) as server:
+            phase = run_load(server.base_url, jpegs, args)
+    except ServerError as exc:
+        raise ServerError(f"{exc}\n(the whole log: {log_dir / 'server.log'})") from None
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return phase
 
 
 def run_seed_load(settings: Settings, jpegs: list[bytes], args: argparse.Namespace) -> Phase:
@@ -150,7 +177,11 @@ def run_bench(settings: Settings, args: argparse.Namespace) -> int:
     rect = engine_ceiling(settings, frames[0], max(5.0, args.seconds / 2), rect=True)
     print(f"engine at the frames' rect shape (batch 1): {rect:.2f} img/s")
 
-    ours = run_streamdet_load(settings, jpegs, args)
+    try:
+        ours = run_streamdet_load(settings, jpegs, args)
+    except ServerError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1
     print(
         f"streamdet: {ours.goodput:.2f} img/s, p50 {ours.pct(50):.0f} ms,"
         f" p99 {ours.pct(99):.0f} ms, errors {ours.errors}"

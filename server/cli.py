@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import os
+import signal
 import socket
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -17,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engines.types import EngineError
-from server.settings import Settings
+from server.settings import Settings, unknown_env_settings
 
 log = logging.getLogger("streamdet")
 
@@ -45,7 +48,90 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
+def _hup_before_ready(sig: int, frame: FrameType | None) -> None:
+    log.warning(
+        "SIGHUP: the server is still starting, nothing to reload yet (the streams file is"
+        " read as it starts)"
+    )
+
+
+def _ignore_early_hup() -> Any:
+    """Log and ignore SIGHUP until the app installs its reload handler (server/app.py, once
+    the model has loaded): its default action killed a server still loading its model
+    (exit 129), e.g. when a config-management tool reloaded right after starting it.
+    Returns the handler it replaced (None where signals cannot be set: not the main
+    thread)."""
+    try:
+        return signal.signal(signal.SIGHUP, _hup_before_ready)
+    except (ValueError, AttributeError):  # not the main thread; no SIGHUP (Windows)
+        return None
+
+
+def _warn_unknown_env() -> None:
+    for variable, close in unknown_env_settings(os.environ):
+        hint = f"; did you mean {close}?" if close else ""
+        log.warning("environment variable %s is not a setting and is ignored%s", variable, hint)
+
+
+def unusable_dir(path: Path) -> str | None:
+    """Why ``path`` cannot be a directory this process writes into (it is made if missing),
+    or None if it can. Checked before the model loads: the stores opened later failed with
+    a raw traceback naming no setting."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".streamdet-write-check-"):
+            pass
+    except FileExistsError:  # mkdir's word for "a file is there"
+        return "a file, not a directory"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def check_streams_file(path: Path, environ: Mapping[str, str]) -> list[str]:
+    """What is wrong with the streams file at ``path``, one line each (empty if nothing):
+    its syntax, ids and ``${VAR}``s, and each entry against ``POST /streams``' body model, so a
+    misspelt key fails before the model loads. Class names, which need the model, are checked
+    as the server applies the file."""
+    from server.routes.streams import StreamIn
+    from server.streams_file import StreamsFileError, read_entries
+
+    try:
+        entries = read_entries(path, environ)
+    except StreamsFileError as exc:
+        return [f"cannot start: {exc}"]
+    problems = []
+    for entry in entries:
+        try:
+            StreamIn.model_validate(entry)
+        except ValidationError as exc:
+            for error in exc.errors():
+                field = ".".join(str(p) for p in error["loc"]) or "entry"
+                message = error["msg"].removeprefix("Value error, ")
+                if error["type"] == "extra_forbidden":
+                    keys = StreamIn.model_fields if len(error["loc"]) == 1 else {}
+                    close = difflib.get_close_matches(str(error["loc"][-1]), keys, n=1)
+                    hint = f"; did you mean {close[0]}?" if close else ""
+                    what = "not a stream setting" if len(error["loc"]) == 1 else "unknown key"
+                    message = f"{what}{hint}"
+                problems.append(
+                    f"--streams-file: {path}: stream {entry['id']!r}: {field}: {message}"
+                    " (setting STREAMDET_STREAMS_FILE)"
+                )
+    return problems
+
+
 def serve(settings: Settings) -> int:
+    """Run the server until it is stopped; the exit status (2: a setting is wrong)."""
+    previous_hup = _ignore_early_hup()  # first: loading the model takes seconds
+    try:
+        return _serve(settings)
+    finally:
+        if previous_hup is not None:
+            signal.signal(signal.SIGHUP, previous_hup)
+
+
+def _serve(settings: Settings) -> int:
     import uvicorn
 
     from server.app import create_app
@@ -53,14 +139,20 @@ def serve(settings: Settings) -> int:
     from server.runtime import build_pool
 
     sys.setswitchinterval(settings.gil_switch_ms / 1000)
-    from server.streams_file import StreamsFileError, read_entries
-
+    _warn_unknown_env()
     if settings.streams_file is not None:  # before the model loads: a typo fails at once
-        try:
-            read_entries(settings.streams_file, os.environ)
-        except StreamsFileError as exc:
-            log.error("cannot start: %s", exc)
+        problems = check_streams_file(settings.streams_file, os.environ)
+        for problem in problems:
+            print(f"streamdet: {problem}", file=sys.stderr)
+        if problems:
             return 2
+    unusable = unusable_dir(settings.data_dir)
+    if unusable is not None:
+        print(
+            f"streamdet: --data-dir: {settings.data_dir}: {unusable} (setting STREAMDET_DATA_DIR)",
+            file=sys.stderr,
+        )
+        return 2
     if settings.grpc_port:  # before the model loads: a missing extra fails at once
         from server.grpc_v2 import GrpcUnavailable, grpc_modules
 
@@ -186,11 +278,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
             where = f"--{loc.replace('_', '-')}: " if loc else ""  # a rule across settings
-            print(f"streamdet: {where}{err['msg']}", file=sys.stderr)
+            message = err["msg"].removeprefix("Value error, ")  # pydantic's, for ValueErrors
+            print(f"streamdet: {where}{message}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     if args.command == "serve":
-        return serve(settings)
+        try:
+            return serve(settings)
+        except KeyboardInterrupt:
+            # uvicorn shuts down cleanly on Ctrl-C, then raises SIGINT again for its caller's
+            # sake: the server is already stopped, a traceback would only alarm. 130 is the
+            # shell's status for a SIGINT.
+            return 130
     if args.command == "analyze":
         from server.analyze_cli import run_analyze
 

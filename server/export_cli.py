@@ -187,6 +187,12 @@ def _export(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir or _default_cache_dir(),
         progress=not args.no_progress,
     )
+    from server.cli import unusable_dir
+
+    unusable = unusable_dir(args.out.parent)
+    if unusable is not None:  # before the export (minutes, for INT8), not a traceback after
+        print(f"streamdet export: --out: {args.out}: {unusable}", file=sys.stderr)
+        return 2
     result = export_model(request)
     print(f"wrote {result.path} ({result.precision}; FP32 reference {result.reference})")
     sources = args.eval or args.calib

@@ -279,7 +279,9 @@ async def start(app: FastAPI, settings: Settings) -> Any:
         RuntimeError: the port cannot be bound (the message names the setting).
     """
     grpc, _, pb_grpc, _ = grpc_modules()
-    limit = settings.max_upload_bytes + 64 * 1024  # the images, and the request around them
+    # The images, and the request around them; gRPC takes a C int (a larger one failed the
+    # start: --max-upload-mb 2048), so 2 GiB is its most whatever the setting says.
+    limit = min(settings.max_upload_bytes + 64 * 1024, 2**31 - 1)
     keys: ApiKeys = app.state.api_keys
     server = grpc.aio.server(
         # API keys as over HTTP (any key: every method reads or detects). Without it the
@@ -288,6 +290,9 @@ async def start(app: FastAPI, settings: Settings) -> Any:
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            # gRPC sets SO_REUSEPORT by default: a port another process serves was bound
+            # again without a word (the two shared its calls) instead of refused below.
+            ("grpc.so_reuseport", 0),
         ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(app), server)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -59,7 +61,13 @@ class Settings(BaseSettings):
     """Server settings. Every field is ``STREAMDET_<NAME>`` in the environment and
     ``--<name>`` (dashes for underscores) on ``streamdet serve``."""
 
-    model_config = SettingsConfigDict(env_prefix="STREAMDET_", extra="ignore", frozen=True)
+    # allow_inf_nan=False: "inf" or "nan" parse as floats, and passed every ge= bound to
+    # crash later (math.ceil(inf) at shutdown, int(inf) on every upload). extra="ignore":
+    # other STREAMDET_* variables (tests', scripts') are not settings; serve warns of
+    # misspelt ones (unknown_env_settings).
+    model_config = SettingsConfigDict(
+        env_prefix="STREAMDET_", extra="ignore", frozen=True, allow_inf_nan=False
+    )
 
     # Model and engine
     model: str = Field(
@@ -105,16 +113,21 @@ class Settings(BaseSettings):
         description="KServe v2 gRPC (Triton's GRPCInferenceService, its clients' port 8001);"
         " 0: off. Needs the grpc extra",
     )
-    max_upload_mb: float = Field(20.0, gt=0, description="largest accepted upload")
+    max_upload_mb: float = Field(
+        20.0,
+        gt=0,
+        le=4096,
+        description="largest accepted upload (gRPC messages stop at 2 GiB whatever this says)",
+    )
     max_image_pixels: int = Field(
         50_000_000, ge=1, description="largest decoded image (width x height)"
     )
     max_queue: int = Field(64, ge=1, description="interactive requests waiting for an engine")
     request_timeout_ms: float = Field(
-        10_000.0, gt=0, description="deadline of a /detect call, from arrival"
+        10_000.0, gt=0, le=3_600_000, description="deadline of a /detect call, from arrival"
     )
     decode_threads: int = Field(2, ge=1, le=64, description="threads decoding uploads")
-    shutdown_timeout_s: float = Field(10.0, ge=0, description="drain time on shutdown")
+    shutdown_timeout_s: float = Field(10.0, ge=0, le=3600, description="drain time on shutdown")
     keep_alive_s: int = Field(
         75,
         ge=1,
@@ -161,7 +174,9 @@ class Settings(BaseSettings):
         description="processes that decode streams outside the server's interpreter lock"
         " (frames come back in shared memory); 0: decode threads in the server process;"
         " -1: the backend's default (onnxruntime 0, torch/tensorrt half the cores, 1..8;"
-        " 0 where /dev/shm holds under 256 MB, as Docker's default does)."
+        " 0 where /dev/shm cannot hold 5 streams' rings of 8 frames at the decode size: 5.3"
+        " MiB each at 640 pixels, 47.5 MiB decoded whole at 1080p, so Docker's default 64 MB"
+        " holds 12 at 640 but only one whole)."
         " NVDEC streams decode in the server process",
     )
     stream_decode_size: int | None = Field(
@@ -181,18 +196,18 @@ class Settings(BaseSettings):
         " often as its max_fps samples (no B-frames): the same frames for a fraction of the CPU",
     )
     stream_open_timeout_s: float = Field(
-        10.0, gt=0, description="time to connect to a source before retrying"
+        10.0, gt=0, le=3600, description="time to connect to a source before retrying"
     )
     stream_read_timeout_s: float = Field(
-        5.0, gt=0, description="time without data before a source counts as lost"
+        5.0, gt=0, le=3600, description="time without data before a source counts as lost"
     )
-    reconnect_initial_s: float = Field(0.5, gt=0, description="first reconnect backoff")
-    reconnect_max_s: float = Field(30.0, gt=0, description="longest reconnect backoff")
+    reconnect_initial_s: float = Field(0.5, gt=0, le=3600, description="first reconnect backoff")
+    reconnect_max_s: float = Field(30.0, gt=0, le=86_400, description="longest reconnect backoff")
     reconnect_max_attempts: int = Field(
         0, ge=0, description="failed reconnects before a stream is 'failed'; 0 = retry forever"
     )
     stream_frame_deadline_ms: float = Field(
-        1000.0, gt=0, description="a stream frame not run within this is dropped"
+        1000.0, gt=0, le=3_600_000, description="a stream frame not run within this is dropped"
     )
     ws_queue_size: int = Field(
         4, ge=1, le=1024, description="messages kept per WebSocket viewer (oldest dropped)"
@@ -224,6 +239,7 @@ class Settings(BaseSettings):
     event_retain_days: float = Field(
         0.0,
         ge=0.0,
+        le=36_500,
         description="delete events, their snapshots, thumbnails and clips older than this many"
         " days (a data-protection policy); 0: kept until the counting limits push them out",
     )
@@ -328,7 +344,7 @@ class Settings(BaseSettings):
         " to about this size; the oldest finished go first",
     )
     max_job_upload_mb: float = Field(
-        2048.0, gt=0, description="largest video a POST /jobs may upload"
+        2048.0, gt=0, le=1_048_576, description="largest video a POST /jobs may upload"
     )
     job_concurrency: int = Field(
         1, ge=1, le=64, description="video jobs run at once (the others wait their turn)"
@@ -345,6 +361,7 @@ class Settings(BaseSettings):
     admission_deadline_ms: float = Field(
         1000.0,
         ge=0,
+        le=3_600_000,
         description="latency a /detect call is admitted for: calls predicted to finish later"
         " get 429 + Retry-After (clients may ask for less with X-Request-Deadline-Ms; 0 = only"
         " request_timeout_ms)",
@@ -374,6 +391,27 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [item.strip() for item in text.split(",") if item.strip()]
+        return value
+
+    @field_validator("allowed_file_dir", "streams_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # A compose file's `STREAMDET_ALLOWED_FILE_DIR=` (or --allowed-file-dir "") means
+        # "not set"; Path("") is Path("."), which allowed file streams from the cwd.
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
+    @field_validator("data_dir", "cache_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any, info: ValidationInfo) -> Any:
+        # Path("") is the cwd: streams, events and jobs would be written wherever the server
+        # happened to start. An empty value is more likely a template left unfilled.
+        if isinstance(value, str) and not value.strip():
+            name = str(info.field_name)
+            raise ValueError(
+                f"empty: give a directory, or unset STREAMDET_{name.upper()} for the default"
+            )
         return value
 
     @field_validator("webhooks")
@@ -480,3 +518,36 @@ class Settings(BaseSettings):
     def stream_decode_side(self) -> int:
         """The longest side live streams' frames are decoded at (0: as sent)."""
         return self.imgsz if self.stream_decode_size is None else self.stream_decode_size
+
+
+# STREAMDET_* variables that are not settings: the tests' and scripts' own.
+NOT_SETTINGS = frozenset(
+    {
+        "STREAMDET_SHARED_DIR",
+        "STREAMDET_TEST_DEVICE",
+        "STREAMDET_GPU_TEST_DEVICE",
+        "STREAMDET_CHROMIUM",
+    }
+)
+NOT_SETTINGS_PREFIXES = ("STREAMDET_LOADTEST_",)
+
+
+def unknown_env_settings(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``STREAMDET_*`` variables in ``environ`` that name no setting (pydantic-settings
+    ignores them, so a misspelt one silently left its setting at the default), each with the
+    closest setting's variable (None where none is close)."""
+    prefix = "STREAMDET_"
+    fields = list(Settings.model_fields)
+    unknown = []
+    for variable in sorted(environ):
+        name = variable.upper()  # pydantic-settings reads them case-insensitively
+        if not name.startswith(prefix) or name in NOT_SETTINGS:
+            continue
+        field = name[len(prefix) :].lower()
+        if field in fields or name.startswith(NOT_SETTINGS_PREFIXES):
+            continue
+        # Matched without the prefix, which every name shares (with it, FOO was "close" to
+        # PORT).
+        close = difflib.get_close_matches(field, fields, n=1, cutoff=0.7)
+        unknown.append((variable, prefix + close[0].upper() if close else None))
+    return unknown

@@ -1,0 +1,317 @@
+"""``streamdet`` command line: settings refused with the flag to change, and ``serve``'s checks
+that come before the model loads (streams file entries, the data dir), early signals, and
+misspelt environment variables. None of these loads the model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from engines.types import EngineError
+from server import cli
+from server.settings import Settings
+from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve`` called in-process stops where the model would load (these checks come
+    before it)."""
+
+    def build_pool(settings: Settings) -> Any:
+        raise EngineError("the model would load here")
+
+    monkeypatch.setattr("server.runtime.build_pool", build_pool)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--shutdown-timeout-s", "inf"),
+        ("--max-upload-mb", "inf"),
+        ("--max-job-upload-mb", "Infinity"),
+        ("--max-wait-ms", "nan"),
+        ("--request-timeout-ms", "1e400"),
+        ("--event-retain-days", "-inf"),
+    ],
+)
+def test_infinite_or_nan_settings_are_refused_naming_the_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", f"{flag}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"streamdet: {flag}: ") and "finite" in err, err
+    assert "Traceback" not in err
+
+
+def test_every_float_setting_is_bounded_above() -> None:
+    """A huge finite value failed later, as inf did (gRPC's message limit is a C int)."""
+    for name, field in Settings.model_fields.items():
+        if field.annotation is float:
+            assert any(hasattr(m, "le") or hasattr(m, "lt") for m in field.metadata), name
+    with pytest.raises(ValueError, match="max_upload_mb"):
+        Settings(max_upload_mb=1e12)
+
+
+def test_the_grpc_message_limit_stays_under_2_gib_and_a_port_in_use_is_refused() -> None:
+    """--max-upload-mb 2048 failed gRPC's start; and gRPC's SO_REUSEPORT let a second server
+    bind a port another one serves, without a word."""
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("tritonclient.grpc")
+    from server import grpc_v2
+    from server.auth import ApiKeys
+
+    app: Any = SimpleNamespace(state=SimpleNamespace(api_keys=ApiKeys(), streamdet=None))
+    seen: dict[str, Any] = {}
+    real_server = grpc.aio.server
+
+    def server(*args: Any, **kwargs: Any) -> Any:
+        seen.update(dict(kwargs.get("options", ())))
+        return real_server(*args, **kwargs)
+
+    async def main() -> None:
+        holder = grpc.aio.server()  # gRPC's defaults: SO_REUSEPORT on
+        port = holder.add_insecure_port("127.0.0.1:0")
+        await holder.start()
+        try:
+            settings = Settings(grpc_port=port, max_upload_mb=4096)
+            with pytest.raises(RuntimeError, match="STREAMDET_GRPC_PORT"):
+                await grpc_v2.start(app, settings)
+        finally:
+            await holder.stop(0)
+
+    grpc.aio.server = server
+    try:
+        asyncio.run(main())
+    finally:
+        grpc.aio.server = real_server
+    assert seen["grpc.max_receive_message_length"] == 2**31 - 1
+    assert seen["grpc.so_reuseport"] == 0
+
+
+@pytest.mark.parametrize("variable", ["STREAMDET_ALLOWED_FILE_DIR", "STREAMDET_STREAMS_FILE"])
+def test_an_empty_optional_path_variable_is_unset_not_the_working_directory(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(variable, "")
+    settings = Settings()
+    assert settings.allowed_file_dir is None and settings.streams_file is None
+
+
+@pytest.mark.parametrize(
+    ("flag", "variable"), [("--data-dir", "DATA_DIR"), ("--cache-dir", "CACHE_DIR")]
+)
+def test_an_empty_required_path_is_refused_naming_its_setting(
+    flag: str, variable: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", flag, ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"streamdet: {flag}: empty") and f"STREAMDET_{variable}" in err, err
+
+
+def test_sighup_while_the_server_starts_is_logged_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGHUP's default action killed a server still loading its model (exit 129)."""
+    seen: list[Any] = []
+
+    def build_pool(settings: Settings) -> Any:  # stands in for the model load
+        os.kill(os.getpid(), signal.SIGHUP)
+        seen.append(signal.getsignal(signal.SIGHUP))
+        raise EngineError("stop here")
+
+    monkeypatch.setattr("server.runtime.build_pool", build_pool)
+    before = sys.getswitchinterval()
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamdet"):
+            assert cli.serve(Settings(data_dir=tmp_path / "data")) == 2
+    finally:
+        sys.setswitchinterval(before)
+    assert seen and seen[0] is not signal.SIG_DFL
+    assert "SIGHUP: the server is still starting" in caplog.text
+    assert signal.getsignal(signal.SIGHUP) == previous  # restored when serve returns
+
+
+def test_a_sighup_while_the_model_loads_does_not_kill_the_process(tmp_path: Path) -> None:
+    """The real process: SIGHUP as soon as it handles one (serve's first step, before the
+    model loads); it was the app's handler alone, once the model had loaded."""
+    log_path = tmp_path / "serve.log"
+    serve = ["serve", "--model", str(MODEL_PT), "--cache-dir", str(CACHE_DIR), "--port", "0"]
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", *serve, "--data-dir", str(tmp_path / "data")],
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None and not _handles_hup(proc.pid):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGHUP)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if "SIGHUP: the server is still starting" in log_path.read_text():
+                break
+            time.sleep(0.05)
+        alive = proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    text = log_path.read_text()
+    assert alive and "SIGHUP: the server is still starting" in text, text[-3000:]
+    assert "Uvicorn running" not in text  # it came while the server was starting
+
+
+def _handles_hup(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGHUP (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt"))
+    return bool(int(caught, 16) & (1 << (signal.SIGHUP - 1)))
+
+
+@pytest.mark.usefixtures("no_model")
+def test_unknown_streamdet_variables_are_named_with_the_closest_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from server.settings import unknown_env_settings
+
+    environ = {
+        "STREAMDET_MAXQUEUE": "5",
+        "STREAMDET_WORKER": "1",
+        "STREAMDET_NOTHING_LIKE_IT": "1",
+        "STREAMDET_MAX_QUEUE": "5",  # a setting
+        "STREAMDET_SHARED_DIR": "x",  # the tests' own
+        "STREAMDET_GPU_TEST_DEVICE": "x",
+        "STREAMDET_LOADTEST_API_KEY": "x",
+        "OTHER": "x",
+    }
+    assert unknown_env_settings(environ) == [
+        ("STREAMDET_MAXQUEUE", "STREAMDET_MAX_QUEUE"),
+        ("STREAMDET_NOTHING_LIKE_IT", None),
+        ("STREAMDET_WORKER", "STREAMDET_WORKERS"),
+    ]
+    monkeypatch.setenv("STREAMDET_MAXQUEUE", "5")
+    before = sys.getswitchinterval()
+    try:
+        with caplog.at_level(logging.WARNING, logger="streamdet"):
+            assert cli.serve(Settings(data_dir=tmp_path / "data")) == 2
+    finally:
+        sys.setswitchinterval(before)
+    assert "STREAMDET_MAXQUEUE is not a setting" in caplog.text
+    assert "did you mean STREAMDET_MAX_QUEUE?" in caplog.text
+
+
+def test_a_data_dir_that_cannot_be_made_stops_serve_naming_the_setting(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = run_cli("serve", "--data-dir", str(blocker / "data"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"streamdet: --data-dir: {blocker / 'data'}: Not a directory (setting STREAMDET_DATA_DIR)"
+    )
+    done = run_cli("serve", "--data-dir", str(blocker))
+    assert done.returncode == 2, done.stderr
+    assert "a file, not a directory (setting STREAMDET_DATA_DIR)" in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+@pytest.mark.usefixtures("no_model")
+def test_a_data_dir_that_cannot_be_written_stops_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o500)
+    before = sys.getswitchinterval()
+    try:
+        assert cli.serve(Settings(data_dir=data)) == 2
+    finally:
+        sys.setswitchinterval(before)
+        data.chmod(0o700)
+    assert "Permission denied (setting STREAMDET_DATA_DIR)" in capsys.readouterr().err
+
+
+def test_analyze_and_export_name_an_out_that_cannot_be_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from server.analyze_cli import run_analyze
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "results"
+    args = argparse.Namespace(video=CAR_CLIP, settings="{}", out=out)
+    assert run_analyze(Settings(), args) == 2  # before the model loads
+    assert capsys.readouterr().err == f"streamdet analyze: --out: {out}: Not a directory\n"
+    done = run_cli("export", "--model", "missing.pt", "--out", str(blocker / "m.onnx"))
+    assert done.returncode == 2, done.stderr
+    said = f"streamdet export: --out: {blocker / 'm.onnx'}: a file, not a directory\n"
+    assert done.stderr == said
+
+
+def test_streams_file_entries_are_checked_before_the_model_loads(tmp_path: Path) -> None:
+    path = tmp_path / "streams.yaml"
+    entries = [
+        {"id": "door", "url": "rtsp://camera/1", "max_fsp": 5},
+        {"id": "yard", "url": "rtsp://camera/2", "max_fps": -1, "transport": "carrier pigeon"},
+    ]
+    path.write_text(yaml.safe_dump({"streams": entries}))
+    done = run_cli("serve", "--streams-file", str(path), "--data-dir", str(tmp_path / "data"))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert "Traceback" not in done.stderr and len(lines) == 3, done.stderr
+    where = f"streamdet: --streams-file: {path}: stream"
+    assert lines[0] == (
+        f"{where} 'door': max_fsp: not a stream setting; did you mean max_fps?"
+        " (setting STREAMDET_STREAMS_FILE)"
+    )
+    assert lines[1].startswith(f"{where} 'yard': max_fps: Input should be greater than 0")
+    assert lines[2].startswith(f"{where} 'yard': transport: ")
+
+
+def test_ctrl_c_after_a_clean_shutdown_exits_130_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uvicorn raises the SIGINT it caught again once it has shut down."""
+
+    def serve(settings: Settings) -> int:
+        signal.raise_signal(signal.SIGINT)
+        return 0
+
+    monkeypatch.setattr(cli, "serve", serve)
+    assert cli.main(["serve", "--data-dir", str(tmp_path / "data")]) == 130
+
+
+def test_decode_processes_help_says_what_the_code_checks() -> None:
+    from streams.decode_child import SLOTS, STREAMS_NEEDED, ring_bytes, rings_that_fit
+
+    text = Settings.model_fields["decode_processes"].description or ""
+    assert "256 MB" not in text
+    assert f"{STREAMS_NEEDED} streams' rings of {SLOTS} frames" in text
+    assert f"{ring_bytes(SLOTS, 640) / 2**20:.1f} MiB each at 640" in text
+    docker = 64 * 2**20
+    assert f"64 MB holds {rings_that_fit(docker, SLOTS, 640)} at 640" in text
+    assert rings_that_fit(docker, SLOTS, 0) == 1 and "only one whole" in text
