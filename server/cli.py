@@ -131,6 +131,26 @@ def serve(settings: Settings) -> int:
             signal.signal(signal.SIGHUP, previous_hup)
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (another server holds it, an address this
+    machine lacks), or None. Bound as uvicorn binds (``SO_REUSEADDR``: a port left in
+    TIME_WAIT is free); a listener, with or without ``SO_REUSEPORT``, refuses it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot resolve the host: {exc}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return f"cannot listen there: {exc.strerror or exc}"
+    return None
+
+
 def _serve(settings: Settings) -> int:
     import uvicorn
 
@@ -160,6 +180,16 @@ def _serve(settings: Settings) -> int:
             grpc_modules()
         except GrpcUnavailable as exc:
             log.error("cannot start: %s", exc)
+            return 2
+    for flag, port in (("port", settings.port), ("grpc-port", settings.grpc_port)):
+        taken = port_taken(settings.host, port) if port else None
+        if taken is not None:  # before the model loads (and the cameras open): at once
+            setting = flag.replace("-", "_").upper()
+            print(
+                f"streamdet: --{flag}: {settings.host}:{port}: {taken} (setting"
+                f" STREAMDET_{setting})",
+                file=sys.stderr,
+            )
             return 2
     try:
         pool = build_pool(settings)

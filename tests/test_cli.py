@@ -315,3 +315,27 @@ def test_decode_processes_help_says_what_the_code_checks() -> None:
     docker = 64 * 2**20
     assert f"64 MB holds {rings_that_fit(docker, SLOTS, 640)} at 640" in text
     assert rings_that_fit(docker, SLOTS, 0) == 1 and "only one whole" in text
+
+
+@pytest.mark.parametrize("flag", ["port", "grpc-port"])
+def test_a_port_another_server_holds_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_model: None, flag: str
+) -> None:
+    """A port already served (by another streamdet, say) stops the start at once, naming the
+    flag and its setting: it failed only after the model loaded and the cameras opened (HTTP,
+    uvicorn's error) or with a traceback from the app's startup (gRPC)."""
+    import socket
+
+    from loadtest.server import free_port
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        taken = holder.getsockname()[1]
+        http, grpc = (taken, free_port()) if flag == "port" else (free_port(), taken)
+        settings = Settings(data_dir=tmp_path / "data", host="127.0.0.1", port=http, grpc_port=grpc)
+        assert cli.serve(settings) == 2
+    err = capsys.readouterr().err
+    setting = flag.replace("-", "_").upper()
+    assert f"--{flag}: 127.0.0.1:{taken}: cannot listen there" in err, err
+    assert f"(setting STREAMDET_{setting})" in err and "would load" not in err
