@@ -350,7 +350,9 @@ class AdmissionController:
             arrived + budget_ms / 1000.0,
             arrived + hard_ms / 1000.0,
             from_client=client_ms is not None,
-            source=client_deadline if client_ms is not None else self.deadline_source(),
+            source=client_deadline
+            if client_ms is not None and client_ms < server_ms
+            else self.deadline_source(),
             hard_source=client_deadline
             if client_ms is not None and client_ms < self.settings.request_timeout_ms
             else "setting STREAMDET_REQUEST_TIMEOUT_MS",

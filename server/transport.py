@@ -12,6 +12,9 @@ import asyncio
 import contextlib
 from typing import Protocol, cast
 
+CLOSE_GRACE_S = 1.0
+"""How long a client's last message (its stream removed, the server going away) may take to
+go out before it counts as stalled; under the 2 s the CLI's shutdown gives viewers."""
 MAX_WRAPPERS = 64
 """Callables looked through for the transport under a ``send``."""
 

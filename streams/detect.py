@@ -19,7 +19,14 @@ import numpy.typing as npt
 
 from engines.types import Detections, DetectParams, class_ids
 from streams.filters import ObjectFilters
-from streams.geometry import Point, anchors, check_polygon, parse_points, polygon_contains
+from streams.geometry import (
+    Point,
+    anchors,
+    check_area,
+    check_polygon,
+    parse_points,
+    polygon_contains,
+)
 from streams.lines import Line, parse_lines
 from streams.track import STATIONARY_S
 from streams.zones import Zone, parse_zones
@@ -147,12 +154,24 @@ class StreamDetect:
                 "lines: counting lines need track set to true (crossings are counted per"
                 " tracked object)"
             )
+
+    def refuse_useless(self) -> None:
+        """Raises ValueError, naming the field, for settings that can never do anything: a
+        zone's ``loiter_s`` without ``track``, a region, zone or motion mask enclosing no
+        area. For what the API is given; settings stored before these were refused still
+        load (their streams would fail at start)."""
         loiter = next((z.name for z in self.zones if z.loiter_s is not None), None)
         if loiter is not None and not self.track:
             raise ValueError(
                 f"zones: {loiter!r}: loiter_s needs track set to true (how long an object stays"
                 " is counted per tracked object)"
             )
+        if self.roi is not None:
+            check_area(self.roi.points, "roi")
+        for zone in self.zones:
+            check_area(zone.points, f"zones: {zone.name!r}")
+        for mask in self.motion_mask:
+            check_area(mask.points, "motion_mask")
 
     @property
     def stationary_after_s(self) -> float:

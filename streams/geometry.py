@@ -4,6 +4,7 @@ centre of a box, where an object stands on the ground (as Frigate's zones use)."
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -33,7 +34,8 @@ def check_point(point: Point, what: str) -> None:
 
 
 MIN_AREA = 1e-6
-"""The least area (in shares of the frame) a polygon encloses: a few pixels of 1080p."""
+"""The least area (in shares of the frame) a triangle of a polygon's points encloses: a few
+pixels of 1080p."""
 
 
 def check_polygon(points: Sequence[Point], what: str) -> None:
@@ -45,11 +47,19 @@ def check_polygon(points: Sequence[Point], what: str) -> None:
         )
     for point in points:
         check_point(point, what)
-    ring = zip(points, (*points[1:], points[0]), strict=True)
-    area = 0.5 * abs(sum(x1 * y2 - x2 * y1 for (x1, y1), (x2, y2) in ring))
-    if area < MIN_AREA:
-        # Points on one line, or all alike: nothing is ever inside (a roi of it dropped
-        # every detection).
+
+
+def check_area(points: Sequence[Point], what: str) -> None:
+    """Raises ValueError, naming ``what``, for a polygon whose points are all on one line (or
+    the same): nothing is ever inside it (a roi of it dropped every detection). Checked on
+    what the API is given, not on settings stored before it was (they would fail their
+    stream at start). A polygon whose edges cross (a bow tie) has an inside, so it passes."""
+    x0, y0 = points[0]
+    spread = max(
+        abs((x1 - x0) * (y2 - y0) - (x2 - x0) * (y1 - y0))
+        for (x1, y1), (x2, y2) in itertools.pairwise(points[1:])
+    )
+    if spread / 2 < MIN_AREA:
         raise ValueError(f"{what}: its points enclose no area (on one line, or the same)")
 
 

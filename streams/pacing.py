@@ -74,6 +74,7 @@ class RateSampler:
     def __init__(self) -> None:
         self._due: float | None = None
         self._came: float | None = None  # when the last frame came
+        self._rate: float | None = None  # the max_fps _due was set with
 
     def take(self, now: float, max_fps: float | None) -> bool:
         """Whether the frame that came at ``now`` (monotonic) is taken; ``max_fps`` ``None``
@@ -85,6 +86,10 @@ class RateSampler:
         step = 1.0 / max_fps
         early = max(EARLY_SHARE * step, min(step, gap) / 2)
         due = self._due
+        if max_fps != self._rate:  # changed (PATCH): the next frame is due at the new rate
+            self._rate = max_fps
+            if due is not None and self._came is not None:
+                due = min(due, now - gap + step)
         if due is not None and now < due - early:
             return False
         if due is None or due < now - early:  # the first frame, or behind: afresh

@@ -485,7 +485,10 @@ class StreamReader:
             # A video of known length (an MP4 over HTTP, an HLS recording) plays as a file
             # does, at its own rate, and its end is no camera lost: it decoded at 35x real
             # time and went live/reconnecting at each end, for ever. Cameras have none.
-            self._recorded = spec.is_file or (not self._still and bool(container.duration))
+            # RTSP is a camera even where its server states a length (an NVR's playback):
+            # at its end it reconnects, as before.
+            web = spec.scheme in ("http", "https")
+            self._recorded = spec.is_file or (web and not self._still and bool(container.duration))
             if not self._polling:  # the next picture of a snapshot URL is compared with its last
                 self._motion.reset()
             return self._read(container, stream)

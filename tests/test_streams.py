@@ -312,6 +312,12 @@ def test_max_fps_takes_max_fps_frames_a_second(
     gap = RateSampler()
     assert gap.take(0.0, 10) and not gap.take(0.01, 10)
     assert gap.take(50.0, 10) and not gap.take(50.01, 10)  # after a gap: no burst
+    # A new max_fps (PATCH) counts from the next frame: 0.05 a second, then 10.
+    patched = RateSampler()
+    assert patched.take(0.0, 0.05) and not patched.take(0.08, 0.05)
+    after = [0.16 + 0.08 * k for k in range(25)]  # 2 s of a 12.5 fps camera
+    kept = [t for t in after if patched.take(t, 10)]
+    assert kept[0] == 0.16 and 19 <= len(kept) <= 21, kept
 
 
 def test_outbox_keeps_a_bounded_number_of_frames_of_each_stream_and_every_event() -> None:

@@ -269,6 +269,16 @@ def test_a_stalled_viewer_holds_up_neither_its_streams_removal_nor_the_shutdown(
     assert "shutdown complete" in log
 
 
+def stalled_mjpeg_client(port: int, sid: str) -> socket.socket:
+    """An MJPEG client of ``sid`` that never reads (as :func:`stalled_viewer`)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect(("127.0.0.1", port))
+    query = "max_fps=60&max_width=3840&quality=95"
+    sock.sendall(f"GET /streams/{sid}/mjpeg?{query} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return sock
+
+
 def test_an_mjpeg_client_that_stops_reading_is_dropped_after_the_send_timeout(
     tmp_path: Path,
 ) -> None:
@@ -279,11 +289,7 @@ def test_an_mjpeg_client_that_stops_reading_is_dropped_after_the_send_timeout(
         httpx.Client(base_url=server.base_url, timeout=30) as c,
     ):
         sid = c.post("/streams", json=STALLING_STREAM).json()["id"]
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-            sock.connect(("127.0.0.1", server.port))
-            query = "max_fps=60&max_width=3840&quality=95"
-            sock.sendall(f"GET /streams/{sid}/mjpeg?{query} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        with stalled_mjpeg_client(server.port, sid) as sock:
             client_port = sock.getsockname()[1]
             wait_until(
                 "dropped",
@@ -294,3 +300,30 @@ def test_an_mjpeg_client_that_stops_reading_is_dropped_after_the_send_timeout(
             wait_until("aborted", lambda: unsent_bytes(server.port, client_port) is None, 10)
         wait_until("unsubscribed", lambda: c.get(f"/streams/{sid}").json()["subscribers"] == 0)
     assert "(setting STREAMDET_WS_SEND_TIMEOUT_S)" in server.log_text()
+
+
+def test_a_stalled_mjpeg_client_holds_up_neither_its_streams_removal_nor_the_shutdown(
+    tmp_path: Path,
+) -> None:
+    """Its part waits (the timeout is long): removing its stream, or stopping the server,
+    drops it within a second (it waited for the send timeout, and a shutdown for uvicorn's
+    graceful timeout, logging a traceback)."""
+    server = clip_server(
+        tmp_path, ws_send_timeout_s=600, stream_decode_size=0, shutdown_timeout_s=30
+    )
+    with server, httpx.Client(base_url=server.base_url, timeout=30) as c:
+        removed = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        with stalled_mjpeg_client(server.port, removed) as sock:
+            wait_stalled(server.port, sock)
+            assert c.delete(f"/streams/{removed}").status_code == 204
+            client_port = sock.getsockname()[1]
+            wait_until("aborted", lambda: unsent_bytes(server.port, client_port) is None, 10)
+        kept = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        with stalled_mjpeg_client(server.port, kept) as sock:
+            wait_stalled(server.port, sock)
+            started = time.monotonic()
+            assert server.stop(60) in (0, -signal.SIGTERM)
+            took = time.monotonic() - started
+    log = server.log_text()
+    assert "graceful shutdown exceeded" not in log and took < 25, (took, log[-3000:])
+    assert log.count("not reading when its stream closed") == 2, log

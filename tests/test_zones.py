@@ -330,3 +330,24 @@ def test_a_car_parked_across_a_zone_edge_is_one_stay_however_long() -> None:
     path = [400.0, 450.0, 480.0, 495.0] + [500 + float(rng.uniform(-4, 4)) for _ in range(150)]
     events, _, _ = _walk(LEFT, path)
     assert [kind for kind, _ in events] == ["enter"]
+
+
+def test_settings_stored_before_a_refusal_still_load_and_a_bow_tie_has_an_inside() -> None:
+    """A zone with loiter_s on an untracked stream, or a flat zone, stored before the API
+    refused them, still load (their streams failed at start, "do not fit this model"); a
+    polygon whose edges cross encloses an area and is taken."""
+    from streams.geometry import check_area
+
+    stored = {
+        "zones": [
+            {"name": "lot", "points": [[0, 0], [1, 0], [1, 1]], "loiter_s": 30},
+            {"name": "flat", "points": [[0.1, 0.1], [0.5, 0.5], [0.9, 0.9]]},
+        ]
+    }
+    detect = StreamDetect.from_description(stored, {0: "person", 2: "car"})
+    assert [z.name for z in detect.zones] == ["lot", "flat"]
+    with pytest.raises(ValueError, match="'lot': loiter_s needs track"):
+        detect.refuse_useless()
+    check_area(((0.2, 0.2), (0.8, 0.8), (0.8, 0.2), (0.2, 0.8)), "zones: 'bow'")
+    with pytest.raises(ValueError, match="enclose no area"):
+        check_area(((0.1, 0.1), (0.5, 0.5), (0.9, 0.9)), "zones: 'flat'")

@@ -269,9 +269,11 @@ class DetectIn(BaseModel):
                 filters = ObjectFilters.parse(raw, names) if raw else None
             still = self.stationary_s if "stationary_s" in given else current.stationary_s
             _check_shape_classes(params.classes, names, (("lines", lines), ("zones", zones)))
-            return StreamDetect(
+            detect = StreamDetect(
                 params, roi, track, lines, zones, clips, motion, masks, area, level, filters, still
             )
+            detect.refuse_useless()
+            return detect
         except ValueError as exc:
             raise HTTPException(422, str(exc)) from None
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from asyncio import FIRST_COMPLETED
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,7 +26,7 @@ from starlette.types import Message, Send
 from server.render import line_label, render_jpeg, zone_label
 from server.routes.streams import get_manager
 from server.state import get_state
-from server.transport import abort_later
+from server.transport import CLOSE_GRACE_S, abort_later
 from streams.detect import StreamDetect
 from streams.fanout import Closed, ProcessedFrame
 from streams.manager import StreamManager
@@ -277,6 +278,7 @@ async def mjpeg(
 
     return TimedStream(
         parts(),
+        closed=sub.wait_closed,
         send_timeout_s=get_state(request).settings.ws_send_timeout_s,
         what=f"stream {stream_id}: MJPEG client {request.client}",
         media_type=f"multipart/x-mixed-replace; boundary={MJPEG_BOUNDARY}",
@@ -285,30 +287,51 @@ async def mjpeg(
 
 
 class TimedStream(StreamingResponse):
-    """A streamed response each of whose parts has ``send_timeout_s`` to go out: a client that
-    stops reading (its socket's buffers full) is dropped, its connection aborted, where the
-    send waited for ever, holding its subscription and the server's shutdown."""
+    """A streamed response each of whose parts has ``send_timeout_s`` to go out, and
+    :data:`CLOSE_GRACE_S` once ``closed`` returns (its stream removed, the server going
+    away): a client that stops reading (its socket's buffers full) is dropped, its connection
+    aborted, where the send waited for ever, holding its subscription, the stream's removal
+    and the server's shutdown."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], *, send_timeout_s: float, what: str, **kwargs: Any
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        closed: Callable[[], Awaitable[None]],
+        send_timeout_s: float,
+        what: str,
+        **kwargs: Any,
     ) -> None:
         super().__init__(content, **kwargs)
+        self._closed = closed
         self._timeout_s = send_timeout_s
         self._what = what
+        self._why = ""
 
     async def stream_response(self, send: Send) -> None:
         async def timed(message: Message) -> None:
-            async with asyncio.timeout(self._timeout_s):
-                await send(message)
+            sending = asyncio.ensure_future(send(message))
+            closing = asyncio.ensure_future(self._closed())
+            try:
+                done, _ = await asyncio.wait(
+                    {sending, closing}, timeout=self._timeout_s, return_when=FIRST_COMPLETED
+                )
+                if sending not in done and closing in done:
+                    done, _ = await asyncio.wait({sending}, timeout=CLOSE_GRACE_S)
+                    self._why = "not reading when its stream closed"
+                if sending not in done:
+                    self._why = self._why or f"a part waited over {self._timeout_s:g} s to go out"
+                    raise TimeoutError
+                sending.result()
+            finally:
+                closing.cancel()
+                sending.cancel()
 
         try:
             await super().stream_response(timed)
         except TimeoutError:
             log.warning(
-                "%s dropped, a part waited over %g s to go out (setting"
-                " STREAMDET_WS_SEND_TIMEOUT_S)",
-                self._what,
-                self._timeout_s,
+                "%s dropped, %s (setting STREAMDET_WS_SEND_TIMEOUT_S)", self._what, self._why
             )
             closing = getattr(self.body_iterator, "aclose", None)
             if closing is not None:

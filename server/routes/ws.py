@@ -24,7 +24,7 @@ from starlette.websockets import WebSocketDisconnect
 from server.routes.viewer import WS_BAD_OPTION, JpegFrames
 from server.settings import Settings
 from server.state import get_state
-from server.transport import abort_later
+from server.transport import CLOSE_GRACE_S, abort_later
 from streams.fanout import WS_GOING_AWAY, Closed, ProcessedFrame, Subscriber
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,6 @@ router = APIRouter()
 
 WS_UNKNOWN_STREAM = 4404
 MAX_OPTIONS = 16
-CLOSE_GRACE_S = 1.0
-"""How long a viewer's close (stream removed, server going away) may take to go out before the
-viewer counts as stalled; under the 2 s the CLI's shutdown gives viewers to be sent theirs."""
 SEND_TIMEOUT_S: float = Settings.model_fields["ws_send_timeout_s"].default
 
 
