@@ -372,3 +372,8 @@ def test_a_bursts_lesson_fades_and_refusals_name_the_deadlines_setting() -> None
     ticket = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "50"}), "r1")
     assert ticket.source == ticket.hard_source == "X-Request-Deadline-Ms"
     ticket.release()
+    # A client's longer deadline than the setting's: the setting's planned, and named.
+    longer = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "5000"}), "r2")
+    assert longer.source == "setting STREAMDET_ADMISSION_DEADLINE_MS"
+    assert longer.hard_source == "X-Request-Deadline-Ms"  # under the 10 s timeout: the header's
+    longer.release()
