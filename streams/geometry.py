@@ -197,6 +197,7 @@ def parse_named(
     if len(shapes) > most:
         raise ValueError(f"{what}: {len(shapes)} {what}; a stream has at most {most}")
     names = [shape.name for shape in shapes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{what}: two {what} have the same name")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"{what}: two {what} have the same name {twice[0]!r}")
     return shapes

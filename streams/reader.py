@@ -14,6 +14,7 @@ import errno
 import functools
 import logging
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -442,6 +443,8 @@ class StreamReader:
         import av
 
         text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, av.error.FFmpegError):  # its code is FFmpeg's, not an OS errno
+            text = re.sub(r"\[Errno -?\d+\] ", "", text, count=1)
         waited = time.monotonic() - self._opened_at
         opening = self._phase == "open"
         limit = self._opt.open_timeout_s if opening else self._opt.read_timeout_s

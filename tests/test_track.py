@@ -276,7 +276,7 @@ def test_a_line_is_crossed_in_or_out_only_between_its_ends() -> None:
         ([{"name": "a", "points": [[0, 0]]}], "points"),
         ([{"name": "a", "points": [[0, 0], [1, 2]]}], "outside [0, 1]"),
         ([{"name": "a", "points": [[0.5, 0.5], [0.5, 0.5]]}], "same"),
-        ([{"name": "a", "points": [[0, 0], [1, 1]]}] * 2, "same name"),
+        ([{"name": "a", "points": [[0, 0], [1, 1]]}] * 2, "same name 'a'"),
         ([{"name": f"l{i}", "points": [[0, 0], [1, 1]]} for i in range(17)], "at most 16"),
     ],
 )

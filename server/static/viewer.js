@@ -459,7 +459,7 @@ class Tile {
     $(".edit-clear", this.element).textContent = clear;
     const name = $(".shape-name", this.element);
     name.hidden = mode === "region" || mode === "mask";
-    name.value = mode === "line" ? `line ${this.lines.length + 1}` : `zone ${this.zones.length + 1}`;
+    name.value = freeName(mode === "line" ? "line" : "zone", mode === "line" ? this.lines : this.zones);
     const classes = $(".shape-classes", this.element);
     classes.hidden = name.hidden;
     classes.value = "";
@@ -1106,6 +1106,11 @@ const EVENTS_SHOWN = 50;
 const EVENTS_RETRY_MS = 3000;
 let eventSource = null;
 let eventRetry = null;
+// Each (re)connection's number: one overtaken by a newer (filters changed while its first page
+// was loading) drops what it fetched and opens nothing. Two at once each opened an
+// EventSource; the first was never closed, its events shown twice, and ~6 of them held every
+// connection Chromium allows to the server: the whole page hung.
+let eventsGeneration = 0;
 let lastEventId = null; // the newest event shown: where a new connection reads on from
 debug.events = [];
 
@@ -1221,13 +1226,24 @@ async function showClip(e, caption, what = `Clip of event ${e.id}`) {
   }
 }
 
+// "line 3" where "line 1" and "line 2" are taken: the lowest number no shape of the stream
+// has (its count + 1 was taken again once a shape before the last was removed: a 422).
+function freeName(word, shapes) {
+  const taken = new Set(shapes.map((shape) => shape.name));
+  let n = 1;
+  while (taken.has(`${word} ${n}`)) n += 1;
+  return `${word} ${n}`;
+}
+
 // The newest events first (GET /events?latest=true), then server-sent events from GET
 // /events after them, so none falls between. The browser reconnects by itself after a network
 // error and resumes after the last event it got (Last-Event-ID); a refusal (401, a server not
 // ready) closes it, and it is opened again a little later, after the last event shown.
 async function connectEvents() {
+  const generation = ++eventsGeneration;
   clearTimeout(eventRetry);
   eventSource?.close();
+  eventSource = null;
   const params = eventFilter();
   if (lastEventId === null) {
     try {
@@ -1235,10 +1251,12 @@ async function connectEvents() {
       latest.set("latest", "true");
       latest.set("limit", String(EVENTS_SHOWN));
       const page = await (await api(`/events?${latest}`)).json();
+      if (generation !== eventsGeneration) return; // overtaken: the newer one shows its own
       for (const e of page.events) showEvent(e);
       lastEventId = page.next;
       clearError("event-filter");
     } catch (err) {
+      if (generation !== eventsGeneration) return;
       if (err.status === 422 || err.status === 404) {
         showError("event-filter", `Event filter: ${err.message}`); // fixed in the form
         return;
@@ -1247,13 +1265,17 @@ async function connectEvents() {
       return;
     }
   }
+  if (generation !== eventsGeneration) return;
+  eventSource?.close();
   params.set("after", String(lastEventId));
   const key = sessionStorage.getItem(KEY_STORAGE);
   if (key) params.set("access_token", key);
   const source = new EventSource(`/events?${params}`);
   eventSource = source;
   source.onopen = () => clearError("events");
-  source.onmessage = (message) => showEvent(JSON.parse(message.data));
+  source.onmessage = (message) => {
+    if (eventSource === source) showEvent(JSON.parse(message.data));
+  };
   source.onerror = () => {
     if (source.readyState === EventSource.CLOSED && eventSource === source) {
       eventRetry = setTimeout(connectEvents, EVENTS_RETRY_MS);
