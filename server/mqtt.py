@@ -307,6 +307,10 @@ class MqttPublisher:
             ):  # new, renamed, or its zones changed
                 self._announce_stream(frame.stream_id, name, zones=names)
         sid = frame.stream_id
+        if self._states.get(sid) in SHOWS_NOTHING:
+            # A frame the engines finish after its stream stopped (a file's last frames, in
+            # flight at its end) would put back the counts its state zeroed.
+            return
         for kind, counts in (("objects", object_counts(frame)), ("active", active_counts(frame))):
             key = (sid, kind)
             if counts != self._objects.get(key):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +24,16 @@ from engines.types import EngineError
 from server import cli
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO
+
+
+@pytest.fixture(autouse=True)
+def switch_interval_kept() -> Iterator[None]:
+    """``serve`` sets the interpreter's switch interval (``--gil-switch-ms``) first thing: the
+    tests that call it in this process put it back (a later test measured at 1 ms where it
+    meant Python's default)."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
 
 
 @pytest.fixture
