@@ -378,3 +378,25 @@ async def test_a_streams_files_room_is_held_while_it_is_applied(tmp_path: Path) 
             assert {s["id"] for s in m.list()} == {"a", "b"}
     finally:
         pool.stop(5)
+
+
+def test_sighup_during_the_shutdown_is_ignored() -> None:
+    """Once the reload handler is taken away (the server stopping), ``SIGHUP`` is ignored:
+    removing it put back the default action, which ended the process in its shutdown."""
+    import asyncio
+
+    from server.routes.streams import StreamsFileReloads
+
+    before = signal.getsignal(signal.SIGHUP)
+
+    async def main() -> None:
+        reloads = StreamsFileReloads(None, None, {})  # type: ignore[arg-type]
+        reloads.install()
+        reloads.uninstall()
+
+    try:
+        asyncio.run(main())
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGHUP)  # and this process goes on
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -642,8 +642,11 @@ class StreamsFileReloads:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.signalled)
 
     def uninstall(self) -> None:
+        """At shutdown: ``SIGHUP`` is ignored from now on (removing the handler put back its
+        default action, which ended the process at once, in the middle of its shutdown)."""
         with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def signalled(self) -> None:
         if self._path is None:
