@@ -135,8 +135,6 @@ def port_taken(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on (another server holds it, an address this
     machine lacks), or None. Bound as uvicorn binds (``SO_REUSEADDR``: a port left in
     TIME_WAIT is free); a listener, with or without ``SO_REUSEPORT``, refuses it."""
-    import socket
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:

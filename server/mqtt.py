@@ -54,6 +54,7 @@ from server.mqtt_discovery import Discovery, level
 from streams.detect import StreamDetect
 from streams.events import EventLog, LogReader
 from streams.fanout import ProcessedFrame
+from streams.reader import NOT_SHOWING
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ ACK_POLL_S = 0.02
 BATCH = 100
 QOS = 1
 COUNT_TOPICS = ("objects", "active")
-SHOWS_NOTHING = frozenset({"disabled", "failed", "stopped"})
+SHOWS_NOTHING = frozenset(state.value for state in NOT_SHOWING)
 """Stream states in which it shows nothing now: its counts are published as 0."""
 """A stream's retained counts of what its last frame shows: all, and those not stationary."""
 MAX_INFLIGHT = 1000

@@ -33,6 +33,7 @@ from typing import Any
 from engines.types import Detections, Image
 from server.metrics import Metrics
 from server.render import crop_jpeg, render_jpeg
+from streams.clips import remove_parts
 from streams.detect import StreamDetect
 from streams.events import EventLog
 from streams.fanout import ProcessedFrame, host_array
@@ -81,10 +82,7 @@ class SnapshotStore:
         directory.mkdir(parents=True, exist_ok=True)
         # Made once, at startup (nothing is being drawn yet): a .part left by a crash, or by
         # a write that failed before _write cleaned up after itself, is no snapshot.
-        for part in directory.glob("*.part"):
-            with contextlib.suppress(OSError):
-                if part.is_file():
-                    part.unlink()
+        remove_parts(directory)
         kept: set[int] = set()
         self._thumbnails: dict[int, list[int]] = {}  # a frame's thumbnails, by first event id
         for path in directory.glob("*.jpg"):

@@ -88,8 +88,8 @@ class RateSampler:
         due = self._due
         if max_fps != self._rate:  # changed (PATCH): the next frame is due at the new rate
             self._rate = max_fps
-            if due is not None and self._came is not None:
-                due = min(due, now - gap + step)
+            if due is not None:
+                due = min(due, now - gap + step)  # a step after the frame before this one
         if due is not None and now < due - early:
             return False
         if due is None or due < now - early:  # the first frame, or behind: afresh

@@ -503,7 +503,6 @@ class StreamReader:
     def _read(self, container: Any, stream: Any) -> bool:
         import av
 
-        got = False
         paced = self._recorded and self._opt.file_fps != 0
         interval = frame_interval(stream.average_rate or stream.guessed_rate)
         sampler = RateSampler()
@@ -512,7 +511,7 @@ class StreamReader:
         self.keyframes_only = False
         for packet in container.demux(stream):
             if self._stop.is_set():
-                return got
+                return self._got_frames
             if self.clips is not None:
                 if self.detect.clips:
                     self._guard_clips(self.clips.packet, packet, stream, time.monotonic())
@@ -540,14 +539,14 @@ class StreamReader:
                 continue
             for frame in frames:
                 now = time.monotonic()
-                if not got:
-                    got = self._got_frames = True
+                if not self._got_frames:
+                    self._got_frames = True
                     self._set_state(StreamState.LIVE)
                 pts = frame.time
                 if paced:  # a file: played like the camera it stands for (streams.pacing)
                     wait = self._pacer.due(pts, now, interval) - now
                     if wait > 0 and self._stop.wait(wait):
-                        return got
+                        return self._got_frames
                     now = time.monotonic()
                 self._count_in(now, frame.width, frame.height)
                 if frame.width * frame.height > self._opt.max_pixels:
@@ -567,7 +566,7 @@ class StreamReader:
                         self.motion_skipped += 1
                     continue
                 self._deliver(frame, pts, now)
-        return got
+        return self._got_frames
 
     def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
         """Hand a sampled ``av.VideoFrame`` on to the engines (a decode process sends it to

@@ -23,6 +23,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from engines.types import Detections
 from streams.geometry import (
     BAND,
@@ -233,13 +236,9 @@ class ZoneCounter:
         first: dict[int, int] = {}
         for i, track_id in enumerate(ids or ()):
             first.setdefault(track_id, i)
-        bands = BAND * heights(detections) if ids is not None and len(xs) else None
         for zone in zones:
             # An unsized frame has no anchors: nothing is in any zone.
             inside = polygon_contains(zone.points, xs, ys).tolist() if len(xs) else [False] * n
-            near = [False] * n
-            if bands is not None:
-                near = (edge_distance(zone.points, xs, ys) <= bands).tolist()
             # Objects of other classes are not in it (nor out of it: a car the model calls
             # a truck for a frame neither enters nor leaves a zone for cars).
             counted_class = [
@@ -254,16 +253,20 @@ class ZoneCounter:
                 occupancy[zone.name] = counts
                 continue
             stays = self._stays.setdefault(zone.name, {})
+            on_edge = self._on_edge(
+                zone, detections, xs=xs, ys=ys, inside=inside, first=first, stays=stays
+            )
             for track_id, i in first.items():
                 if not counted_class[i]:
                     continue
-                stay = stays.get(track_id)
-                # On its edge, an object in the zone is still in it: a car parked across the
-                # edge, its anchor jittering either side, is one stay (it entered and exited
-                # 8 times in 30 s).
-                hit = inside[i] or (near[i] and stay is not None and stay.entered)
                 events += self._step(
-                    zone, stays, track_id, hit=hit, class_id=classes[i], t=t, frame=frame
+                    zone,
+                    stays,
+                    track_id,
+                    hit=inside[i] or i in on_edge,
+                    class_id=classes[i],
+                    t=t,
+                    frame=frame,
                 )
             for track_id in [k for k in stays if k not in first and k not in alive]:
                 gone = stays.pop(track_id)  # its track ended while it was in the zone
@@ -291,6 +294,34 @@ class ZoneCounter:
         for name in set(self._stays) - {zone.name for zone in zones}:
             del self._stays[name]  # a zone that was removed
         return ZoneFrame(members, occupancy, events, dwell)
+
+    @staticmethod
+    def _on_edge(
+        zone: Zone,
+        detections: Detections,
+        *,
+        xs: npt.NDArray[np.float64],
+        ys: npt.NDArray[np.float64],
+        inside: list[bool],
+        first: dict[int, int],
+        stays: dict[int, _Stay],
+    ) -> set[int]:
+        """The detections seen outside ``zone`` that entered it and stand on its edge (within
+        :data:`BAND` of their box's height): still in it. A car parked across the edge, its
+        anchor jittering either side, is one stay (it entered and exited 8 times in 30 s).
+        Only those objects are measured: every box against every edge of every zone, each
+        frame, cost the rest for nothing."""
+        rows = [
+            i
+            for track_id, i in first.items()
+            if not inside[i] and (stay := stays.get(track_id)) is not None and stay.entered
+        ]
+        if not rows:
+            return set()
+        picked = np.array(rows)
+        bands = BAND * heights(detections)[picked]
+        near = edge_distance(zone.points, xs[picked], ys[picked]) <= bands
+        return {i for i, close in zip(rows, near.tolist(), strict=True) if close}
 
     @staticmethod
     def _step(

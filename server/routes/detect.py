@@ -94,6 +94,18 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
     return body
 
 
+def check_queue_room(state: AppState, images: int) -> None:
+    """HTTP 413 for a call of more images than may ever wait at once (queued all or none,
+    it could only be refused 429, on every retry)."""
+    most = state.pool.queue.max_interactive
+    if images > most:
+        raise HTTPException(
+            413,
+            f"{images} images in one call; at most {most} may wait at once"
+            " (setting STREAMDET_MAX_QUEUE)",
+        )
+
+
 async def run_admitted(
     state: AppState,
     ticket: Ticket,
@@ -107,14 +119,11 @@ async def run_admitted(
     deadline), 500 (the engine failed). With ``request``, a client that goes away takes its
     images back from the queue (they ran for nobody)."""
     rid = ticket.request_id
-    most = state.pool.queue.max_interactive
-    if len(images) > most:
+    try:
+        check_queue_room(state, len(images))
+    except HTTPException:
         ticket.abandon()
-        raise HTTPException(
-            413,
-            f"{len(images)} images in one call; at most {most} may wait at once"
-            " (setting STREAMDET_MAX_QUEUE)",
-        )
+        raise
     work = asyncio.ensure_future(state.pool.detect_many(images, params, ticket.hard_deadline, rid))
     try:
         if request is not None:

@@ -38,7 +38,12 @@ from engines.batching import WorkResult
 from engines.types import Detections, DetectParams, Image
 from server.admission import AdmissionTicket
 from server.images import ImageError, decode_upload, decoded_pixels
-from server.routes.detect import parse_classes, read_body_capped, run_admitted
+from server.routes.detect import (
+    check_queue_room,
+    parse_classes,
+    read_body_capped,
+    run_admitted,
+)
 from server.state import AppState, get_state
 
 router = APIRouter(prefix="/v2", tags=["KServe v2"])
@@ -351,13 +356,7 @@ def _check_count(n: int, state: AppState) -> None:
     at once (a call of more was decoded, then refused 429 for ever: :func:`run_admitted`)."""
     if not 1 <= n <= MAX_IMAGES:
         raise HTTPException(400, f"1 to {MAX_IMAGES} images a request, not {n}")
-    most = state.pool.queue.max_interactive
-    if n > most:
-        raise HTTPException(
-            413,
-            f"{n} images in one call; at most {most} may wait at once"
-            " (setting STREAMDET_MAX_QUEUE)",
-        )
+    check_queue_room(state, n)
 
 
 def _params(request: dict[str, Any], names: Mapping[int, str]) -> DetectParams:
