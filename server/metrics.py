@@ -98,6 +98,9 @@ class StreamSample:
             class name)``.
         zone_loiters: tracked objects that stayed in each zone its ``loiter_s``, by ``(zone,
             class name)``.
+        viewers: WebSocket and MJPEG viewers attached now.
+        viewer_drops: messages dropped for the stream's viewers (each a frame a slow viewer
+            did not get; its events went with the next one), since the stream was added.
     """
 
     stream_id: str
@@ -120,6 +123,8 @@ class StreamSample:
     zone_entries: Mapping[tuple[str, str], int] = field(default_factory=dict)
     zone_exits: Mapping[tuple[str, str], int] = field(default_factory=dict)
     zone_loiters: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    viewers: int = 0
+    viewer_drops: int = 0
 
 
 StreamSource = Callable[[], Iterable[StreamSample]]
@@ -285,6 +290,12 @@ class _ScrapeCollector(Collector):
                 "Frames decoded (the others left in their packets: keyframes only)",
                 labels=["stream"],
             ),
+            "viewer_drops": CounterMetricFamily(
+                "streamdet_stream_viewer_messages_dropped",
+                "Frames a slow WebSocket or MJPEG viewer did not get (its queue full; their"
+                " events went with the next frame), over all the stream's viewers",
+                labels=["stream"],
+            ),
             "frames_copied": CounterMetricFamily(
                 "streamdet_stream_frames_copied",
                 "Frames copied out of a decode process's shared memory (its slots were kept:"
@@ -333,6 +344,11 @@ class _ScrapeCollector(Collector):
             "Tracked objects that stayed in a stream's zone its loiter_s, by class",
             labels=["stream", "zone", "class"],
         )
+        viewers = GaugeMetricFamily(
+            "streamdet_stream_viewers",
+            "WebSocket and MJPEG viewers attached to each stream",
+            labels=["stream"],
+        )
         state = GaugeMetricFamily(
             "streamdet_stream_state",
             "1 for the state each stream is in (connecting, live, reconnecting, failed, stopped,"
@@ -352,6 +368,8 @@ class _ScrapeCollector(Collector):
             counters["motion_skipped"].add_metric([s.stream_id], s.motion_skipped)
             counters["frames_decoded"].add_metric([s.stream_id], s.frames_decoded)
             counters["frames_copied"].add_metric([s.stream_id], s.frames_copied)
+            counters["viewer_drops"].add_metric([s.stream_id], s.viewer_drops)
+            viewers.add_metric([s.stream_id], s.viewers)
             for name, count in s.detections.items():
                 detections.add_metric([s.stream_id, name], count)
                 objects.add_metric([s.stream_id, name], s.objects.get(name, 0))
@@ -369,6 +387,7 @@ class _ScrapeCollector(Collector):
                 zone_loiters.add_metric([s.stream_id, zone, name], count)
         yield state
         yield fps
+        yield viewers
         yield from counters.values()
         yield detections
         yield objects

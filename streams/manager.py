@@ -158,6 +158,9 @@ class StreamManager:
         # hands over (frames in flight, its state) carries the old token and is dropped.
         self._tokens: dict[str, object] = {}
         self._subs: dict[str, set[Subscriber]] = {}
+        # Messages (frames) dropped for each stream's viewers that have left; with those of
+        # the viewers still attached, GET /streams/{id}'s ``viewer_drops`` and /metrics.
+        self._viewer_drops: dict[str, int] = {}
         self._latest: dict[str, ProcessedFrame] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Frames from engine workers waiting for the loop (see _publish_threadsafe).
@@ -493,6 +496,7 @@ class StreamManager:
         self.events.add(stream_id, record.name, time.time(), [removed], str)
         for sub in self._subs.pop(stream_id, set()):
             sub.close(WS_NORMAL, "stream removed")
+        self._viewer_drops.pop(stream_id, None)
         self._latest.pop(stream_id, None)
         await asyncio.to_thread(self._store.remove, stream_id)
         await self._let_go(reader, stream_id)
@@ -518,6 +522,8 @@ class StreamManager:
             "detect": self._readers[record.id].detect.describe(self._pool.engine.names),
             **self._readers[record.id].snapshot(),
             "subscribers": len(self._subs.get(record.id, ())),
+            "viewer_drops": self._viewer_drops.get(record.id, 0)
+            + sum(sub.dropped for sub in self._subs.get(record.id, ())),
         }
 
     def name_of(self, stream_id: str) -> str | None:
@@ -553,7 +559,12 @@ class StreamManager:
         return sub
 
     def unsubscribe(self, sub: Subscriber) -> None:
-        self._subs.get(sub.stream_id, set()).discard(sub)
+        subs = self._subs.get(sub.stream_id)
+        if subs is not None and sub in subs:  # counted once, and not for a removed stream
+            subs.discard(sub)
+            self._viewer_drops[sub.stream_id] = (
+                self._viewer_drops.get(sub.stream_id, 0) + sub.dropped
+            )
         if self._viewers_gone is not None and not self.viewers():
             self._viewers_gone.set()
 

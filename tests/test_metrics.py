@@ -123,6 +123,8 @@ def test_stream_source_hook(client: TestClient) -> None:
                 frames_failed=3,
                 frames_decoded=12,
                 frames_copied=3,
+                viewers=2,
+                viewer_drops=9,
                 state="reconnecting",
                 detections={"car": 40, "person": 7},
                 objects={"car": 2},
@@ -144,6 +146,8 @@ def test_stream_source_hook(client: TestClient) -> None:
     assert value(samples, "streamdet_stream_frames_failed_total", stream="cam1") == 3
     assert value(samples, "streamdet_stream_frames_decoded_total", stream="cam1") == 12
     assert value(samples, "streamdet_stream_frames_copied_total", stream="cam1") == 3
+    assert value(samples, "streamdet_stream_viewers", stream="cam1") == 2
+    assert value(samples, "streamdet_stream_viewer_messages_dropped_total", stream="cam1") == 9
     assert value(samples, "streamdet_stream_state", stream="cam1", state="reconnecting") == 1
     detections = "streamdet_stream_detections_total"
     assert value(samples, detections, stream="cam1", **{"class": "car"}) == 40

@@ -283,6 +283,14 @@ def test_a_viewer_that_stops_reading_is_dropped_after_the_send_timeout(
             # Its connection is aborted: the server holds no socket for what it never read.
             wait_until("aborted", lambda: unsent_bytes(server.port, client_port) is None, 10)
         wait_until("unsubscribed", lambda: c.get(f"/streams/{sid}").json()["subscribers"] == 0)
+        # What it missed outlives it, in GET and in /metrics (was only in its disconnect log).
+        missed = c.get(f"/streams/{sid}").json()["viewer_drops"]
+        assert missed > 0
+        metrics = c.get("/metrics").text
+        assert f'streamdet_stream_viewer_messages_dropped_total{{stream="{sid}"}} {missed}' in (
+            metrics.replace(".0\n", "\n")
+        ), metrics
+        assert f'streamdet_stream_viewers{{stream="{sid}"}} 0.0' in metrics
     log = server.log_text()
     assert "(setting STREAMDET_WS_SEND_TIMEOUT_S)" in log, log
     assert "graceful shutdown exceeded" not in log

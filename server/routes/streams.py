@@ -689,6 +689,8 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             motion_skipped=info["motion_skipped"],
             frames_decoded=info["frames_decoded"],
             frames_copied=info["frames_copied"],
+            viewers=info["subscribers"],
+            viewer_drops=info["viewer_drops"],
             state=info["state"],
             detections=info["detections"],
             objects=info["objects"],
