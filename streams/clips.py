@@ -544,7 +544,7 @@ class ClipIndex:
     """
 
     FAILURES_KEPT = 1024
-    ENDED_KEPT = 1024
+    ENDED_REMEMBERED = 1024
 
     def __init__(
         self, options: ClipOptions, on_outcome: Callable[[str], None] | None = None
@@ -594,7 +594,7 @@ class ClipIndex:
         if waiting is not None and not waiting.done():
             waiting.set_result(None)
         self._ended[clip_id] = None
-        while len(self._ended) > self.ENDED_KEPT:
+        while len(self._ended) > self.ENDED_REMEMBERED:
             self._ended.popitem(last=False)
         if error is not None:
             self._failed[clip_id] = error

@@ -123,6 +123,7 @@ class Tracker:
         self._next_id = 1
         self._last_t: float | None = None
         self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)
+        self._size: tuple[int, int] | None = None  # the frames' width and height
 
     def __len__(self) -> int:
         """Live tracks."""
@@ -167,6 +168,7 @@ class Tracker:
         if it were taken at the last one's time.
         """
         self._keep(t - self._seen_at <= self._max_age(t))
+        self._resize(detections.width, detections.height)
         boxes = detections.boxes.astype(np.float64)
         classes = detections.class_ids
         n = len(detections)
@@ -212,6 +214,22 @@ class Tracker:
             if self.min_hits == 1:
                 new_objects += [int(c) for c in classes[started]]
         return Tracked(result, new_objects)
+
+    def _resize(self, width: int, height: int) -> None:
+        """Frames now ``width`` x ``height``: the tracks' boxes (pixels) are scaled to them. A
+        camera that changes resolution mid-stream (an NVR switching to the sub-stream, a
+        camera's bitrate ladder) shows the same objects in the same places: compared in the
+        old pixels, none paired, and every object began again under a new id (counted again
+        as it crossed a line or entered a zone)."""
+        if not width or not height:
+            return
+        if self._size is not None and self._size != (width, height) and len(self):
+            sx, sy = width / self._size[0], height / self._size[1]
+            scale = np.array([sx, sy, sx, sy])
+            self._boxes = self._boxes * scale
+            self._velocity = self._velocity * scale
+            self._settled = self._settled * scale
+        self._size = (width, height)
 
     def _second_chance(
         self,

@@ -416,3 +416,31 @@ def test_frames_further_apart_than_a_second_keep_their_tracks() -> None:
     for k in range(20):
         ids(fast, dets([[400, 300, 500, 600]]), 0.1 * k)
     assert ids(fast, dets([[400, 300, 500, 600]]), 0.1 * 19 + 1.5) == [2]
+
+
+def resized(d: Detections, width: int, height: int) -> Detections:
+    """``d`` (a 1000x1000 frame) as a ``width`` x ``height`` frame shows it."""
+    scale = np.array([width, height, width, height], np.float32) / 1000
+    boxes = (d.boxes * scale).astype(np.float32)
+    return dataclasses.replace(d, boxes=boxes, width=width, height=height)
+
+
+def test_a_camera_changing_resolution_keeps_its_objects_and_counts() -> None:
+    """An NVR switching a camera to its sub-stream mid-way (1000x1000 to 320x240): the same
+    car in the same place keeps its id and crosses the line once, where compared in the old
+    pixels it began again as a new object (and was counted again)."""
+    tracker, counter = Tracker(), LineCounter()
+    crossings, counted, seen = [], [], set()
+    for k in range(8):  # down through the line at y = 0.5, 6% of the frame a frame
+        y = 300 + 60 * k
+        frame = dets([[400, y - 100, 500, y]])
+        if k >= 3:
+            frame = resized(frame, 320, 240)
+        result = tracker.update(frame, 0.1 * k)
+        assert result.detections.track_ids is not None
+        seen.update(result.detections.track_ids.tolist())
+        counted += result.new_objects
+        crossings += counter.update(result.detections, [ACROSS], tracker.live_ids(), k)
+    assert seen == {1}
+    assert counted == [2]
+    assert crossings == [Crossing("across", "in", 1, 2, 4)]
