@@ -335,6 +335,7 @@ class AdmissionController:
         Raises:
             HTTPException: 400 bad deadline header, 429 predicted to miss its deadline.
         """
+        self.metrics.calls.inc()
         client_ms = parse_deadline_ms(headers)
         server_ms = self.server_deadline_ms()
         budget_ms = min(server_ms, client_ms) if client_ms is not None else server_ms
@@ -483,7 +484,7 @@ async def admit(request: Request) -> AsyncIterator[Ticket]:
     controller: AdmissionController | None = getattr(request.app.state, "admission", None)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:12]
     if controller is None or not state.ready:
-        get_metrics(request).reject("shutting_down" if state.shutting_down else "not_ready")
+        get_metrics(request).refuse_unready(state.shutting_down)
         raise HTTPException(503, "model not loaded yet", headers={"Retry-After": "1"})
     ticket = controller.admit(time.monotonic(), request.headers, request_id)
     try:

@@ -165,6 +165,13 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                     settings.event_retain_days * DAY_S, manager.events, snapshots, manager.clips
                 )
             )
+        keys = app.state.api_keys
+        log.info(
+            "API keys: %s",
+            f"{keys.counts[0]} full, {keys.counts[1]} read-only"
+            if keys.enabled
+            else "none, every call is allowed (setting STREAMDET_API_KEYS)",
+        )
         grpc_server = None
         if settings.grpc_port:
             from server import grpc_v2
@@ -221,6 +228,9 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 "Content-Type",
                 "X-Request-Deadline-Ms",
                 "X-Request-Id",
+                "Inference-Header-Content-Length",  # KServe v2 binary tensors
+                "Range",  # clips played from a point
+                "Last-Event-ID",  # an EventSource resuming
             ],
             # What pictures carry besides the JPEG (/detect?format=jpeg, latest.jpg).
             expose_headers=[
@@ -233,6 +243,13 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 "WWW-Authenticate",
                 "X-Frame",
                 "X-Captured-At",
+                # A job's or a stream's address (201/202), a download's file name (CSV,
+                # YAML, clips), a clip's range, KServe's binary answer.
+                "Location",
+                "Content-Disposition",
+                "Content-Range",
+                "Accept-Ranges",
+                "Inference-Header-Content-Length",
             ],
         )
     app.include_router(viewer.router)

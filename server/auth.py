@@ -40,6 +40,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from urllib.parse import unquote_plus
 
 from starlette.datastructures import Headers, QueryParams
 from starlette.requests import HTTPConnection
@@ -48,8 +49,9 @@ from starlette.websockets import WebSocket
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-"""Load balancers and orchestrators probe these without credentials."""
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+"""Load balancers and orchestrators probe these without credentials (Kubernetes probes of a
+Triton deployment ask KServe's ``/v2/health/*``); they say nothing but up or ready."""
 OPEN_PAGES = frozenset({"/"})
 OPEN_PREFIXES = ("/static/",)
 """The viewer page and its static files hold no data; a browser navigating to them cannot
@@ -89,6 +91,11 @@ class ApiKeys:
         self._readonly = [_digest(k) for k in readonly if k]
 
     @property
+    def counts(self) -> tuple[int, int]:
+        """Full and read-only keys configured (the start's log says so)."""
+        return len(self._full), len(self._readonly)
+
+    @property
     def enabled(self) -> bool:
         """Whether any key is configured (no keys: everything is open)."""
         return bool(self._full or self._readonly)
@@ -113,12 +120,15 @@ class AuthFailure:
 
     status: int
     detail: str
+    presented: bool = True  # a key came with the request (an unknown one, or read-only)
 
     @property
     def headers(self) -> dict[str, str]:
-        if self.status == 401:
-            return {"WWW-Authenticate": 'Bearer realm="streamdet", error="invalid_token"'}
-        return {}
+        if self.status != 401:
+            return {}
+        # RFC 6750 §3.1: a request without credentials gets no error code.
+        error = ', error="invalid_token"' if self.presented else ""
+        return {"WWW-Authenticate": f'Bearer realm="streamdet"{error}'}
 
 
 def bearer_token(headers: Headers) -> str | None:
@@ -161,6 +171,7 @@ def authorize(
             401,
             "missing API key: send 'Authorization: Bearer <key>' (keys are set with"
             " STREAMDET_API_KEYS)",
+            presented=False,
         )
     access = keys.check(token)
     if access is Access.NONE:
@@ -229,14 +240,24 @@ class TokenFilter(logging.Filter):
     ``uvicorn.error`` for WebSocket handshakes), where a key given in the query would
     otherwise be written out."""
 
-    _TOKEN = re.compile(r"(access_token=)[^&\s\"']+")
+    # A query's parameters, its name as sent: ``access%5Ftoken=`` is ``access_token`` too
+    # (the server decodes the name, and took the key; the log showed it in clear).
+    _PARAM = re.compile(r"([?&])([^=&?\s\"']+)=([^&\s\"']*)")
+
+    @staticmethod
+    def _mask(match: re.Match[str]) -> str:
+        lead, name, value = match.groups()
+        if value and unquote_plus(name) == "access_token":
+            return f"{lead}{name}=***"
+        return match.group(0)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple) and any(
-            isinstance(a, str) and "access_token=" in a for a in record.args
+            isinstance(a, str) and "=" in a for a in record.args
         ):
             record.args = tuple(
-                self._TOKEN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+                self._PARAM.sub(self._mask, a) if isinstance(a, str) and "=" in a else a
+                for a in record.args
             )
         return True
 

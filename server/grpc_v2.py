@@ -225,6 +225,7 @@ def make_servicer(app: FastAPI) -> Any:
             _check_model(state, request.model_name, request.model_version)
             controller: AdmissionController | None = getattr(app.state, "admission", None)
             if controller is None or not state.ready:
+                app.state.metrics.refuse_unready(state.shutting_down)
                 raise HTTPException(503, "model not loaded yet")
             left_s = context.time_remaining()  # the call's gRPC deadline, if it has one
             headers = Headers(

@@ -48,6 +48,7 @@ from streams.jobs import (
     probe,
     run_job,
 )
+from streams.sources import upload_options
 
 log = logging.getLogger(__name__)
 
@@ -544,7 +545,9 @@ class JobManager:
             created_at=float(data["created_at"]),
             source=data["source"],
             target=data["target"],
-            options=data["options"],
+            # A local video (uploaded, or a file under the allowed directory) is read by
+            # demuxers of one file, whatever an older server stored with it.
+            options=data["options"] if "://" in data["target"] else upload_options(),
             video=data["video"],
             detect=StreamDetect.from_description(data["settings"], self._names),
             fps=data["settings"].get("fps"),

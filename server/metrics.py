@@ -461,6 +461,12 @@ class Metrics:
             ["reason"],
             registry=reg,
         )
+        self.calls = Counter(
+            "streamdet_inference_calls",
+            "Calls for inference (/detect, KServe v2 over HTTP and gRPC) that asked to be"
+            " admitted, refused ones included: what streamdet_rejections_total is a share of",
+            registry=reg,
+        )
         self.loop_lag = Histogram(
             "streamdet_event_loop_lag_seconds",
             "How late the event loop ran a timer (sampled every 100 ms): time every HTTP and"
@@ -557,6 +563,11 @@ class Metrics:
         """Record one successful /detect call; keys are :data:`STAGES`, values seconds."""
         for stage, seconds in stages.items():
             self.stage_duration.labels(stage).observe(seconds)
+
+    def refuse_unready(self, shutting_down: bool) -> None:
+        """A call for inference refused before admission: no model yet, or going away."""
+        self.calls.inc()
+        self.reject("shutting_down" if shutting_down else "not_ready")
 
     def reject(self, reason: str) -> None:
         """Count one refused request; ``reason`` is one of :data:`REJECTION_REASONS`."""

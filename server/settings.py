@@ -393,6 +393,19 @@ class Settings(BaseSettings):
             return [item.strip() for item in text.split(",") if item.strip()]
         return value
 
+    @field_validator("api_keys", "api_keys_readonly", mode="before")
+    @classmethod
+    def _some_key(cls, value: Any) -> Any:
+        # Set to "," (or '[""]'), it gave no key, and the server ran open without a word to
+        # the operator who had asked for keys. Empty or blank is unset, as for paths.
+        text = value.strip() if isinstance(value, str) else None
+        if text and text[0] != "[" and not [k for k in text.split(",") if k.strip()]:
+            raise ValueError("no key in it: give comma-separated keys, or leave it unset")
+        keys = json.loads(text) if text and text[0] == "[" else value
+        if isinstance(keys, list) and any(not (isinstance(k, str) and k.strip()) for k in keys):
+            raise ValueError("an empty key: every key must have characters")
+        return value
+
     @field_validator("allowed_file_dir", "streams_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:

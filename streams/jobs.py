@@ -40,6 +40,7 @@ from streams.analytics import Analysed, StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import detections_json
 from streams.frames import decoded_size, frame_rgb
+from streams.sources import explain_open_failure
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,8 @@ def probe(
                 " (over HTTP, an MP4 whose index is at its end needs a server that answers"
                 " range requests)"
             )
-        raise JobError(f"not a video FFmpeg can read: {_reason(exc)}{hint}") from None
+        reason = explain_open_failure("format_whitelist" in (options or {}), _reason(exc))
+        raise JobError(f"not a video FFmpeg can read: {reason}{hint}") from None
 
 
 def lower_priority(nice: int) -> None:

@@ -37,6 +37,7 @@ from streams.sources import (
     SNAPSHOT_FPS,
     SourceSpec,
     backoff_delay,
+    explain_open_failure,
     is_still_image,
     open_options,
     redact,
@@ -460,7 +461,7 @@ class StreamReader:
             return f"no data for {limit:g} s (setting STREAMDET_STREAM_READ_TIMEOUT_S); {text}"
         if opening and isinstance(exc, OSError) and exc.errno == errno.EIO:
             return f"cannot reach the host (unknown name, or no route); {text}"
-        return text
+        return explain_open_failure(opening and self.config.spec.is_file, text)
 
     def _open_and_read(self) -> bool:
         """Open the source and read it until it ends or the stream stops; True if any

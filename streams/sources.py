@@ -3,7 +3,10 @@
 Only video sources are accepted: RTSP (TCP by default, UDP on request), RTSPS, HTTP(S)
 (MJPEG, HLS, progressive files) and local files under one allow-listed directory. Every
 source is opened with an FFmpeg ``protocol_whitelist``, so a hostile source (an HLS
-playlist naming ``file:///etc/passwd``, say) cannot reach other protocols than its own.
+playlist naming ``file:///etc/passwd``, say) cannot reach other protocols than its own; a
+local file (and an uploaded video) is read only by demuxers of one file
+(:data:`FILE_FORMATS`), so a playlist or a concat list under the allowed directory cannot
+name a file outside it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,30 @@ _WHITELIST = {
     "https": "http,https,tcp,tls,crypto,hls",
     "file": "file",
 }
+
+
+FILE_FORMATS = (
+    "mov,matroska,webm,mpegts,mpegtsraw,avi,flv,live_flv,asf,mpeg,mpegvideo,m4v,h261,h263,"
+    "h264,hevc,vvc,obu,ivf,mjpeg,mpjpeg,nut,ogg,mxf,dv,gif,apng,webp,yuv4mpegpipe,"
+    "image2,jpeg_pipe,png_pipe,webp_pipe,bmp_pipe,gif_pipe,tiff_pipe"
+)
+"""FFmpeg demuxers a local file, or an uploaded video, may be read with: videos and pictures
+of one file. The others include those that read the files a file names, and so reach past
+``STREAMDET_ALLOWED_FILE_DIR`` (an HLS playlist naming ``/home/x/other.ts`` was played), or,
+uploaded, anything on the server's disk and network: HLS (``hls``), DASH, ``concat`` lists.
+``image2`` (FFmpeg's demuxer for a ``.jpg``) reads its one file: :data:`FILE_OPTIONS` turns
+its numbered sequences (``img%03d.jpg``) off."""
+FILE_OPTIONS = {
+    "protocol_whitelist": "file",
+    "format_whitelist": FILE_FORMATS,
+    "pattern_type": "none",
+}
+FILE_FORMAT_REFUSED = (
+    "a file is read as a video (MP4, MKV, WebM, MPEG-TS, AVI, FLV, ...) or a picture; a"
+    " playlist (HLS .m3u8, DASH .mpd), a concat list or an image sequence names other files"
+    " and is refused"
+)
+PLAYLIST_SUFFIXES = frozenset({".m3u8", ".m3u", ".mpd", ".ffconcat"})
 
 
 class SourceError(ValueError):
@@ -106,10 +133,17 @@ def _allowed_file(netloc: str, raw_path: str, allowed_dir: Path | None) -> Path:
     if netloc not in ("", "localhost"):
         raise SourceError(f"file url must be local (file:///path), got host {netloc!r}")
     path = Path(unquote(raw_path))
+    if "\0" in str(path):  # %00: Path.resolve raised ValueError (a 500)
+        raise SourceError("file url must not contain a NUL character (%00)")
     if not path.is_absolute():
         raise SourceError("file url needs an absolute path: file:///dir/clip.mp4")
+    if path.suffix.lower() in PLAYLIST_SUFFIXES:
+        raise SourceError(f"file {path}: {FILE_FORMAT_REFUSED}")
     root = allowed_dir.resolve()
-    resolved = path.resolve()  # follows symlinks, so a link cannot point outside
+    try:
+        resolved = path.resolve()  # follows symlinks, so a link cannot point outside
+    except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long
+        raise SourceError(f"file {path}: {exc}") from None
     if not resolved.is_relative_to(root):
         raise SourceError(
             f"file {path} is outside the allowed directory {root}"
@@ -201,7 +235,23 @@ def open_options(spec: SourceSpec) -> dict[str, str]:
     }
     if spec.scheme in ("rtsp", "rtsps"):
         options["rtsp_transport"] = spec.transport
+    if spec.is_file:
+        options |= FILE_OPTIONS
     return options
+
+
+def upload_options() -> dict[str, str]:
+    """FFmpeg options for an uploaded video (a job's): read as a local file, by demuxers of
+    one file (an uploaded HLS playlist fetched the segments it named from the network)."""
+    return dict(FILE_OPTIONS)
+
+
+def explain_open_failure(spec_is_file: bool, text: str) -> str:
+    """An open's failure as said: FFmpeg's "Invalid argument" for a file's demuxer not in
+    :data:`FILE_FORMATS` says why."""
+    if spec_is_file and "Invalid argument" in text:
+        return f"{text} ({FILE_FORMAT_REFUSED})"
+    return text
 
 
 SNAPSHOT_FPS = 1.0

@@ -54,9 +54,13 @@ def bus() -> bytes:
 
 
 def test_health_and_viewer_stay_open(http: httpx.Client) -> None:
-    assert http.get("/healthz").status_code == 200
-    assert http.get("/readyz").status_code == 200
+    """Without a key, GET or HEAD (probes send either; HEAD was 405), and KServe's health
+    routes too (a Triton deployment's Kubernetes probes ask them, and got 401)."""
+    for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
+        assert http.get(path).status_code == 200, path
+        assert http.head(path).status_code == 200, path
     assert http.get("/").status_code == 200
+    assert http.get("/v2/models/yolov8n").status_code == 401  # the rest of /v2 is not open
 
 
 @pytest.mark.parametrize(
@@ -69,6 +73,9 @@ def test_missing_or_unknown_key_is_401(http: httpx.Client, headers: dict[str, st
         resp = http.request(method, path, headers=headers)
         assert resp.status_code == 401, (path, resp.text)
         assert resp.headers["www-authenticate"].startswith("Bearer")
+        # RFC 6750: an error code only where a key came and was wrong.
+        unknown = "wrong-key" in headers.get("Authorization", "")
+        assert ('error="invalid_token"' in resp.headers["www-authenticate"]) == unknown
         assert "STREAMDET_API_KEYS" in resp.json()["detail"]
     resp = http.post("/detect", content=bus(), headers={**headers, "content-type": "image/jpeg"})
     assert resp.status_code == 401
@@ -147,6 +154,23 @@ def test_cors_preflight_and_headers_on_refusals(http: httpx.Client) -> None:
     )
     assert other.status_code == 400
     assert "access-control-allow-origin" not in other.headers
+    # A Triton client in a browser sends binary tensors: its header is allowed.
+    binary = http.options(
+        "/v2/models/yolov8n/infer",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "inference-header-content-length,range",
+        },
+    )
+    assert binary.status_code == 200, binary.text
+    # A page reads a new job's Location, a download's file name, a clip's range: exposed.
+    listed = http.get("/streams?format=yaml", headers={"Origin": ORIGIN, **bearer(FULL)})
+    assert listed.status_code == 200 and "content-disposition" in listed.headers
+    exposed = {
+        h.strip().lower() for h in listed.headers["access-control-expose-headers"].split(",")
+    }
+    assert {"location", "content-disposition", "content-range", "accept-ranges"} <= set(exposed)
 
 
 def test_key_check_is_exact_and_scoped() -> None:
@@ -212,9 +236,12 @@ def test_pictures_take_the_key_in_the_query_and_the_log_masks_it(
     for route in ("/streams/nope/latest.jpg", "/streams/nope/mjpeg"):
         assert http.get(route).status_code == 401
         assert http.get(route, params={"access_token": READONLY}).status_code == 404
+        # The name percent-encoded is the same parameter to the server: masked as well.
+        assert http.get(f"{route}?x=1&access%5Ftoken={READONLY}").status_code == 404
     assert http.get("/model", params={"access_token": FULL}).status_code == 401  # header only
     log = server.log_path.read_text()
     assert "access_token=***" in log and READONLY not in log and FULL not in log
+    assert "access%5Ftoken=***" in log
 
 
 def test_cors_lets_a_browser_put_a_stream(http: httpx.Client) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from engines.types import EngineError
 from server import cli
@@ -131,6 +132,24 @@ def test_an_empty_optional_path_variable_is_unset_not_the_working_directory(
     monkeypatch.setenv(variable, "")
     settings = Settings()
     assert settings.allowed_file_dir is None and settings.streams_file is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [(",", "no key in it"), (" , ", "no key in it"), ('[""]', "empty key")]
+)
+@pytest.mark.parametrize("variable", ["STREAMDET_API_KEYS", "STREAMDET_API_KEYS_READONLY"])
+def test_api_keys_set_to_no_key_are_refused_not_an_open_server(
+    variable: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Set to ``,`` (or a list of blanks), they gave no key: the server ran with every call
+    allowed, and said nothing to the operator who asked for keys. Empty is unset."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValidationError, match=message):
+        Settings()
+    monkeypatch.setenv(variable, " ")
+    assert Settings().api_keys == [] and Settings().api_keys_readonly == []
+    monkeypatch.setenv(variable, "a, b,,")
+    assert getattr(Settings(), variable.removeprefix("STREAMDET_").lower()) == ["a", "b"]
 
 
 @pytest.mark.parametrize(

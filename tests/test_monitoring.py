@@ -84,6 +84,53 @@ def test_the_rules_file_is_valid_for_promtool(prometheus_bin: str) -> None:
     }
 
 
+REJECTING_TESTS = """
+evaluation_interval: 1m
+tests:
+  - interval: 1m  # 2060 calls a minute (1000 /detect, 1060 KServe), 60 refused: 2.9%
+    input_series:
+      - series: 'streamdet_rejections_total{reason="deadline"}'
+        values: '0+60x20'
+      - series: 'streamdet_inference_calls_total'
+        values: '0+2060x20'
+      - series: 'streamdet_http_requests_total{route="/detect",method="POST",status="200"}'
+        values: '0+1000x20'
+    alert_rule_test:
+      - eval_time: 15m
+        alertname: StreamdetRejecting
+        exp_alerts: []
+  - interval: 1m  # Triton clients alone, every call refused: no /detect series at all
+    input_series:
+      - series: 'streamdet_rejections_total{reason="deadline"}'
+        values: '0+100x20'
+      - series: 'streamdet_inference_calls_total'
+        values: '0+100x20'
+    alert_rule_test:
+      - eval_time: 15m
+        alertname: StreamdetRejecting
+        exp_alerts:
+          - exp_labels: {severity: warning}
+"""
+
+
+def test_the_refusal_alert_counts_every_call_for_inference(
+    prometheus_bin: str, tmp_path: Path
+) -> None:
+    """``StreamdetRejecting`` divided every refusal (KServe's too) by ``/detect``'s calls
+    alone: it fired at 2.9% refused, and never where only Triton clients called."""
+    rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+    (rule,) = (r for r in rules if r.get("alert") == "StreamdetRejecting")
+    spec = yaml.safe_load(REJECTING_TESTS)
+    spec["rule_files"] = [str(ALERTS)]
+    spec["tests"][1]["alert_rule_test"][0]["exp_alerts"][0]["exp_annotations"] = rule["annotations"]
+    tests = tmp_path / "rejecting.yml"
+    tests.write_text(yaml.safe_dump(spec))
+    checked = subprocess.run(
+        [PROMTOOL, "test", "rules", str(tests)], capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
 def test_dashboard_and_alerts_have_data_from_a_real_server(
     prometheus_bin: str, server: ServerProcess, tmp_path: Path
 ) -> None:

@@ -29,6 +29,7 @@ from loadtest.server import free_port
 from streams.detect import Roi, StreamDetect
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
 from streams.frames import keyframes_suffice
+from streams.jobs import JobError, probe
 from streams.lines import Crossing
 from streams.manager import (
     ManagerOptions,
@@ -46,12 +47,14 @@ from streams.reader import (
     StreamState,
 )
 from streams.sources import (
+    FILE_FORMAT_REFUSED,
     SourceError,
     backoff_delay,
     open_options,
     parse_source,
     redact,
     redact_in,
+    upload_options,
 )
 from streams.store import StreamStore, new_record
 from tests.helpers import (
@@ -126,6 +129,46 @@ def test_file_sources_only_under_the_allowed_dir(tmp_path: Path) -> None:
     assert not parse_source("rtsp://cam/live", None, loop=True).loop  # a camera does not end
     with pytest.raises(SourceError, match="must be local"):
         parse_source(f"file://otherhost{clip}", allowed)
+    with pytest.raises(SourceError, match="NUL"):
+        parse_source(f"file://{clip}%00.txt", allowed)  # Path.resolve's ValueError: a 500
+    (allowed / "list.m3u8").write_text("#EXTM3U\n")
+    with pytest.raises(SourceError, match="playlist"):
+        parse_source(f"file://{allowed}/list.m3u8", allowed)
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_list_of_files_under_the_allowed_dir_reaches_no_video_outside_it(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A file FFmpeg reads other files from (a concat list, named like a video) under the
+    allowed directory played a video from anywhere on the disk through a link beside it (the
+    list's own path is the only one checked), as a stream and as a job; uploaded lists and
+    playlists were read too. Only demuxers of one file read local files now."""
+    secret = tmp_path / "private" / "secret.ts"
+    secret.parent.mkdir()
+    make_clip(CAR_CLIP, secret, width=384, height=216, fps=25, gop=25, frames=25)
+    allowed = tmp_path / "videos"
+    allowed.mkdir()
+    (allowed / "link.ts").symlink_to(secret)
+    listed = allowed / "evil.mp4"
+    listed.write_text("ffconcat version 1.0\nfile link.ts\n")
+    with av.open(str(listed), options={"protocol_whitelist": "file"}) as container:
+        assert container.format.name == "concat"  # what it did: the secret's frames
+        assert next(container.decode(video=0)).width == 384
+    spec = parse_source(f"file://{listed}", allowed, loop=False)
+    for options in (open_options(spec), upload_options()):
+        with pytest.raises(JobError, match=re.escape(FILE_FORMAT_REFUSED)):
+            probe(str(listed), options)
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=allowed, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{listed}", loop=False)
+        deadline = time.monotonic() + 30
+        while not (stats := m.describe(info["id"]) or {}).get("last_error"):
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.1)
+    assert FILE_FORMAT_REFUSED in stats["last_error"], stats
+    assert stats["frames_in"] == 0
 
 
 def test_ffmpeg_options_pin_protocols_and_transport() -> None:

@@ -12,12 +12,13 @@ from server.state import get_state
 router = APIRouter()
 
 
-@router.get("/healthz")
+# HEAD too: some load balancers' and uptime checkers' probes send it (it was 405).
+@router.api_route("/healthz", methods=["GET", "HEAD"])
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.api_route("/readyz", methods=["GET", "HEAD"])
 async def readyz(request: Request) -> JSONResponse:
     state = get_state(request)
     if state.ready:

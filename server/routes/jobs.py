@@ -48,7 +48,7 @@ from streams.detect import StreamDetect
 from streams.events import COUNT_KEYS, count_events
 from streams.files import VIDEO_SUFFIXES
 from streams.jobs import JobError
-from streams.sources import SourceError, open_options, parse_source, redact
+from streams.sources import SourceError, open_options, parse_source, redact, upload_options
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -254,7 +254,7 @@ async def _receive(
         raise HTTPException(422, "url: give a url or upload a video, not both")
     if size == 0:
         raise HTTPException(400, "video: the upload is empty")
-    return job_in, {"upload": filename[:200], "bytes": size}, str(path), {}
+    return job_in, {"upload": filename[:200], "bytes": size}, str(path), upload_options()
 
 
 @router.post(

@@ -132,12 +132,12 @@ async def server_metadata(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/health/live")
+@router.api_route("/health/live", methods=["GET", "HEAD"])
 async def live() -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health/ready")
+@router.api_route("/health/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> Response:
     state = get_state(request)
     return Response(status_code=200 if state.ready else 503)
