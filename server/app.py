@@ -20,7 +20,7 @@ from starlette.responses import Response
 from engines.pool import EnginePool
 from server import metrics as metrics_module
 from server.admission import AdmissionController
-from server.auth import ApiKeyMiddleware, ApiKeys, TokenFilter
+from server.auth import ApiKeyMiddleware, ApiKeys, TokenFilter, with_bearer_scheme
 from server.jobs import JobManager
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
@@ -215,6 +215,9 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)
+    if app.state.api_keys.enabled:  # /docs asks for the key, and sends it
+        schema_of = app.openapi
+        app.openapi = lambda: with_bearer_scheme(schema_of())  # type: ignore[method-assign]
     # Outermost last: CORS answers preflights and decorates 401s; metrics count refusals.
     app.add_middleware(ApiKeyMiddleware, keys=app.state.api_keys)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)

@@ -40,6 +40,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 from urllib.parse import unquote_plus
 
 from starlette.datastructures import Headers, QueryParams
@@ -52,10 +53,12 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 """Load balancers and orchestrators probe these without credentials (Kubernetes probes of a
 Triton deployment ask KServe's ``/v2/health/*``); they say nothing but up or ready."""
-OPEN_PAGES = frozenset({"/"})
+OPEN_PAGES = frozenset({"/", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 OPEN_PREFIXES = ("/static/",)
-"""The viewer page and its static files hold no data; a browser navigating to them cannot
-send a bearer header. The page's own API calls and WebSockets still need a key."""
+"""The viewer page and its static files, and the API's schema and its ``/docs`` page, hold
+no data; a browser navigating to them cannot send a bearer header (``/docs`` answered 401).
+The pages' own API calls and WebSockets still need a key: ``/docs`` has an Authorize button
+for it (:func:`with_bearer_scheme`)."""
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 READONLY_WRITES = frozenset({("POST", "/detect")})
 """Non-safe calls a read-only key may still make: running detection changes nothing."""
@@ -321,3 +324,16 @@ class ApiKeyMiddleware:
                     "reason": failure.detail[:120],
                 }
             )
+
+
+def with_bearer_scheme(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI ``schema`` saying every call takes ``Authorization: Bearer <key>``, so
+    ``/docs`` asks for the key once (its Authorize button) and sends it with each try."""
+    components = schema.setdefault("components", {})
+    components.setdefault("securitySchemes", {})["apiKey"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a key of STREAMDET_API_KEYS (or STREAMDET_API_KEYS_READONLY)",
+    }
+    schema["security"] = [{"apiKey": []}]
+    return schema

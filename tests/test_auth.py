@@ -63,6 +63,17 @@ def test_health_and_viewer_stay_open(http: httpx.Client) -> None:
     assert http.get("/v2/models/yolov8n").status_code == 401  # the rest of /v2 is not open
 
 
+def test_the_docs_page_opens_in_a_browser_and_asks_for_the_key(http: httpx.Client) -> None:
+    """A browser navigating to ``/docs`` sends no header: it and the schema answered 401.
+    They hold no data; the schema says calls take a bearer key, so the page's Authorize
+    button asks for it and sends it with each call tried."""
+    assert http.get("/docs").status_code == 200
+    schema = http.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    assert schema["security"] == [{"apiKey": []}]
+    assert http.get("/streams").status_code == 401  # what the page calls still needs it
+
+
 @pytest.mark.parametrize(
     "headers",
     [{}, bearer("wrong-key"), {"Authorization": f"Basic {FULL}"}, {"Authorization": "Bearer"}],
