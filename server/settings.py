@@ -120,9 +120,14 @@ class Settings(BaseSettings):
         description="largest accepted upload (gRPC messages stop at 2 GiB whatever this says)",
     )
     max_image_pixels: int = Field(
-        50_000_000, ge=1, description="largest decoded image (width x height)"
+        50_000_000,
+        ge=1,
+        le=1_000_000_000,
+        description="largest decoded image (width x height), of an upload or a stream's frame",
     )
-    max_queue: int = Field(64, ge=1, description="interactive requests waiting for an engine")
+    max_queue: int = Field(
+        64, ge=1, le=100_000, description="interactive requests waiting for an engine"
+    )
     request_timeout_ms: float = Field(
         10_000.0, gt=0, le=3_600_000, description="deadline of a /detect call, from arrival"
     )
@@ -204,7 +209,10 @@ class Settings(BaseSettings):
     reconnect_initial_s: float = Field(0.5, gt=0, le=3600, description="first reconnect backoff")
     reconnect_max_s: float = Field(30.0, gt=0, le=86_400, description="longest reconnect backoff")
     reconnect_max_attempts: int = Field(
-        0, ge=0, description="failed reconnects before a stream is 'failed'; 0 = retry forever"
+        0,
+        ge=0,
+        le=1_000_000,
+        description="failed reconnects before a stream is 'failed'; 0 = retry forever",
     )
     stream_frame_deadline_ms: float = Field(
         1000.0, gt=0, le=3_600_000, description="a stream frame not run within this is dropped"

@@ -553,6 +553,7 @@ class ClipIndex:
         self.on_outcome = on_outcome
         self._writing: dict[int, asyncio.Future[None]] = {}
         self._failed: OrderedDict[int, str] = OrderedDict()
+        self._deleted: OrderedDict[int, None] = OrderedDict()  # by DELETE, last ones
         self._ended: OrderedDict[int, None] = OrderedDict()  # written or failed, newest last
         self._loop: asyncio.AbstractEventLoop | None = None
         # Made once, at startup (before any stream records): a clip left half-written by a
@@ -636,6 +637,9 @@ class ClipIndex:
             await asyncio.to_thread(delete_clip, self.options.path(clip_id))
         except FileNotFoundError:
             return f"no clip {clip_id}"
+        self._deleted[clip_id] = None
+        while len(self._deleted) > self.FAILURES_KEPT:
+            self._deleted.popitem(last=False)
         return None
 
     async def find(self, clip_id: int, wait_s: float) -> Path | str:
@@ -652,6 +656,8 @@ class ClipIndex:
             return path
         if clip_id in self._failed:
             return f"clip {clip_id} could not be made: {self._failed[clip_id]}"
+        if clip_id in self._deleted:  # it blamed the size limit
+            return f"no clip {clip_id}: it was deleted (DELETE /clips/{clip_id}.mp4)"
         return (
             f"no clip {clip_id}: unknown, or deleted to keep clips under"
             f" {self.options.max_bytes // (1024 * 1024)} MB (setting STREAMDET_EVENT_CLIPS_MAX_MB)"

@@ -175,6 +175,11 @@ class EventLog:
                 self._first = int(kept[0]["id"]) if first_ever is None else first_ever
             self._gone = [(a, b) for a, b in store.gone_runs() if b < self._first]
 
+    @property
+    def capacity(self) -> int:
+        """Events the log keeps (``event_log_size``)."""
+        return self._events.maxlen or 0
+
     def saved_cursor(self, name: str) -> int:
         """Where the sink ``name`` had delivered up to before a restart; a new sink starts
         with the events to come, and from now on, even if it delivers nothing before a

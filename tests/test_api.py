@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ from PIL import Image as PILImage
 
 from engines.types import Detections
 from server.app import create_app
+from server.routes.detect import megabytes
 from server.settings import Settings
 from tests.helpers import (
     CACHE_DIR,
@@ -212,6 +215,9 @@ def test_upload_over_limit_is_413(client: TestClient) -> None:
     assert resp.status_code == 413
     assert "STREAMDET_MAX_UPLOAD_MB" in resp.json()["detail"]
     assert "larger than 2 MB" in resp.json()["detail"]  # as set (it said 2.1: MiB over 1e6)
+    # Fractions as set: jobs said 4 MB for 3.5, /detect 0.0999994 MB for 0.1.
+    for mb in (0.1, 3.5, 20.0, 2048.0):
+        assert megabytes(Settings(max_upload_mb=mb).max_upload_bytes) == f"{mb:g}"
 
 
 def test_decompression_bomb_is_refused_from_its_header(client: TestClient) -> None:
@@ -431,3 +437,27 @@ def test_cars_crossing_a_line_are_counted_by_the_api_and_metrics(tmp_path: Path)
             time.sleep(0.2)
         assert c.get(f"/streams/{sid}").json()["crossings"] == {}
         assert "streamdet_stream_line_crossings_total{" not in c.get("/metrics").text
+
+
+def test_the_openapi_document_is_whole(client: TestClient) -> None:
+    """What a client generator reads: every reference resolves (the jobs body pointed at its
+    own ``$defs``), every POST/PUT/PATCH has its body (``/detect`` and KServe's ``infer``,
+    read by hand, had none), operation ids are unique, and a job's body lists no live
+    stream's setting (they are refused 422)."""
+    schema = client.get("/openapi.json").json()
+    defined = schema["components"]["schemas"]
+    refs = re.findall(r'"\$ref": "([^"]+)"', json.dumps(schema))
+    assert refs and all(r.removeprefix("#/components/schemas/") in defined for r in refs), refs
+    ids = []
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            ids.append(operation["operationId"])
+            if method in ("post", "put", "patch"):
+                assert "requestBody" in operation, (method, path)
+    assert len(ids) == len(set(ids))
+    body = schema["paths"]["/detect"]["post"]["requestBody"]["content"]
+    assert {"multipart/form-data", "image/jpeg", "image/png", "image/webp"} <= set(body)
+    job = schema["paths"]["/jobs"]["post"]
+    properties = job["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert "url" in properties and not {"clips", "motion"} & set(properties)
+    assert {p["name"] for p in job["parameters"]} == {"settings", "filename"}

@@ -80,13 +80,17 @@ def test_infinite_or_nan_settings_are_refused_naming_the_flag(
     assert "Traceback" not in err
 
 
-def test_every_float_setting_is_bounded_above() -> None:
-    """A huge finite value failed later, as inf did (gRPC's message limit is a C int)."""
+def test_every_number_setting_is_bounded_above() -> None:
+    """A huge finite value failed later, as inf did (gRPC's message limit is a C int); and
+    ``--max-queue 999999999999`` or ``--max-image-pixels 1e23`` started, as README says no
+    setting does."""
     for name, field in Settings.model_fields.items():
-        if field.annotation is float:
+        if field.annotation in (float, int, float | None, int | None):
             assert any(hasattr(m, "le") or hasattr(m, "lt") for m in field.metadata), name
     with pytest.raises(ValueError, match="max_upload_mb"):
         Settings(max_upload_mb=1e12)
+    with pytest.raises(ValueError, match="max_queue"):
+        Settings(max_queue=999_999_999_999)
 
 
 def test_the_grpc_message_limit_stays_under_2_gib_and_a_port_in_use_is_refused() -> None:

@@ -237,8 +237,10 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         state = c.get("/events", params={"type": "stream_state"}).json()["events"][0]
         refused = c.get(f"/events/{state['id']}/thumbnail.jpg")
         assert refused.status_code == 404 and "has no object to cut out" in refused.text
+        # An event the log no longer has (or never had): the log's setting, not the
+        # snapshots' (it said those were kept for the last 256 frames, the JPEG still there).
         missing = c.get("/events/12345/snapshot.jpg")
-        assert missing.status_code == 404 and "STREAMDET_EVENT_SNAPSHOTS" in missing.text
+        assert missing.status_code == 404 and "STREAMDET_EVENT_LOG_SIZE" in missing.text
         # Found again by what it was, where and when; other criteria leave it out.
         at = event["captured_at"]
         filters: tuple[tuple[dict[str, Any], bool], ...] = (

@@ -204,6 +204,7 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         assert job["source"] == {"upload": "car.mp4", "bytes": CAR_CLIP.stat().st_size}
         assert job["video"]["width"] == 768 and job["video"]["duration_s"] == 30.16
         assert job["settings"]["classes"] == ["car"] and "clips" not in job["settings"]
+        assert "queue_position" in job  # the job as GET gives it (0 queued, null running)
         processed_before = c.get(f"/streams/{live['id']}").json()["frames_processed"]
         done = c.get(f"/jobs/{job['id']}", params={"wait_s": 60}).json()
         assert done["state"] == "done", done
@@ -322,7 +323,11 @@ def test_bad_jobs_get_clear_errors_and_a_full_server_refuses_more(tmp_path: Path
             ),
             ({"files": {"image": video}}, 422, "needs a file field 'video' (got: image)"),
             ({"files": {"video": video}, "data": {"settings": "{"}}, 422, "settings: not JSON"),
-            ({"files": {"video": video}, "data": {"settings": '{"clips": true}'}}, 422, "clips"),
+            (  # each named (it named the first)
+                {"files": {"video": video}, "data": {"settings": '{"clips": 1, "motion": 1}'}},
+                422,
+                "clips, motion: a live stream's settings",
+            ),
             (
                 {"files": {"video": video}, "data": {"settings": '{"classes": "unicorn"}'}},
                 422,

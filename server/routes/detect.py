@@ -56,9 +56,15 @@ async def capped_stream(
         yield chunk
 
 
+def megabytes(limit: int) -> str:
+    """``limit`` bytes as the setting gave them in MB (``0.1``, ``3.5``: not ``0.0999994`` or,
+    rounded whole, ``4``)."""
+    return f"{round(limit / 2**20, 3):g}"
+
+
 async def read_body_capped(request: Request, limit: int) -> bytes:
     """Read the request body, refusing (413) once it passes ``limit`` bytes."""
-    too_large = f"upload larger than {limit / 2**20:g} MB (setting STREAMDET_MAX_UPLOAD_MB)"
+    too_large = f"upload larger than {megabytes(limit)} MB (setting STREAMDET_MAX_UPLOAD_MB)"
     body = b"".join([chunk async for chunk in capped_stream(request, limit, too_large)])
     request._body = body  # lets request.form() parse what we already read
     return body
@@ -166,10 +172,32 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+IMAGE_BODY = {"schema": {"type": "string", "format": "binary"}}
+
+
 @router.post(
     "/detect",
     response_model=None,
     responses={200: {"content": {"application/json": {}, "image/jpeg": {}}}},
+    # The body is read by hand (streamed under its size limit): declared here, so a client
+    # made from the schema can call the main route (it had no body at all).
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["image"],
+                        "properties": {"image": {"type": "string", "format": "binary"}},
+                    }
+                },
+                "image/jpeg": IMAGE_BODY,
+                "image/png": IMAGE_BODY,
+                "image/webp": IMAGE_BODY,
+            },
+        }
+    },
 )
 async def detect(
     request: Request,

@@ -333,6 +333,12 @@ async def _picture(request: Request, event_id: int, *, thumbnail: bool) -> Respo
         event = manager.events.get(event_id)
         if thumbnail and event is not None and "box" not in event:
             why = f"event {event_id} ({event['type']}) has no object to cut out"
+        elif event is None:  # it blamed the snapshots' setting where the log's had let it go
+            kept = manager.events.capacity
+            why = (
+                f"no event {event_id}: unknown, or older than the last {kept} events the log"
+                " keeps (setting STREAMDET_EVENT_LOG_SIZE)"
+            )
         else:
             what = "thumbnail" if thumbnail else "snapshot"
             why = (

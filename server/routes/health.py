@@ -13,12 +13,14 @@ router = APIRouter()
 
 
 # HEAD too: some load balancers' and uptime checkers' probes send it (it was 405).
-@router.api_route("/healthz", methods=["GET", "HEAD"])
+@router.get("/healthz")
+@router.head("/healthz", include_in_schema=False)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.api_route("/readyz", methods=["GET", "HEAD"])
+@router.get("/readyz")
+@router.head("/readyz", include_in_schema=False)
 async def readyz(request: Request) -> JSONResponse:
     state = get_state(request)
     if state.ready:

@@ -40,7 +40,7 @@ from server.jobs import (
     JobStorageError,
 )
 from server.ranges import RangedFile
-from server.routes.detect import capped_stream
+from server.routes.detect import capped_stream, megabytes
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.streams import DetectIn
 from server.state import AppState, get_state
@@ -116,13 +116,24 @@ class JobIn(DetectIn):
 
     @model_validator(mode="after")
     def _no_live_settings(self) -> JobIn:
-        for key in sorted(LIVE_ONLY):
-            if key in self.model_fields_set:
-                raise ValueError(
-                    f"{key}: a live stream's setting; a job reads all of a recorded video"
-                    " (sample fewer frames with fps)"
-                )
+        live = sorted(LIVE_ONLY & self.model_fields_set)  # each named, not the first alone
+        if live:
+            raise ValueError(
+                f"{', '.join(live)}: a live stream's setting{'s' if len(live) > 1 else ''};"
+                " a job reads all of a recorded video (sample fewer frames with fps)"
+            )
         return self
+
+
+def job_body_schema() -> dict[str, Any]:
+    """``JobIn``'s JSON schema for the OpenAPI document: its shapes referred to where the
+    document keeps them (its own ``#/$defs/...`` resolved nowhere there), and without the
+    live streams' settings it inherits and refuses (``clips``, ``motion``, ...)."""
+    schema = JobIn.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    for key in LIVE_ONLY:
+        schema["properties"].pop(key, None)
+    return schema
 
 
 def _jobs(state: AppState) -> JobManager:
@@ -158,7 +169,8 @@ def settings_of(raw: str | dict[str, Any] | None, where: str) -> JobIn:
 
 def _capped(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
     """The request body, refused (413) once it passes ``limit`` bytes."""
-    too_large = f"video larger than {limit / 2**20:.0f} MB (setting STREAMDET_MAX_JOB_UPLOAD_MB)"
+    mb = megabytes(limit)
+    too_large = f"video larger than {mb} MB (setting STREAMDET_MAX_JOB_UPLOAD_MB)"
     return capped_stream(request, limit, too_large)
 
 
@@ -274,9 +286,26 @@ async def _receive(
                     }
                 },
                 "video/mp4": {"schema": {"type": "string", "format": "binary"}},
-                "application/json": {"schema": JobIn.model_json_schema()},
+                "application/json": {"schema": job_body_schema()},
             }
-        }
+        },
+        "parameters": [
+            {
+                "name": "settings",
+                "in": "query",
+                "required": False,
+                "description": "with the video as the body (video/mp4, ...): its settings"
+                " (JobIn) as JSON",
+                "schema": {"type": "string"},
+            },
+            {
+                "name": "filename",
+                "in": "query",
+                "required": False,
+                "description": "with the video as the body: its name, as the job shows it",
+                "schema": {"type": "string"},
+            },
+        ],
     },
 )
 async def create_job(request: Request, response: Response) -> dict[str, Any]:
@@ -327,7 +356,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
             await asyncio.to_thread(shutil.rmtree, directory, True)
         raise
     response.headers["Location"] = f"/jobs/{job_id}"
-    return job.to_json(names)
+    return _describe(jobs, job, names)  # as GET /jobs/{id} (it had no queue_position)
 
 
 async def _make_room(jobs: JobManager, incoming: int, max_mb: int, job_id: str) -> None:

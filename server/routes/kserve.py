@@ -132,12 +132,14 @@ async def server_metadata(request: Request) -> dict[str, Any]:
     }
 
 
-@router.api_route("/health/live", methods=["GET", "HEAD"])
+@router.get("/health/live")
+@router.head("/health/live", include_in_schema=False)
 async def live() -> Response:
     return Response(status_code=200)
 
 
-@router.api_route("/health/ready", methods=["GET", "HEAD"])
+@router.get("/health/ready")
+@router.head("/health/ready", include_in_schema=False)
 async def ready(request: Request) -> Response:
     state = get_state(request)
     return Response(status_code=200 if state.ready else 503)
@@ -483,8 +485,37 @@ def _response(
     )
 
 
-@router.post("/models/{model_name}/infer")
-@router.post("/models/{model_name}/versions/{version}/infer")
+INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "description": "KServe v2 inference request: one input, image_bytes"
+                    " (BYTES [N], encoded images) or images (UINT8 [N, H, W, 3]); parameters"
+                    " conf, iou, classes, max_det",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "parameters": {"type": "object"},
+                        "inputs": {"type": "array", "items": {"type": "object"}},
+                        "outputs": {"type": "array", "items": {"type": "object"}},
+                    },
+                }
+            },
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "binary tensor data: the JSON request (its length in the"
+                " Inference-Header-Content-Length header), then the tensors' bytes",
+            },
+        },
+    }
+}
+
+
+@router.post("/models/{model_name}/infer", openapi_extra=INFER_BODY)
+@router.post("/models/{model_name}/versions/{version}/infer", openapi_extra=INFER_BODY)
 async def infer(
     request: Request, ticket: AdmissionTicket, model_name: str, version: str | None = None
 ) -> Response:
