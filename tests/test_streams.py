@@ -985,6 +985,34 @@ def test_results_that_come_back_out_of_order_never_go_back_in_time() -> None:
         assert reader.join(10)
 
 
+def test_a_frames_captured_at_is_when_it_was_decoded_not_handed_over() -> None:
+    """A frame from a decode process reaches the reader a while after it was decoded: its
+    ``captured_at`` (what clients and the load tests measure latency from) is the decode's
+    wall time; it was the hand-over's, leaving the hand-over out of every latency."""
+    held: list[WorkItem] = []
+    published: list[ProcessedFrame] = []
+    spec = parse_source(f"file://{VIDEOS[0]}", VIDEOS[0].parent)
+    reader = StreamReader(
+        StreamConfig("s1", spec),
+        ReaderOptions(),
+        lambda _, item: held.append(item),
+        published.append,
+    )
+    image = np.zeros((360, 640, 3), np.uint8)
+    reader._offer(image, 0.0, time.monotonic() - 0.5, (640, 360))  # decoded 0.5 s ago
+    nothing = Detections(
+        boxes=np.zeros((0, 4), np.float32),
+        scores=np.zeros(0, np.float32),
+        class_ids=np.zeros(0, np.int32),
+        names={0: "person"},
+        width=640,
+        height=360,
+    )
+    held[0].on_done(WorkResult(nothing, None, 0.0, 0.0, 1))
+    (frame,) = published
+    assert 0.45 < time.time() - frame.captured_at < 5.0, time.time() - frame.captured_at
+
+
 # ---- regions of interest -------------------------------------------------------------------
 
 
