@@ -43,12 +43,25 @@ BACKOFF_MAX_S = 30.0
 SIGNATURE_HEADER = "X-Streamdet-Signature"
 
 
-def label(url: str) -> str:
-    """The URL as logs and metrics show it: no credentials, query or fragment (they may hold
-    tokens)."""
+def label(url: str, *, masked: bool = True) -> str:
+    """The URL as logs, metrics and the API show it: no credentials, query or fragment (they
+    may hold tokens), and, ``masked``, no path segment that looks like a token: Slack's and
+    Discord's webhook URLs, Home Assistant's webhook ids carry their secret in the path, which
+    any read-only key saw (``GET /webhooks``, ``/metrics``). Such a segment (16 characters or
+    more, letters with digits, or 32 or more) shows as ``***`` and its last 4 characters."""
     parts = urlsplit(url)
     host = parts.netloc.rpartition("@")[2]
-    return f"{parts.scheme}://{host}{parts.path}"
+    path = parts.path
+    if masked:
+        path = "/".join(_masked(segment) for segment in path.split("/"))
+    return f"{parts.scheme}://{host}{path}"
+
+
+def _masked(segment: str) -> str:
+    mixed = any(c.isdigit() for c in segment) and any(c.isalpha() for c in segment)
+    if len(segment) >= 32 or (len(segment) >= 16 and mixed):
+        return f"***{segment[-4:]}"
+    return segment
 
 
 async def post_json(
@@ -106,7 +119,10 @@ class WebhookSender:
         self.name = label(url)
         self.id = webhook_id
         self.about = about or {"filter": {}, "signed": secret is not None, "created_at": None}
-        sink = f"webhook {self.name}" if webhook_id is None else f"webhook {webhook_id}"
+        # Its cursor is kept under the URL as it was always named (unmasked: on the server's
+        # own disk), so a restart carries on where it was.
+        plain = label(url, masked=False)
+        sink = f"webhook {plain}" if webhook_id is None else f"webhook {webhook_id}"
         self._reader = LogReader(sink, events, self._count, wanted)
         self._secret = secret
         self._timeout_s = timeout_s

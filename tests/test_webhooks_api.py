@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from benchmarks.events_bench import WebhookReceiver
-from server.webhooks import sign
+from server.webhooks import label, sign
 from tests.helpers import SHELF_STREAM, clip_server
 
 
@@ -98,3 +98,17 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         left = c.get("/webhooks").json()["webhooks"]
         assert [h["source"] for h in left] == ["setting"]  # deleted for good
+
+
+def test_a_webhook_urls_secret_path_is_masked_where_it_is_shown() -> None:
+    """Slack's and Discord's webhook URLs carry their secret in the path: ``GET /webhooks`` and
+    ``/metrics`` showed it to any read-only key. Token-like segments are masked (their last
+    4 characters kept, to tell two apart); credentials and queries were already gone."""
+    slack = "https://hooks.slack.com/services/T0001ABCD/B0002EFGH/abcdEFGH1234ijklMNOP5678"
+    assert label(slack) == "https://hooks.slack.com/services/T0001ABCD/B0002EFGH/***5678"
+    token = "x" * 60 + "Zz_9"
+    discord = f"https://discord.com/api/webhooks/123456789012345678/{token}"
+    assert label(discord) == "https://discord.com/api/webhooks/123456789012345678/***Zz_9"
+    plain = "http://user:pw@ha.local:8123/api/webhook/streamdet-front?token=abc"
+    assert label(plain) == "http://ha.local:8123/api/webhook/streamdet-front"
+    assert label(slack, masked=False) == slack  # the key its delivery cursor is kept under
