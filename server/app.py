@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         executor = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
         state = AppState(settings=settings, pool=engine_pool, decode_executor=executor)
         app.state.streamdet = state
-        metrics.bind_pool(engine_pool)
+        metrics.bind_pool(engine_pool, lambda: state.ready)
         app.state.admission = AdmissionController(engine_pool, settings, metrics)
         # Streams start after the pool (they feed it) and stop before it.
         manager = streams.build_manager(settings, engine_pool)

@@ -200,8 +200,11 @@ class _ScrapeCollector(Collector):
         if pool is not None:
             yield GaugeMetricFamily(
                 "streamdet_ready",
-                "1 once the model is loaded and warmed and the engines take work (GET /readyz)",
-                value=1.0 if pool.ready else 0.0,
+                "1 once the model is loaded and warmed and the engines take work, 0 again"
+                " while it shuts down (as GET /readyz)",
+                value=1.0
+                if (ready() if (ready := self._metrics.ready_source) else pool.ready)
+                else 0.0,
             )
             interactive, streams = pool.queue.depth()
             depth = GaugeMetricFamily(
@@ -410,6 +413,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.pool: EnginePool | None = None
+        self.ready_source: Callable[[], bool] | None = None
         self.stream_source: StreamSource | None = None
         self.wait_source: Callable[[], float] | None = None
         self.job_source: Callable[[], dict[str, int]] | None = None
@@ -529,9 +533,11 @@ class Metrics:
         if gpu is not None:
             reg.register(gpu)
 
-    def bind_pool(self, pool: EnginePool) -> None:
-        """Read queue depth from ``pool`` and record every batch it runs."""
+    def bind_pool(self, pool: EnginePool, ready: Callable[[], bool] | None = None) -> None:
+        """Read queue depth from ``pool`` and record every batch it runs; ``ready`` says what
+        ``GET /readyz`` says (the pool's readiness by default)."""
         self.pool = pool
+        self.ready_source = ready
         pool.batch_observers.append(self.observe_batch)
 
     def set_wait_source(self, source: Callable[[], float] | None) -> None:

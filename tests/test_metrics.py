@@ -223,3 +223,16 @@ def test_event_loop_lag_is_sampled(client: TestClient) -> None:
     samples = scrape(client)
     assert value(samples, "streamdet_admission_budget_ratio") == 1.0
     assert value(samples, "streamdet_estimated_wait_seconds") >= 0.0
+
+
+def test_ready_goes_to_0_as_the_server_shuts_down(client: TestClient) -> None:
+    """``streamdet_ready`` said 1 while ``/readyz`` said 503 during the shutdown (it read the
+    pool alone)."""
+    assert value(scrape(client), "streamdet_ready") == 1
+    state = client.app.state.streamdet  # type: ignore[attr-defined]
+    state.shutting_down = True
+    try:
+        assert client.get("/readyz").status_code == 503
+        assert value(scrape(client), "streamdet_ready") == 0
+    finally:
+        state.shutting_down = False
