@@ -75,8 +75,8 @@ class FrameSample:
     sources: list[SourceSample]
 
 
-def parse_sources(specs: Sequence[str]) -> list[FrameSource]:
-    """Turn ``--calib`` arguments into sources.
+def parse_sources(specs: Sequence[str], flag: str = "--calib") -> list[FrameSource]:
+    """Turn ``--calib`` (or ``flag``'s) arguments into sources.
 
     Raises:
         CalibrationError: a path that does not exist or is neither a video, an image nor a
@@ -92,9 +92,9 @@ def parse_sources(specs: Sequence[str]) -> list[FrameSource]:
         if path.is_dir():
             if not _folder_images(path):
                 raise CalibrationError(
-                    f"calibration source {spec}: folder holds no images"
+                    f"{_purpose(flag)} source {spec}: folder holds no images"
                     f" ({', '.join(sorted(IMAGE_SUFFIXES))});"
-                    " pass videos, images or RTSP URLs to --calib"
+                    f" pass videos, images or RTSP URLs to {flag}"
                 )
             sources.append(FrameSource("images", str(path), path.name))
         elif path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES:
@@ -103,19 +103,55 @@ def parse_sources(specs: Sequence[str]) -> list[FrameSource]:
             sources.append(FrameSource("images", str(path), path.name))
         elif not path.exists():
             raise CalibrationError(
-                f"calibration source {spec}: no such file, folder or URL (--calib)"
+                f"{_purpose(flag)} source {spec}: no such file, folder or URL ({flag})"
             )
         else:
             raise CalibrationError(
-                f"calibration source {spec}: expected a video"
+                f"{_purpose(flag)} source {spec}: expected a video"
                 f" ({', '.join(sorted(VIDEO_SUFFIXES))}), an image, a folder of images"
-                " or an rtsp:// URL (--calib)"
+                f" or an rtsp:// URL ({flag})"
             )
     if not sources:
         raise CalibrationError(
-            "no calibration sources; pass videos, image folders or RTSP URLs with --calib"
+            f"no {_purpose(flag)} sources; pass videos, image folders or RTSP URLs with {flag}"
         )
     return sources
+
+
+def _purpose(flag: str) -> str:
+    return "calibration" if flag == "--calib" else "evaluation"
+
+
+def check_frame_budget(
+    calib: Sequence[str], calib_frames: int, evals: Sequence[str], eval_frames: int, sets: int
+) -> None:
+    """Refuse, before anything is exported, evaluation sources too short for ``sets`` held-out
+    sets of ``eval_frames`` frames besides the ``calib_frames`` calibration frames (taken from
+    the sources of the same name). Live sources are unbounded and pass.
+
+    Raises:
+        CalibrationError: too few frames, naming ``--eval-frames``; or a bad source.
+    """
+    calib_sources = parse_sources(calib)
+    calib_caps = [source_length(s) for s in calib_sources]
+    taken: dict[str, int] = {}
+    for src, n in zip(calib_sources, share(calib_frames, calib_caps), strict=True):
+        taken[src.name] = taken.get(src.name, 0) + n
+    same = list(evals) == list(calib)
+    eval_sources = calib_sources if same else parse_sources(evals, "--eval")
+    caps: list[int | None] = []
+    for src in eval_sources:
+        total = source_length(src)
+        caps.append(None if total is None else max(0, total - taken.pop(src.name, 0)))
+    wanted = eval_frames * sets
+    available = sum(share(wanted, caps))
+    if available < wanted:
+        raise CalibrationError(
+            f"evaluation needs {wanted} frames ({sets} set(s) of {eval_frames}) but the sources"
+            f" give only {available} besides the {calib_frames} calibration frames: add"
+            " sources (--eval), lower --eval-frames or --eval-sets, or pass --eval-frames 0 to"
+            " skip the accuracy report"
+        )
 
 
 def _folder_images(path: Path) -> list[Path]:
@@ -284,9 +320,9 @@ def _iter_live(url: str, n: int) -> Iterator[Image]:
     try:
         container = av.open(url, options=options, timeout=LIVE_TIMEOUT_S)
     except Exception as exc:
-        where = url.rsplit("@", maxsplit=1)[-1]  # no credentials in messages
-        scheme = url.split("://", 1)[0]
-        reason = str(exc).replace(url, f"{scheme}://{where}")
+        scheme, _, rest = url.partition("://")
+        where = f"{scheme}://{rest.rsplit('@', maxsplit=1)[-1]}"  # no credentials in messages
+        reason = str(exc).replace(url, where)
         raise CalibrationError(f"live source {where}: cannot open ({reason})") from None
     produced = 0
     with container:
@@ -318,7 +354,11 @@ def progress_bar(total: int, desc: str, enabled: bool, unit: str = "frame") -> A
 
 
 def input_shape(
-    frames: Sequence[Image], imgsz: int, stride: int, dynamic_hw: bool
+    frames: Sequence[Image],
+    imgsz: int,
+    stride: int,
+    dynamic_hw: bool,
+    fixed: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """The one ``(H, W)`` calibration runs at.
 
@@ -326,10 +366,11 @@ def input_shape(
     frame shares one (frames of one camera, or clips of one aspect ratio) calibration uses
     it, so the activations seen are the ones served. Mixed aspect ratios use the square
     ``imgsz`` input, which holds any letterboxed frame (the grey border is what inference
-    pads with too). A fixed-shape model always runs at ``imgsz``.
+    pads with too). A fixed-shape model always runs at its own ``(H, W)``: ``fixed``, else
+    ``(imgsz, imgsz)``.
     """
     if not dynamic_hw:
-        return imgsz, imgsz
+        return fixed or (imgsz, imgsz)
     shapes = {rect_shape(f.shape[0], f.shape[1], imgsz, stride) for f in frames}
     return shapes.pop() if len(shapes) == 1 else (imgsz, imgsz)
 

@@ -24,7 +24,7 @@ import numpy as np
 from engines.calibration import FrameSample, parse_sources, sample_frames
 from engines.model import read_model_info
 from engines.registry import EngineConfig
-from engines.types import Detections, DetectParams, Engine, Image
+from engines.types import Detections, DetectParams, Engine, Image, ModelError, ModelInfo
 from engines.yolo import box_iou
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,28 @@ def evaluate(
     return report
 
 
+def check_same_classes(reference: Path, candidate: Path) -> ModelInfo:
+    """The candidate's info, once its class names are the reference's: detections are matched
+    by class id, so another class set would compare unrelated classes (or none at all).
+
+    Raises:
+        ModelError: the names differ, saying how.
+    """
+    ref, cand = read_model_info(reference).names, read_model_info(candidate)
+    if dict(ref) != dict(cand.names):
+        differ = sorted(i for i in set(ref) | set(cand.names) if ref.get(i) != cand.names.get(i))
+        shown = ", ".join(
+            f"{i}: {ref.get(i, '-')!s} vs {cand.names.get(i, '-')!s}" for i in differ[:5]
+        )
+        raise ModelError(
+            f"model {candidate} ({len(cand.names)} classes) and reference {reference}"
+            f" ({len(ref)} classes) detect different classes ({shown}"
+            f"{', ...' if len(differ) > 5 else ''}): pass the FP32 model this artifact was"
+            " exported from as --reference"
+        )
+    return cand
+
+
 def evaluate_sets(
     reference: Path,
     candidate: Path,
@@ -220,8 +242,12 @@ def evaluate_sets(
     threads: int,
     conf: float = 0.25,
 ) -> list[EvalReport]:
-    """:func:`evaluate` on each of ``frame_sets`` (one report per set), loading each model once."""
-    info = read_model_info(candidate)
+    """:func:`evaluate` on each of ``frame_sets`` (one report per set), loading each model once.
+
+    Raises:
+        ModelError: the two models detect different classes.
+    """
+    info = check_same_classes(reference, candidate)
     params = [DetectParams(conf=conf)]
     ref_engine, cand_engine = _engine(reference, imgsz, threads), _engine(candidate, imgsz, threads)
     reports: list[EvalReport] = []
@@ -288,6 +314,7 @@ def held_out_sets(
     exclude: Mapping[str, Sequence[int]],
     *,
     progress: bool = True,
+    flag: str = "--eval",
 ) -> list[FrameSample]:
     """``sets`` disjoint samples of ``frames`` frames each, none of them in ``exclude``.
 
@@ -298,7 +325,7 @@ def held_out_sets(
         CalibrationError: the sources hold too few frames besides the excluded ones.
     """
     held: dict[str, list[int]] = {name: list(idx) for name, idx in exclude.items()}
-    parsed = parse_sources(sources)
+    parsed = parse_sources(sources, flag)
     out: list[FrameSample] = []
     for _ in range(sets):
         sample = sample_frames(
@@ -321,17 +348,21 @@ def evaluate_artifact(
     imgsz: int | None = None,
     conf: float = 0.25,
     progress: bool = True,
+    flag: str = "--eval",
 ) -> list[EvalReport]:
     """Evaluate ``candidate`` against ``reference`` on ``sets`` disjoint sets of ``frames``
     frames of ``sources`` that the candidate was not calibrated on (its
     ``streamdet_calibration`` metadata says which); one report per set.
 
     Raises:
-        CalibrationError: the sources hold too few frames besides the calibration ones.
+        CalibrationError: the sources (``flag``'s) hold too few frames besides the
+            calibration ones.
+        ModelError: the two models detect different classes.
     """
     size = imgsz or read_model_info(candidate).imgsz[0]
+    check_same_classes(reference, candidate)
     samples = held_out_sets(
-        sources, frames, sets, calibration_indices(candidate), progress=progress
+        sources, frames, sets, calibration_indices(candidate), progress=progress, flag=flag
     )
     return evaluate_sets(
         reference,

@@ -85,7 +85,7 @@ from typing import Any, TypeVar
 
 from engines.calibration import FrameReader, FrameSample, input_shape, parse_sources, sample_frames
 from engines.finetune import DEFAULT_STEPS, FinetuneConfig, FinetuneReport
-from engines.model import file_sha256, read_model_info, resolve_onnx
+from engines.model import default_imgsz, file_sha256, read_model_info, resolve_onnx
 from engines.types import EngineError
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 TARGETS = ("tensorrt", "cpu")
 CALIB_METHODS = ("entropy", "max")
 DEFAULT_CALIB_FRAMES = 256
+DEFAULT_IMGSZ = 640
 # Left in float by default: in the YOLO Detect module, everything but the first two (3x3)
 # convolutions of each branch, i.e. the last 1x1 convolutions (box and class logits), the DFL
 # and the box/score decode. The decoded output holds pixels (0..640) and scores (0..1) in one
@@ -140,7 +141,9 @@ class ExportRequest:
             ``.onnx`` file.
         out: the ONNX file to write.
         precision: ``fp32``, ``fp16`` or ``int8``.
-        imgsz: inference size the artifact is made (and calibrated) for.
+        imgsz: inference size the artifact is made (and calibrated) for; ``None``: the
+            model's (a fixed-shape ONNX's own, see ``engines.model.default_imgsz``), else 640.
+            A fixed-shape model refuses any other.
         calib: INT8 calibration sources: videos, image folders, images or RTSP URLs.
         calib_frames: frames sampled evenly over ``calib``.
         calib_method: ``entropy`` or ``max`` activation ranges.
@@ -162,7 +165,7 @@ class ExportRequest:
     model: str
     out: Path
     precision: str = "fp32"
-    imgsz: int = 640
+    imgsz: int | None = None
     calib: tuple[str, ...] = ()
     calib_frames: int = DEFAULT_CALIB_FRAMES
     calib_method: str = DEFAULT_CALIB_METHOD
@@ -198,12 +201,17 @@ class ExportRequest:
             raise ExportError(
                 f"--high-precision: expected fp16 or fp32, got {self.high_precision!r}"
             )
-        if self.imgsz < 32 or self.imgsz % 32:
+        if self.imgsz is not None and (self.imgsz < 32 or self.imgsz % 32):
             raise ExportError(
                 f"--imgsz: expected a multiple of 32 (the model stride), got {self.imgsz}"
             )
         if self.out.suffix.lower() != ".onnx":
             raise ExportError(f"--out: expected a .onnx file name, got {self.out}")
+        if _same_file(self.out, Path(self.model).expanduser()):
+            raise ExportError(
+                f"--out: {self.out} is the --model file; writing it would overwrite the FP32"
+                " source the artifact is checked against: pass another --out"
+            )
         if self.precision == "int8" and not self.calib:
             raise ExportError(
                 "--precision int8 needs calibration frames: pass videos, image folders or RTSP"
@@ -236,8 +244,22 @@ def export_model(request: ExportRequest) -> ExportResult:
         ModelError: the model cannot be read or exported.
     """
     request.check()
-    reference = resolve_onnx(request.model, request.cache_dir, request.imgsz)
+    reference = resolve_onnx(request.model, request.cache_dir, request.imgsz or DEFAULT_IMGSZ)
+    if _same_file(request.out, reference):
+        raise ExportError(
+            f"--out: {request.out} is the FP32 reference {reference} the artifact is made from"
+            " and checked against: pass another --out"
+        )
     info = read_model_info(reference)
+    own = default_imgsz(info)
+    if not info.dynamic_hw and request.imgsz is not None and request.imgsz != own:
+        raise ExportError(
+            f"--imgsz {request.imgsz}: model {request.model} has a fixed"
+            f" {info.imgsz[0]}x{info.imgsz[1]} input, so it runs at {own} only: drop --imgsz"
+            f" (or pass --imgsz {own}), or export the model again with dynamic=True"
+        )
+    imgsz = request.imgsz or own or DEFAULT_IMGSZ
+    fixed = None if info.dynamic_hw else info.imgsz
     if info.precision != "fp32":
         raise ExportError(
             f"model {request.model}: is already {info.precision};"
@@ -265,9 +287,13 @@ def export_model(request: ExportRequest) -> ExportResult:
         else:
             sources = parse_sources(request.calib)
             calibration = sample_frames(sources, request.calib_frames, progress=request.progress)
-            shape = input_shape(calibration.frames, request.imgsz, info.stride, info.dynamic_hw)
+            shape = input_shape(calibration.frames, imgsz, info.stride, info.dynamic_hw, fixed)
             reader = FrameReader(
-                calibration.frames, request.imgsz, shape, progress=request.progress
+                calibration.frames,
+                imgsz,
+                shape,
+                input_name=_input_name(reference),
+                progress=request.progress,
             )
             if request.target == "cpu":
                 produced = _quantize_ort(reference, work, reader, request)
@@ -286,7 +312,7 @@ def export_model(request: ExportRequest) -> ExportResult:
                 {
                     "method": request.calib_method,
                     "frames": len(calibration.frames),
-                    "imgsz": request.imgsz,
+                    "imgsz": imgsz,
                     "shape": list(shape),
                     "high_precision": request.high_precision
                     if request.target == "tensorrt"
@@ -298,6 +324,23 @@ def export_model(request: ExportRequest) -> ExportResult:
         metadata = _write_with_metadata(produced, reference, request.out, extra)
     log.info("export %s: wrote %s (%s)", request.model, request.out, request.precision)
     return ExportResult(request.out, request.precision, reference, calibration, metadata)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (resolved: ``./m.onnx`` and ``m.onnx``, links)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def _input_name(path: Path) -> str:
+    """The name of the graph's image input (``images`` in Ultralytics' exports; any name in a
+    graph from elsewhere)."""
+    import onnx
+
+    name: str = onnx.load(str(path), load_external_data=False).graph.input[0].name
+    return name
 
 
 def _version(dist: str, label: str | None = None) -> str:

@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -493,6 +493,16 @@ def finetune(
 
     torch.set_num_threads(usable_cores())
     model = onnx.load(str(candidate))
+    # A graph exported with a fixed batch (Ultralytics' default: 1) has it baked into its
+    # Reshape constants too: it runs, and so trains, at that batch only.
+    fixed = model.graph.input[0].type.tensor_type.shape.dim[0].dim_value
+    if fixed and fixed < config.batch:
+        log.info(
+            "fine-tuning %s at batch %d, the batch its graph fixes (not %d)",
+            candidate, fixed, config.batch,
+        )  # fmt: skip
+        config = replace(config, batch=fixed)
+    chunk = fixed or 8  # frames per validation run
     graph = QdqGraph(model, learn_scales=config.learn_scales)
     logits_name = _logit_tensor(model)
     opts = ort.SessionOptions()
@@ -510,7 +520,7 @@ def finetune(
     def teach(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(teacher.run(None, {graph.input: x.numpy()})[0])
 
-    first = batch(val[:4])
+    first = batch(val[: min(4, chunk)])
     with torch.no_grad():
         (sim,), _ = graph(first)
     ref = quantized.run(None, {graph.input: first.numpy()})[0]
@@ -521,7 +531,7 @@ def finetune(
             f" (by more than {SCORE_STEP}); export with --finetune-steps 0"
         )
 
-    val_inputs = [batch(val[k : k + 8]) for k in range(0, len(val), 8)]
+    val_inputs = [batch(val[k : k + chunk]) for k in range(0, len(val), chunk)]
     val_targets = [teach(x) for x in val_inputs]
 
     def validate() -> tuple[int, float]:

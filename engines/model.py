@@ -76,7 +76,8 @@ def _export(pt_path: Path, local_pt: Path, imgsz: int, dynamic: bool) -> str:
         model = YOLO(str(local_pt))
     except Exception as exc:
         raise ModelError(
-            f"model {pt_path}: cannot load as an Ultralytics checkpoint: {exc}"
+            f"model {pt_path}: cannot load: not a loadable Ultralytics checkpoint (empty,"
+            f" truncated or corrupted?): {_load_failure(exc, local_pt, pt_path)}"
         ) from exc
     if model.task != "detect":
         raise ModelError(
@@ -92,8 +93,27 @@ def _export(pt_path: Path, local_pt: Path, imgsz: int, dynamic: bool) -> str:
     return exported
 
 
-def resolve_onnx(model: str, cache_dir: Path, imgsz: int) -> Path:
+def _load_failure(exc: BaseException, local_pt: Path, pt_path: Path) -> str:
+    """Why Ultralytics could not load a checkpoint, in one line, naming the user's file rather
+    than the temporary copy Ultralytics read, without its advice to run its own models."""
+    root = exc.__cause__ or exc
+    text = str(root).replace(str(local_pt), str(pt_path)).strip()
+    first = text.splitlines()[0] if text else type(root).__name__
+    if "Recommended fixes" in first:
+        first = first.split("Recommended fixes", 1)[0].strip()
+    return first[:300]
+
+
+def resolve_onnx(
+    model: str, cache_dir: Path, imgsz: int, flag: str = "setting STREAMDET_MODEL / --model"
+) -> Path:
     """Return an ONNX file for ``model`` (a ``.pt`` or ``.onnx`` path), exporting if needed.
+
+    Args:
+        model: the path (or a bare Ultralytics name such as ``yolov8n.pt``).
+        cache_dir: where exports of ``.pt`` and ``.torchscript`` files are cached.
+        imgsz: the export size of a ``.pt``.
+        flag: the setting or flag that named ``model``, for messages (``--reference``).
 
     Raises:
         ModelError: missing, unreadable or unsupported file; the message names it.
@@ -103,14 +123,14 @@ def resolve_onnx(model: str, cache_dir: Path, imgsz: int) -> Path:
     if suffix not in MODEL_SUFFIXES:
         raise ModelError(
             f"model {model}: expected an Ultralytics .pt checkpoint, a .torchscript export or an"
-            " .onnx file (setting STREAMDET_MODEL / --model)"
+            f" .onnx file ({flag})"
         )
     if not path.exists():
         if suffix == ".pt" and path.parent == Path("."):
             return _fetch_and_export(path.name, cache_dir, imgsz)
-        raise ModelError(f"model {model}: file not found (setting STREAMDET_MODEL / --model)")
+        raise ModelError(f"model {model}: file not found ({flag})")
     if not path.is_file() or not os.access(path, os.R_OK):
-        raise ModelError(f"model {model}: not a readable file")
+        raise ModelError(f"model {model}: not a readable file ({flag})")
     if suffix == ".onnx":
         return path
     digest = file_sha256(path)[:16]
@@ -242,6 +262,38 @@ def _fetch_and_export(name: str, cache_dir: Path, imgsz: int) -> Path:
     return resolve_onnx(str(target), cache_dir, imgsz)
 
 
+def default_imgsz(info: ModelInfo) -> int | None:
+    """The inference size a model asks for when no ``--imgsz`` is given: a fixed-shape
+    model's (the longer side of its input), or the size a ``streamdet export`` artifact was
+    made, calibrated and checked at (its ``imgsz`` metadata); ``None`` for any other
+    dynamic-shape model (the caller's default, 640)."""
+    if not info.dynamic_hw:
+        return max(info.imgsz)
+    if "streamdet_precision" in info.extra:
+        return info.imgsz[0]
+    return None
+
+
+def _parse_imgsz(onnx_path: Path, raw: str) -> tuple[int, int]:
+    """The ``imgsz`` metadata entry (``[640, 640]`` or ``640``) as ``(height, width)``.
+
+    Raises:
+        ModelError: not one or two positive integers.
+    """
+    try:
+        value = ast.literal_eval(raw)
+        size = [value, value] if isinstance(value, int) else list(value)
+        height, width = int(size[0]), int(size[1])
+    except (ValueError, SyntaxError, TypeError, IndexError) as exc:
+        raise ModelError(
+            f"model {onnx_path}: unreadable 'imgsz' metadata {raw!r}: expected [height, width];"
+            " re-export the model or remove the entry"
+        ) from exc
+    if height < 1 or width < 1:
+        raise ModelError(f"model {onnx_path}: 'imgsz' metadata {raw!r} is not a positive size")
+    return height, width
+
+
 def read_model_info(onnx_path: Path) -> ModelInfo:
     """Read names, input size and stride from an ONNX file and check it is a YOLO detector.
 
@@ -287,14 +339,12 @@ def read_model_info(onnx_path: Path) -> ModelInfo:
             f"model {onnx_path}: output has {channels} channels, expected 4 + {len(names)}"
             " classes: not a YOLOv8-style detection head (end-to-end/NMS exports unsupported)"
         )
+    h, w = in_dims[2].dim_value, in_dims[3].dim_value
     imgsz_raw = meta.get("imgsz")
-    if imgsz_raw:
-        imgsz_list = ast.literal_eval(imgsz_raw)
-        imgsz = (int(imgsz_list[0]), int(imgsz_list[1]))
-    else:
-        h, w = in_dims[2].dim_value, in_dims[3].dim_value
-        imgsz = (h or 640, w or 640)
-    dynamic_hw = not (in_dims[2].dim_value and in_dims[3].dim_value)
+    imgsz = _parse_imgsz(onnx_path, imgsz_raw) if imgsz_raw else (h or 640, w or 640)
+    dynamic_hw = not (h and w)
+    if not dynamic_hw:
+        imgsz = (h, w)  # the graph's fixed input is what runs, whatever the metadata says
     extra = {k: v for k, v in meta.items() if k.startswith("streamdet_")}
     return ModelInfo(
         path=str(onnx_path),
@@ -304,4 +354,7 @@ def read_model_info(onnx_path: Path) -> ModelInfo:
         dynamic_hw=dynamic_hw,
         precision=meta.get("streamdet_precision", "fp32"),
         extra=extra,
+        # A fixed batch dimension (Ultralytics' default, non-dynamic export: 1): the pool
+        # cannot batch more than this.
+        fixed_batch=in_dims[0].dim_value or None,
     )

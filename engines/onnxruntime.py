@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from engines.registry import ConfiguredEngine, EngineConfig
+from engines.registry import ConfiguredEngine, EngineConfig, fixed_shape
 from engines.types import Detections, DetectParams, EngineError, Image
 from engines.yolo import group_by_shape, postprocess, preprocess
 
@@ -18,8 +18,13 @@ log = logging.getLogger(__name__)
 class OrtEngine(ConfiguredEngine):
     """One ONNX Runtime session; the pool gives each worker its own instance."""
 
+    # A fixed (H, W) input is letterboxed as Ultralytics' predictor does: scaled to fit both
+    # sides, centred, padded grey (an imgsz=(320, 480) export).
+    non_square_fixed = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        self._fixed = fixed_shape(config.model)
         self._session: object | None = None
         self._input_name = "images"
         self._output_name = "output0"
@@ -59,7 +64,7 @@ class OrtEngine(ConfiguredEngine):
         info = self._config.model
         results: list[Detections | None] = [None] * len(images)
         for shape, idxs in group_by_shape(
-            images, self._imgsz, info.stride, info.dynamic_hw
+            images, self._imgsz, info.stride, info.dynamic_hw, self._fixed
         ).items():
             blob, metas = preprocess([images[i] for i in idxs], self._imgsz, shape)
             output = self.run_raw(blob)

@@ -34,17 +34,38 @@ class EngineConfig:
     source: Path | None = None
 
 
+def fixed_batch(info: ModelInfo) -> int | None:
+    """The batch size a model's graph fixes (Ultralytics' default export: 1), or ``None`` where
+    the batch axis is dynamic."""
+    return info.fixed_batch
+
+
+def fixed_shape(info: ModelInfo) -> tuple[int, int] | None:
+    """The ``(H, W)`` a fixed-shape model runs at (``None``: dynamic height and width)."""
+    return None if info.dynamic_hw else info.imgsz
+
+
 class ConfiguredEngine:
     """What every backend answers from its :class:`EngineConfig` alone: class names, input
     size, largest batch and model name. Backends subclass it and add load/detect."""
 
+    # Whether the backend letterboxes into a fixed non-square input (H != W): ONNX Runtime's
+    # does (engines.yolo.group_by_shape with the model's shape); the GPU letterbox does not.
+    non_square_fixed = False
+
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
         info = config.model
-        if not info.dynamic_hw and info.imgsz[0] != info.imgsz[1]:
-            raise EngineError(f"model {info.path}: non-square fixed input {info.imgsz} unsupported")
-        # A fixed-shape model dictates its size; a dynamic one takes the configured imgsz.
-        self._imgsz = config.imgsz if info.dynamic_hw else info.imgsz[0]
+        if not info.dynamic_hw and info.imgsz[0] != info.imgsz[1] and not self.non_square_fixed:
+            raise EngineError(
+                f"model {info.path}: fixed non-square input {info.imgsz[0]}x{info.imgsz[1]}"
+                " is supported by --backend onnxruntime only; for this backend re-export it"
+                " square (imgsz=640) or with dynamic=True"
+            )
+        # A fixed-shape model dictates its size (the longer side of a non-square one: what
+        # the image is scaled to fit before the letterbox pads it to the model's shape); a
+        # dynamic one takes the configured imgsz.
+        self._imgsz = config.imgsz if info.dynamic_hw else max(info.imgsz)
 
     @property
     def names(self) -> Mapping[int, str]:
@@ -56,7 +77,8 @@ class ConfiguredEngine:
 
     @property
     def max_batch(self) -> int:
-        return self._config.max_batch
+        fixed = fixed_batch(self._config.model)
+        return self._config.max_batch if fixed is None else min(self._config.max_batch, fixed)
 
     @property
     def model_name(self) -> str:

@@ -44,8 +44,14 @@ Shape = tuple[int, int, int, int]
 WORKSPACE_BYTES = 4 << 30  # builder scratch; tactics needing more are skipped, not failed
 
 
-def import_tensorrt() -> ModuleType:
+SERVE_INSTEAD = "pick --backend torch / onnxruntime"
+
+
+def import_tensorrt(instead: str = SERVE_INSTEAD) -> ModuleType:
     """The ``tensorrt`` module.
+
+    Args:
+        instead: what the message suggests doing without TensorRT.
 
     Raises:
         EngineError: TensorRT is not installed, saying how to install it or what to pick instead.
@@ -55,7 +61,7 @@ def import_tensorrt() -> ModuleType:
     except ImportError as exc:
         raise EngineError(
             f"TensorRT not installed ({exc}): install the gpu extra (pip install 'streamdet[gpu]',"
-            " TensorRT 10 or 11 from NVIDIA's index) or pick --backend torch / onnxruntime"
+            f" TensorRT 10 or 11 from NVIDIA's index) or {instead}"
         ) from exc
 
 
@@ -346,13 +352,22 @@ def export_engine(
     problems: list[str] = []
     trt: Any = None
     try:
-        trt = import_tensorrt()
+        trt = import_tensorrt(
+            "export ONNX instead (--format onnx, the default), which the onnxruntime and"
+            " torch backends serve"
+        )
     except EngineError as exc:
         problems.append(str(exc))
     try:
         torch_device = resolve_device(device)
     except EngineError as exc:
-        problems.append(str(exc))
+        # Its words are serve's (--backend, STREAMDET_DEVICE); export has --device only.
+        problems.append(
+            str(exc)
+            .replace("; pick --backend onnxruntime", "")
+            .replace(" or pick --backend onnxruntime", "")
+            .replace("STREAMDET_DEVICE", "--device")
+        )
     if problems:
         raise EngineError("cannot build a TensorRT engine: " + "; ".join(problems))
     if torch_device.type != "cuda":

@@ -186,6 +186,9 @@ class ModelInfo:
     dynamic_hw: bool
     precision: str = "fp32"
     extra: Mapping[str, str] = field(default_factory=dict)
+    fixed_batch: int | None = None
+    """The batch size the graph fixes (Ultralytics' default export: 1): the pool batches no
+    more; ``None`` where the batch axis is dynamic."""
 
 
 @runtime_checkable

@@ -45,22 +45,26 @@ def rect_shape(height: int, width: int, imgsz: int, stride: int) -> tuple[int, i
 
 
 def group_by_shape(
-    images: Sequence[Image], imgsz: int, stride: int, dynamic_hw: bool
+    images: Sequence[Image],
+    imgsz: int,
+    stride: int,
+    dynamic_hw: bool,
+    fixed: tuple[int, int] | None = None,
 ) -> dict[tuple[int, int], list[int]]:
     """Indices of ``images`` grouped by the input shape each one runs at.
 
     With a dynamic-shape model each image runs at its own rect shape, so its result never
     depends on what it was batched with (a 16:9 frame padded to 640x640 because a portrait
     photo shared its batch would shift confidences by ~0.02). Frames of one camera share a
-    shape and still batch together. A fixed-shape model has one group.
+    shape and still batch together. A fixed-shape model has one group: ``fixed``, its
+    ``(H, W)`` (a non-square one too), else ``(imgsz, imgsz)``.
     """
     groups: dict[tuple[int, int], list[int]] = {}
+    fixed_hw = fixed or (imgsz, imgsz)
     for i, im in enumerate(images):
         if im.ndim != 3 or im.shape[2] != 3 or im.shape[0] < 1 or im.shape[1] < 1:
             raise ValueError(f"image {i}: expected (H, W, 3) uint8 with pixels, got {im.shape}")
-        shape = (
-            rect_shape(im.shape[0], im.shape[1], imgsz, stride) if dynamic_hw else (imgsz, imgsz)
-        )
+        shape = rect_shape(im.shape[0], im.shape[1], imgsz, stride) if dynamic_hw else fixed_hw
         groups.setdefault(shape, []).append(i)
     return groups
 

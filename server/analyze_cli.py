@@ -24,13 +24,15 @@ from server.settings import Settings
 from streams.detect import StreamDetect
 
 if TYPE_CHECKING:
+    from server.routes.jobs import JobIn
     from streams.jobs import JobProgress
 
 log = logging.getLogger("streamdet")
 
 
 def add_analyze_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("video", type=Path, help="the video file (or an http(s):// URL)")
+    # A string, not a Path: a Path folds the URL's "//" ("http:/host/x.mp4").
+    parser.add_argument("video", help="the video file (or an http(s):// URL)")
     parser.add_argument(
         "--settings",
         default="{}",
@@ -44,14 +46,11 @@ def add_analyze_args(parser: argparse.ArgumentParser) -> None:
 
 def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
     from server.cli import unusable_dir
-    from server.job_video import VIDEO_FILE, AnnotatedVideo
-    from server.jobs import job_settings
-    from server.routes.jobs import JobIn, settings_of
-    from server.runtime import build_pool
-    from streams.jobs import JobError, JobProgress, JobSpec, probe, run_job
+    from server.routes.jobs import settings_of
+    from streams.jobs import JobError, probe
 
     source = str(args.video)
-    out: Path = args.out or Path(f"{args.video.name}.streamdet")
+    out: Path = args.out or Path(f"{Path(source).name}.streamdet")
     try:
         job_in: JobIn = settings_of(args.settings, "--settings")
     except HTTPException as exc:
@@ -73,11 +72,57 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
     except JobError as exc:
         print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
         return 2
+    # The folders made here, to remove again if nothing is written into them.
+    made = _missing_dirs(out)
     # Before the model loads (it was made after: a traceback once the model had loaded).
     unusable = unusable_dir(out)
     if unusable is not None:
         print(f"streamdet analyze: --out: {out}: {unusable}", file=sys.stderr)
+        _remove_empty(made)
         return 2
+    code = 1
+    try:
+        code = _run(settings, args, job_in, (source, video), out)
+    finally:
+        if code != 0:
+            _remove_empty(made)
+    return code
+
+
+def _missing_dirs(out: Path) -> list[Path]:
+    """``out`` and those of its parents that do not exist yet, deepest first."""
+    missing: list[Path] = []
+    path = out
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove ``dirs`` (deepest first) where empty: a failed run leaves no folder it made
+    behind, and never touches one that was there before or holds results."""
+    for path in dirs:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+
+
+def _run(
+    settings: Settings,
+    args: argparse.Namespace,
+    job_in: JobIn,
+    probed: tuple[str, dict[str, Any]],
+    out: Path,
+) -> int:
+    """Load the pool and run the job; the exit status."""
+    from server.job_video import VIDEO_FILE, AnnotatedVideo
+    from server.jobs import job_settings
+    from server.runtime import build_pool
+    from streams.jobs import JobError, JobProgress, JobSpec, run_job
+
+    source, video = probed
     try:
         pool = build_pool(settings)
     except EngineError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,7 @@ def _export(args: argparse.Namespace) -> int:
         model=args.model,
         out=args.out,
         precision=args.precision,
-        imgsz=args.imgsz or 640,
+        imgsz=args.imgsz,
         calib=tuple(args.calib),
         calib_frames=args.calib_frames,
         calib_method=args.calib_method,
@@ -193,9 +194,23 @@ def _export(args: argparse.Namespace) -> int:
     if unusable is not None:  # before the export (minutes, for INT8), not a traceback after
         print(f"streamdet export: --out: {args.out}: {unusable}", file=sys.stderr)
         return 2
+    if not _report_writable(args):
+        return 2
+    sources = args.eval or args.calib
+    if args.precision != "fp32" and args.eval_frames > 0 and sources and args.calib:
+        from engines.calibration import check_frame_budget
+
+        # Before a fine-tune of many minutes, not after it: the held-out sets must fit in
+        # what calibration leaves of the sources.
+        try:
+            check_frame_budget(
+                args.calib, args.calib_frames, sources, args.eval_frames, max(1, args.eval_sets)
+            )
+        except CalibrationError as exc:
+            print(f"streamdet export: accuracy report: {exc}", file=sys.stderr)
+            return 2
     result = export_model(request)
     print(f"wrote {result.path} ({result.precision}; FP32 reference {result.reference})")
-    sources = args.eval or args.calib
     if args.eval_frames <= 0 or result.precision == "fp32":
         return 0
     if not sources:
@@ -204,11 +219,32 @@ def _export(args: argparse.Namespace) -> int:
     return _report(args, result.path, result.reference, sources)
 
 
+def _report_writable(args: argparse.Namespace) -> bool:
+    """Whether ``--report`` can be written, checked before the export and evaluation (it
+    failed with a traceback after them); prints why not."""
+    if args.report is None:
+        return True
+    from server.cli import unusable_dir
+
+    report: Path = args.report
+    problem = "a directory, not a file" if report.is_dir() else unusable_dir(report.parent)
+    if problem is None and report.exists() and not os.access(report, os.W_OK):
+        problem = "not writable"
+    if problem is None:
+        return True
+    print(f"streamdet {args.command}: --report: {report}: {problem}", file=sys.stderr)
+    return False
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     from engines.model import resolve_onnx
 
+    if not _report_writable(args):
+        return 2
     imgsz = args.imgsz or 640
-    reference = resolve_onnx(args.reference, args.cache_dir or _default_cache_dir(), imgsz)
+    reference = resolve_onnx(
+        args.reference, args.cache_dir or _default_cache_dir(), imgsz, flag="--reference"
+    )
     return _report(args, Path(args.model), reference, args.frames)
 
 
@@ -225,11 +261,19 @@ def _report(args: argparse.Namespace, candidate: Path, reference: Path, sources:
             threads=_threads(args),
             imgsz=args.imgsz,
             progress=not args.no_progress,
+            flag=_sources_flag(args),
         )
     except CalibrationError as exc:
         print(f"streamdet {args.command}: accuracy report: {exc}", file=sys.stderr)
         return 2
     return _print_report(args, reports)
+
+
+def _sources_flag(args: argparse.Namespace) -> str:
+    """The flag that named the accuracy report's frames."""
+    if args.command == "evaluate":
+        return "--frames"
+    return "--eval" if args.eval else "--calib"
 
 
 def _print_report(args: argparse.Namespace, reports: list[EvalReport]) -> int:

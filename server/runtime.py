@@ -6,8 +6,15 @@ import functools
 import logging
 from pathlib import Path
 
+from engines.model import default_imgsz
 from engines.pool import EnginePool
-from engines.registry import EngineConfig, default_threads, load_backend, prepare_model
+from engines.registry import (
+    EngineConfig,
+    default_threads,
+    fixed_batch,
+    load_backend,
+    prepare_model,
+)
 from engines.types import Engine, ModelInfo
 from server.settings import Settings
 
@@ -15,15 +22,32 @@ log = logging.getLogger(__name__)
 
 
 def engine_config(settings: Settings, model: ModelInfo) -> EngineConfig:
+    """The engine settings for ``model``: its own input size where ``imgsz`` was not set (a
+    ``streamdet export`` artifact runs at the size it was calibrated and checked at), and no
+    larger batch than a fixed-batch graph takes."""
     return EngineConfig(
         model=model,
-        imgsz=settings.imgsz,
-        max_batch=settings.max_batch,
+        imgsz=served_imgsz(settings, model),
+        max_batch=served_max_batch(settings, model),
         threads=default_threads(settings.workers, settings.threads_per_worker),
         device=settings.device,
         cache_dir=settings.cache_dir,
         source=Path(settings.model),
     )
+
+
+def served_imgsz(settings: Settings, model: ModelInfo) -> int:
+    """``imgsz`` as set (flag, environment), else the model's own (``default_imgsz``), else
+    the setting's default."""
+    if "imgsz" in settings.model_fields_set:
+        return settings.imgsz
+    return default_imgsz(model) or settings.imgsz
+
+
+def served_max_batch(settings: Settings, model: ModelInfo) -> int:
+    """``max_batch``, or the graph's fixed batch where that is smaller."""
+    fixed = fixed_batch(model)
+    return settings.max_batch if fixed is None else min(settings.max_batch, fixed)
 
 
 def build_pool(settings: Settings) -> EnginePool:
@@ -35,19 +59,30 @@ def build_pool(settings: Settings) -> EnginePool:
     factory = load_backend(settings.backend)
     model = prepare_model(settings.model, settings.cache_dir, settings.imgsz)
     config = engine_config(settings, model)
+    if config.max_batch < settings.max_batch:
+        log.warning(
+            "model %s: its graph takes batches of %d only: max batch %d lowered to %d"
+            " (export it with dynamic=True to batch)",
+            model.path,
+            config.max_batch,
+            settings.max_batch,
+            config.max_batch,
+        )
+    if config.imgsz != settings.imgsz and "imgsz" not in settings.model_fields_set:
+        log.info("model %s: served at its imgsz %d (--imgsz to change)", model.path, config.imgsz)
     log.info(
         "loading %s on %s: %d worker(s) x %d thread(s), max batch %d",
         model.path,
         settings.backend,
         settings.workers,
         config.threads,
-        settings.max_batch,
+        config.max_batch,
     )
     make: functools.partial[Engine] = functools.partial(factory, config)
     pool = EnginePool(
         make,
         workers=settings.workers,
-        max_batch=settings.max_batch,
+        max_batch=config.max_batch,
         max_wait_ms=settings.max_wait_ms,
         max_queue=settings.max_queue,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -112,3 +113,64 @@ def test_a_sliver_of_an_image_finds_nothing_as_ultralytics(engine: Engine, h: in
     assert len(det) == 0 and (det.height, det.width) == (h, w)
     assert len(reference(engine, sliver)[0]) == 0
     assert len(with_it) >= 4  # a batch it is in is unharmed
+
+
+# ---- a fixed non-square input: Ultralytics' export(format="onnx", imgsz=(320, 480)) ----------
+
+
+@pytest.fixture(scope="module")
+def rect_engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Any]:
+    """ONNX Runtime on a (320, 480) fixed-input export of a copy of the shared model, and
+    Ultralytics' predictor on the same file."""
+    import shutil
+
+    from ultralytics import YOLO
+
+    from engines.model import read_model_info
+    from engines.onnxruntime import OrtEngine
+    from engines.registry import EngineConfig
+    from tests.helpers import MODEL_PT
+
+    folder = tmp_path_factory.mktemp("rect")
+    pt = folder / MODEL_PT.name
+    shutil.copyfile(MODEL_PT, pt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = YOLO(str(pt)).export(format="onnx", imgsz=(320, 480), verbose=False)
+    info = read_model_info(Path(path))
+    assert info.imgsz == (320, 480) and not info.dynamic_hw
+    engine = OrtEngine(EngineConfig(model=info, imgsz=640, max_batch=1, threads=2))
+    engine.load()
+    engine.warmup()
+    return engine, YOLO(path, task="detect")
+
+
+def _predict(model: Any, image_rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = model.predict(
+            np.ascontiguousarray(image_rgb[..., ::-1]), conf=CONF, verbose=False
+        )[0]
+    boxes = result.boxes
+    return (
+        boxes.xyxy.cpu().numpy(),
+        boxes.conf.cpu().numpy(),
+        boxes.cls.cpu().numpy().astype(np.int32),
+    )
+
+
+def test_fixed_non_square_input_matches_ultralytics(rect_engine: tuple[Engine, Any]) -> None:
+    """It was refused ("non-square fixed input (320, 480) unsupported"); letterboxed into
+    320x480 as Ultralytics' predictor does, the boxes are its boxes."""
+    engine, reference_yolo = rect_engine
+    assert engine.input_size == 480
+    images = [load_image(ultralytics_assets() / n) for n in ("bus.jpg", "zidane.jpg")]
+    images += [frame for video in VIDEOS for frame in sample_video_frames(video, 2, offset=40)]
+    total = 0
+    for image in images:
+        (det,) = engine.infer([image], [DetectParams(conf=CONF)])
+        assert (det.height, det.width) == image.shape[:2]
+        problems = match_reference(det, *_predict(reference_yolo, image), edge_conf=CONF + 0.02)
+        assert not problems, problems
+        total += len(det)
+    assert total > 0

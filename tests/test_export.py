@@ -57,7 +57,7 @@ from server.cli import main
 from server.export_cli import EXIT_BELOW_BAR
 from server.settings import Settings
 from streams.files import encode_jpeg, sample_video_frames
-from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS, ultralytics_assets
+from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, VIDEOS, ultralytics_assets
 
 IMGSZ = 320
 CALIB_FRAMES = 16
@@ -557,3 +557,266 @@ def test_fine_tuning_steps_default_per_target() -> None:
     assert ExportRequest(model="m", out=Path("x.onnx"), precision="int8", target="cpu").steps == 0
     assert ExportRequest(model="m", out=Path("x.onnx"), precision="int8").steps > 0
     assert ExportRequest(model="m", out=Path("x.onnx"), precision="fp16").steps == 0
+
+
+# ---- models as Ultralytics exports them by default: fixed batch 1 and a fixed size --------
+
+
+def ultralytics_onnx(folder: Path, name: str, **export: object) -> Path:
+    """Ultralytics' ONNX export of a copy of the shared model (its defaults: batch 1, fixed
+    height and width), as ``folder / name``."""
+    import shutil
+    import warnings
+
+    from ultralytics import YOLO
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pt = folder / MODEL_PT.name
+    shutil.copyfile(MODEL_PT, pt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = YOLO(str(pt)).export(format="onnx", verbose=False, **export)
+    return Path(made).rename(folder / name)
+
+
+@pytest.fixture(scope="module")
+def fixed320(out_dir: Path) -> Path:
+    """``YOLO(...).export(format="onnx", imgsz=320)``: input [1, 3, 320, 320]."""
+    path = ultralytics_onnx(out_dir / "fixed", "fixed320.onnx", imgsz=IMGSZ)
+    dims = onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims] == [1, 3, IMGSZ, IMGSZ]
+    return path
+
+
+def test_int8_of_a_fixed_batch_fixed_size_onnx(
+    fixed320: Path, out_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default recipe on Ultralytics' default export: fine-tuning runs at the batch its
+    graph fixes (its Reshape constants hold batch 1: a traceback at batch 4), and without
+    --imgsz calibration runs at the model's own 320 (it ran at 640: an ONNX Runtime error)."""
+    out = out_dir / "fixed320-int8.onnx"
+    code = main(
+        [
+            "export", "--model", str(fixed320), "--precision", "int8", "--finetune-steps", "2",
+            "--calib", str(CAR_CLIP), "--calib-frames", "8", "--eval-frames", "2",
+            "--min-score", "0", "--out", str(out), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    info = read_model_info(out)
+    assert info.precision == "int8" and info.imgsz == (IMGSZ, IMGSZ) and not info.dynamic_hw
+    tuned = json.loads(info.extra["streamdet_finetune"])
+    assert tuned["steps"] == 2 and tuned["batch"] == 1
+    calib = json.loads(info.extra["streamdet_calibration"])
+    assert calib["imgsz"] == IMGSZ and calib["shape"] == [IMGSZ, IMGSZ]
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_a_fixed_size_model_refuses_another_imgsz(
+    fixed320: Path, out_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = out_dir / "fixed320-640.onnx"
+    argv = ["export", "--model", str(fixed320), "--precision", "int8", "--imgsz", "640"]
+    code = main([*argv, "--calib", str(CAR_CLIP), "--calib-frames", "4", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--imgsz 640" in err and "fixed 320x320 input" in err and "Traceback" not in err
+    assert not out.exists()
+    # The model's own size, given explicitly, is fine (and fp16 needs no calibration).
+    same = out_dir / "fixed320-fp16.onnx"
+    argv = ["export", "--model", str(fixed320), "--precision", "fp16", "--imgsz", str(IMGSZ)]
+    assert main([*argv, "--out", str(same), "--eval-frames", "0"]) == 0
+    assert read_model_info(same).imgsz == (IMGSZ, IMGSZ)
+
+
+def test_int8_of_a_graph_whose_input_is_not_named_images(fixed320: Path, out_dir: Path) -> None:
+    model = onnx.load(str(fixed320))
+    old = model.graph.input[0].name
+    model.graph.input[0].name = "pixels"
+    for node in model.graph.node:
+        node.input[:] = ["pixels" if name == old else name for name in node.input]
+    renamed = out_dir / "pixels-in.onnx"
+    onnx.save(model, str(renamed))
+    out = out_dir / "pixels-in-int8.onnx"
+    export_model(
+        ExportRequest(
+            model=str(renamed),
+            out=out,
+            precision="int8",
+            calib=(str(CAR_CLIP),),
+            calib_frames=4,
+            finetune_steps=1,
+            cache_dir=CACHE_DIR,
+            progress=False,
+        )
+    )
+    graph = onnx.load(str(out), load_external_data=False).graph
+    assert graph.input[0].name == "pixels"
+    (dets,) = ort_engine(out).infer(sample_video_frames(CAR_CLIP, 1, offset=40), [DetectParams()])
+    assert dets.width > 0
+
+
+def test_out_that_is_the_model_is_refused(
+    fixed320: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It overwrote the FP32 source, then compared the INT8 file with itself: PASS."""
+    import hashlib
+    import os
+
+    before = hashlib.sha256(fixed320.read_bytes()).hexdigest()
+    relative = Path(os.path.relpath(fixed320, Path.cwd()))
+    with pytest.raises(ExportError, match=r"--out: .* is the --model file"):
+        ExportRequest(model=str(fixed320), out=relative, precision="fp16").check()
+    argv = ["export", "--model", str(fixed320), "--precision", "int8", "--calib", str(CAR_CLIP)]
+    assert main([*argv, "--calib-frames", "4", "--out", str(relative)]) == 2
+    assert "is the --model file" in capsys.readouterr().err
+    # A link to the model (or the cached FP32 export of a .pt) is the same file too.
+    link = tmp_path / "link.onnx"
+    link.symlink_to(fixed320)
+    with pytest.raises(ExportError, match="--out"):
+        export_model(ExportRequest(model=str(fixed320), out=link, precision="fp16"))
+    assert hashlib.sha256(fixed320.read_bytes()).hexdigest() == before
+
+
+def test_report_and_frame_budget_are_checked_before_the_export(
+    fixed320: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = tmp_path / "int8.onnx"
+    argv = ["export", "--model", str(fixed320), "--precision", "int8", "--out", str(out)]
+    calib = ["--calib", str(CAR_CLIP), "--calib-frames", "4", "--no-progress"]
+    assert main([*argv, *calib, "--report", str(blocker / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--report: {blocker / 'r.json'}: a file, not a directory" in err
+    assert not out.exists()
+    # An image folder of 5 frames: 4 calibrate, 1 is left for --eval-frames 2.
+    images = tmp_path / "frames"
+    images.mkdir()
+    for i, frame in enumerate(sample_video_frames(CAR_CLIP, 5)):
+        (images / f"{i}.jpg").write_bytes(encode_jpeg(frame))
+    folder = ["--calib", str(images), "--calib-frames", "4", "--eval-frames", "2"]
+    assert main([*argv, *folder, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "evaluation needs 2 frames" in err and "--eval-frames" in err
+    assert "only 1 besides the 4 calibration frames" in err
+    assert not out.exists()
+
+
+def test_fixed_batch_model_caps_the_pool_batch(
+    fixed320: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every batch of 4 failed on a batch-1 graph and was retried item by item; /model said 4."""
+    import asyncio
+    import time
+
+    from server.runtime import build_pool
+
+    info = read_model_info(fixed320)
+    assert info.fixed_batch == 1
+    with caplog.at_level("WARNING", logger="server.runtime"):
+        pool = build_pool(Settings(model=str(fixed320), cache_dir=CACHE_DIR, max_batch=4))
+    try:
+        assert pool.max_batch == 1 and pool.engine.max_batch == 1
+        assert "max batch 4 lowered to 1" in caplog.text
+        frames = sample_video_frames(CAR_CLIP, 3, offset=40)
+
+        async def run() -> list[object]:
+            deadline = time.monotonic() + 60
+            return list(await pool.detect_many(frames, DetectParams(), deadline))
+
+        results = asyncio.run(run())
+        assert len(results) == 3
+    finally:
+        pool.stop(5)
+
+
+def test_an_artifact_is_served_at_the_size_it_was_made_for(int8: ExportResult) -> None:
+    from server.runtime import engine_config, served_imgsz
+
+    info = read_model_info(int8.path)
+    assert served_imgsz(Settings(model=str(int8.path)), info) == IMGSZ
+    assert engine_config(Settings(model=str(int8.path)), info).imgsz == IMGSZ
+    # An explicit --imgsz still wins; a plain dynamic model keeps the default 640.
+    assert served_imgsz(Settings(model=str(int8.path), imgsz=640), info) == 640
+    assert served_imgsz(Settings(), read_model_info(int8.reference)) == 640
+
+
+def _one_class(source: Path, out: Path) -> Path:
+    """``source`` cut down to its first class (a 'person' detector): output (B, 5, anchors)."""
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(source))
+    graph = model.graph
+    for node in graph.node:
+        node.output[:] = ["all_classes" if o == "output0" else o for o in node.output]
+    consts = [("starts", [0]), ("ends", [5]), ("axes", [1])]
+    for name, value in consts:
+        graph.initializer.append(helper.make_tensor(name, TensorProto.INT64, [1], value))
+    graph.node.append(
+        helper.make_node("Slice", ["all_classes", "starts", "ends", "axes"], ["output0"])
+    )
+    dims = graph.output[0].type.tensor_type.shape.dim
+    dims[1].dim_value = 5
+    for prop in model.metadata_props:
+        if prop.key == "names":
+            prop.value = "{0: 'person'}"
+    onnx.save(model, str(out))
+    return out
+
+
+def test_evaluate_refuses_a_reference_with_other_classes(
+    int8: ExportResult, out_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    person = _one_class(int8.reference, out_dir / "person-only.onnx")
+    assert read_model_info(person).names == {0: "person"}
+    argv = ["evaluate", "--model", str(person), "--reference", str(int8.reference)]
+    code = main([*argv, "--frames", str(CAR_CLIP), "--eval-frames", "2", "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "detect different classes" in err and "--reference" in err, err
+
+
+def test_evaluate_names_its_own_flags(
+    int8: ExportResult, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.pt"
+    argv = ["evaluate", "--model", str(int8.path), "--eval-frames", "2", "--no-progress"]
+    assert main([*argv, "--reference", str(missing), "--frames", str(CAR_CLIP)]) == 2
+    err = capsys.readouterr().err
+    assert "missing.pt: file not found (--reference)" in err and "STREAMDET_MODEL" not in err
+    nope = tmp_path / "nope.mp4"
+    assert main([*argv, "--reference", str(int8.reference), "--frames", str(nope)]) == 2
+    err = capsys.readouterr().err
+    assert f"evaluation source {nope}: no such file" in err and "(--frames)" in err, err
+    assert "--calib" not in err
+
+
+def test_a_live_source_that_cannot_open_is_named_once() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: refused at once
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for url in (f"rtsp://127.0.0.1:{port}/x", f"rtsp://user:secret@127.0.0.1:{port}/x"):
+        with pytest.raises(CalibrationError) as caught:
+            sample_frames(parse_sources([url]), 1, progress=False)
+        message = str(caught.value)
+        assert f"live source rtsp://127.0.0.1:{port}/x: cannot open" in message, message
+        assert "rtsp://rtsp://" not in message and "secret" not in message, message
+
+
+def test_engine_export_without_tensorrt_says_what_export_can_do(tmp_path: Path) -> None:
+    import importlib.util
+
+    from engines.tensorrt import export_engine
+    from engines.types import EngineError
+
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed here")
+    with pytest.raises(EngineError) as caught:
+        export_engine(
+            str(MODEL_PT), imgsz=640, max_batch=1, device="cuda", cache_dir=CACHE_DIR, out=None
+        )
+    message = str(caught.value)
+    assert "--backend" not in message and "--format onnx" in message, message

@@ -174,3 +174,60 @@ def test_serve_rejects_bad_flags() -> None:
         assert proc.returncode == 2
         assert "needs --backend torch or tensorrt with --device cuda" in proc.stderr
         assert "STREAMDET_DECODE" in proc.stderr
+
+
+def test_truncated_pt_names_the_users_file(tmp_path: Path) -> None:
+    """It named Ultralytics' temporary copy (.../.export-xxxx/trunc.pt) and advised running
+    'yolo predict model=yolo26n.pt'."""
+    trunc = tmp_path / "trunc.pt"
+    data = MODEL_PT.read_bytes()
+    trunc.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError) as caught:
+        resolve_onnx(str(trunc), tmp_path / "cache", 640)
+    message = str(caught.value)
+    assert message.startswith(f"model {trunc}: cannot load: not a loadable Ultralytics checkpoint")
+    assert ".export-" not in message and "yolo predict" not in message, message
+    assert "\n" not in message
+
+
+def _tiny_onnx(path: Path, imgsz: str, dims: list[int | str]) -> Path:
+    x = helper.make_tensor_value_info("images", TensorProto.FLOAT, dims)
+    y = helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["b", 6, "n"])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["images"], ["output0"])], "g", [x], [y]
+    )
+    model = helper.make_model(graph)
+    for key, value in (("imgsz", imgsz), ("names", "{0: 'a', 1: 'b'}")):
+        prop = model.metadata_props.add()
+        prop.key, prop.value = key, value
+    onnx.save(model, str(path))
+    return path
+
+
+def test_malformed_imgsz_metadata_is_a_model_error(tmp_path: Path) -> None:
+    for raw in ("[640", "'big'", "[]", "None"):
+        path = _tiny_onnx(tmp_path / "m.onnx", raw, ["b", 3, "h", "w"])
+        with pytest.raises(ModelError, match=r"m\.onnx: unreadable 'imgsz' metadata"):
+            read_model_info(path)
+    assert read_model_info(_tiny_onnx(tmp_path / "ok.onnx", "320", ["b", 3, "h", "w"])).imgsz == (
+        320,
+        320,
+    )
+
+
+def test_fixed_non_square_input_refused_where_the_backend_cannot_letterbox_it(
+    tmp_path: Path,
+) -> None:
+    """ONNX Runtime letterboxes into a fixed (H, W) (tests/test_engine_parity.py); a backend
+    that cannot says how to re-export the model."""
+    from engines.onnxruntime import OrtEngine
+    from engines.registry import ConfiguredEngine, EngineConfig
+    from engines.types import EngineError
+
+    info = read_model_info(_tiny_onnx(tmp_path / "r.onnx", "[320, 480]", [1, 3, 320, 480]))
+    assert info.imgsz == (320, 480) and not info.dynamic_hw
+    config = EngineConfig(model=info, imgsz=640, max_batch=8, threads=1)
+    with pytest.raises(EngineError, match=r"320x480 .*--backend onnxruntime.*dynamic=True"):
+        ConfiguredEngine(config)
+    engine = OrtEngine(config)
+    assert engine.input_size == 480 and engine.max_batch == 1

@@ -112,3 +112,16 @@ def test_row_iou_is_the_diagonal_of_the_iou_matrix() -> None:
     rows = box_iou_rows(a, b)
     np.testing.assert_allclose(rows, np.diag(box_iou(a, b)))
     assert rows[5] == 0.0 and box_iou_rows(a[:1], a[:1]) == pytest.approx([1.0])
+
+
+def test_fixed_non_square_letterbox_matches_ultralytics() -> None:
+    """A fixed (320, 480) input: the image scaled to fit both sides, centred, grey padding."""
+    from ultralytics.data.augment import LetterBox
+
+    for h, w in [(1080, 810), (432, 768), (100, 1000)]:
+        image = np.random.default_rng(h).integers(0, 255, (h, w, 3), dtype=np.uint8)
+        theirs = np.asarray(LetterBox((320, 480), auto=False, stride=32)(image=image))
+        (shape,) = group_by_shape([image], 480, 32, dynamic_hw=False, fixed=(320, 480))
+        assert shape == (320, 480)
+        ours, _ = letterbox(image, shape, 480)
+        np.testing.assert_array_equal(ours, theirs)
