@@ -59,7 +59,8 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
     except RequestValidationError as exc:
         for error in exc.errors():
             where = ".".join(str(p) for p in error["loc"])
-            print(f"streamdet analyze: {where}: {error['msg']}", file=sys.stderr)
+            message = str(error["msg"]).removeprefix("Value error, ")  # pydantic's wording
+            print(f"streamdet analyze: {where}: {message}", file=sys.stderr)
         return 2
     if job_in.callback_url is not None:
         print(
