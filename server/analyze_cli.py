@@ -150,7 +150,7 @@ def _run(
                     detect,
                     job_in.fps,
                     max_pixels=settings.max_image_pixels,
-                    decode_max_side=settings.stream_decode_side,
+                    decode_max_side=settings.decode_side(pool.engine.input_size),
                 ),
                 pool.submit_background,
                 out,

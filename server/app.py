@@ -146,7 +146,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             concurrency=settings.job_concurrency,
             inflight=settings.job_inflight or engine_pool.workers * engine_pool.max_batch,
             max_pixels=settings.max_image_pixels,
-            decode_max_side=settings.stream_decode_side,
+            decode_max_side=settings.decode_side(engine_pool.engine.input_size),
             frames=manager.job_frames(),
             callback_secret=settings.webhook_secret,
             callback_timeout_s=settings.webhook_timeout_s,

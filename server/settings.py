@@ -537,8 +537,17 @@ class Settings(BaseSettings):
 
     @property
     def stream_decode_side(self) -> int:
-        """The longest side live streams' frames are decoded at (0: as sent)."""
-        return self.imgsz if self.stream_decode_size is None else self.stream_decode_size
+        """The longest side live streams' frames are decoded at (0: as sent), before the
+        engine is loaded (``imgsz``; see :meth:`decode_side`)."""
+        return self.decode_side()
+
+    def decode_side(self, input_size: int | None = None) -> int:
+        """The longest side streams' and jobs' frames are decoded at (0: as sent):
+        ``stream_decode_size``, else the engine's ``input_size`` where it is known (a model
+        served at its own size, 320 say, decoded at ``imgsz``'s 640), else ``imgsz``."""
+        if self.stream_decode_size is not None:
+            return self.stream_decode_size
+        return input_size or self.imgsz
 
 
 # STREAMDET_* variables that are not settings: the tests' and scripts' own.

@@ -146,6 +146,10 @@ def test_the_setting_defaults_to_the_engines_input_size_and_0_turns_it_off() -> 
     assert reader_options(Settings(imgsz=416)).decode_max_side == 416
     assert reader_options(Settings(imgsz=416, stream_decode_size=960)).decode_max_side == 960
     assert reader_options(Settings(stream_decode_size=0)).decode_max_side == 0
+    # The engine's own size where it is known: a model served at 320 (an artifact made at
+    # that size, a fixed 320 export) decoded frames at imgsz's 640.
+    assert reader_options(Settings(), 320).decode_max_side == 320
+    assert reader_options(Settings(stream_decode_size=960), 320).decode_max_side == 960
     with pytest.raises(ValueError, match=r"stream_decode_size 320 is under .* imgsz 640.*0, or"):
         Settings(stream_decode_size=320)
 

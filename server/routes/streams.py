@@ -715,8 +715,9 @@ def _by_zone(
     return {(zone, name): n for zone, counts in zones.items() for name, n in counts[count].items()}
 
 
-def reader_options(settings: Settings) -> ReaderOptions:
-    """What every stream's reader takes from ``settings``."""
+def reader_options(settings: Settings, input_size: int | None = None) -> ReaderOptions:
+    """What every stream's reader takes from ``settings`` (and the engine's ``input_size``,
+    which frames are decoded at unless ``stream_decode_size`` says otherwise)."""
     return ReaderOptions(
         open_timeout_s=settings.stream_open_timeout_s,
         read_timeout_s=settings.stream_read_timeout_s,
@@ -726,7 +727,7 @@ def reader_options(settings: Settings) -> ReaderOptions:
         frame_deadline_ms=settings.stream_frame_deadline_ms,
         max_pixels=settings.max_image_pixels,
         keyframe_decode=settings.keyframe_decode,
-        decode_max_side=settings.stream_decode_side,
+        decode_max_side=settings.decode_side(input_size),
         codec_threads=settings.stream_codec_threads,
         decode_device=settings.device if settings.decode == "cuda" else "cpu",
         motion=MotionOptions(
@@ -740,7 +741,7 @@ def reader_options(settings: Settings) -> ReaderOptions:
 def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
     """The stream manager for ``settings``, feeding ``pool`` (not started yet)."""
     options = ManagerOptions(
-        reader=reader_options(settings),
+        reader=reader_options(settings, pool.engine.input_size),
         allowed_file_dir=settings.allowed_file_dir,
         ws_queue_size=settings.ws_queue_size,
         max_streams=settings.max_streams,
