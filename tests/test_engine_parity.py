@@ -28,17 +28,7 @@ def reference_model(name: str) -> Any:
 def reference(engine: Engine, image_rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ultralytics' predictor on the file ``engine`` serves (a TorchScript runs square, there
     too), ``conf`` 0.25."""
-    with warnings.catch_warnings():  # its first call loads the file: torch.jit.load warns
-        warnings.simplefilter("ignore", FutureWarning)
-        result = reference_model(engine.model_name).predict(
-            np.ascontiguousarray(image_rgb[..., ::-1]), conf=CONF, verbose=False
-        )[0]
-    boxes = result.boxes
-    return (
-        boxes.xyxy.cpu().numpy(),
-        boxes.conf.cpu().numpy(),
-        boxes.cls.cpu().numpy().astype(np.int32),
-    )
+    return _predict(reference_model(engine.model_name), image_rgb)
 
 
 def test_bus_matches_published_reference(engine: Engine) -> None:
@@ -146,8 +136,9 @@ def rect_engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Any]:
 
 
 def _predict(model: Any, image_rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    """Ultralytics' boxes, scores and classes for ``image_rgb``, ``conf`` 0.25."""
+    with warnings.catch_warnings():  # its first call loads the file: torch.jit.load warns
+        warnings.simplefilter("ignore", FutureWarning)
         result = model.predict(
             np.ascontiguousarray(image_rgb[..., ::-1]), conf=CONF, verbose=False
         )[0]
