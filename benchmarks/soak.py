@@ -10,7 +10,10 @@ gating, so events flow all along: logged (and kept on disk), drawn as snapshots,
 clips, POSTed to a webhook receiver on
 loopback and streamed to a server-sent-events reader. The process is sampled from ``/proc``
 every ``--sample-s`` seconds; the start figures are taken after ``--warmup-s`` (arenas,
-thread pools and caches fill up first).
+thread pools and caches fill up first). It passes only while the server keeps serving: every
+sampling interval must see ``/detect`` answered 200 and WebSocket frames arrive, and no
+``/detect`` call may end in anything but 200 or 429 (a server that hung or died would
+otherwise pass with flat figures).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from loadtest.frames import build_payloads, shared_dir
 from loadtest.server import ServerProcess
 
 GROWTH_LIMIT = 0.05
+EXPECTED = ("200", "429")  # /detect statuses a healthy server answers with
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,9 @@ def sample(pid: int, t0: float) -> Sample:
 
 
 async def detect_client(
-    base: str, jpegs: list[bytes], k: int, stop: asyncio.Event
+    base: str, jpegs: list[bytes], k: int, stop: asyncio.Event, progress: dict[str, int]
 ) -> dict[str, int]:
-    """Post frames until ``stop``; counts by status."""
+    """Post frames until ``stop``; counts by status (the 200s also in ``progress``)."""
     counts: dict[str, int] = {}
     i = k
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
@@ -80,14 +84,16 @@ async def detect_client(
             except httpx.HTTPError as exc:
                 status, pause = type(exc).__name__, 1.0
             counts[status] = counts.get(status, 0) + 1
+            progress["detect_200"] += status == "200"
             i += 7
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), pause)
     return counts
 
 
-async def viewer(base: str, stream_id: str, stop: asyncio.Event) -> int:
-    """Watch a stream until ``stop``, reconnecting after a close; frames received."""
+async def viewer(base: str, stream_id: str, stop: asyncio.Event, progress: dict[str, int]) -> int:
+    """Watch a stream until ``stop``, reconnecting after a close; frames received (also
+    counted in ``progress``)."""
     frames = 0
     url = base.replace("http://", "ws://") + f"/ws/streams/{stream_id}"
     while not stop.is_set():
@@ -97,6 +103,7 @@ async def viewer(base: str, stream_id: str, stop: asyncio.Event) -> int:
                     try:
                         await asyncio.wait_for(ws.recv(), 15)
                         frames += 1
+                        progress["ws_frames"] += 1
                     except TimeoutError:
                         continue
         except (ConnectionClosed, OSError):
@@ -127,15 +134,23 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, obj
         resp.raise_for_status()
         stream_id = str(resp.json()["id"])
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(detect_client(base, jpegs, k, stop)) for k in range(args.clients)]
-    views = [asyncio.create_task(viewer(base, stream_id, stop)) for _ in range(args.viewers)]
+    progress = {"detect_200": 0, "ws_frames": 0}
+    tasks = [
+        asyncio.create_task(detect_client(base, jpegs, k, stop, progress))
+        for k in range(args.clients)
+    ]
+    views = [
+        asyncio.create_task(viewer(base, stream_id, stop, progress)) for _ in range(args.viewers)
+    ]
     sse = asyncio.create_task(event_reader(base, stop))
     t0 = time.monotonic()
     samples: list[Sample] = []
+    seen: list[dict[str, int]] = []  # progress at each sample
     end = t0 + args.minutes * 60
     await asyncio.sleep(min(args.warmup_s, args.minutes * 60 / 4))
     while time.monotonic() < end:
         samples.append(sample(server.pid, t0))
+        seen.append(dict(progress))
         print(
             f"t={samples[-1].t_s:7.1f}s rss={samples[-1].rss_bytes / 2**20:7.1f} MiB"
             f" fds={samples[-1].open_fds} threads={samples[-1].threads}",
@@ -143,6 +158,7 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, obj
         )
         await asyncio.sleep(max(0.0, min(args.sample_s, end - time.monotonic())))
     samples.append(sample(server.pid, t0))
+    seen.append(dict(progress))
     stop.set()
     counts: dict[str, int] = {}
     for result in await asyncio.gather(*tasks):
@@ -152,6 +168,13 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, obj
     streamed = await sse
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         await client.delete(f"/streams/{stream_id}")
+    # Serving all along: each interval between samples saw 200s and frames.
+    stalls = [
+        {"from_s": a.t_s, "to_s": b.t_s, **{k: n1[k] - n0[k] for k in n1}}
+        for a, b, n0, n1 in zip(samples, samples[1:], seen, seen[1:], strict=False)
+        if any(n1[k] == n0[k] for k in n1)
+    ]
+    unexpected = {s: n for s, n in counts.items() if s not in EXPECTED}
     first, last = samples[0], samples[-1]
     # Each figure at the end is the least of the last three samples: a leak raises them all,
     # while a thread or descriptor that lives for a moment (a file stream reopening its
@@ -162,15 +185,22 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict[str, obj
         "open_fds": min(s.open_fds for s in tail) / first.open_fds - 1,
         "threads": min(s.threads for s in tail) / first.threads - 1,
     }
+    checks = {
+        "growth_under_limit": all(v < GROWTH_LIMIT for v in growth.values()),
+        "served_every_interval": not stalls and len(samples) > 1,
+        "detect_only_200_or_429": not unexpected,
+    }
     return {
         "minutes": args.minutes,
         "detect_statuses": counts,
+        "stalls": stalls,
         "ws_frames": frames,
         "events_streamed": streamed,
         "start": asdict(first),
         "end": asdict(last),
         "growth": {k: round(v, 4) for k, v in growth.items()},
-        "passed": all(v < GROWTH_LIMIT for v in growth.values()),
+        "checks": checks,
+        "passed": all(checks.values()),
         "samples": [asdict(s) for s in samples],
     }
 
@@ -231,7 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
-    print("PASS" if report["passed"] else f"FAIL: growth over {GROWTH_LIMIT:.0%}")
+    checks = report["checks"]
+    assert isinstance(checks, dict)
+    missed = [name for name, ok in checks.items() if not ok]
+    print(
+        "PASS"
+        if report["passed"]
+        else f"FAIL: {', '.join(missed)} (growth limit {GROWTH_LIMIT:.0%})"
+    )
     return 0 if report["passed"] else 1
 
 

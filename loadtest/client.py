@@ -19,7 +19,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-CLIENT_TIMEOUT_S = 30.0
+# Under every window the clients run for (``streamdet bench``: 20 s, the overload phases:
+# 8-60 s), and recorded as ``ReadTimeout`` when it fires, so a hung call is an error.
+CLIENT_TIMEOUT_S = 10.0
+# A kept-alive connection idle longer than this is reopened before a call rather than
+# reused: uvicorn closes idle ones after 5 s, and a POST the server may have read is never
+# sent twice.
+KEEPALIVE_IDLE_S = 4.0
+# Statuses an overloaded server may answer with: a result, or shed with Retry-After.
+EXPECTED = ("200", "429")
 BOUNDARY = "streamdet-load-boundary"
 # Statuses after which a polite client waits Retry-After (1 s if absent) before its next call.
 BACK_OFF = ("429", "503")
@@ -59,6 +67,12 @@ class Phase:
     def timeouts(self) -> int:
         return sum(n for s, n in self.statuses.items() if "Timeout" in s)
 
+    @property
+    def unexpected(self) -> dict[str, int]:
+        """Statuses other than 200 and 429: 5xx, 4xx, timeouts and dropped connections
+        (``IncompleteReadError``, ``ConnectionResetError``, ...)."""
+        return {s: n for s, n in self.statuses.items() if s not in EXPECTED}
+
     def summary(self) -> dict[str, Any]:
         return {
             "seconds": self.seconds,
@@ -77,6 +91,8 @@ class Connection:
         self.host, self.port = url.host, url.port or 80
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._idle_since = time.monotonic()
+        self._sent = False
 
     @staticmethod
     def request(jpeg: bytes, *, multipart: bool = False) -> bytes:
@@ -102,10 +118,12 @@ class Connection:
         return head.encode() + body
 
     async def _exchange(self, request: bytes) -> tuple[str, str | None]:
+        self._sent = False
         if self._writer is None or self._reader is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         self._writer.write(request)
         await self._writer.drain()
+        self._sent = True  # from here on the server may have read the request
         head = await self._reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = lines[0].split(" ", 2)[1]
@@ -118,26 +136,42 @@ class Connection:
             await self.close()
         return status, headers.get("retry-after")
 
-    async def post(self, request: bytes) -> tuple[str, float, str | None]:
-        """One call: (status or exception name, milliseconds, Retry-After). A kept-alive
-        connection the server has since closed (uvicorn's keep-alive timeout is 5 s) is
-        reopened and the call sent again, as HTTP clients do."""
+    def _stale(self) -> bool:
+        """The kept-alive connection is closed by the server, or idle long enough that it
+        may close it while the request is on its way."""
+        if self._writer is None or self._reader is None:
+            return False
+        idle = time.monotonic() - self._idle_since
+        return self._reader.at_eof() or self._writer.is_closing() or idle > KEEPALIVE_IDLE_S
+
+    async def post(
+        self, request: bytes, timeout_s: float = CLIENT_TIMEOUT_S
+    ) -> tuple[str, float, str | None]:
+        """One call: (status or exception name, milliseconds, Retry-After); ``ReadTimeout``
+        when no answer came within ``timeout_s``. A kept-alive connection the server closed
+        (uvicorn's keep-alive timeout is 5 s), or idle for :data:`KEEPALIVE_IDLE_S`, is
+        reopened first; the call is sent again only when sending it failed on a reused
+        connection. Once the request is written a dropped connection is the call's result
+        (``IncompleteReadError``, ``ConnectionResetError``): a POST is never sent twice."""
         t0 = time.monotonic()
+        if self._stale():
+            await self.close()
         for attempt in (0, 1):
             reused = self._writer is not None
             try:
-                status, retry = await asyncio.wait_for(self._exchange(request), CLIENT_TIMEOUT_S)
+                status, retry = await asyncio.wait_for(self._exchange(request), timeout_s)
+                break
+            except TimeoutError:  # before OSError: a TimeoutError is one
+                await self.close()
+                status, retry = "ReadTimeout", None
                 break
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
                 await self.close()
                 status, retry = type(exc).__name__, None
-                if not (reused and attempt == 0):
+                if self._sent or not (reused and attempt == 0):
                     break
-            except TimeoutError:
-                await self.close()
-                status, retry = "ReadTimeout", None
-                break
-        return status, (time.monotonic() - t0) * 1000, retry
+        self._idle_since = time.monotonic()
+        return status, (self._idle_since - t0) * 1000, retry
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -156,10 +190,12 @@ async def closed_loop(
     warmup: float,
     impatient: bool = False,
     multipart: bool = False,
+    timeout_s: float = CLIENT_TIMEOUT_S,
 ) -> Phase:
     """``clients`` tasks: post, wait for the answer, post the next; after a 429 or 503, wait
-    Retry-After (``impatient``: 50 ms). Calls that start after ``warmup`` and end within the
-    following ``seconds`` are counted."""
+    Retry-After (``impatient``: 50 ms). Every call started in the ``seconds`` after ``warmup``
+    is counted when it ends, the last ones after the window (waited for, at most
+    ``timeout_s``, then counted as ``ReadTimeout``): the slowest calls are not left out."""
     phase = Phase(seconds)
     start = time.monotonic()
     measure_from, stop_at = start + warmup, start + warmup + seconds
@@ -170,9 +206,9 @@ async def closed_loop(
         i = k
         while time.monotonic() < stop_at:
             t0 = time.monotonic()
-            status, ms, retry = await conn.post(requests[i % len(requests)])
+            status, ms, retry = await conn.post(requests[i % len(requests)], timeout_s)
             i += clients
-            if t0 >= measure_from and time.monotonic() <= stop_at:
+            if t0 >= measure_from:
                 phase.add(status, ms)
             if status in BACK_OFF:
                 pause = 0.05 if impatient else float(retry or 1)
@@ -183,26 +219,42 @@ async def closed_loop(
     return phase
 
 
-async def open_loop(base: str, jpegs: list[bytes], rate: float, seconds: float) -> Phase:
-    """Poisson arrivals at ``rate``/s, each its own request, whatever the server's pace."""
+async def open_loop(
+    base: str,
+    jpegs: list[bytes],
+    rate: float,
+    seconds: float,
+    timeout_s: float = CLIENT_TIMEOUT_S,
+) -> Phase:
+    """Poisson arrivals at ``rate``/s, each its own request, whatever the server's pace.
+
+    Arrivals are planned on one timeline from the start (a late wake-up does not push the
+    later ones back, so the rate asked is the rate sent), and each call's latency is timed
+    from its planned arrival: a send delayed by the client counts against the latency, not
+    out of it (no coordinated omission)."""
     phase = Phase(seconds)
     rng = random.Random(5)
     requests = [Connection.request(j) for j in jpegs]
     idle: list[Connection] = []  # keep-alive connections free for the next arrival
     tasks: list[asyncio.Task[None]] = []
 
-    async def one(request: bytes) -> None:
+    async def one(request: bytes, planned: float) -> None:
         conn = idle.pop() if idle else Connection(base)
-        status, ms, _ = await conn.post(request)
-        phase.add(status, ms)
+        status, _, _ = await conn.post(request, timeout_s)
+        phase.add(status, (time.monotonic() - planned) * 1000)
         idle.append(conn)
 
-    end = time.monotonic() + seconds
+    start = time.monotonic()
+    end = start + seconds
+    planned = start
     i = 0
-    while time.monotonic() < end:
-        tasks.append(asyncio.create_task(one(requests[i % len(requests)])))
+    while planned < end:
+        delay = planned - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(requests[i % len(requests)], planned)))
         i += 1
-        await asyncio.sleep(rng.expovariate(rate))
+        planned += rng.expovariate(rate)
     await asyncio.gather(*tasks)
     for conn in idle:
         await conn.close()

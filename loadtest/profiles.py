@@ -9,7 +9,7 @@ A profile is a TOML file in ``loadtest/profiles/`` (or any path)::
     event_users = 1             # server-sent event readers of GET /events (live and mixed)
     live_streams = 1            # streams the runner adds for them
     spawn_rate = 4
-    run_time_s = 40
+    run_time_s = 40             # whole seconds (Locust's --run-time takes no fractions)
     wait_s = [0.5, 1.0]         # think time of a detect user, uniform in [min, max]
 
     [server]                    # streamdet serve settings when the runner starts the server
@@ -121,5 +121,10 @@ def load_profile(name_or_path: str) -> Profile:
     if min(profile.users, profile.live_users, profile.event_users) < 0 or profile.run_time_s <= 0:
         raise ProfileError(
             f"{path}: users, live_users, event_users must be >= 0 and run_time_s > 0"
+        )
+    if profile.run_time_s != int(profile.run_time_s):
+        raise ProfileError(
+            f"{path}: run_time_s must be whole seconds (Locust takes no fractions);"
+            f" got {profile.run_time_s}"
         )
     return profile

@@ -3,7 +3,13 @@
 It starts a real ``streamdet serve`` process on a free port (or targets ``--host``), adds
 the streams live viewers need, runs Locust for the profile's duration, saves Locust's CSV and
 HTML report under ``--out``, prints a short table, and exits 1 when a target is missed
-(2 when the run itself could not happen).
+(2 when the run itself could not happen: the server unreachable or refusing its streams,
+Locust failing, or nothing measured at all).
+
+Every call has a timeout well under the run (:func:`call_timeout_s`), and a ``/detect`` call
+still unanswered when the run stops is a failure (``loadtest/locustfile.py``), so a server
+that stops answering misses the error-rate target instead of passing with the calls it did
+answer.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -30,6 +38,23 @@ LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 WS_TARGET = "WS frame"
 EVENT_TARGET = "SSE event"
 DETECT_TARGET = "POST /detect"
+# What a run leaves in --out; removed first, so a run that fails leaves no earlier verdict.
+OUTPUTS = (
+    "verdict.json",
+    "report.html",
+    "locust.log",
+    "locust_stats.csv",
+    "locust_stats_history.csv",
+    "locust_failures.csv",
+    "locust_exceptions.csv",
+    "final_stats.csv",
+    "final_stats_failures.csv",
+)
+FINAL_STATS = "final_stats.csv"  # the figures once every user stopped (see the locustfile)
+
+
+class RunError(RuntimeError):
+    """The run could not happen (exit 2); the message says why and what to check."""
 
 
 def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +68,9 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=SCENARIOS, default=None, help="override")
     parser.add_argument("--users", type=int, default=None, help="override detect users")
     parser.add_argument("--live-users", type=int, default=None, help="override live users")
-    parser.add_argument("--run-time", type=float, default=None, help="override seconds")
+    parser.add_argument(
+        "--run-time", type=int, default=None, help="override seconds (whole seconds)"
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("STREAMDET_LOADTEST_API_KEY"),
@@ -59,8 +86,17 @@ def _overrides(profile: Profile, args: argparse.Namespace) -> Profile:
     if args.live_users is not None:
         profile = replace(profile, live_users=args.live_users)
     if args.run_time is not None:
+        if args.run_time <= 0:
+            raise ProfileError(f"--run-time must be > 0 seconds, got {args.run_time}")
         profile = replace(profile, run_time_s=args.run_time)
     return profile
+
+
+def call_timeout_s(profile: Profile) -> float:
+    """Seconds a /detect call, a WebSocket frame or an event may take before it counts as a
+    failure: a quarter of the run time, 1-30 s (Locust's own 60 s outlasted a whole CI run, so
+    a server that stopped answering passed)."""
+    return min(30.0, max(1.0, profile.run_time_s / 4))
 
 
 def streams_api_present(client: httpx.Client) -> bool:
@@ -105,7 +141,12 @@ def add_streams(client: httpx.Client, profile: Profile) -> list[str]:
 def run_locust(
     profile: Profile, base_url: str, out: Path, live_ids: list[str], api_key: str | None
 ) -> int:
-    """Run Locust headless for the profile; its exit code (failures do not change it)."""
+    """Run Locust headless for the profile; its exit code (0 unless Locust itself failed:
+    failed requests do not change it).
+
+    Raises:
+        RunError: no users to run, or Locust did not end in time.
+    """
     classes: list[str] = []
     users = profile.users if profile.scenario in ("detect", "mixed") else 0
     live = profile.live_users if live_ids else 0
@@ -117,16 +158,18 @@ def run_locust(
     if readers:
         classes.append("EventUser")
     if not classes:
-        raise RuntimeError("nothing to run: no detect users and no live viewers")
+        raise RunError("nothing to run: no detect users and no live viewers")
     env = dict(os.environ)
     env.update(
         {
             "STREAMDET_LOADTEST_WAIT_S": ",".join(str(v) for v in profile.wait_s),
+            "STREAMDET_LOADTEST_TIMEOUT_S": str(call_timeout_s(profile)),
             "STREAMDET_LOADTEST_STREAMS": ",".join(live_ids),
             "STREAMDET_LOADTEST_DETECT_USERS": str(users),
             "STREAMDET_LOADTEST_LIVE_USERS": str(live),
             "STREAMDET_LOADTEST_EVENT_USERS": str(readers),
             "STREAMDET_SHARED_DIR": str(shared_dir()),
+            "STREAMDET_LOADTEST_FINAL_CSV": str((out / FINAL_STATS).resolve()),
         }
     )
     if api_key:
@@ -145,7 +188,7 @@ def run_locust(
         "-r",
         str(profile.spawn_rate),
         "-t",
-        f"{profile.run_time_s:g}s",
+        f"{int(profile.run_time_s)}s",  # whole seconds: Locust refuses "2.5s"
         "--stop-timeout",
         "5",
         "--csv",
@@ -166,24 +209,65 @@ def run_locust(
         readers,
         profile.run_time_s,
     )
+    limit = profile.run_time_s + 120
     with (out / "locust.log").open("w") as log_file:
-        proc = subprocess.run(
-            cmd,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            timeout=profile.run_time_s + 120,
-            check=False,
-        )
+        try:
+            proc = subprocess.run(
+                cmd,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                timeout=limit,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise RunError(
+                f"Locust did not end within {limit:g} s; see {out / 'locust.log'}"
+            ) from None
     return proc.returncode
 
 
+def clear_outputs(out: Path) -> None:
+    """Remove what an earlier run left in ``out``: a run that cannot happen must not leave
+    an earlier ``verdict.json`` (``"passed": true``) or Locust figures behind."""
+    for name in OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+
+
+@contextmanager
+def _server_errors(base_url: str) -> Iterator[None]:
+    """HTTP errors talking to the server (adding streams, checking the API) as a
+    :class:`RunError` naming the server."""
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise RunError(
+            f"cannot talk to the server at {base_url}: {type(exc).__name__}: {exc}"
+            " (is it running, and is --host right?)"
+        ) from None
+
+
 def run_profile(profile: Profile, base_url: str, out: Path, api_key: str | None) -> int:
-    """Against a ready server: add streams, run Locust, check targets, print the table."""
+    """Against a ready server: add streams, run Locust, check targets, print the table.
+    0 when every target holds, 1 when one is missed, 2 when the run could not happen (the
+    reason printed on stderr)."""
+    clear_outputs(out)
+    try:
+        return _run_profile(profile, base_url, out, api_key)
+    except RunError as exc:
+        print(f"streamdet loadtest: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_profile(profile: Profile, base_url: str, out: Path, api_key: str | None) -> int:
     skipped: dict[str, str] = {}
     live_ids: list[str] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
+    with (
+        httpx.Client(base_url=base_url, headers=headers, timeout=30) as client,
+        _server_errors(base_url),
+    ):
+        client.get("/healthz")  # any answer will do: the server is there
         live_scenario = profile.scenario in ("live", "mixed")
         wants_live = live_scenario and profile.live_users + profile.event_users > 0
         if wants_live and not streams_api_present(client):
@@ -191,7 +275,10 @@ def run_profile(profile: Profile, base_url: str, out: Path, api_key: str | None)
             print(reason)
             skipped[WS_TARGET] = skipped[EVENT_TARGET] = reason
         elif wants_live:
-            live_ids = add_streams(client, profile)
+            try:
+                live_ids = add_streams(client, profile)
+            except RuntimeError as exc:
+                raise RunError(str(exc)) from None
         if not (live_scenario and profile.live_users):
             skipped.setdefault(WS_TARGET, f"scenario {profile.scenario!r} has no live viewers")
         if not (live_scenario and profile.event_users):
@@ -200,22 +287,35 @@ def run_profile(profile: Profile, base_url: str, out: Path, api_key: str | None)
             skipped.setdefault(DETECT_TARGET, "scenario 'live' runs no /detect users")
         try:
             if profile.scenario == "live" and not live_ids:
-                print(f"{profile.name}: nothing to run")
-                code = 0
-            else:
-                code = run_locust(profile, base_url, out, live_ids, api_key)
+                raise RunError(
+                    f"{profile.name}: nothing to run (scenario 'live' without live streams:"
+                    f" {skipped.get(WS_TARGET, 'no live viewers or event readers')})"
+                )
+            code = run_locust(profile, base_url, out, live_ids, api_key)
         finally:
             for stream_id in live_ids:
-                client.delete(f"/streams/{stream_id}")
-    if code not in (0, 1):
-        print(f"locust exited with {code}; see {out / 'locust.log'}", file=sys.stderr)
-        return 2
-    stats = out / "locust_stats.csv"
-    rows = read_stats(stats) if stats.exists() else {}
+                try:
+                    client.delete(f"/streams/{stream_id}")
+                except httpx.HTTPError as exc:
+                    log.warning("could not remove stream %s: %s", stream_id, exc)
+    if code != 0:
+        raise RunError(
+            f"Locust exited with {code} (it failed, not a target); see {out / 'locust.log'}"
+        )
+    stats = out / FINAL_STATS
+    if not stats.exists():
+        raise RunError(f"Locust wrote no {stats.name}; see {out / 'locust.log'}")
+    rows = read_stats(stats)
     verdicts = evaluate(rows, profile.targets, skipped, profile.run_time_s)
     print(f"profile {profile.name} ({profile.description}); report: {out / 'report.html'}")
     shown = {k: v for k, v in rows.items() if k != "Aggregated"}
     print(format_table(shown, verdicts, profile.run_time_s))
+    measured = sum(row.requests for row in shown.values())
+    if not measured:
+        raise RunError(
+            "nothing was measured: no request was recorded in the run, so no target was"
+            f" checked; see {out / 'locust.log'}"
+        )
     ok = passed(verdicts)
     (out / "verdict.json").write_text(
         json.dumps(
@@ -237,6 +337,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
         return 2
     out: Path = args.out or Path("loadtest-results") / profile.name
     out.mkdir(parents=True, exist_ok=True)
+    clear_outputs(out)
     if args.host:
         return run_profile(profile, args.host.rstrip("/"), out, args.api_key)
     settings: dict[str, object] = {**profile.server, "log_level": "info"}
