@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engines.registry import ConfiguredEngine, EngineConfig
+from engines.registry import ConfiguredEngine, EngineConfig, fixed_shape
 from engines.types import Detections, DetectParams, EngineError, Image
 from engines.yolo import MAX_NMS, MAX_WH, PAD_VALUE, LetterboxMeta, group_by_shape
 
@@ -665,7 +665,13 @@ class GpuDetector(ConfiguredEngine):
             raise ValueError(f"{len(images)} images but {len(params)} parameter sets")
         ws, runner, info = self._ws, self._runner, self._config.model
         results: list[Detections | None] = [None] * len(images)
-        groups = group_by_shape(images, self._imgsz, info.stride, self._dynamic_hw)  # type: ignore[arg-type]
+        groups = group_by_shape(
+            images,  # type: ignore[arg-type]
+            self._imgsz,
+            info.stride,
+            self._dynamic_hw,
+            fixed_shape(info),
+        )
         with torch.inference_mode(), self._on_stream(ws):
             frames = ws.upload(images)
             for group_shape, idxs in groups.items():

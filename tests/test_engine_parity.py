@@ -108,31 +108,50 @@ def test_a_sliver_of_an_image_finds_nothing_as_ultralytics(engine: Engine, h: in
 # ---- a fixed non-square input: Ultralytics' export(format="onnx", imgsz=(320, 480)) ----------
 
 
-@pytest.fixture(scope="module")
-def rect_engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, Any]:
-    """ONNX Runtime on a (320, 480) fixed-input export of a copy of the shared model, and
+@pytest.fixture(scope="module", params=["onnxruntime", "torch"])
+def rect_engine(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Engine, Any]:
+    """A (320, 480) fixed-input export of a copy of the shared model (ONNX for ONNX Runtime,
+    TorchScript for the torch backend's device-side letterbox, on the CPU here), and
     Ultralytics' predictor on the same file."""
     import shutil
 
     from ultralytics import YOLO
 
     from engines.model import read_model_info
-    from engines.onnxruntime import OrtEngine
-    from engines.registry import EngineConfig
-    from tests.helpers import MODEL_PT
+    from engines.registry import EngineConfig, load_backend
+    from tests.conftest import backend_device
+    from tests.helpers import CACHE_DIR, MODEL_PT
 
     folder = tmp_path_factory.mktemp("rect")
     pt = folder / MODEL_PT.name
     shutil.copyfile(MODEL_PT, pt)
+    backend = request.param
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        path = YOLO(str(pt)).export(format="onnx", imgsz=(320, 480), verbose=False)
-    info = read_model_info(Path(path))
+        kind = "onnx" if backend == "onnxruntime" else "torchscript"
+        path = Path(YOLO(str(pt)).export(format=kind, imgsz=(320, 480), verbose=False))
+    if backend == "onnxruntime":
+        info = read_model_info(path)
+    else:
+        from engines.torch_cuda import checkpoint_info
+
+        info = checkpoint_info(path)
     assert info.imgsz == (320, 480) and not info.dynamic_hw
-    engine = OrtEngine(EngineConfig(model=info, imgsz=640, max_batch=1, threads=2))
+    config = EngineConfig(
+        model=info,
+        imgsz=640,
+        max_batch=2,
+        threads=2,
+        device=backend_device(backend),
+        cache_dir=CACHE_DIR,
+        source=path,
+    )
+    engine = load_backend(backend)(config)
     engine.load()
     engine.warmup()
-    return engine, YOLO(path, task="detect")
+    return engine, YOLO(str(path), task="detect")
 
 
 def _predict(model: Any, image_rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -227,7 +227,9 @@ def test_fixed_non_square_input_refused_where_the_backend_cannot_letterbox_it(
     info = read_model_info(_tiny_onnx(tmp_path / "r.onnx", "[320, 480]", [1, 3, 320, 480]))
     assert info.imgsz == (320, 480) and not info.dynamic_hw
     config = EngineConfig(model=info, imgsz=640, max_batch=8, threads=1)
-    with pytest.raises(EngineError, match=r"320x480 .*--backend onnxruntime.*dynamic=True"):
+    with pytest.raises(
+        EngineError, match=r"320x480 .*--backend onnxruntime and torch.*dynamic=True"
+    ):
         ConfiguredEngine(config)
     engine = OrtEngine(config)
     assert engine.input_size == 480 and engine.max_batch == 1
