@@ -19,7 +19,11 @@ object), as Frigate's ``<camera>/<object>/active``: a parked car is in ``objects
 JPEG thumbnail of the newest event of an object of that class (``GET
 /events/{id}/thumbnail.jpg``), as Frigate publishes ``frigate/<camera>/<object>/snapshot``
 for Home Assistant's MQTT camera ("the last person at the door"). A zone that is removed has
-its topic cleared, and so has a stream that is removed, all of its topics.
+its topic cleared, and so has a stream that is removed, all of its topics. What a stream or
+zone removed while the server was down (or another run of it) left retained is cleared on
+connect: the publisher reads what the broker retains under its topics (and its discovery
+configs, told apart from another server's by their availability topic) for a moment, and
+clears what no current stream, zone or class has.
 
 Control, as Frigate's ``frigate/<camera>/enabled/set``: ``ON`` or ``OFF`` published to
 ``<prefix>/<stream id>/enabled/set`` enables or disables the stream (``PATCH /streams/{id}
@@ -30,8 +34,9 @@ The publisher reads the log with its own cursor, as a webhook does, and only whi
 is connected: a broker that is down or restarting gets, once it is back, what happened
 meanwhile, as far back as the log reaches; what left the log before is counted
 (``streamdet_mqtt_events_total{outcome="missed"}``) and logged. The client reconnects by
-itself, backing off from 1 s to 10 s. A broker that cannot be reached never delays a
-stream, a request or the server's start.
+itself, backing off from 1 s to 10 s; why it cannot connect is logged (the first time, then
+at most once a minute). A broker that cannot be reached never delays a stream, a request or
+the server's start.
 """
 
 from __future__ import annotations
@@ -40,7 +45,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import ssl
+import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -54,6 +63,7 @@ from server.mqtt_discovery import Discovery, level
 from streams.detect import StreamDetect
 from streams.events import EventLog, LogReader
 from streams.fanout import ProcessedFrame
+from streams.geometry import unprintable
 from streams.reader import NOT_SHOWING
 
 log = logging.getLogger(__name__)
@@ -68,10 +78,23 @@ SHOWS_NOTHING = frozenset(state.value for state in NOT_SHOWING)
 """A stream's retained counts of what its last frame shows: all, and those not stationary."""
 MAX_INFLIGHT = 1000
 """Publications the client keeps unacknowledged before the publisher waits for the broker."""
+SETTLE_S = 0.5
+"""On connect, how long no retained message of the server's topics comes before what came is
+taken as all the broker retains."""
+SWEEP_MAX_S = 5.0
+"""On connect, the longest the retained topics are read (a broker that retains a lot)."""
+FAILURE_LOG_S = 60.0
+"""Failures to connect are logged at most this often (the first at once)."""
+REFRESH_S = 0.5
+"""How often the streams' names and zones are looked at (announced again where they changed,
+frames or none)."""
+FIXED_KINDS = (("state",), ("objects",), ("active",), ("enabled", "state"))
+"""A stream's retained topics besides its zones and thumbnails."""
 
 
 def check_mqtt_url(url: str) -> str:
-    """``url`` if it is ``mqtt://`` or ``mqtts://`` with a host.
+    """``url`` if it is ``mqtt://`` or ``mqtts://`` with a host, a port from 1 to 65535 if
+    any, and no path, query or fragment (MQTT has no use for them: they were ignored).
 
     Raises:
         ValueError: naming the setting.
@@ -82,7 +105,47 @@ def check_mqtt_url(url: str) -> str:
             f"mqtt_url: {parts.scheme or url!r} is not mqtt://host[:port] or mqtts://host[:port]"
             " (setting STREAMDET_MQTT_URL)"
         )
+    where = f"{parts.scheme}://{parts.hostname}"  # no password in the message
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        given = parts.netloc.rpartition("@")[2].rpartition(":")[2]
+        raise ValueError(
+            f"mqtt_url: port {given!r} of {where} is not a number from 1 to 65535 (setting"
+            " STREAMDET_MQTT_URL)"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        extra = url[url.index(parts.netloc) + len(parts.netloc) :]
+        raise ValueError(
+            f"mqtt_url: {where} has a path or query ({extra[:80]!r}), which MQTT has no use"
+            " for: mqtt://[user:password@]host[:port]; the topics are set by"
+            " STREAMDET_MQTT_TOPIC (setting STREAMDET_MQTT_URL)"
+        )
     return url
+
+
+def check_topic_prefix(value: str, field: str) -> str:
+    """``value`` (``mqtt_topic``, ``mqtt_discovery_prefix``) without a leading or trailing
+    ``/``: the form every topic is built from.
+
+    Raises:
+        ValueError: an empty level, a wildcard or a control character, naming the setting.
+    """
+    prefix = value.strip("/")
+    problem = ""
+    if not prefix:
+        problem = "has no topic level"
+    elif "//" in prefix:
+        problem = "has an empty topic level (//)"
+    elif "+" in prefix or "#" in prefix:
+        problem = "may not hold the wildcards + or #"
+    elif any(unprintable(c) for c in prefix):
+        problem = "may not hold control characters (U+0000...)"
+    if problem:
+        raise ValueError(f"{field}: {value!r} {problem} (setting STREAMDET_{field.upper()})")
+    return prefix
 
 
 def safe_url(url: str) -> str:
@@ -108,8 +171,8 @@ class MqttPublisher:
         enable: enables or disables a stream (``.../enabled/set``); False for an unknown one.
         roster: every stream's name and whether it is enabled (``.../enabled/state`` and the
             discovery configs on connect).
-        name_of: a stream's name now: a renamed stream's entities are announced again (at
-            its next frame) under the new name.
+        name_of: a stream's name now: a renamed stream's entities are announced again under
+            the new name (within a second, whether it has frames or not).
         discovery: announce each stream's entities to Home Assistant
             (``server/mqtt_discovery.py``); None: do not.
     """
@@ -130,7 +193,7 @@ class MqttPublisher:
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
         self.name = safe_url(url)
-        self.prefix = prefix.strip("/")
+        self.prefix = check_topic_prefix(prefix, "mqtt_topic")
         self._host = parts.hostname or ""
         self._port = parts.port or _default_port(parts.scheme)
         self._reader = LogReader(f"mqtt {self.name}/{self.prefix}", events, self._count)
@@ -154,9 +217,24 @@ class MqttPublisher:
         self._states: dict[str, str] = {}
         self._commands: set[asyncio.Task[None]] = set()
         self._thumbnails: dict[str, set[str]] = {}  # stream -> thumbnail topics it has
+        self._cameras: dict[str, set[str]] = {}  # stream -> classes with a camera entity
+        self._stopping = False
+        self._failed_at: float | None = None  # when a failure to connect was last logged
+        self._refreshed_at = 0.0
+        # What the broker retains under this server's topics, read on connect (the network
+        # thread collects, the event loop reads): None while not reading.
+        self._lock = threading.Lock()
+        self._found: dict[str, bytes] | None = None
+        self._found_at = 0.0  # when the last of them came
+        self._sweep_mid: int | None = None  # the subscription's packet id, until acknowledged
+        self._subscribed_at: float | None = None
+        self._generation = 0  # connections so far: a sweep of an earlier one stops
+        self._sweeps: set[asyncio.Task[None]] = set()
+        # A random id: two servers started from a copy of one data directory (the same
+        # event ids) kicked each other off the broker every second.
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=f"streamdet-{events.last_id + 1}",
+            client_id=f"streamdet-{secrets.token_hex(6)}",
             reconnect_on_failure=True,
         )
         if parts.username:
@@ -167,8 +245,10 @@ class MqttPublisher:
         client.max_inflight_messages_set(MAX_INFLIGHT)
         client.will_set(self.topic("available"), "offline", qos=QOS, retain=True)
         client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
         self._client = client
 
     def topic(self, *levels: str) -> str:
@@ -204,12 +284,15 @@ class MqttPublisher:
         if self._task is not None:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._task, timeout_s)
+        for sweep in list(self._sweeps):
+            sweep.cancel()
         if self.pending:
             log.warning(
                 "mqtt %s: %d event(s) not published at shutdown (broker unreachable?)",
                 self.name,
                 self.pending,
             )
+        self._stopping = True
         if self._connected.is_set():
             info = self._client.publish(self.topic("available"), "offline", qos=QOS, retain=True)
             with contextlib.suppress(RuntimeError, ValueError):
@@ -225,6 +308,9 @@ class MqttPublisher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._connected.wait(), 1.0)
                 continue
+            if time.monotonic() - self._refreshed_at >= REFRESH_S:
+                self._refreshed_at = time.monotonic()
+                self._refresh()
             page = await self._reader.take(BATCH, 1.0)
             if page is None:
                 return
@@ -282,17 +368,40 @@ class MqttPublisher:
         if jpeg is None:  # skipped under load, or deleted already
             return
         stream_id, class_name = _thumbnail_key(event)
+        if not self._exists(stream_id):  # a removed stream's, read again after a restart
+            return
         topic = self.topic(stream_id, level(class_name), "thumbnail")
         self._keep(stream_id, topic, jpeg)
         self._thumbnails.setdefault(stream_id, set()).add(topic)
-        if self._discovery is not None:  # a camera entity per class, from its first thumbnail
-            config_topic, config = self._discovery.thumbnail(
-                stream_id, str(event.get("stream_name") or ""), class_name
-            )
-            announced = self._announced.setdefault(stream_id, {})
-            if config_topic not in announced.get("cameras", ()):
-                self._keep(stream_id, config_topic, json.dumps(config))
-                announced["cameras"] = (*announced.get("cameras", ()), config_topic)
+        cameras = self._cameras.setdefault(stream_id, set())
+        if class_name not in cameras:  # a camera entity per class, from its first thumbnail
+            cameras.add(class_name)
+            self._announce_cameras(stream_id, self._current_name(stream_id))
+
+    def _announce_cameras(self, stream_id: str, name: str) -> None:
+        """Publish the configs of a stream's cameras (one per class it has a thumbnail of),
+        under its name now."""
+        if self._discovery is None:
+            return
+        topics = []
+        for class_name in sorted(self._cameras.get(stream_id, ())):
+            topic, config = self._discovery.thumbnail(stream_id, name, class_name)
+            self._keep(stream_id, topic, json.dumps(config))
+            topics.append(topic)
+        self._announced.setdefault(stream_id, {})["cameras"] = tuple(topics)
+
+    def _current_name(self, stream_id: str) -> str:
+        """A stream's name now ("" where unknown)."""
+        if self._name_of is not None:
+            return self._name_of(stream_id) or ""
+        roster = self._roster() if self._roster is not None else {}
+        return roster.get(stream_id, ("", True))[0]
+
+    def _exists(self, stream_id: str) -> bool:
+        """Whether the server has the stream now (True where it cannot tell)."""
+        if self._name_of is not None:
+            return self._name_of(stream_id) is not None
+        return self._roster is None or stream_id in self._roster()
 
     def observe_frame(self, frame: ProcessedFrame) -> None:
         """Event loop, every frame: publish what the stream's frame shows, and what stands in
@@ -319,11 +428,7 @@ class MqttPublisher:
                 self._objects[key] = counts
         before = self._zones.get(sid)
         if before is None:  # first frame since a (re)connect: zones gone meanwhile go now
-            wanted = {self._zone_topic(sid, zone) for zone in names}
-            zone_topics = self.topic(sid, "zones", "")
-            for topic in list(self._retained.get(sid, ())):
-                if topic.startswith(zone_topics) and topic not in wanted:
-                    self._clear(sid, topic)
+            self._clear_gone_zones(sid, names)
             before = {}
         if not names and not before:
             self._zones[sid] = {}
@@ -342,11 +447,13 @@ class MqttPublisher:
     def _retain_state(self, stream_id: str, state: str) -> None:
         """Keep a stream's state (and whether it is enabled); a removed stream's retained
         topics are cleared."""
+        if state != "removed" and not self._exists(stream_id):
+            return  # an event of a stream removed since (read again after a restart)
         if state != "removed":
             self._states[stream_id] = state
             self._keep(stream_id, self.topic(stream_id, "state"), state)
             self._retain_enabled(stream_id, state != "disabled")
-            if self._discovery is not None and stream_id not in self._announced:
+            if self._discovery is not None and "stream" not in self._announced.get(stream_id, {}):
                 self._announce_stream(stream_id)  # a camera that never sent a frame too
             if state in SHOWS_NOTHING:  # disabled, failed, ended: the counts say so
                 nothing = json.dumps({"all": 0}, separators=(",", ":"))
@@ -367,6 +474,7 @@ class MqttPublisher:
         self._forget_stream(stream_id)
         self._zones.pop(stream_id, None)
         self._thumbnails.pop(stream_id, None)
+        self._cameras.pop(stream_id, None)
         for topic in self._retained.pop(stream_id, set()):
             self._client.publish(topic, b"", qos=QOS, retain=True)
 
@@ -384,6 +492,109 @@ class MqttPublisher:
             self._announce_stream(stream_id, name)
             if (state := self._states.get(stream_id)) is not None:
                 self._retain_state(stream_id, state)
+
+    def _start_sweep(self, generation: int) -> None:
+        """Event loop, once connected: read what the broker retains of this server's (see
+        :meth:`_sweep`)."""
+        task = asyncio.create_task(self._sweep(generation), name=f"mqtt {self.name} sweep")
+        self._sweeps.add(task)
+        task.add_done_callback(self._sweeps.discard)
+
+    async def _sweep(self, generation: int) -> None:
+        """Wait until the retained messages of the subscriptions made on connect stop coming
+        (:data:`SETTLE_S` after the broker acknowledged them), stop them, and tidy."""
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(0.05)
+            with self._lock:
+                if generation != self._generation or self._found is None:
+                    return  # disconnected meanwhile: the next connection reads again
+                quiet_since = max(self._subscribed_at or started, self._found_at)
+                acked = self._subscribed_at is not None
+            now = time.monotonic()
+            if (acked and now - quiet_since >= SETTLE_S) or now - started >= SWEEP_MAX_S:
+                break
+        with self._lock:
+            found, self._found = self._found or {}, None
+        self._client.unsubscribe(self._sweep_topics())
+        self._tidy(found)
+
+    def _sweep_topics(self) -> list[str]:
+        """Topic filters of every retained topic this server publishes."""
+        kinds = [*FIXED_KINDS, ("zones", "+"), ("+", "thumbnail")]
+        topics = [self.topic("+", *kind) for kind in kinds]
+        return topics + ([] if self._discovery is None else self._discovery.subscriptions())
+
+    def _tidy(self, found: dict[str, bytes]) -> None:
+        """Of what the broker retains under this server's topics (``found``), clear what no
+        stream, zone or class of it has now (removed while the server was down, by another
+        run of it, or while the broker was away; a config under an id of before), and keep
+        the rest among the streams' topics (cleared with them)."""
+        if self._roster is None:
+            return  # which streams there are is not known
+        roster = self._roster()
+        cleared = 0
+        cameras: set[str] = set()  # streams with cameras announced before: under the name now
+        for topic, payload in found.items():
+            owned = self._owned(topic, payload)
+            if owned is None:
+                continue
+            stream_id, class_name = owned
+            if stream_id in roster and class_name is not None:
+                self._cameras.setdefault(stream_id, set()).add(class_name)
+                cameras.add(stream_id)
+            if stream_id in roster and self._wanted(stream_id, topic, class_name):
+                self._retained.setdefault(stream_id, set()).add(topic)
+                if class_name is None and topic.endswith("/thumbnail"):
+                    self._thumbnails.setdefault(stream_id, set()).add(topic)
+            else:
+                self._clear(stream_id, topic)
+                cleared += 1
+        for stream_id in cameras:
+            self._announce_cameras(stream_id, roster[stream_id][0])
+        if cleared:
+            log.info(
+                "mqtt %s: cleared %d retained topic(s) of streams, zones or entities gone",
+                self.name,
+                cleared,
+            )
+
+    def _owned(self, topic: str, payload: bytes) -> tuple[str, str | None] | None:
+        """Of a retained ``topic`` of :meth:`_sweep_topics`: its stream and, for a camera's
+        config, its class; None for another server's."""
+        head = self.prefix + "/"
+        if topic.startswith(head):
+            stream_id, _, rest = topic[len(head) :].partition("/")
+            kind = tuple(rest.split("/"))
+            zone_or_thumbnail = len(kind) == 2 and (kind[0] == "zones" or kind[1] == "thumbnail")
+            if kind in FIXED_KINDS or zone_or_thumbnail:
+                return stream_id, None
+        if self._discovery is None:
+            return None
+        owner = self._discovery.owner(topic, payload)
+        if owner is None:
+            return None
+        stream_id, component, config = owner
+        class_name = config.get("name")
+        if component == "camera" and isinstance(class_name, str):
+            return stream_id, class_name
+        return stream_id, None
+
+    def _wanted(self, stream_id: str, topic: str, class_name: str | None) -> bool:
+        """Whether a retained ``topic`` of a current stream (see :meth:`_owned`) is one it
+        has now."""
+        if topic.startswith(self.prefix + "/"):
+            kind = topic[len(self.prefix) + 1 :].split("/")[1:]
+            if len(kind) == 2 and kind[0] == "zones" and kind[1] != "thumbnail":
+                zones = self._zone_names(stream_id)
+                return topic in {self._zone_topic(stream_id, zone) for zone in zones}
+            return True
+        if self._discovery is None:
+            return False
+        name = self._current_name(stream_id)
+        if class_name is not None:
+            return topic == self._discovery.thumbnail(stream_id, name, class_name)[0]
+        return topic in self._discovery.stream(stream_id, name, self._zone_names(stream_id))
 
     def _zone_names(self, stream_id: str) -> list[str]:
         """The names of a stream's zones now."""
@@ -404,19 +615,60 @@ class MqttPublisher:
         if zones is None:
             zones = self._zone_names(stream_id)
         configs = self._discovery.stream(stream_id, name, zones)
+        self._announce_cameras(stream_id, name)  # under the name now, after a rename too
         announced = self._announced.setdefault(stream_id, {})
         cameras = set(announced.get("cameras", ()))
         config_topics = self._discovery.discovery_prefix + "/"
         for topic in list(self._retained.get(stream_id, ())):
             # A sensor of a zone gone (while connected, or while the broker was away).
             stale = topic.startswith(config_topics) and topic not in configs
-            if stale and topic not in cameras and "/thumbnail_" not in topic:
+            if stale and topic not in cameras:
                 self._clear(stream_id, topic)
         for topic, config in configs.items():
             self._keep(stream_id, topic, json.dumps(config))
         announced["stream"] = tuple(configs)
         announced["zones"] = tuple(zones)
         announced["name"] = (name,)
+
+    def _refresh(self) -> None:
+        """Event loop, while connected: a stream renamed, or whose zones changed, is announced
+        again and a zone gone has its count cleared, whether the stream has frames or not
+        (disabled, reconnecting: the old name and zones stayed until its next frame)."""
+        if self._roster is None:
+            return
+        for stream_id, (name, _) in self._roster().items():
+            zones = self._zone_names(stream_id)
+            announced = self._announced.get(stream_id)
+            if (
+                self._discovery is not None
+                and announced is not None
+                and (announced.get("zones") != tuple(zones) or announced.get("name") != (name,))
+            ):
+                self._announce_stream(stream_id, name, zones)
+            self._clear_gone_zones(stream_id, zones)
+
+    def _clear_gone_zones(self, stream_id: str, names: list[str]) -> None:
+        """Clear the counts of a stream's zones not among ``names``; a stream that shows
+        nothing now gets 0 in a new one."""
+        wanted = {self._zone_topic(stream_id, zone) for zone in names}
+        zone_topics = self.topic(stream_id, "zones", "")
+        for topic in list(self._retained.get(stream_id, ())):
+            if topic.startswith(zone_topics) and topic not in wanted:
+                self._clear(stream_id, topic)
+        shows_nothing = self._states.get(stream_id) in SHOWS_NOTHING
+        counts = (
+            self._zones.setdefault(stream_id, {}) if shows_nothing else self._zones.get(stream_id)
+        )
+        if counts is None:
+            return
+        for zone in counts.keys() - set(names):
+            del counts[zone]
+        if shows_nothing:
+            nothing = json.dumps({"all": 0}, separators=(",", ":"))
+            for zone in names:
+                if zone not in counts:
+                    self._keep(stream_id, self._zone_topic(stream_id, zone), nothing)
+                    counts[zone] = {"all": 0}
 
     def _forget_stream(self, stream_id: str) -> None:
         """A removed stream's entities go from Home Assistant (what it announced before a
@@ -466,22 +718,63 @@ class MqttPublisher:
         properties: Any,
     ) -> None:
         if reason.is_failure:
-            log.warning("mqtt %s: refused: %s", self.name, reason)
+            self._failed(f"refused: {reason} (its user and password?)")
             return
         log.info("mqtt %s: connected", self.name)
+        self._failed_at = None  # the next failure is logged at once
         client.publish(self.topic("available"), "online", qos=QOS, retain=True)
         client.subscribe(self.topic("+", "enabled", "set"), qos=QOS)
+        generation = None
+        if self._roster is not None:  # what the broker retains of this server's, to tidy
+            with self._lock:
+                self._generation += 1
+                generation = self._generation
+                self._found, self._found_at, self._subscribed_at = {}, 0.0, None
+                _, self._sweep_mid = client.subscribe([(t, QOS) for t in self._sweep_topics()])
         self._set_connected(True)
         if self._loop is not None:  # zone counts are sent again, in full
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._zones.clear)
                 self._loop.call_soon_threadsafe(self._objects.clear)
                 self._loop.call_soon_threadsafe(self._announce)
+                if generation is not None:
+                    self._loop.call_soon_threadsafe(self._start_sweep, generation)
+
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, properties: Any
+    ) -> None:
+        with self._lock:
+            if mid == self._sweep_mid:
+                self._subscribed_at = time.monotonic()
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        # Called while paho handles the OSError (nothing listening, TLS refused...).
+        error = sys.exc_info()[1]
+        self._failed(f"cannot connect: {error or 'connection failed'}")
+
+    def _failed(self, why: str) -> None:
+        """Log why the broker cannot be had: the first time, then at most once a minute."""
+        now = time.monotonic()
+        if self._stopping or (
+            self._failed_at is not None and now - self._failed_at < FAILURE_LOG_S
+        ):
+            return
+        self._failed_at = now
+        log.warning(
+            "mqtt %s: %s; retrying (setting STREAMDET_MQTT_URL)", self.name, why.rstrip(".")
+        )
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed() or message.retain:  # a stale command is not run
+        command = mqtt.topic_matches_sub(self.topic("+", "enabled", "set"), message.topic)
+        if message.retain and not command:  # read on connect (see _sweep)
+            with self._lock:
+                if self._found is not None and message.payload:
+                    self._found[message.topic] = bytes(message.payload)
+                    self._found_at = time.monotonic()
             return
+        loop = self._loop
+        if loop is None or loop.is_closed() or message.retain or not command:
+            return  # a stale command is not run; the server's own messages are not commands
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._command, message.topic, bytes(message.payload))
 
@@ -493,8 +786,14 @@ class MqttPublisher:
         reason: ReasonCode,
         properties: Any,
     ) -> None:
-        if self._connected.is_set():
+        with self._lock:
+            self._found = None  # a sweep under way stops: the next connection reads again
+        if self._stopping:
+            log.info("mqtt %s: disconnected", self.name)
+        elif self._connected.is_set():
             log.warning("mqtt %s: disconnected (%s); reconnecting", self.name, reason)
+        elif reason.is_failure:  # dropped before it was accepted
+            self._failed(f"disconnected before connected ({reason})")
         self._set_connected(False)
 
     def _set_connected(self, up: bool) -> None:

@@ -450,12 +450,16 @@ class Settings(BaseSettings):
     @field_validator("mqtt_topic")
     @classmethod
     def _mqtt_topic(cls, value: str) -> str:
-        if any(c in value for c in "+#\0") or not value.strip("/"):
-            raise ValueError(
-                f"mqtt_topic: {value!r} may not hold the wildcards + or # (setting"
-                " STREAMDET_MQTT_TOPIC)"
-            )
-        return value
+        from server.mqtt import check_topic_prefix
+
+        return check_topic_prefix(value, "mqtt_topic")
+
+    @field_validator("mqtt_discovery_prefix")
+    @classmethod
+    def _mqtt_discovery_prefix(cls, value: str) -> str:
+        from server.mqtt import check_topic_prefix
+
+        return check_topic_prefix(value, "mqtt_discovery_prefix")
 
     @model_validator(mode="after")
     def _backend_batch(self) -> Settings:

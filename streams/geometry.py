@@ -26,6 +26,32 @@ def check_name(name: str, what: str) -> None:
         raise ValueError(f"{what}: a name of 1 to {MAX_NAME} characters is needed")
 
 
+def unprintable(char: str) -> bool:
+    """Whether ``char`` is a control character (U+0000, a tab...), half of a surrogate pair
+    or a noncharacter (U+FFFE...): MQTT refuses each in a topic (a zone's name is a topic
+    level), and a lone surrogate cannot be written as UTF-8 at all."""
+    code = ord(char)
+    return (
+        code < 0x20
+        or 0x7F <= code <= 0x9F
+        or 0xD800 <= code <= 0xDFFF
+        or 0xFDD0 <= code <= 0xFDEF
+        or (code & 0xFFFE) == 0xFFFE
+    )
+
+
+def check_text(name: str, what: str) -> None:
+    """Raises ValueError, naming ``what``, for a name (a zone's, a line's, a stream's) that
+    holds an :func:`unprintable` character. Checked on what the API is given: names stored
+    before still load (``server/mqtt_discovery.py`` makes topic levels of them anyway)."""
+    bad = next((c for c in name if unprintable(c)), None)
+    if bad is not None:
+        raise ValueError(
+            f"{what}: name {name!r} holds {bad!r}: control characters and lone surrogates"
+            " are not allowed in a name"
+        )
+
+
 def check_point(point: Point, what: str) -> None:
     """Raises ValueError, naming ``what``, for a point outside [0, 1] of the frame."""
     x, y = point

@@ -581,3 +581,30 @@ def test_missed_counts_the_events_of_a_run_retention_emptied_not_the_id_gap(
     emptied.add("a", "", 1.0, [_crossing(1)], _name)
     emptied.forget_before(2.0)
     assert emptied.kept_since is not None  # incomplete counts (it raised IndexError)
+
+
+def test_pending_counts_events_not_the_id_gap_between_runs(tmp_path: Path) -> None:
+    """A sink (MQTT, a webhook) that had delivered up to 100 before retention emptied the log
+    and ids jumped to the clock between runs has 4 events pending (101 and 102, missed, and
+    the 2 of the new run), not the ~16 million between the runs' ids."""
+    from streams.events import LogReader
+
+    store = EventStore(tmp_path, size=10)
+    log = EventLog(size=10, start_id=100, store=store)
+    reader = LogReader("sink", log)
+    log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 100-102
+    reader.delivered(100, 1)
+    assert reader.pending == 2
+    assert log.forget_before(2.0) == 3  # retention: all of them
+    assert reader.pending == 2  # they left the log: still to be told of (as missed)
+    store.close()
+    store = EventStore(tmp_path, size=10)
+    log = EventLog(size=10, start_id=16_000_000, store=store)
+    log.add("a", "", 3.0, [_crossing(8)] * 2, _name)
+    again = LogReader("sink", log)
+    assert again.cursor == 100 and again.pending == 4
+    page = again.next_page(10)
+    assert page.missed == 2 and len(page.events) == 2
+    again.delivered(page.events[-1]["id"], 2)
+    assert again.pending == 0
+    store.close()

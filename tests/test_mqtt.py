@@ -4,15 +4,19 @@ the shared and the per-stream topic, with the server's availability retained."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
+import re
 import shutil
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -22,10 +26,20 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from engines.types import Detections
 from loadtest.server import free_port
-from server.mqtt import active_counts, check_mqtt_url, object_counts, safe_url, zone_counts
-from server.mqtt_discovery import Discovery
+from server.mqtt import (
+    MqttPublisher,
+    active_counts,
+    check_mqtt_url,
+    object_counts,
+    safe_url,
+    zone_counts,
+)
+from server.mqtt_discovery import Discovery, level, zone_keys
 from server.settings import Settings
+from streams.detect import StreamDetect
+from streams.events import EventLog, ManualEvent, StateEvent
 from streams.fanout import ProcessedFrame
+from streams.zones import parse_zones
 from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server, decode_jpeg
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
@@ -96,8 +110,13 @@ class Listener:
             time.sleep(0.1)
         return True
 
-    def publish(self, topic: str, payload: str) -> None:
-        self._client.publish(topic, payload, qos=1).wait_for_publish(10)
+    def publish(self, topic: str, payload: str, *, retain: bool = False) -> None:
+        self._client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def last(self, topic: str) -> str | None:
+        """``topic``'s newest message; None before any."""
+        got = self.on(topic)
+        return got[-1] if got else None
 
     def close(self) -> None:
         self._client.loop_stop()
@@ -273,6 +292,34 @@ def test_mqtt_settings_are_checked() -> None:
         Settings(mqtt_topic="cams/#")
     assert check_mqtt_url("mqtts://u:p@broker") == "mqtts://u:p@broker"
     assert safe_url("mqtts://user:secret@broker") == "mqtts://broker:8883"  # no password in logs
+    # A port out of range or not a number was a traceback once the model had loaded; a path
+    # or query was ignored.
+    for url in (
+        "mqtt://127.0.0.1:99999",
+        "mqtt://u:secret@broker:abc",
+        "mqtt://broker:0",
+        "mqtt://broker/cams",
+        "mqtt://broker?topic=cams",
+    ):
+        with pytest.raises(ValueError, match="STREAMDET_MQTT_URL"):
+            Settings(mqtt_url=url)
+        with pytest.raises(ValueError, match="STREAMDET_MQTT_URL") as refused:
+            check_mqtt_url(url)
+        assert "secret" not in str(refused.value)
+    assert Settings(mqtt_url="mqtt://broker:1884/").mqtt_url == "mqtt://broker:1884/"
+    # One form of the prefixes everywhere: the publisher stripped slashes, Home Assistant's
+    # availability, state and command topics had them.
+    given = Settings(mqtt_topic="/home/streamdet/", mqtt_discovery_prefix="ha/")
+    assert (given.mqtt_topic, given.mqtt_discovery_prefix) == ("home/streamdet", "ha")
+    switch = Discovery(given.mqtt_topic).stream("door", "", [])
+    assert all(
+        config["availability_topic"] == "home/streamdet/available" for config in switch.values()
+    )
+    for topic in ("a//b", "/", "cams/+", "a\u0000b"):
+        with pytest.raises(ValueError, match="STREAMDET_MQTT_TOPIC"):
+            Settings(mqtt_topic=topic)
+    with pytest.raises(ValueError, match="STREAMDET_MQTT_DISCOVERY_PREFIX"):
+        Settings(mqtt_discovery_prefix="ha//x")
 
 
 def test_zone_counts_count_each_tracked_object_once() -> None:
@@ -310,22 +357,52 @@ def test_zone_counts_count_each_tracked_object_once() -> None:
 
 def test_discovery_names_entities_as_home_assistant_allows() -> None:
     discovery = Discovery("cams", "ha")
-    configs = discovery.stream("door", "Front door", ["loading/dock #2"])
-    zone = configs["ha/sensor/streamdet_door/zone_loading_dock__2/config"]
-    assert zone["state_topic"] == "cams/door/zones/loading_dock _2"  # one topic level
-    assert zone["unique_id"] == "streamdet_door_zone_loading_dock__2"
+    configs = discovery.stream("door", "Front door", ["loading/dock #2", "front yard"])
+    # The prefix is not the default "streamdet": it is in the ids (another server's stream
+    # "door" is another device).
+    node = "streamdet_cams_door"
+    key = zone_keys(["loading/dock #2"])["loading/dock #2"]
+    assert key.startswith("zone_loading_dock__2_")  # replaced characters: a hash of the name
+    zone = configs[f"ha/sensor/{node}/{key}/config"]
+    assert zone["state_topic"].startswith("cams/door/zones/loading_dock _2_")  # one level
+    assert zone["unique_id"] == f"{node}_{key}"
     assert zone["device"]["name"] == "streamdet Front door"
+    assert zone["device"]["identifiers"] == [node]
     assert set(configs) == {
-        "ha/switch/streamdet_door/enabled/config",
-        "ha/sensor/streamdet_door/state/config",
-        "ha/sensor/streamdet_door/objects/config",
-        "ha/sensor/streamdet_door/active/config",
-        "ha/sensor/streamdet_door/zone_loading_dock__2/config",
+        f"ha/switch/{node}/enabled/config",
+        f"ha/sensor/{node}/state/config",
+        f"ha/sensor/{node}/objects/config",
+        f"ha/sensor/{node}/active/config",
+        f"ha/sensor/{node}/{key}/config",
+        f"ha/sensor/{node}/zone_front_yard/config",  # spaces only: as it always was
     }
     topic, camera = discovery.thumbnail("door", "", "traffic light")
-    assert topic == "ha/camera/streamdet_door/thumbnail_traffic_light/config"
+    assert topic == f"ha/camera/{node}/thumbnail_traffic_light/config"
     assert camera["topic"] == "cams/door/traffic light/thumbnail"
     assert camera["device"]["name"] == "streamdet door"  # no name: its id
+    # The default prefix: the ids existing users' entities have.
+    plain = Discovery("streamdet").stream("door", "", ["lower"])
+    assert "homeassistant/sensor/streamdet_door/zone_lower/config" in plain
+    assert plain["homeassistant/sensor/streamdet_door/zone_lower/config"]["unique_id"] == (
+        "streamdet_door_zone_lower"
+    )
+
+
+def test_different_names_are_different_entities_and_valid_topic_levels() -> None:
+    """入口 and 出口 were both ``zone___``, ``a/b`` and ``a+b`` both ``a_b``; a NUL in a zone's
+    name went into its topic (the broker dropped the server's client, at every reconnect)."""
+    names = ["入口", "出口", "a/b", "a+b", "a b", "a_b", "bad\u0000zone", "sur\ud800", "lower"]
+    keys = zone_keys(names)
+    assert len(set(keys.values())) == len(names)
+    assert all(re.fullmatch(r"zone_[A-Za-z0-9_-]+", key) for key in keys.values())
+    assert (keys["lower"], keys["a_b"]) == ("zone_lower", "zone_a_b")  # unchanged
+    assert keys["a b"] != "zone_a_b" and zone_keys(["a b"])["a b"] == "zone_a_b"
+    levels = [level(name) for name in names]
+    assert len(set(levels)) == len(names)
+    assert level("入口") == "入口" and level("lower") == "lower"  # MQTT topics are UTF-8
+    for topic_level in levels:
+        assert not set(topic_level) & set("/+#\0") and topic_level.encode("utf-8")
+    assert level("a/b") == level("a/b")  # stable
 
 
 @pytest.mark.mqtt
@@ -427,3 +504,253 @@ def test_a_stream_that_ends_shows_nothing_now(tmp_path: Path, broker: Broker) ->
             assert info["zones"]["whole"]["now"] == {} and info["detections"]["bottle"] > 0
     finally:
         listener.close()
+
+
+# ---- the publisher on its own against the real broker (no model, no server) -----------------
+class Streams:
+    """The stream manager as the publisher sees it: names, zones, whether enabled."""
+
+    def __init__(self, **names: str) -> None:
+        self.names = dict(names)
+        self.zones: dict[str, list[str]] = {}
+
+    def roster(self) -> dict[str, tuple[str, bool]]:
+        return {sid: (name, True) for sid, name in self.names.items()}
+
+    def name_of(self, stream_id: str) -> str | None:
+        return self.names.get(stream_id)
+
+    def detect(self, stream_id: str) -> StreamDetect | None:
+        if stream_id not in self.names:
+            return None
+        square = [[0, 0], [1, 0], [1, 1], [0, 1]]
+        zones = [{"name": z, "points": square} for z in self.zones.get(stream_id, [])]
+        return StreamDetect(zones=parse_zones(zones))
+
+    def publisher(self, port: int, log: EventLog, prefix: str = "streamdet") -> MqttPublisher:
+        async def thumbnail(event_id: int) -> bytes:
+            return b"jpeg"
+
+        return MqttPublisher(
+            f"mqtt://127.0.0.1:{port}",
+            prefix,
+            log,
+            None,
+            self.detect,
+            thumbnail_of=thumbnail,
+            roster=self.roster,
+            name_of=self.name_of,
+            discovery=Discovery(prefix),
+        )
+
+
+async def eventually(check: Callable[[], object], timeout_s: float = 10) -> None:
+    """Wait (on the event loop, which the publisher needs) until ``check()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        await asyncio.sleep(0.05)
+
+
+def _state(log: EventLog, stream_id: str, state: str) -> None:
+    log.add(stream_id, "", time.time(), [StateEvent("live", state, None, 0)], str)
+
+
+def _config(source: str, available: str = "streamdet/available", name: str = "x") -> str:
+    return json.dumps(
+        {
+            "name": name,
+            "state_topic" if "thumbnail" not in source else "topic": source,
+            "availability_topic": available,
+            "device": {"name": "streamdet Old name"},
+        }
+    )
+
+
+@pytest.mark.mqtt
+async def test_what_streams_and_zones_gone_left_retained_is_cleared_on_connect(
+    tmp_path: Path, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the server retained lived in its memory only: a stream or zone removed while it
+    was down (or deleted after a restart) left its topics and Home Assistant entities on the
+    broker for ever. On connect it reads what the broker retains of its own, and clears what
+    no stream, zone or class of it has now; another server's (its own prefix) stay."""
+    broker.start()
+    earlier = {  # what an earlier run of the server left retained
+        "streamdet/gone/state": "live",  # a stream removed while the server was down
+        "streamdet/gone/zones/z": '{"all":0}',
+        "streamdet/gone/person/thumbnail": "jpeg",
+        "homeassistant/sensor/streamdet_gone/objects/config": _config("streamdet/gone/objects"),
+        "streamdet/door/zones/old": '{"all":1}',  # a zone removed between runs
+        "homeassistant/sensor/streamdet_door/zone_old/config": _config("streamdet/door/zones/old"),
+        "streamdet/door/zones/kept": '{"all":1}',
+        "streamdet/door/person/thumbnail": "jpeg",
+        "homeassistant/camera/streamdet_door/thumbnail_person/config": _config(
+            "streamdet/door/person/thumbnail", name="person"
+        ),
+    }
+    others = {  # another server's (prefix "cams"), and another integration's
+        "homeassistant/sensor/streamdet_cams_gone/objects/config": _config(
+            "cams/gone/objects", "cams/available"
+        ),
+        "homeassistant/sensor/lamp/power/config": json.dumps({"name": "power"}),
+    }
+    listener = Listener(broker.port)
+    try:
+        for topic, payload in {**earlier, **others}.items():
+            listener.publish(topic, payload, retain=True)
+        streams = Streams(door="Front door")
+        streams.zones["door"] = ["kept"]
+        log = EventLog(100)
+        publisher = streams.publisher(broker.port, log)
+        caplog.set_level(logging.INFO, "server.mqtt")
+        publisher.start()
+        gone = [t for t in earlier if "/gone/" in t or "streamdet_gone" in t or "old" in t]
+        await eventually(lambda: all(listener.last(t) == "" for t in gone))
+        # The camera of the class it had a thumbnail of, under the stream's name now.
+        camera = "homeassistant/camera/streamdet_door/thumbnail_person/config"
+        await eventually(lambda: "Front door" in (listener.last(camera) or ""))
+        # Deleted after the restart: what the earlier run retained goes with it.
+        del streams.names["door"]
+        _state(log, "door", "removed")
+        kept = ("streamdet/door/person/thumbnail", "streamdet/door/zones/kept", camera)
+        await eventually(lambda: all(listener.last(t) == "" for t in kept))
+        log.close()
+        await publisher.stop(2)
+    finally:
+        listener.close()
+    late = Listener(broker.port)
+    try:
+        await eventually(lambda: late.on("streamdet/available") == ["offline"])
+        await asyncio.sleep(0.5)
+        left = {t for t, p, _ in late.messages if p}
+        assert left == {"streamdet/available", *others}, left
+    finally:
+        late.close()
+    assert "cleared 6 retained topic(s)" in caplog.text
+    assert "reconnecting" not in caplog.text  # a clean stop is not a broker going away
+
+
+@pytest.mark.mqtt
+async def test_a_stream_without_frames_is_announced_again_when_renamed_or_its_zones_change(
+    broker: Broker,
+) -> None:
+    """A disabled (reconnecting, failed) stream has no frames: its new name and zones were
+    announced at its next frame only, its cameras kept the old name for ever, and were not
+    announced again on reconnect."""
+    broker.start()
+    listener = Listener(broker.port)
+    try:
+        streams = Streams(door="Door")
+        streams.zones["door"] = ["a", "b"]
+        log = EventLog(100)
+        publisher = streams.publisher(broker.port, log)
+        publisher.start()
+        _state(log, "door", "disabled")
+        node = "homeassistant/sensor/streamdet_door"
+        await eventually(lambda: listener.last(f"{node}/zone_b/config"))
+        person = {"class_name": "person", "thumbnail": "/events/1/thumbnail.jpg"}
+        log.add("door", "Door", time.time(), [ManualEvent("bell", 0)], str, extra=lambda e: person)
+        camera = "homeassistant/camera/streamdet_door/thumbnail_person/config"
+        await eventually(lambda: listener.last(camera))
+        assert json.loads(listener.last(camera) or "")["device"]["name"] == "streamdet Door"
+        streams.names["door"] = "Loading bay"
+        streams.zones["door"] = ["a", "c"]
+
+        def renamed(topic: str) -> bool:
+            config: dict[str, Any] = json.loads(listener.last(topic) or "{}")
+            return bool(config.get("device", {}).get("name") == "streamdet Loading bay")
+
+        await eventually(lambda: renamed(f"{node}/objects/config") and renamed(camera), 3)
+        await eventually(lambda: listener.last(f"{node}/zone_b/config") == "", 3)
+        assert renamed(f"{node}/zone_c/config")
+        assert listener.last("streamdet/door/zones/c") == '{"all":0}'  # disabled: nothing in it
+        # A broker that comes back without what it retained gets the cameras again.
+        broker.stop()
+        broker.start()
+        again = Listener(broker.port)
+        try:
+            await eventually(lambda: again.last(camera))
+            assert json.loads(again.last(camera) or "")["device"]["name"] == (
+                "streamdet Loading bay"
+            )
+        finally:
+            again.close()
+        log.close()
+        await publisher.stop(2)
+    finally:
+        listener.close()
+
+
+async def test_why_the_broker_cannot_be_reached_is_logged_naming_the_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing listening (a TLS failure alike): only "connecting" was logged, for ever."""
+    port = free_port()
+    log = EventLog(10)
+    publisher = MqttPublisher(f"mqtt://127.0.0.1:{port}", "streamdet", log)
+    caplog.set_level(logging.INFO, "server.mqtt")
+    publisher.start()
+    try:
+        await eventually(lambda: "cannot connect" in caplog.text, 5)
+        await asyncio.sleep(2.5)  # retried meanwhile: logged once a minute at most
+    finally:
+        log.close()
+        await publisher.stop(1)
+    failures = [
+        r.getMessage()
+        for r in caplog.records
+        if "cannot connect" in r.getMessage() and publisher.name in r.getMessage()
+    ]
+    assert len(failures) == 1, failures
+    assert "STREAMDET_MQTT_URL" in failures[0] and "refused" in failures[0].lower()
+
+
+@pytest.mark.mqtt
+async def test_two_servers_from_one_data_directory_do_not_kick_each_other_off(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client ids were ``streamdet-<next event id>``: two servers started from a copy of one
+    data directory had the same, and the broker dropped one for the other every second."""
+    broker.start()
+    log = EventLog(10, start_id=1)
+    publishers = [MqttPublisher(f"mqtt://127.0.0.1:{broker.port}", p, log) for p in "ab"]
+    caplog.set_level(logging.INFO, "server.mqtt")
+    for publisher in publishers:
+        publisher.start()
+    await eventually(lambda: caplog.text.count("connected") >= 2, 5)
+    await asyncio.sleep(2.0)
+    log.close()
+    for publisher in publishers:
+        await publisher.stop(1)
+    assert "reconnecting" not in caplog.text
+
+
+@pytest.mark.mqtt
+async def test_a_broker_that_refuses_the_server_is_logged_naming_the_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broker that wants a user and password: "refused: Not authorized", naming the
+    setting, once (it retries every few seconds)."""
+    port = free_port()
+    config = tmp_path / "mosquitto.conf"
+    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous false\n")
+    proc = await asyncio.create_subprocess_exec(
+        MOSQUITTO, "-c", str(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    log = EventLog(10)
+    publisher = MqttPublisher(f"mqtt://127.0.0.1:{port}", "streamdet", log)
+    caplog.set_level(logging.INFO, "server.mqtt")
+    try:
+        await asyncio.sleep(0.3)  # listening
+        publisher.start()
+        await eventually(lambda: "refused" in caplog.text, 5)
+        await asyncio.sleep(2.5)
+    finally:
+        log.close()
+        await publisher.stop(1)
+        proc.terminate()
+        await proc.wait()
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and "Not authorized" in refused[0], refused
+    assert "STREAMDET_MQTT_URL" in refused[0]

@@ -4,6 +4,7 @@ of a real clip, and through the API."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -351,3 +352,36 @@ def test_settings_stored_before_a_refusal_still_load_and_a_bow_tie_has_an_inside
     check_area(((0.2, 0.2), (0.8, 0.8), (0.8, 0.2), (0.2, 0.8)), "zones: 'bow'")
     with pytest.raises(ValueError, match="enclose no area"):
         check_area(((0.1, 0.1), (0.5, 0.5), (0.9, 0.9)), "zones: 'flat'")
+
+
+def test_names_with_control_characters_or_lone_surrogates_are_refused(tmp_path: Path) -> None:
+    """A zone named ``bad\\u0000zone`` was accepted: its MQTT topic got the server's client
+    dropped by the broker, again at each reconnect; ``sur\\ud800`` was a 500. Each is a 422
+    naming the field, for zones, lines and the stream's name; stored settings with such a
+    name still load (MQTT makes a valid topic level of it)."""
+    line = {"name": "gate", "points": [[0, 0.5], [1, 0.5]]}
+    escaped = {"content-type": "application/json"}  # as JSON escapes them: \u0000, \ud800
+    with TestClient(file_stream_app(tmp_path)) as c:
+        for body, field in (
+            ({"zones": [{**SHELF, "name": "bad\u0000zone"}]}, "zones"),
+            ({"zones": [{**SHELF, "name": "sur\ud800"}]}, "zones"),
+            ({"zones": [{**SHELF, "name": "tab\tzone"}]}, "zones"),
+            ({"track": True, "lines": [{**line, "name": "new\nline"}]}, "lines"),
+            ({"name": "door\u0000"}, "name"),
+            ({"name": "door\udfff"}, "name"),
+        ):
+            data = json.dumps({**SHELF_STREAM, **body})
+            resp = c.post("/streams", content=data, headers=escaped)
+            assert resp.status_code == 422, (body, resp.text)
+            assert f"{field}: name " in resp.text, resp.text
+        assert c.get("/streams").json()["streams"] == []
+        sid = c.post("/streams", json={**SHELF_STREAM, "name": "入口 door"}).json()["id"]
+        bad = c.patch(f"/streams/{sid}", json={"zones": [{**SHELF, "name": "bad\u0000zone"}]})
+        assert bad.status_code == 422 and "zones: name" in bad.text
+        data = json.dumps({"zones": [{**SHELF, "name": "sur\ud800"}]})
+        assert c.patch(f"/streams/{sid}", content=data, headers=escaped).status_code == 422
+        assert c.patch(f"/streams/{sid}", json={"name": "x\u0001"}).status_code == 422
+        ok = c.patch(f"/streams/{sid}", json={"zones": [{**SHELF, "name": "入口"}]})
+        assert ok.status_code == 200 and ok.json()["detect"]["zones"][0]["name"] == "入口"
+    stored = {"zones": [{**SHELF, "name": "bad\u0000zone"}]}
+    assert StreamDetect.from_description(stored, {39: "bottle"}).zones[0].name == "bad\u0000zone"

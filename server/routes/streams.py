@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from engines.pool import EnginePool
 from engines.types import DetectParams
@@ -36,7 +43,7 @@ from streams.detect import MAX_MASKS, Roi, StreamDetect, parse_masks
 from streams.event_store import EventStore
 from streams.events import EventLog
 from streams.filters import ObjectFilters
-from streams.geometry import MAX_NAME
+from streams.geometry import MAX_NAME, check_text
 from streams.lines import MAX_LINES, Line, parse_lines
 from streams.manager import (
     ManagerClosed,
@@ -59,12 +66,31 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 
+def printable(what: str) -> BeforeValidator:
+    """A name's check: no control character (a zone's name is an MQTT topic level: one with
+    U+0000 got the server's client dropped by the broker at every reconnect) nor lone
+    surrogate, refused naming ``what``. A lone surrogate is refused with HTTP 422 at once:
+    as a validation error it is echoed back, which cannot be written as UTF-8 (a 500)."""
+
+    def check(value: object) -> object:
+        if isinstance(value, str):
+            try:
+                check_text(value, what)
+            except ValueError as exc:
+                if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+                    raise HTTPException(422, str(exc)) from None
+                raise
+        return value
+
+    return BeforeValidator(check)
+
+
 class LineIn(BaseModel):
     """A counting line: a name and two points in 0..1 of the frame."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), printable("lines")]
     points: Annotated[list[tuple[float, float]], Field(min_length=2, max_length=2)]
     classes: Annotated[
         list[int | str] | str | None,
@@ -77,7 +103,7 @@ class ZoneIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), printable("zones")]
     points: Annotated[list[tuple[float, float]], Field(min_length=3, max_length=64)]
     inertia: Annotated[
         int,
@@ -314,7 +340,7 @@ def _by_name(shape: dict[str, Any], names: Mapping[int, str], kind: str) -> dict
 class StreamPatch(DetectIn):
     """Body of ``PATCH /streams/{id}``: what may change while a stream runs."""
 
-    name: Annotated[str, Field(max_length=200)] = ""
+    name: Annotated[str, Field(max_length=200), printable("name")] = ""
     max_fps: Annotated[
         float | None,
         Field(gt=0, le=1000, description="sample at most this many frames/s; null: every frame"),
