@@ -323,6 +323,11 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             (error,) = resp.json()["detail"]
             assert error["loc"] == ["body", field]
             assert error["input"] == str(float(value))
+        # A lone surrogate (no UTF-8 holds it) echoed back was a 500 too: escaped.
+        body = '{"url": "http://cam/x", "colour": "\\ud800"}'
+        resp = c.post("/webhooks", content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 422, resp.text
+        assert "\\ud800" in resp.text
         assert c.get("/streams").json()["streams"] == []  # nothing was added by a bad call
 
         resp = c.post("/streams", json={"url": url, "classes": "Bottle, 0", "conf": 0.5})

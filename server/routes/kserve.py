@@ -83,8 +83,9 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
 
     if isinstance(exc, RequestValidationError):
         if not is_v2(request):
-            # FastAPI's own answer, less its failure on a non-finite number it echoes
-            # (``{"conf": NaN}`` was refused, then could not be written back: a 500).
+            # FastAPI's own answer, less its failure on a non-finite number or a lone
+            # surrogate it echoes (``{"conf": NaN}`` was refused, then could not be written
+            # back: a 500).
             detail = _json_safe(jsonable_encoder(exc.errors()))
             return JSONResponse({"detail": detail}, status_code=422)
         problems = "; ".join(
@@ -99,9 +100,17 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
 
 
 def _json_safe(value: Any) -> Any:
-    """``value`` with every NaN or infinity (JSON has neither) as its text: ``"nan"``."""
+    """``value`` with every NaN or infinity (JSON has neither) as its text: ``"nan"``, and
+    every lone surrogate (``"\\ud800"`` in a body's JSON: no UTF-8 can carry it, and echoing
+    it back was a 500) as its escape."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode()
+        return value
     if isinstance(value, dict):
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
