@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
+import sqlite3
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -15,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from engines.pool import EnginePool
 from server import metrics as metrics_module
@@ -46,6 +48,35 @@ async def client_went_away(request: Request, exc: Exception) -> Response:
     request is cleaned up by the route itself. The answer goes nowhere."""
     log.info("%s %s: the client went away during its upload", request.method, request.url.path)
     return Response(status_code=400)
+
+
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+SQLITE_STORAGE_WORDS = ("full", "readonly", "disk i/o")
+
+
+def storage_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the data directory cannot be written: a full disk, a quota, a
+    read-only mount (an ``OSError``, or SQLite's words for them)."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return any(word in str(exc).lower() for word in SQLITE_STORAGE_WORDS)
+    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
+
+
+async def storage_full(request: Request, exc: Exception) -> Response:
+    """A call that had to write to a data directory that cannot take it: ``507`` saying so
+    and naming the setting (it was a bare 500 and a traceback, on every write route); any
+    other error of these types goes on to the server's own 500."""
+    if not storage_failure(exc):
+        raise exc
+    log.error(
+        "%s %s: cannot write to the data directory: %s", request.method, request.url.path, exc
+    )
+    detail = (
+        f"the server cannot store this: {exc} (free space in, or fix the permissions of,"
+        " the data directory: setting STREAMDET_DATA_DIR)"
+    )
+    key = "error" if request.url.path.startswith("/v2") else "detail"
+    return JSONResponse({key: detail}, status_code=507)
 
 
 def create_app(settings: Settings | None = None, pool: EnginePool | None = None) -> FastAPI:
@@ -212,6 +243,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.add_exception_handler(StarletteHTTPException, kserve.v2_http_error)
     app.add_exception_handler(RequestValidationError, kserve.v2_http_error)
     app.add_exception_handler(ClientDisconnect, client_went_away)
+    app.add_exception_handler(sqlite3.OperationalError, storage_full)
+    app.add_exception_handler(OSError, storage_full)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import re
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -466,3 +468,25 @@ def test_the_openapi_document_is_whole(client: TestClient) -> None:
     properties = job["requestBody"]["content"]["application/json"]["schema"]["properties"]
     assert "url" in properties and not {"clips", "motion"} & set(properties)
     assert {p["name"] for p in job["parameters"]} == {"settings", "filename"}
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [sqlite3.OperationalError("database or disk is full"), OSError(errno.ENOSPC, "No space")],
+    ids=["sqlite-full", "enospc"],
+)
+def test_a_data_dir_that_cannot_be_written_is_507_naming_the_setting(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    """A full disk (or a read-only one) under the data directory: every write route answered
+    a bare 500 with a traceback. 507, saying why and which setting; nothing half-added."""
+    manager = client.app.state.streamdet.streams  # type: ignore[attr-defined]
+
+    def full(*_: object) -> None:
+        raise failure
+
+    monkeypatch.setattr(manager._store, "add", full)
+    resp = client.post("/streams", json={"url": "rtsp://camera.invalid/stream"})
+    assert resp.status_code == 507, resp.text
+    assert "STREAMDET_DATA_DIR" in resp.json()["detail"]
+    assert client.get("/streams").json()["streams"] == []
