@@ -11,13 +11,19 @@ backend letterboxes to that square instead of the rectangle a 16:9 frame would t
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from engines.types import ModelError, ModelInfo
@@ -31,6 +37,10 @@ EXPORT_VERSION = "1"  # bump when the export recipe changes, to invalidate the c
 MODEL_SUFFIXES = (".pt", ".torchscript", ".onnx")
 # Ultralytics' TorchScript metadata entries copied into the ONNX, as its ONNX export writes them.
 TORCHSCRIPT_META_KEYS = ("description", "author", "version", "license", "docs", "stride", "task")
+EXPORT_TMP_PREFIX = ".export-"
+STALE_EXPORT_S = 3600.0
+"""An export's temporary directory in the cache untouched for this long was left by an export
+killed before it could delete it (another process exporting now writes into its own)."""
 
 
 def file_sha256(path: Path) -> str:
@@ -48,6 +58,77 @@ def _quiet_ultralytics() -> None:
     os.environ.setdefault("YOLO_VERBOSE", "false")
 
 
+def remove_stale_exports(cache_dir: Path, older_than_s: float = STALE_EXPORT_S) -> int:
+    """Delete the temporary directories (``.export-*``) that exports killed mid-way (SIGKILL,
+    a crash) left in ``cache_dir``, each a copy of a checkpoint or more, once nothing in them
+    has changed for ``older_than_s``: a fresher one may be another process's export under
+    way. Returns how many were deleted."""
+    gone = 0
+    now = time.time()
+    for tmp in cache_dir.glob(EXPORT_TMP_PREFIX + "*"):
+        try:
+            if tmp.is_symlink() or not tmp.is_dir():
+                continue
+            newest, size = tmp.stat().st_mtime, 0
+            for root, dirs, files in os.walk(tmp):
+                for name in (*dirs, *files):
+                    info = os.lstat(os.path.join(root, name))
+                    newest = max(newest, info.st_mtime)
+                    size += info.st_size if name in files else 0
+        except OSError:
+            continue  # deleted meanwhile (its export ended), or unreadable: left alone
+        if now - newest < older_than_s:
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            gone += 1
+            log.warning(
+                "model cache %s: deleted %s (%d bytes), left by an export that was stopped",
+                cache_dir,
+                tmp.name,
+                size,
+            )
+    return gone
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during an export (see :func:`_cleanup_before_sigterm`)."""
+
+
+@contextlib.contextmanager
+def _cleanup_before_sigterm() -> Iterator[None]:
+    """While an export runs in the main thread of a process that leaves SIGTERM to its
+    default action (a server still loading its model), SIGTERM raises instead, so the
+    export's temporary directory is deleted on the way out; then the signal is raised again
+    with its default action, and the process ends as it would have. (Its default action
+    killed the process at once, leaving a copy of the checkpoint in the cache for ever.)"""
+    try:
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        ):
+            yield  # signals cannot be set here, or someone else handles SIGTERM
+            return
+    except (AttributeError, ValueError):  # no SIGTERM on this platform
+        yield
+        return
+
+    received: list[int] = []
+
+    def terminated(signum: int, frame: FrameType | None) -> None:
+        if not received:  # once: a second SIGTERM must not cut the cleanup short
+            received.append(signum)
+            raise _Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:  # the temporary directory is gone by now
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if received:  # ends the process, even where the export swallowed the exception
+            signal.raise_signal(signal.SIGTERM)
+
+
 def export_onnx(pt_path: Path, out_path: Path, imgsz: int, dynamic: bool = True) -> Path:
     """Export an Ultralytics checkpoint to ONNX with a dynamic batch axis.
 
@@ -56,7 +137,12 @@ def export_onnx(pt_path: Path, out_path: Path, imgsz: int, dynamic: bool = True)
     """
     _quiet_ultralytics()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".export-") as tmp:
+    remove_stale_exports(out_path.parent)
+    # The temporary directory goes whatever ends the export (an error, Ctrl-C, SIGTERM).
+    with (
+        _cleanup_before_sigterm(),
+        tempfile.TemporaryDirectory(dir=out_path.parent, prefix=EXPORT_TMP_PREFIX) as tmp,
+    ):
         # Ultralytics writes next to the checkpoint; the source may be read-only.
         local_pt = Path(tmp) / pt_path.name
         shutil.copyfile(pt_path, local_pt)
@@ -200,7 +286,11 @@ def torchscript_to_onnx(ts_path: Path, out_path: Path, imgsz: int) -> Path:
     module, meta = load_torchscript(ts_path)
     height, width = torchscript_input_size(meta, imgsz)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=".export-") as tmp:
+    remove_stale_exports(out_path.parent)
+    with (
+        _cleanup_before_sigterm(),
+        tempfile.TemporaryDirectory(dir=out_path.parent, prefix=EXPORT_TMP_PREFIX) as tmp,
+    ):
         staged = Path(tmp) / "model.onnx"
         try:
             with warnings.catch_warnings(), torch.inference_mode():

@@ -4,7 +4,12 @@
 Each job's directory holds ``job.json`` (what it is and how it ended), the uploaded video
 (``source.*``) and the results (``frames.ndjson``, ``events.ndjson``). A job waiting or
 running when the server stops is run again from the start at the next start: its results are
-written anew. At most ``--max-jobs`` are kept: a new one deletes the oldest finished.
+written anew, unless the server died during each of its last :data:`CRASHED_RUNS_MAX` runs
+(the job itself kills it: out of memory, a decoder crash): it fails instead, rather than crash
+the server at every start. At most ``--max-jobs`` are kept: a new one deletes the oldest
+finished. A deleted job's directory holds :data:`DELETED_FILE` from the moment it is deleted
+(a running job's files go once its thread stops): the next start finishes deleting it, as it
+deletes a directory with no ``job.json`` (an upload a crash cut off).
 
 Everything here runs on the event loop but the job itself, which runs in a thread.
 """
@@ -53,6 +58,11 @@ from streams.sources import upload_options
 log = logging.getLogger(__name__)
 
 JOB_FILE = "job.json"
+DELETED_FILE = ".deleted"
+"""Written in a job's directory before ``DELETE /jobs/{id}`` answers: the next start deletes
+the directory (a crash left it there, a running job's thread not yet stopped)."""
+CRASHED_RUNS_MAX = 3
+"""A job whose runs the server died during this many times in a row fails at the next start."""
 MB = 1024 * 1024  # as the settings count them
 LIVE_ONLY = frozenset({"clips", "motion", "motion_mask", "motion_min_area", "motion_threshold"})
 """A live stream's settings, which a job has no use for."""
@@ -119,6 +129,9 @@ class Job:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
     deleted: bool = False
+    crashed_runs: int = 0
+    """Its runs begun and never ended (the server died during them): counted in
+    ``job.json`` as each run begins, back to 0 when one ends."""
     bytes: int = 0
     """Its files' size on disk, measured when it was added and when it ended."""
 
@@ -160,6 +173,7 @@ class Job:
             "target": self.target,
             "options": self.options,
             "final_progress": self.progress.to_json() if self.state in FINISHED else None,
+            "crashed_runs": self.crashed_runs,
         }
 
 
@@ -379,6 +393,9 @@ class JobManager:
             return False
         job.deleted = True
         job.cancel.set()
+        # On disk first: a server killed before a running job's thread stops (or in the
+        # middle of deleting its files) must not bring it back, run it again and call back.
+        await asyncio.to_thread(_mark_deleted, self.directory_of(job_id))
         if job.state is not JobState.RUNNING:
             job.finished.set()  # nothing more will come of it: its waiters answer
             await asyncio.to_thread(shutil.rmtree, self.directory_of(job_id), True)
@@ -416,6 +433,7 @@ class JobManager:
 
     async def _run(self, job: Job) -> None:
         job.state, job.started_at, job.progress = JobState.RUNNING, time.time(), JobProgress()
+        job.crashed_runs += 1  # kept so until the run ends: a crash leaves it counted
         await asyncio.to_thread(self._save, job)
         log.info("job %s: running", job.id)
         spec = JobSpec(
@@ -453,6 +471,7 @@ class JobManager:
         except JobCancelled as exc:
             if exc.interrupted and not job.deleted:
                 job.state, job.started_at = JobState.QUEUED, None
+                job.crashed_runs -= 1  # the server stopped it: not the job's doing
                 await asyncio.to_thread(self._save, job)
                 log.info("job %s: interrupted; it runs again at the next start", job.id)
                 return
@@ -464,6 +483,7 @@ class JobManager:
             job.state, job.error = JobState.FAILED, f"internal error: {exc!r}"
         job.progress.freeze()
         job.finished_at = time.time()
+        job.crashed_runs = 0
         if job.deleted:
             job.finished.set()
             await asyncio.to_thread(shutil.rmtree, self.directory_of(job.id), True)
@@ -517,6 +537,8 @@ class JobManager:
 
     # ---- files ---------------------------------------------------------------------------
     def _save(self, job: Job) -> None:
+        if job.deleted:  # its directory is going (it would outlive it: see _mark_deleted)
+            return
         where = self.directory_of(job.id)
         where.mkdir(parents=True, exist_ok=True)
         tmp = where / (JOB_FILE + ".tmp")
@@ -524,18 +546,55 @@ class JobManager:
         os.replace(tmp, where / JOB_FILE)
 
     def _load(self) -> list[Job]:
+        """The kept jobs, oldest first. Deletes what a crash left of deleted jobs and of
+        uploads never made into a job (no ``job.json``): at startup nothing is arriving."""
         jobs: list[Job] = []
         if not self.directory.is_dir():
             return jobs
-        for path in self.directory.glob(f"*/{JOB_FILE}"):
+        for where in sorted(self.directory.iterdir()):
+            if not where.is_dir() or where.is_symlink():
+                continue
+            path = where / JOB_FILE
+            if (where / DELETED_FILE).exists() or not path.exists():
+                why = (
+                    "deleted before the server stopped"
+                    if (where / DELETED_FILE).exists()
+                    else f"no {JOB_FILE}: an upload the server stopped during"
+                )
+                size = _size(where)
+                shutil.rmtree(where, ignore_errors=True)
+                log.warning("jobs: deleted %s (%d bytes): %s", where, size, why)
+                continue
             try:
                 job = self._from_record(json.loads(path.read_text(encoding="utf-8")))
-                job.bytes = _size(path.parent)
-                jobs.append(job)
+                job.bytes = _size(where)
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("job %s: not loaded (%s); its files are kept", path.parent.name, exc)
+                log.warning("job %s: not loaded (%s); its files are kept", where.name, exc)
+                continue
+            if job.state is JobState.QUEUED and job.crashed_runs >= CRASHED_RUNS_MAX:
+                self._give_up(job)
+            jobs.append(job)
         jobs.sort(key=lambda job: job.created_at)
         return jobs
+
+    def _give_up(self, job: Job) -> None:
+        """Fail a job the server died during each of its last runs (loading, in a thread)."""
+        job.state, job.finished_at = JobState.FAILED, time.time()
+        job.error = (
+            f"the server stopped (crashed or was killed) during each of its last"
+            f" {job.crashed_runs} runs, so it is not run again: the job may need more memory"
+            " than the server has, or its video may crash the decoder; post it again to retry"
+        )
+        job.crashed_runs = 0
+        job.progress.freeze()
+        job.finished.set()
+        if job.callback_url is not None:
+            job.callback = {"state": "pending", "attempts": 0, "last_error": None}
+        try:
+            self._save(job)
+        except OSError as exc:  # it fails all the same this time, and again at the next start
+            log.warning("job %s: %s not saved (%s)", job.id, JOB_FILE, exc)
+        log.warning("job %s: failed: %s", job.id, job.error)
 
     def _from_record(self, data: dict[str, Any]) -> Job:
         state = JobState(data["state"])
@@ -559,6 +618,7 @@ class JobManager:
             finished_at=data.get("finished_at"),
             error=data.get("error"),
             counts=data.get("counts"),
+            crashed_runs=int(data.get("crashed_runs") or 0),
         )
         final = data.get("final_progress")
         if job.state in FINISHED:
@@ -566,6 +626,28 @@ class JobManager:
             if final:
                 job.progress = _progress_from(final)
         return job
+
+
+def _mark_deleted(directory: Path) -> None:
+    """Mark a job's directory deleted, durably (a crash right after leaves it marked), and
+    remove its ``job.json``: the next start deletes whatever is left of it."""
+    with contextlib.suppress(FileNotFoundError):  # no directory: nothing to mark
+        fd = os.open(directory / DELETED_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        (directory / JOB_FILE).unlink(missing_ok=True)
+        _sync_directory(directory)
+
+
+def _sync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem opens a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _size(directory: Path) -> int:

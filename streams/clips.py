@@ -52,6 +52,8 @@ Reserve = Callable[[int, float, float, float, int], None]
 gives a clip (see :meth:`ClipRecorder.reserve`)."""
 ENDED_KEPT = 256
 """Ids of the clips a recorder ended that it remembers (a late reservation of one is void)."""
+CUT_SHORT = "the server stopped while it was being recorded"
+"""Why a clip whose file a crash (or a stop) left half-written is missing, after the restart."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,6 +506,38 @@ def remove_parts(directory: Path) -> int:
     return gone
 
 
+def recover_clips(directory: Path) -> tuple[list[int], int]:
+    """Tidy what a crash left in the clips' ``directory`` (at startup: nothing is being
+    written): a clip saved but for its last rename (its sidecar written, its ``.mp4.part``
+    closed at the size the sidecar says) is put in place; every other ``<id>.mp4.part`` is
+    deleted, and a sidecar without its clip (a crash between the two) too. Returns the ids
+    of the clips cut short and how many sidecars were deleted."""
+    cut: list[int] = []
+    for part in directory.glob("*.mp4.part"):
+        with contextlib.suppress(ValueError, OSError):
+            clip_id = int(part.name.removesuffix(".mp4.part"))
+            sidecar = directory / f"{clip_id}.json"
+            try:
+                info = json.loads(sidecar.read_text())
+                whole = isinstance(info, dict) and info.get("bytes") == part.stat().st_size
+            except (OSError, ValueError):
+                whole = False
+            if whole:
+                part.replace(directory / f"{clip_id}.mp4")
+                log.info("clip %d: saved but for its name when the server stopped: kept", clip_id)
+            else:
+                part.unlink()
+                cut.append(clip_id)
+    orphans = 0
+    for sidecar in directory.glob("*.json"):
+        with contextlib.suppress(ValueError, OSError):
+            clip_id = int(sidecar.stem)
+            if not (directory / f"{clip_id}.mp4").exists():
+                sidecar.unlink()
+                orphans += 1
+    return sorted(cut), orphans
+
+
 def delete_clip(path: Path) -> None:
     """Delete a clip and what is known of it.
 
@@ -560,9 +594,21 @@ class ClipIndex:
         # crash is no clip (nothing lists or prunes a .part), and a lower
         # --event-clips-max-mb than the last run's applies now, not at the next clip.
         if options.directory.is_dir():
-            stale = remove_parts(options.directory)
-            if stale:
-                log.info("deleted %d unfinished clip file(s) of an earlier run", stale)
+            cut, orphans = recover_clips(options.directory)
+            for clip_id in cut:  # GET /clips/{id}.mp4 says so rather than blame the size cap
+                self._failed[clip_id] = CUT_SHORT
+            while len(self._failed) > self.FAILURES_KEPT:
+                self._failed.popitem(last=False)
+            stale = remove_parts(options.directory)  # the sidecars' parts
+            if cut or stale or orphans:
+                log.info(
+                    "deleted %d unfinished clip(s) (%s), %d other unfinished file(s) and %d"
+                    " description(s) of missing clips, of an earlier run",
+                    len(cut),
+                    ", ".join(map(str, cut[:10])) + (", ..." if len(cut) > 10 else ""),
+                    stale,
+                    orphans,
+                )
             prune_clips(options.directory, options.max_bytes)
 
     def recorder(self, stream_id: str) -> ClipRecorder:

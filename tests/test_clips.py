@@ -586,3 +586,29 @@ def test_a_clip_lasts_at_most_its_longest_even_when_that_is_below_the_seconds_af
     planner = ClipPlanner(options, lambda *plan: planned.append(plan))
     planner.request(BASE + 10.0, 6, BASE + 10.1)
     assert planned == [(6, BASE + 9.0, BASE + 12.0, BASE + 12.0, 6)]
+
+
+async def test_after_a_crash_a_clip_cut_short_says_so_and_no_description_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    """A crash mid-clip: its ``.mp4.part`` is deleted at the next start, and ``GET
+    /clips/{id}.mp4`` said "unknown, or deleted to keep clips under 2048 MB": it says the
+    server stopped while recording it. A crash between a clip's sidecar and its rename left
+    the sidecar alone (nothing deleted it): the clip, whole, is put in place; a sidecar
+    without any clip (a crash mid-DELETE) is deleted."""
+    (tmp_path / "7.mp4.part").write_bytes(b"x" * 100)  # cut short
+    (tmp_path / "8.json").write_text(json.dumps({"id": 8, "stream_id": "s", "bytes": 10}))
+    (tmp_path / "9.mp4.part").write_bytes(b"x" * 300)  # closed, described, not renamed
+    (tmp_path / "9.json").write_text(json.dumps({"id": 9, "stream_id": "s", "bytes": 300}))
+    (tmp_path / "10.mp4.part").write_bytes(b"x" * 50)  # not the size its sidecar says
+    (tmp_path / "10.json").write_text(json.dumps({"id": 10, "stream_id": "s", "bytes": 300}))
+    (tmp_path / "notes.json").write_text("{}")  # not a clip's: left alone
+    index = ClipIndex(ClipOptions(tmp_path))
+    assert names(tmp_path) == ["9.json", "9.mp4", "notes.json"]
+    assert [c["id"] for c in list_clips(tmp_path, None, 10)] == [9]
+    for clip_id in (7, 10):
+        assert await index.find(clip_id, 0.1) == (
+            f"clip {clip_id} could not be made: the server stopped while it was being recorded"
+        )
+    assert await index.find(9, 0.1) == tmp_path / "9.mp4"
+    assert "unknown" in str(await index.find(8, 0.1))  # described, but never a clip

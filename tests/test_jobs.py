@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,12 @@ from engines.batching import WorkItem
 from engines.types import DetectParams, Engine, ModelInfo
 from engines.yolo import resize
 from loadtest.server import free_port
+from server.jobs import Job, JobManager, JobState
 from server.webhooks import sign
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.frames import decoded_size
-from streams.jobs import JobProgress, JobSpec, Sampler, lower_priority, run_job
+from streams.jobs import FrameSource, JobProgress, JobSpec, Sampler, lower_priority, run_job
 from tests.helpers import (
     BOTTLE_CLIP,
     CACHE_DIR,
@@ -564,3 +566,134 @@ def test_following_a_jobs_frames_streams_each_as_it_is_done(tmp_path: Path) -> N
     assert done["state"] == "done"
     assert len(followed) == done["progress"]["frames_processed"] == 241  # 30.16 s at 8 a second
     assert followed == [json.loads(text) for text in whole]
+
+
+# ---- what a crash leaves: a fresh JobManager on the files ------------------------------------
+
+NAMES = {0: "person", 2: "car"}
+
+
+def _manager(directory: Path, frames: FrameSource | None = None) -> JobManager:
+    return JobManager(
+        directory,
+        lambda item: None,
+        NAMES,
+        max_jobs=10,
+        concurrency=1,
+        inflight=1,
+        max_pixels=1 << 30,
+        frames=frames,
+    )
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _kept(manager: JobManager, state: JobState, **changed: Any) -> Job:
+    """A job as ``job.json`` keeps it, with a 1000-byte video beside it."""
+    job = Job(
+        id=manager.new_id(),
+        name="footage",
+        created_at=time.time(),
+        source={"upload": "car.mp4", "bytes": 1000},
+        target=str(CAR_CLIP),
+        options={},
+        video={},
+        detect=StreamDetect(),
+        fps=None,
+        state=state,
+        **changed,
+    )
+    manager.directory_of(job.id).mkdir(parents=True)
+    (manager.directory_of(job.id) / "source.mp4").write_bytes(b"x" * 1000)
+    manager._save(job)
+    return job
+
+
+async def test_a_running_job_deleted_just_before_a_crash_stays_deleted(tmp_path: Path) -> None:
+    """``DELETE`` answered 204, the server was killed before the job's thread stopped: its
+    ``job.json`` still said running, and the next start ran it again (and called back)."""
+    manager = _manager(tmp_path)
+    job = _kept(manager, JobState.RUNNING, callback_url="http://127.0.0.1:9/done")
+    manager._jobs[job.id] = job
+    assert await manager.delete(job.id)
+    assert manager.directory_of(job.id).is_dir()  # its thread would delete it: the crash
+    # A save under way when DELETE came writes job.json again: the job stays deleted.
+    job.deleted = False
+    manager._save(job)
+    fresh = _manager(tmp_path)
+    await fresh.start()
+    try:
+        assert fresh.get(job.id) is None and fresh.all() == []
+        assert _names(tmp_path) == []
+    finally:
+        await fresh.stop(1)
+
+
+async def test_a_start_deletes_uploads_a_crash_cut_off_and_keeps_unreadable_jobs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upload cut off by a crash left ``jobs/<id>/source.mp4`` and no ``job.json``: never
+    listed, never counted in ``--jobs-max-mb``, never deleted. A job whose ``job.json``
+    cannot be read keeps its files (someone may want them)."""
+    manager = _manager(tmp_path)
+    kept = _kept(manager, JobState.DONE)
+    (tmp_path / "cutoff").mkdir()
+    (tmp_path / "cutoff" / "source.mp4").write_bytes(b"x" * 4096)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "unreadable").mkdir()
+    (tmp_path / "unreadable" / "job.json").write_text("{")
+    (tmp_path / "unreadable" / "source.mp4").write_bytes(b"x" * 10)
+    (tmp_path / "notes.txt").write_text("not a job")
+    fresh = _manager(tmp_path)
+    await fresh.start()
+    try:
+        assert [job.id for job in fresh.all()] == [kept.id]
+        size = (tmp_path / kept.id / "job.json").stat().st_size + 1000
+        assert fresh.bytes_used() == size
+    finally:
+        await fresh.stop(1)
+    assert _names(tmp_path) == sorted([kept.id, "notes.txt", "unreadable"])
+    assert _names(tmp_path / "unreadable") == ["job.json", "source.mp4"]
+    assert f"{tmp_path / 'cutoff'} (4096 bytes)" in caplog.text
+    assert f"{tmp_path / 'empty'} (0 bytes)" in caplog.text
+
+
+async def test_a_job_the_server_keeps_dying_during_fails_instead_of_running_again(
+    tmp_path: Path,
+) -> None:
+    """A job that kills the server (out of memory, a decoder crash) ran again at every start:
+    the server crash-looped. Each run is counted in ``job.json`` before it begins, and back
+    to 0 when it ends; after 3 runs the server died during, the job fails saying so."""
+    seen: list[dict[str, Any]] = []
+
+    def frames(
+        spec: JobSpec, progress: JobProgress, stopped: Callable[[], None], max_side: int
+    ) -> Generator[tuple[int, float, Any, tuple[int, int]], None, None]:
+        seen.extend(json.loads(p.read_text()) for p in tmp_path.glob("*/job.json"))
+        yield from ()
+
+    manager = _manager(tmp_path)
+    twice = _kept(manager, JobState.RUNNING, crashed_runs=2)
+    thrice = _kept(manager, JobState.RUNNING, crashed_runs=3, callback_url="http://127.0.0.1:9/")
+    fresh = _manager(tmp_path, frames)
+    await fresh.start()
+    try:
+        failed = fresh.get(thrice.id)
+        assert failed is not None and failed.state is JobState.FAILED
+        assert failed.error is not None and "during each of its last 3 runs" in failed.error
+        assert failed.callback is not None  # called back, as any job that ends
+        again = fresh.get(twice.id)
+        assert again is not None
+        await fresh.wait(again, 30)
+        assert again.state is JobState.DONE, again.error
+        # While it ran, its job.json counted the run: a crash then would have made it 3.
+        assert [r["crashed_runs"] for r in seen if r["id"] == twice.id] == [3]
+        assert [r["state"] for r in seen if r["id"] == twice.id] == ["running"]
+    finally:
+        await fresh.stop(1)
+    on_disk = json.loads((tmp_path / twice.id / "job.json").read_text())
+    assert on_disk["state"] == "done" and on_disk["crashed_runs"] == 0
+    on_disk = json.loads((tmp_path / thrice.id / "job.json").read_text())
+    assert on_disk["state"] == "failed" and "3 runs" in on_disk["error"]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -233,3 +236,79 @@ def test_fixed_non_square_input_refused_where_the_backend_cannot_letterbox_it(
         ConfiguredEngine(config)
     engine = OrtEngine(config)
     assert engine.input_size == 480 and engine.max_batch == 1
+
+
+# ---- exports interrupted: nothing left in the cache -------------------------------------------
+
+
+def _age(path: Path, seconds: float) -> None:
+    """Make ``path`` and everything in it last changed ``seconds`` ago."""
+    then = time.time() - seconds
+    for item in [*path.rglob("*"), path]:
+        os.utime(item, (then, then))
+
+
+def test_an_export_leaves_no_temporary_copy_whatever_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export killed mid-way (SIGKILL, a crash) left ``cache/.export-XXXX/`` (a copy of the
+    checkpoint) for ever, one per interrupted start: the next export deletes those untouched
+    for an hour, not a fresh one (another process may be exporting into it now). An export
+    stopped by an error or Ctrl-C deletes its own."""
+    import engines.model
+
+    cache = tmp_path / "cache"
+    stale, fresh = cache / ".export-stale1", cache / ".export-fresh1"
+    for left in (stale, fresh):
+        left.mkdir(parents=True)
+        (left / "yolov8n.pt").write_bytes(b"x" * 1000)
+    _age(stale, 2 * 3600)
+    _age(fresh, 60)
+    pt = tmp_path / "model.pt"
+    pt.write_bytes(b"weights")
+
+    def fails(*args: object) -> str:
+        raise ModelError("export failed")
+
+    monkeypatch.setattr(engines.model, "_export", fails)
+    with pytest.raises(ModelError, match="export failed"):
+        resolve_onnx(str(pt), cache, 640)
+    assert sorted(p.name for p in cache.iterdir()) == [".export-fresh1"]
+
+    def interrupted(*args: object) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engines.model, "_export", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_onnx(str(pt), cache, 640)
+    assert sorted(p.name for p in cache.iterdir()) == [".export-fresh1"]
+
+
+def test_sigterm_during_a_first_starts_export_leaves_no_temporary_copy(tmp_path: Path) -> None:
+    """SIGTERM while a server still loading its model exports it (its default action: die at
+    once) left the temporary copy of the checkpoint in the cache; the process still ends by
+    the signal."""
+    cache = tmp_path / "cache"
+    pt = tmp_path / "model.pt"
+    pt.write_bytes(b"weights")
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "import engines.model as m\n"
+        "def slow(*args):\n"
+        "    time.sleep(60)\n"
+        "m._export = slow\n"
+        "m.resolve_onnx(sys.argv[1], Path(sys.argv[2]), 640)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(pt), str(cache)], cwd=REPO)
+    try:
+        end = time.monotonic() + 30
+        while not list(cache.glob(".export-*/model.pt")):
+            assert time.monotonic() < end and child.poll() is None, "the export never began"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(30) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
+    assert list(cache.iterdir()) == []
