@@ -4,9 +4,12 @@ webhooks (``server/webhooks.py``) and by MQTT (``server/mqtt.py``).
 
 Each event gets an id that grows by one per event. With an :class:`EventStore` (the server
 keeps one under its data directory) the log survives restarts and ids carry on where they
-stopped; a new log's ids start from the time in microseconds, so a cursor kept by a client
-across a restart still points before every new event (nothing is skipped). ``missed``
-counts the events after a cursor that left the log (``event_log_size``) before they were read.
+stopped (above the ids a run that did not close had reserved: an id is never given twice,
+even where its event never reached a full disk); a new log's ids start from the time in
+microseconds, so a cursor kept by a client across a restart still points before every new
+event (nothing is skipped). So the ids the log holds can have gaps, and it finds them by
+bisection, never by arithmetic. ``missed`` counts the events after a cursor that left the
+log (``event_log_size``, retention) or never reached its store before they were read.
 Webhooks and MQTT keep their cursors in the store too (:meth:`EventLog.saved_cursor`).
 
 Everything here runs on the event loop.
@@ -17,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from streams.event_store import EventStore
@@ -145,6 +149,10 @@ class EventPage:
 class EventLog:
     """The last ``size`` events of every stream.
 
+    Held in id order in a list (``_ids`` beside it, for bisection), from ``_head`` on: the
+    ids are growing but need not be contiguous (events of a write that failed, or ids passed
+    over after a run that did not close, are missing from a log loaded from its store).
+
     Raises:
         ValueError: ``size`` < 1 (names the setting).
     """
@@ -157,7 +165,10 @@ class EventLog:
                 "the event log keeps at least 1 event (setting STREAMDET_EVENT_LOG_SIZE)"
             )
         first = int(time.time() * 1_000_000) if start_id is None else start_id
-        self._events: deque[dict[str, Any]] = deque(maxlen=size)
+        self._size = size
+        self._ids: list[int] = []
+        self._events: list[dict[str, Any]] = []
+        self._head = 0  # index of the oldest event held; those before left the log
         self._first = first  # id of the first event of this run
         self._next = first  # id the next event gets
         self._waiters: set[asyncio.Future[None]] = set()
@@ -165,20 +176,37 @@ class EventLog:
         # the clock where retention emptied the store, and ``missed`` counts events, not the
         # gap between two runs.
         self._gone: list[tuple[int, int]] = []
+        # Ids of this run (or a gone one) never given, (first, last): passed over at a start
+        # after a run that did not close. Not events, so not missed either.
+        self._skips: list[tuple[int, int]] = []
+        # Above this id the log holds every event given (none missed): a live reader's read
+        # counts nothing. Moves up as events leave the log (by its size, or retention).
+        self._whole_after = first - 1
         self.closed = False
         self.store = store
         if store is not None:
-            kept, first_ever = store.load()
-            if kept:  # carry on from the last run
-                self._events.extend(kept[-size:])
-                self._next = int(kept[-1]["id"]) + 1
-                self._first = int(kept[0]["id"]) if first_ever is None else first_ever
-            self._gone = [(a, b) for a, b in store.gone_runs() if b < self._first]
+            resumed = store.resume(first)
+            kept = resumed.events[-size:]
+            self._events = list(kept)
+            self._ids = [int(e["id"]) for e in kept]
+            self._next = resumed.next_id
+            self._first = resumed.first
+            self._gone = resumed.gone
+            self._skips = resumed.skips
+            # Ids from which on every id given is held (the log has it): those of a frame
+            # logged since, and of the last run of contiguous ids loaded up to the newest.
+            k = len(self._ids) - 1
+            if self._ids and self._ids[k] == self.last_id:
+                while k > 0 and self._ids[k - 1] == self._ids[k] - 1:
+                    k -= 1
+                self._whole_after = self._ids[k] - 1
+            else:
+                self._whole_after = self.last_id
 
     @property
     def capacity(self) -> int:
         """Events the log keeps (``event_log_size``)."""
-        return self._events.maxlen or 0
+        return self._size
 
     def saved_cursor(self, name: str) -> int:
         """Where the sink ``name`` had delivered up to before a restart; a new sink starts
@@ -198,18 +226,29 @@ class EventLog:
     @property
     def oldest_id(self) -> int:
         """The id of the oldest event the log holds (the next id when it holds none)."""
-        return self._next - len(self._events)
+        return self._ids[self._head] if self._head < len(self._ids) else self._next
+
+    def _compact(self) -> None:
+        """Let go of the events that left the log, now and then (amortised: O(1) an event)."""
+        if self._head > max(64, self._size // 8):
+            del self._ids[: self._head]
+            del self._events[: self._head]
+            self._head = 0
 
     def forget_before(self, cutoff: float) -> int:
         """Retention: drop the events captured before ``cutoff`` (Unix seconds), from the
         oldest on, here and in the store; returns how many. A reader behind them is told it
         missed them, as for events past the log's size."""
         dropped = 0
-        while self._events and self._events[0]["captured_at"] < cutoff:
-            self._events.popleft()
+        events = self._events
+        while self._head < len(events) and events[self._head]["captured_at"] < cutoff:
+            self._head += 1
             dropped += 1
-        if dropped and self.store is not None:
-            self.store.forget_before(self.oldest_id)
+        if dropped:
+            self._whole_after = max(self._whole_after, self.oldest_id - 1)
+            self._compact()
+            if self.store is not None:
+                self.store.forget_before(self.oldest_id)
         return dropped
 
     @property
@@ -241,10 +280,16 @@ class EventLog:
             }
             if extra is not None:
                 record.update(extra(record))
+            self._ids.append(self._next)
             self._events.append(record)
             logged.append(record)
             self._next += 1
         if logged:
+            over = len(self._ids) - self._head - self._size
+            if over > 0:
+                self._head += over
+                self._whole_after = max(self._whole_after, self._ids[self._head] - 1)
+                self._compact()
             if self.store is not None:
                 self.store.append(logged)
             self._wake()
@@ -261,67 +306,110 @@ class EventLog:
                 waiter.set_result(None)
         self._waiters.clear()
 
+    def _index(self, event_id: int) -> int | None:
+        """Where the log holds ``event_id``, if it does."""
+        k = bisect_left(self._ids, event_id, self._head)
+        return k if k < len(self._ids) and self._ids[k] == event_id else None
+
     def get(self, event_id: int) -> dict[str, Any] | None:
         """The event ``event_id`` while the log holds it."""
-        index = event_id - (self._next - len(self._events))
-        return self._events[index] if 0 <= index < len(self._events) else None
+        k = self._index(event_id)
+        return None if k is None else self._events[k]
 
     def frame_start(self, event_id: int) -> int | None:
         """The id of the first event logged with ``event_id`` from the same frame (a frame's
         events are logged together); None when the log does not hold it."""
-        event = self.get(event_id)
-        if event is None:
+        k = self._index(event_id)
+        if k is None:
             return None
-        first = event_id
-        while (before := self.get(first - 1)) is not None and all(
-            before.get(key) == event.get(key) for key in ("stream_id", "frame", "captured_at")
+        event = self._events[k]
+        while (
+            k > self._head
+            and self._ids[k - 1] == self._ids[k] - 1
+            and all(
+                self._events[k - 1].get(key) == event.get(key)
+                for key in ("stream_id", "frame", "captured_at")
+            )
         ):
-            first -= 1
-        return first
+            k -= 1
+        return self._ids[k]
 
-    def read(self, after: int, limit: int, wanted: EventFilter = EVERY_EVENT) -> EventPage:
-        """Up to ``limit`` events with ids above ``after`` that are ``wanted``."""
-        oldest = self._next - len(self._events)
-        missed = self._missed(after, oldest)
-        start = max(0, after + 1 - oldest)
+    def read(
+        self, after: int, limit: int, wanted: EventFilter = EVERY_EVENT, *, to_gap: bool = False
+    ) -> EventPage:
+        """Up to ``limit`` events with ids above ``after`` that are ``wanted``; ``next`` (never
+        below ``after``) is the last id looked at, and ``missed`` counts the events with ids
+        in between that the log does not hold (they left it, or never reached it: a failed
+        write's, before a restart).
+
+        ``to_gap``: stop before events the log lacks that come after a held one, so
+        ``missed`` only counts those before the first event of the page: a reader that reads
+        its page again (its delivery failed) from before that event counts them once.
+        """
+        ids, events = self._ids, self._events
         found: list[dict[str, Any]] = []
-        cursor = max(after, oldest - 1)
-        for k in range(start, len(self._events)):
-            event = self._events[k]
-            cursor = event["id"]
-            if wanted.matches(event):
-                found.append(event)
+        cursor = max(after, self.last_id)  # every event looked at, unless stopped earlier
+        before: int | None = None  # the id looked at last
+        for k in range(bisect_right(ids, after, self._head), len(ids)):
+            event_id = ids[k]
+            gap = to_gap and before is not None and event_id != before + 1
+            if gap and before is not None and self._given(before, event_id - 1):
+                cursor = before
+                break
+            before = event_id
+            if wanted.matches(events[k]):
+                found.append(events[k])
                 if len(found) >= limit:
+                    cursor = event_id
                     break
-        return EventPage(found, cursor, missed)
+        else:
+            if to_gap and before is not None and self._given(before, self.last_id):
+                cursor = before
+        return EventPage(found, cursor, self.missed_between(after, cursor))
 
-    def _missed(self, after: int, oldest: int) -> int:
-        """Events with ids above ``after`` that left the log (which now starts at ``oldest``):
-        those of this run of ids, and of earlier runs that left it whole."""
-        missed = max(0, oldest - max(after + 1, self._first))
+    def _given(self, after: int, upto: int) -> int:
+        """How many ids in ``(after, upto]`` were given to events (held or not): those of
+        this run of ids and of earlier runs that left the log whole, less the ids passed
+        over."""
+        if upto <= after:
+            return 0
+        n = _overlap(self._first, self.last_id, after, upto)
         for first, last in self._gone:
-            missed += max(0, last + 1 - max(after + 1, first))
-        return missed
+            n += _overlap(first, last, after, upto)
+        for first, last in self._skips:
+            n -= _overlap(first, last, after, upto)
+        return n
+
+    def missed_between(self, after: int, upto: int) -> int:
+        """Events with ids in ``(after, upto]`` that the log does not hold (they left it, by
+        its size or retention, or never reached it)."""
+        if upto <= after or after >= self._whole_after:
+            return 0
+        held = bisect_right(self._ids, upto, self._head) - bisect_right(
+            self._ids, after, self._head
+        )
+        return max(0, self._given(after, upto) - held)
+
+    def logged_after(self, after: int) -> int:
+        """Events with ids above ``after``, held or missed (not ids passed over)."""
+        return max(0, self._given(after, self.last_id))
 
     def latest(self, limit: int, wanted: EventFilter = EVERY_EVENT) -> EventPage:
         """The newest ``limit`` events that are ``wanted``, oldest first; ``next`` is the
         newest id, to read on from."""
         found: list[dict[str, Any]] = []
-        for event in reversed(self._events):
-            if wanted.matches(event):
-                found.append(event)
+        events = self._events
+        for k in range(len(events) - 1, self._head - 1, -1):
+            if wanted.matches(events[k]):
+                found.append(events[k])
                 if len(found) >= limit:
                     break
         return EventPage(found[::-1], self.last_id, 0)
 
     def count_after(self, after: int, wanted: EventFilter) -> int:
         """How many events the log holds with ids above ``after`` that are ``wanted``."""
-        n = 0
-        for event in reversed(self._events):
-            if int(event["id"]) <= after:
-                break
-            n += wanted.matches(event)
-        return n
+        start = bisect_right(self._ids, after, self._head)
+        return sum(1 for k in range(start, len(self._events)) if wanted.matches(self._events[k]))
 
     def drop_cursor(self, name: str) -> None:
         """Forget the sink ``name`` (a webhook deleted): its cursor is no longer kept."""
@@ -331,21 +419,26 @@ class EventLog:
     def held(self) -> list[dict[str, Any]]:
         """Every event the log holds, oldest first: a copy, which a worker thread may go
         through while the log takes new ones (3 ms for 100 000 events)."""
-        return list(self._events)
+        return self._events[self._head :]
 
     @property
     def kept_since(self) -> float | None:
         """When the oldest event the log still holds was captured, where older ones (of this
         run or before a restart) left it; None while it holds every event it ever had."""
-        oldest = self._next - len(self._events)
-        if oldest <= self._first and not self._gone:
+        lowest = min([self._first, *(first for first, _ in self._gone)])
+        if self.missed_between(lowest - 1, self.last_id) == 0:
             return None
         # Retention may have emptied it: then nothing before now is held.
-        return float(self._events[0]["captured_at"]) if self._events else time.time()
+        return float(self._events[self._head]["captured_at"]) if self.held_count else time.time()
+
+    @property
+    def held_count(self) -> int:
+        """Events the log holds."""
+        return len(self._ids) - self._head
 
     def has_stream(self, stream_id: str) -> bool:
         """Whether the log holds an event of ``stream_id`` (one since removed, say)."""
-        return any(event["stream_id"] == stream_id for event in self._events)
+        return any(e["stream_id"] == stream_id for e in islice(self._events, self._head, None))
 
     async def wait(self, after: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for an event with an id above ``after``; False on
@@ -361,6 +454,11 @@ class EventLog:
         finally:
             self._waiters.discard(waiter)
         return self.last_id > after
+
+
+def _overlap(first: int, last: int, after: int, upto: int) -> int:
+    """How many ids ``[first, last]`` and ``(after, upto]`` share."""
+    return max(0, min(last, upto) - max(first, after + 1) + 1)
 
 
 class LogReader:
@@ -396,15 +494,14 @@ class LogReader:
         if self.wanted is EVERY_EVENT:
             # Counted, not the gap between ids: ids jump to the clock where retention emptied
             # the log between runs (16 million "pending" after a restart).
-            oldest = self.log.oldest_id
-            held = self.log.last_id - max(self.cursor, oldest - 1)
-            return max(0, held) + self.log._missed(self.cursor, oldest)
+            return self.log.logged_after(self.cursor)
         return self.log.count_after(self.cursor, self.wanted)
 
     def next_page(self, limit: int) -> EventPage:
         """Up to ``limit`` events to deliver next; those that left the log first are counted
-        (once: the cursor moves past them) and logged."""
-        page = self.log.read(self.cursor, limit, self.wanted)
+        (once: the cursor moves past them) and logged. A page ends before events the log
+        lacks after its first (ids can have gaps): they are counted as the next page's."""
+        page = self.log.read(self.cursor, limit, self.wanted, to_gap=True)
         if page.missed:
             self.missed += page.missed
             if self._count is not None:

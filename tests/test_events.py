@@ -11,8 +11,12 @@ import hashlib
 import hmac
 import json
 import signal
+import sqlite3
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,8 +34,18 @@ from server.routes import events as events_route
 from server.settings import Settings
 from server.snapshots import SnapshotStore
 from server.webhooks import WebhookSender, label, sign
+from streams import event_store
 from streams.event_store import EventStore
-from streams.events import EventFilter, EventLog, ManualEvent, StateEvent, count_events
+from streams.events import (
+    EVERY_EVENT,
+    EventFilter,
+    EventLog,
+    EventPage,
+    LogReader,
+    ManualEvent,
+    StateEvent,
+    count_events,
+)
 from streams.fanout import ProcessedFrame
 from streams.geometry import Seen
 from streams.lines import Crossing
@@ -39,6 +53,7 @@ from streams.zones import ZoneEvent
 from tests.helpers import (
     CAR_CLIP,
     GATE,
+    REPO,
     SHELF_STREAM,
     clip_server,
     decode_jpeg,
@@ -608,3 +623,313 @@ def test_pending_counts_events_not_the_id_gap_between_runs(tmp_path: Path) -> No
     again.delivered(page.events[-1]["id"], 2)
     assert again.pending == 0
     store.close()
+
+
+# ---- the event log on a disk that fills up --------------------------------------------------
+
+_KILLED_WHILE_FULL = r"""
+import json, os, signal, sqlite3, sys, time
+from pathlib import Path
+
+from streams import event_store
+from streams.event_store import EventStore
+from streams.events import EventLog, ManualEvent
+
+data, mode = Path(sys.argv[1]), sys.argv[2]
+full = False
+
+
+def fails(sql):
+    words = sql.lstrip().upper()
+    if not full or words.startswith(("SELECT", "PRAGMA")):
+        return False
+    return mode != "events" or "INTO EVENTS" in words
+
+
+class FullDisk(sqlite3.Connection):
+    def execute(self, sql, *args):
+        if fails(sql):
+            raise sqlite3.OperationalError("database or disk is full")
+        return super().execute(sql, *args)
+
+    def executemany(self, sql, *args):
+        if fails(sql):
+            raise sqlite3.OperationalError("database or disk is full")
+        return super().executemany(sql, *args)
+
+
+if mode != "tmpfs":
+    EventStore._connect = lambda self: sqlite3.connect(self.path, timeout=10.0, factory=FullDisk)
+if mode == "nothing":  # not even the 16 bytes of events.ids, overwritten in place
+    write = event_store._IdMarks.write
+    event_store._IdMarks.write = lambda self, *a, **k: not full and write(self, *a, **k)
+store = EventStore(data, 100)
+log = EventLog(100, start_id=1000, store=store)
+
+
+def add(n):
+    events = [ManualEvent("x", k) for k in range(n)]
+    return [e["id"] for e in log.add("a", "", time.time(), events, str)]
+
+
+given = add(3)  # 1000-1002: written
+while len(store.load()[0]) < 3:
+    time.sleep(0.01)
+if mode == "tmpfs":  # the clips fill the disk
+    with open(data / "filler", "wb") as filler:
+        try:
+            while True:
+                filler.write(bytes(65536))
+                filler.flush()
+        except OSError:
+            pass
+full = True
+given += add(2) + add(3)  # 1003-1007: the writes fail, the ids are given (sent, streamed)
+while not store.failing:
+    time.sleep(0.01)
+print(json.dumps(given), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MB tmpfs to fill up, where this user may mount one (else skipped)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+            check=False,
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["events", "sqlite", "nothing", "tmpfs"])
+def test_no_id_is_given_twice_after_a_kill_while_the_disk_was_full(
+    tmp_path: Path, mode: str, request: pytest.FixtureRequest
+) -> None:
+    """Events 1003-1007 are logged (and sent, and streamed) while the disk is full, then the
+    server is killed (``kill -9``): the restarted log never gives their ids again (webhook
+    receivers got ids twice with other events, and readers whose cursor was past 1002
+    skipped the new events), and counts them as missed where it can know they were given:
+    always, but where not even the 16 bytes of ``events.ids`` could be written.
+    ``events``: only the events' rows fail; ``sqlite``: every write to the database;
+    ``nothing``: ``events.ids`` too; ``tmpfs``: a real full disk."""
+    data = request.getfixturevalue("tmpfs") if mode == "tmpfs" else tmp_path / "data"
+    child = subprocess.run(
+        [sys.executable, "-c", _KILLED_WHILE_FULL, str(data), mode],
+        check=False,
+        capture_output=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    given = json.loads(child.stdout.decode().splitlines()[-1])
+    assert given == list(range(1000, 1008))
+    (data / "filler").unlink(missing_ok=True)  # space again
+    for restart in range(2):  # a kill, then a clean close: the same
+        store = EventStore(data, 100)
+        log = EventLog(100, start_id=1000, store=store)
+        assert [e["id"] for e in log.read(0, 100).events[:3]] == [1000, 1001, 1002]
+        assert log.get(1002) is not None and log.get(1004) is None
+        if restart == 0:
+            new = log.add("a", "", 9.0, [ManualEvent("after", k) for k in range(2)], _name)
+            assert min(e["id"] for e in new) > max(given)  # never given twice
+        for cursor in (1002, 1004, 1007):
+            page = log.read(cursor, 100)  # a client whose cursor is among the lost ones
+            assert page.events == new and page.next == new[-1]["id"]
+            assert page.missed == (0 if mode == "nothing" else 1007 - cursor)
+        assert log.read(new[-1]["id"], 10) == EventPage([], new[-1]["id"], 0)
+        store.close()
+
+
+@pytest.fixture
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """While set, every write to an event store's database fails as on a full disk."""
+    full = threading.Event()
+
+    class FullDisk(sqlite3.Connection):
+        def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            if full.is_set() and not sql.lstrip().upper().startswith(("SELECT", "PRAGMA")):
+                raise sqlite3.OperationalError("database or disk is full")
+            return super().execute(sql, *args)
+
+        def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            if full.is_set():
+                raise sqlite3.OperationalError("database or disk is full")
+            return super().executemany(sql, *args)
+
+    def connect(self: EventStore) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=10.0, factory=FullDisk)
+
+    monkeypatch.setattr(EventStore, "_connect", connect)
+    monkeypatch.setattr(event_store, "RETRY_FIRST_S", 0.02)
+    monkeypatch.setattr(event_store, "RETRY_MAX_S", 0.1)
+    return full
+
+
+def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_events_written_while_the_disk_is_full_are_written_once_it_is_not(
+    tmp_path: Path, full_disk: threading.Event, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writes of a full disk fail for a while: their events and cursors are kept, and
+    written once there is space again (they were thrown away), with one error for the
+    episode, naming the setting; the next start carries on from them."""
+    store = EventStore(tmp_path, size=100)
+    log = EventLog(100, start_id=1000, store=store)
+    log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 1000-1002
+    _until(lambda: len(store.load()[0]) == 3, "the first events were not written")
+    full_disk.set()
+    for frame in range(3, 8):  # 1003-1007, written and retried while the disk is full
+        log.add("a", "", 2.0, [_crossing(frame)], _name)
+        log.save_cursor("webhook x", 1000 + frame)
+        time.sleep(0.05)
+    _until(lambda: store.failing, "the writes did not fail")
+    time.sleep(0.3)  # retried meanwhile
+    errors = [
+        r for r in caplog.records if r.levelname == "ERROR" and r.name == "streams.event_store"
+    ]
+    assert len(errors) == 1 and "STREAMDET_DATA_DIR" in errors[0].getMessage()
+    assert str(tmp_path) in errors[0].getMessage()
+    assert len(store.load()[0]) == 3 and store.cursor("webhook x") is None
+    full_disk.clear()
+    _until(lambda: len(store.load()[0]) == 8, "what was held was not written")
+    assert [e["id"] for e in store.load()[0]] == list(range(1000, 1008))
+    assert store.cursor("webhook x") == 1007 and not store.failing
+    assert "writing works again" in caplog.text
+    store.close()
+    again = EventStore(tmp_path, size=100)
+    log = EventLog(100, start_id=1000, store=again)
+    assert [e["id"] for e in log.read(0, 100).events] == list(range(1000, 1008))
+    assert [e["id"] for e in log.add("a", "", 3.0, [_crossing(9)], _name)] == [1008]
+    again.close()
+
+
+def test_a_disk_full_at_shutdown_loses_events_but_never_their_ids(
+    tmp_path: Path, full_disk: threading.Event, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plain stop (SIGTERM) while the disk is still full: the events held are lost (and
+    logged), their ids are not given again, and a cursor before them is told it missed
+    them."""
+    store = EventStore(tmp_path, size=100)
+    log = EventLog(100, start_id=1000, store=store)
+    log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 1000-1002
+    _until(lambda: len(store.load()[0]) == 3, "the first events were not written")
+    full_disk.set()
+    log.add("a", "", 2.0, [_crossing(f) for f in range(3, 7)], _name)  # 1003-1006
+    store.close()
+    assert "at shutdown; 4 event(s) and 0 cursor(s) are lost" in caplog.text
+    full_disk.clear()
+    again = EventStore(tmp_path, size=100)
+    log = EventLog(100, start_id=1000, store=again)
+    new = log.add("a", "", 3.0, [_crossing(9)], _name)
+    assert new[0]["id"] > 1006
+    assert log.read(1002, 10) == EventPage(new, new[0]["id"], 4)
+    assert log.read(1004, 10) == EventPage(new, new[0]["id"], 2)
+    again.close()
+
+
+async def test_a_log_loaded_with_gaps_in_its_ids_reads_and_resumes_by_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches in the middle never reached the disk (103-105): the log loaded after a restart
+    answers by id (it answered ``after=104`` with 101-103 and a ``next`` below the cursor,
+    resumed event streams from the wrong place, and 404ed snapshots of events it had)."""
+    store = EventStore(tmp_path, size=100)
+    log = EventLog(100, start_id=100, store=store)
+    for frame in range(10):  # 100-109, one a frame, 107 and 108 of the same frame
+        log.add("a", "", 1.0 + frame, [_crossing(frame)] * (2 if frame == 7 else 1), _name)
+    log.save_cursor("webhook x", 101)
+    store.close()
+    with sqlite3.connect(tmp_path / "events.sqlite3") as db:
+        db.execute("DELETE FROM events WHERE id BETWEEN 103 AND 105")
+    store = EventStore(tmp_path, size=100)
+    log = EventLog(100, store=store)
+
+    def ids(page: EventPage) -> list[int]:
+        return [e["id"] for e in page.events]
+
+    page = log.read(104, 100)
+    assert (ids(page), page.next, page.missed) == ([106, 107, 108, 109, 110], 110, 1)
+    page = log.read(101, 100)
+    assert (ids(page), page.next, page.missed) == ([102, 106, 107, 108, 109, 110], 110, 3)
+    page = log.read(101, 1)  # the lost ones after the page's end are the next page's
+    assert (ids(page), page.next, page.missed) == ([102], 102, 0)
+    page = log.read(102, 1)
+    assert (ids(page), page.next, page.missed) == ([106], 106, 3)
+    assert log.read(0, 100).missed == 3 and log.read(110, 10) == EventPage([], 110, 0)
+    assert log.read(500, 10) == EventPage([], 500, 0)  # never below the cursor
+    assert (log.get(106) or {}).get("frame") == 6
+    assert log.get(104) is None and log.frame_start(108) == 107 == log.frame_start(107)
+    assert log.kept_since == 1.0  # events of what it covers are missing
+    assert [e["id"] for e in log.add("a", "", 20.0, [_crossing(20)], _name)] == [111]
+    assert log.oldest_id == 100 and log.latest(2).next == 111
+    # A webhook at 101 whose receiver fails: the 3 lost ones are counted once, however
+    # often its pages are read again.
+    reader = LogReader("webhook x", log)
+    assert reader.cursor == 101 and reader.pending == 10  # 102-111: 103-105 lost
+    assert ids(reader.next_page(100)) == [102] and ids(reader.next_page(100)) == [102]
+    reader.delivered(102, 1)
+    assert ids(reader.next_page(100)) == [106, 107, 108, 109, 110, 111]
+    assert ids(reader.next_page(100)) == [106, 107, 108, 109, 110, 111]
+    assert reader.missed == 3 and reader.pending == 6
+    # Server-sent events resumed from Last-Event-ID 104, and a long poll from 111.
+    stream = events_route._event_stream(
+        log, events_route._resume_from("104", None, log), EVERY_EVENT
+    )
+    try:
+        assert await _next_chunk(stream) == "retry: 2000\nid: 104\n\n"
+        assert json.loads((await _next_chunk(stream))[6:]) == {"type": "missed", "missed": 1}
+        got = [(await _next_chunk(stream)).split("\n")[0] for _ in range(6)]
+        assert got == [f"id: {i}" for i in (106, 107, 108, 109, 110, 111)]
+        waiting = asyncio.create_task(log.wait(111, 5.0))
+        await asyncio.sleep(0.01)
+        log.add("a", "", 21.0, [_crossing(21)], _name)
+        assert await waiting and ids(log.read(111, 10)) == [112]
+        assert (await _next_chunk(stream)).startswith("id: 112\n")
+    finally:
+        await stream.aclose()
+    store.close()
+
+
+def test_the_ids_of_a_run_that_did_not_close_are_passed_over_not_missed(
+    tmp_path: Path,
+) -> None:
+    """A restart after a run that did not close (its writer never got to the last events)
+    carries on above the ids it had reserved; those passed over are not events: nobody is
+    told they missed them, across later restarts too."""
+    store = EventStore(tmp_path, size=10)
+    log = EventLog(10, start_id=100, store=store)
+    log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 100-102
+    _until(lambda: len(store.load()[0]) == 3, "the events were not written")
+    # Killed: the writer stops without closing (its reservation stays).
+    store._ops.put(None)
+    store._writer.join(5)
+    with sqlite3.connect(tmp_path / "events.sqlite3") as db:
+        db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('reserved', 10099)")
+    (tmp_path / "events.ids").write_bytes(event_store._MARKS.pack(102, 10099))
+    for restart in range(2):
+        store = EventStore(tmp_path, size=10)
+        log = EventLog(10, start_id=100, store=store)
+        if restart == 0:
+            assert log.add("a", "", 2.0, [_crossing(9)], _name)[0]["id"] == 10100
+        page = log.read(99, 10)
+        assert [e["id"] for e in page.events] == [100, 101, 102, 10100] and page.missed == 0
+        assert log.kept_since is None and log.read(102, 10).missed == 0
+        store.close()
