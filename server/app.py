@@ -221,6 +221,9 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             reloads.uninstall()
             await job_manager.stop(settings.shutdown_timeout_s)  # they run again at start
             await manager.stop(settings.shutdown_timeout_s)
+            # The streams' last events are logged: webhooks and MQTT deliver them and end
+            # (they ended as shutdown began, leaving those for the next start).
+            manager.events.finish()
             await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out
             if publisher is not None:
                 await publisher.stop(settings.shutdown_timeout_s)

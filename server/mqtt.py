@@ -279,7 +279,7 @@ class MqttPublisher:
         self._task = asyncio.create_task(self._run(), name=f"mqtt {self.name}")
 
     async def stop(self, timeout_s: float) -> None:
-        """After the log closed: publish what is left (within ``timeout_s``), say
+        """After the log finished: publish what is left (within ``timeout_s``), say
         ``offline`` and disconnect."""
         if self._task is not None:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
@@ -303,7 +303,7 @@ class MqttPublisher:
     async def _run(self) -> None:
         while True:
             if not self._connected.is_set():
-                if self._reader.log.closed:
+                if self._reader.log.finished:
                     return  # no broker to give the rest to
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._connected.wait(), 1.0)

@@ -265,7 +265,7 @@ class Webhooks:
         return True
 
     async def stop(self, timeout_s: float) -> None:
-        """After the log closed: wait up to ``timeout_s`` for what is left to go out, then
+        """After the log finished: wait up to ``timeout_s`` for what is left to go out, then
         cancel."""
         if not self._tasks:
             return

@@ -183,6 +183,7 @@ class EventLog:
         # counts nothing. Moves up as events leave the log (by its size, or retention).
         self._whole_after = first - 1
         self.closed = False
+        self.finished = False
         self.store = store
         if store is not None:
             resumed = store.resume(first)
@@ -296,8 +297,17 @@ class EventLog:
         return logged
 
     def close(self) -> None:
-        """The server is shutting down: readers waiting return now, and none waits again."""
+        """The server is shutting down: readers waiting return now, and none waits again
+        (long polls, event streams). Sinks (webhooks, MQTT) go on until :meth:`finish`: the
+        streams stopping after this still log events (their last state), and senders that
+        ended here left those undelivered with their receivers up."""
         self.closed = True
+        self._wake()
+
+    def finish(self) -> None:
+        """Nothing more will be logged (the streams have stopped): sinks deliver what is left
+        and end."""
+        self.closed = self.finished = True
         self._wake()
 
     def _wake(self) -> None:
@@ -440,10 +450,10 @@ class EventLog:
         """Whether the log holds an event of ``stream_id`` (one since removed, say)."""
         return any(e["stream_id"] == stream_id for e in islice(self._events, self._head, None))
 
-    async def wait(self, after: int, timeout_s: float) -> bool:
+    async def wait(self, after: int, timeout_s: float, *, sink: bool = False) -> bool:
         """Wait up to ``timeout_s`` for an event with an id above ``after``; False on
-        timeout or once the log is closed."""
-        if self.last_id > after or self.closed:
+        timeout or once the log is closed (a ``sink``'s wait: once it is finished)."""
+        if self.last_id > after or (self.finished if sink else self.closed):
             return self.last_id > after
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.add(waiter)
@@ -518,13 +528,13 @@ class LogReader:
 
     async def take(self, limit: int, wait_s: float) -> EventPage | None:
         """:meth:`next_page`, waiting up to ``wait_s`` for events when there are none (the
-        page is empty then); None once the log is closed and everything was taken."""
+        page is empty then); None once the log is finished and everything was taken."""
         page = self.next_page(limit)
         if page.events or page.missed:
             return page
-        if self.log.closed:
+        if self.log.finished:
             return None
-        await self.log.wait(self.cursor, wait_s)
+        await self.log.wait(self.cursor, wait_s, sink=True)
         return page
 
     def delivered(self, through: int, n: int) -> None:

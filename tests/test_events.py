@@ -198,6 +198,27 @@ async def test_waiting_readers_wake_on_a_new_event_and_on_close() -> None:
     assert not await asyncio.wait_for(log.wait(1, 30.0), 5.0)
 
 
+async def test_sinks_deliver_what_the_streams_log_as_they_stop() -> None:
+    """Shutdown closes the log as it begins (long polls and event streams end), but the
+    streams stopping after that still log their last states: a sink (webhook, MQTT) takes
+    those too, and ends only once the log is finished (they ended at close, leaving them
+    undelivered with the receiver up)."""
+    log = EventLog(size=10, start_id=1)
+    reader = LogReader("webhook test", log)
+    log.close()
+    log.add("a", "", 1.0, [_crossing(1)], _name)  # a stream's last event, after the close
+    page = await asyncio.wait_for(reader.take(10, 5.0), 5.0)
+    assert page is not None and [e["id"] for e in page.events] == [1]
+    reader.delivered(1, 1)
+    waiting = asyncio.create_task(reader.take(10, 30.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # closed, not finished: it waits for more
+    log.finish()
+    page = await asyncio.wait_for(waiting, 5.0)
+    assert page is not None and not page.events
+    assert await asyncio.wait_for(reader.take(10, 30.0), 5.0) is None  # finished: it ends
+
+
 def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
     tmp_path: Path,
 ) -> None:
@@ -394,7 +415,7 @@ async def test_a_webhook_down_longer_than_the_log_reaches_counts_what_it_missed_
             await asyncio.sleep(0.01)
         # 3-5 were refused; while it backs off, 6-8 push them out of the log too.
         log.add("a", "", 2.0, [_crossing(f) for f in range(6, 9)], _name)
-        log.close()
+        log.finish()
         await asyncio.wait_for(task, 15)  # what is left is delivered, then it ends
     finally:
         receiver.close()

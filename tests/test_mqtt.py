@@ -615,7 +615,7 @@ async def test_what_streams_and_zones_gone_left_retained_is_cleared_on_connect(
         _state(log, "door", "removed")
         kept = ("streamdet/door/person/thumbnail", "streamdet/door/zones/kept", camera)
         await eventually(lambda: all(listener.last(t) == "" for t in kept))
-        log.close()
+        log.finish()
         await publisher.stop(2)
     finally:
         listener.close()
@@ -676,7 +676,7 @@ async def test_a_stream_without_frames_is_announced_again_when_renamed_or_its_zo
             )
         finally:
             again.close()
-        log.close()
+        log.finish()
         await publisher.stop(2)
     finally:
         listener.close()
@@ -695,7 +695,7 @@ async def test_why_the_broker_cannot_be_reached_is_logged_naming_the_setting(
         await eventually(lambda: "cannot connect" in caplog.text, 5)
         await asyncio.sleep(2.5)  # retried meanwhile: logged once a minute at most
     finally:
-        log.close()
+        log.finish()
         await publisher.stop(1)
     failures = [
         r.getMessage()
@@ -720,7 +720,7 @@ async def test_two_servers_from_one_data_directory_do_not_kick_each_other_off(
         publisher.start()
     await eventually(lambda: caplog.text.count("connected") >= 2, 5)
     await asyncio.sleep(2.0)
-    log.close()
+    log.finish()
     for publisher in publishers:
         await publisher.stop(1)
     assert "reconnecting" not in caplog.text
@@ -747,7 +747,7 @@ async def test_a_broker_that_refuses_the_server_is_logged_naming_the_setting(
         await eventually(lambda: "refused" in caplog.text, 5)
         await asyncio.sleep(2.5)
     finally:
-        log.close()
+        log.finish()
         await publisher.stop(1)
         proc.terminate()
         await proc.wait()
