@@ -66,7 +66,7 @@ async def storage_full(request: Request, exc: Exception) -> Response:
     """A call that had to write to a data directory that cannot take it: ``507`` saying so
     and naming the setting (it was a bare 500 and a traceback, on every write route); any
     other error of these types goes on to the server's own 500."""
-    if not storage_failure(exc):
+    if not storage_failure(exc) or request.scope["type"] != "http":
         raise exc
     log.error(
         "%s %s: cannot write to the data directory: %s", request.method, request.url.path, exc
@@ -111,6 +111,9 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             except StreamsFileError as exc:
                 log.error("cannot start: %s", exc)
                 await manager.stop(settings.shutdown_timeout_s)
+                manager.events.finish()
+                if manager.events.store is not None:  # closed, not left as a crash's
+                    await asyncio.to_thread(manager.events.store.close)
                 await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
                 raise
         reloads = streams.StreamsFileReloads(manager, settings.streams_file, names)

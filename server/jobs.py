@@ -283,6 +283,13 @@ class JobManager:
             task.cancel()
         if waiting:
             log.warning("%d video job(s) still running after %.1f s", len(waiting), timeout_s)
+            # Still in a frame when the wait ended: the server stopped them, they did not
+            # crash it. Left counted, three graceful restarts failed a good job as a crasher.
+            for job in list(self._jobs.values()):
+                if job.state is JobState.RUNNING and not job.deleted:
+                    job.state, job.started_at = JobState.QUEUED, None
+                    job.crashed_runs = max(0, job.crashed_runs - 1)
+                    await asyncio.to_thread(self._save, job)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._probes.shutdown(wait=False, cancel_futures=True)
 

@@ -36,6 +36,8 @@ _WHITELIST = {
 FILE_FORMATS = (
     "mov,matroska,webm,mpegts,mpegtsraw,avi,flv,live_flv,asf,mpeg,mpegvideo,m4v,h261,h263,"
     "h264,hevc,vvc,obu,ivf,mjpeg,mpjpeg,nut,ogg,mxf,dv,gif,apng,webp,yuv4mpegpipe,"
+    # Cameras' and NVRs' own recordings: Dahua's .dav, HXVS, DVD/VOB, Windows TV, RealMedia.
+    "dhav,hxvs,vob,wtv,rm,nuv,"
     "image2,jpeg_pipe,png_pipe,webp_pipe,bmp_pipe,gif_pipe,tiff_pipe"
 )
 """FFmpeg demuxers a local file, or an uploaded video, may be read with: videos and pictures

@@ -3,6 +3,7 @@ lane, against the real model, the real clips and the real app; no timing is asse
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import itertools
@@ -658,6 +659,48 @@ async def test_a_start_deletes_uploads_a_crash_cut_off_and_keeps_unreadable_jobs
     assert _names(tmp_path / "unreadable") == ["job.json", "source.mp4"]
     assert f"{tmp_path / 'cutoff'} (4096 bytes)" in caplog.text
     assert f"{tmp_path / 'empty'} (0 bytes)" in caplog.text
+
+
+async def test_a_job_still_in_a_frame_when_the_server_stops_is_not_counted_a_crash(
+    tmp_path: Path,
+) -> None:
+    """A graceful stop whose wait ends while a job's thread is inside a slow frame (a remote
+    video, a large HEVC frame): the run was left counted as crashed, and three restarts
+    failed a good job as one that kills the server."""
+    release = threading.Event()
+
+    def slow(
+        spec: JobSpec, progress: JobProgress, stopped: Callable[[], None], max_side: int
+    ) -> Generator[tuple[int, float, Any, tuple[int, int]], None, None]:
+        release.wait(30)  # a frame that takes longer than the shutdown waits
+        stopped()
+        yield from ()
+
+    job = _kept(_manager(tmp_path), JobState.QUEUED)
+    try:
+        for _ in range(3):
+            manager = _manager(tmp_path, slow)
+            await manager.start()
+            running = manager.get(job.id)
+            assert running is not None
+            deadline = time.monotonic() + 10
+            while running.state is not JobState.RUNNING:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await manager.stop(0.2)  # the thread is still in its frame
+            on_disk = json.loads((tmp_path / job.id / "job.json").read_text())
+            assert (on_disk["state"], on_disk["crashed_runs"]) == ("queued", 0), on_disk
+    finally:
+        release.set()
+    fresh = _manager(tmp_path, slow)
+    await fresh.start()
+    try:
+        again = fresh.get(job.id)
+        assert again is not None
+        await fresh.wait(again, 30)
+        assert again.state is JobState.DONE, again.error
+    finally:
+        await fresh.stop(1)
 
 
 async def test_a_job_the_server_keeps_dying_during_fails_instead_of_running_again(

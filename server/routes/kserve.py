@@ -91,7 +91,7 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()
         )
-        return JSONResponse({"error": problems}, status_code=422)
+        return JSONResponse({"error": _json_safe(problems)}, status_code=422)
     assert isinstance(exc, StarletteHTTPException)
     if not is_v2(request):
         return await http_exception_handler(request, exc)
@@ -112,7 +112,7 @@ def _json_safe(value: Any) -> Any:
             return value.encode("utf-8", "backslashreplace").decode()
         return value
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_json_safe(v) for v in value]
     return value
