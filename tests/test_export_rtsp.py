@@ -33,7 +33,7 @@ def test_calibration_frames_from_a_live_camera() -> None:
 def test_unreachable_camera_is_named() -> None:
     url = f"rtsp://user:secret@127.0.0.1:{free_port()}/none"
     with pytest.raises(
-        CalibrationError, match=r"live source 127\.0\.0\.1:\d+/none: cannot open"
+        CalibrationError, match=r"live source rtsp://127\.0\.0\.1:\d+/none: cannot open"
     ) as err:
         sample_frames(parse_sources([url]), 2, progress=False)
     assert "secret" not in str(err.value)
