@@ -507,7 +507,7 @@ class Settings(BaseSettings):
             if procs:
                 from streams.decode_child import SLOTS, STREAMS_NEEDED, rings_that_fit, shm_size
 
-                side = self.stream_decode_side
+                side = self.decode_side()  # before the engine is loaded: imgsz's
                 shm = shm_size()
                 if shm is not None and rings_that_fit(shm, SLOTS, side) < STREAMS_NEEDED:
                     # Rings would not fit (Docker's default /dev/shm, 64 MB, holds one of a
@@ -538,12 +538,6 @@ class Settings(BaseSettings):
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
-
-    @property
-    def stream_decode_side(self) -> int:
-        """The longest side live streams' frames are decoded at (0: as sent), before the
-        engine is loaded (``imgsz``; see :meth:`decode_side`)."""
-        return self.decode_side()
 
     def decode_side(self, input_size: int | None = None) -> int:
         """The longest side streams' and jobs' frames are decoded at (0: as sent):
