@@ -562,10 +562,11 @@ class JobManager:
             if not where.is_dir() or where.is_symlink():
                 continue
             path = where / JOB_FILE
-            if (where / DELETED_FILE).exists() or not path.exists():
+            deleted = (where / DELETED_FILE).exists()
+            if deleted or not path.exists():
                 why = (
                     "deleted before the server stopped"
-                    if (where / DELETED_FILE).exists()
+                    if deleted
                     else f"no {JOB_FILE}: an upload the server stopped during"
                 )
                 size = _size(where)
