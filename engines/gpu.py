@@ -614,7 +614,10 @@ class GpuDetector(ConfiguredEngine):
         super().__init__(config)
         self._use_graphs = use_graphs
         self._dynamic_hw = config.model.dynamic_hw
-        self._buckets = batch_buckets(config.max_batch)
+        # A graph whose batch is fixed (Ultralytics' batch=8 export: its Reshapes hold the 8)
+        # takes that batch alone: every chunk is padded up to it, as to any bucket.
+        fixed = config.model.fixed_batch
+        self._buckets = (fixed,) if fixed is not None else batch_buckets(self.max_batch)
         self._ws: DeviceWorkspace | None = None
         self._runner: BucketRunner | None = None
 

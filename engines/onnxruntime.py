@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -17,10 +18,6 @@ log = logging.getLogger(__name__)
 
 class OrtEngine(ConfiguredEngine):
     """One ONNX Runtime session; the pool gives each worker its own instance."""
-
-    # A fixed (H, W) input is letterboxed as Ultralytics' predictor does: scaled to fit both
-    # sides, centred, padded grey (an imgsz=(320, 480) export).
-    non_square_fixed = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -77,8 +74,28 @@ class OrtEngine(ConfiguredEngine):
         self._session = None
 
     def run_raw(self, blob: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """Run an already preprocessed ``(B, 3, H, W)`` float32 tensor."""
+        """Run an already preprocessed ``(B, 3, H, W)`` float32 tensor.
+
+        A graph whose batch is fixed (Ultralytics' ``batch=8`` export, whose Reshapes hold the
+        8) runs any ``B``: in runs of its batch, the last padded with zeros whose outputs are
+        dropped (ONNX Runtime refuses every other batch size).
+        """
         if self._session is None:
             raise EngineError("engine used before load()")
-        (output,) = self._session.run([self._output_name], {self._input_name: blob})  # type: ignore[attr-defined]
+        fixed = self._config.model.fixed_batch
+        if fixed is None or len(blob) == fixed:
+            return self._run(blob)
+        outputs = []
+        for start in range(0, len(blob), fixed):
+            part = blob[start : start + fixed]
+            real = len(part)
+            if real < fixed:
+                pad = np.zeros((fixed - real, *part.shape[1:]), part.dtype)
+                part = np.concatenate([part, pad])
+            outputs.append(self._run(part)[:real])
+        return np.concatenate(outputs)
+
+    def _run(self, blob: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        session: Any = self._session
+        (output,) = session.run([self._output_name], {self._input_name: blob})
         return np.asarray(output, np.float32)

@@ -49,21 +49,9 @@ class ConfiguredEngine:
     """What every backend answers from its :class:`EngineConfig` alone: class names, input
     size, largest batch and model name. Backends subclass it and add load/detect."""
 
-    # Whether the backend letterboxes into a fixed non-square input (H != W): ONNX Runtime's
-    # and torch's do (engines.yolo.group_by_shape with the model's shape); TensorRT's
-    # square optimization profile does not.
-    non_square_fixed = False
-
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
         info = config.model
-        if not info.dynamic_hw and info.imgsz[0] != info.imgsz[1] and not self.non_square_fixed:
-            raise EngineError(
-                f"model {info.path}: fixed non-square input {info.imgsz[0]}x{info.imgsz[1]}"
-                " is letterboxed by --backend onnxruntime and torch, not this one (TensorRT's"
-                " optimization profile is square): re-export it square (imgsz=640) or with"
-                " dynamic=True"
-            )
         # A fixed-shape model dictates its size (the longer side of a non-square one: what
         # the image is scaled to fit before the letterbox pads it to the model's shape); a
         # dynamic one takes the configured imgsz.

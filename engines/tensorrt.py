@@ -5,8 +5,10 @@ calibrators: a network is always strongly typed and runs in the precision its ON
 (FP16 from ModelOpt AutoCast, INT8 from explicit Q/DQ). So the build sets no precision flag on
 either version; 10.x gets ``NetworkDefinitionCreationFlag.STRONGLY_TYPED`` for the same result.
 The batch axis (and, for a dynamic-shape ONNX, height and width) is dynamic, with one
-optimization profile. Built engines are cached on disk under a key of everything that makes a
-plan invalid: ONNX hash, TensorRT version, GPU, precision, batch range and input sizes.
+optimization profile; a fixed-shape ONNX (square or not) runs at its own height and width, and
+one whose batch is fixed at that batch, every batch padded up to it. Built engines are cached
+on disk under a key of everything that makes a plan invalid: ONNX hash, TensorRT version,
+GPU, precision, batch range and input sizes.
 
 Each worker owns one execution context. Inputs and outputs are torch tensors whose addresses
 are bound with ``set_tensor_address``; ``execute_async_v3`` runs on the worker's CUDA stream
@@ -35,7 +37,7 @@ import torch
 from engines.gpu import Forward, GpuDetector, resolve_device
 from engines.model import file_sha256
 from engines.registry import EngineConfig
-from engines.types import EngineError
+from engines.types import EngineError, ModelInfo
 from engines.yolo import rect_shape
 
 log = logging.getLogger(__name__)
@@ -86,26 +88,57 @@ class ProfileShapes:
 
 
 def profile_shapes(
-    max_batch: int, imgsz: int, stride: int, dynamic_hw: bool, opt_batch: int | None = None
+    max_batch: int,
+    imgsz: int,
+    stride: int,
+    dynamic_hw: bool,
+    opt_batch: int | None = None,
+    *,
+    fixed_hw: tuple[int, int] | None = None,
+    fixed_batch: int | None = None,
 ) -> ProfileShapes:
     """Profile for batches of 1..``max_batch`` letterboxed to at most ``imgsz``.
 
     A dynamic-shape ONNX gets a height/width range from ``imgsz / 4`` (an image wider than
     4:1 is padded up to it) to ``imgsz``, tuned for 16:9 camera frames (640x384 at 640), the
-    common case of a multi-camera server. A fixed-shape ONNX gets only the batch range.
+    common case of a multi-camera server. A fixed-shape ONNX gets only the batch range, at its
+    own ``fixed_hw`` (a non-square ``(320, 480)`` export too; else ``imgsz`` square). A graph
+    whose batch is fixed (``fixed_batch``: Ultralytics' ``batch=8`` export) gets that batch
+    alone: TensorRT refuses a range over a static dimension, and the device layer pads every
+    batch up to it.
     """
     if max_batch < 1 or imgsz < stride or imgsz % stride:
         raise ValueError(
             f"need max_batch >= 1 and imgsz a multiple of {stride}, got {max_batch}, {imgsz}"
         )
-    opt_b = min(max(opt_batch or max_batch, 1), max_batch)
+    if fixed_batch is not None:
+        lo_b = opt_b = max_batch = fixed_batch
+    else:
+        lo_b, opt_b = 1, min(max(opt_batch or max_batch, 1), max_batch)
     if not dynamic_hw:
-        return ProfileShapes(
-            (1, 3, imgsz, imgsz), (opt_b, 3, imgsz, imgsz), (max_batch, 3, imgsz, imgsz)
-        )
+        h, w = fixed_hw or (imgsz, imgsz)
+        return ProfileShapes((lo_b, 3, h, w), (opt_b, 3, h, w), (max_batch, 3, h, w))
     low = max(stride, (imgsz // 4) // stride * stride)
     opt_h, opt_w = rect_shape(1080, 1920, imgsz, stride)
-    return ProfileShapes((1, 3, low, low), (opt_b, 3, opt_h, opt_w), (max_batch, 3, imgsz, imgsz))
+    return ProfileShapes(
+        (lo_b, 3, low, low), (opt_b, 3, opt_h, opt_w), (max_batch, 3, imgsz, imgsz)
+    )
+
+
+def model_profile(info: ModelInfo, max_batch: int, imgsz: int) -> ProfileShapes:
+    """The profile an engine of ``info`` is built with, the same for ``streamdet export
+    --format engine`` and ``serve`` (so one finds the other's cached plan): a fixed-shape
+    model at its own ``(H, W)`` and batch, a dynamic one at ``imgsz`` and ``max_batch``."""
+    if info.dynamic_hw:
+        return profile_shapes(max_batch, imgsz, info.stride, True, fixed_batch=info.fixed_batch)
+    return profile_shapes(
+        max_batch,
+        max(info.imgsz),
+        info.stride,
+        False,
+        fixed_hw=info.imgsz,
+        fixed_batch=info.fixed_batch,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +208,7 @@ def build_engine(trt: Any, onnx_path: Path, shapes: ProfileShapes, out: Path) ->
 def ensure_engine(config: EngineConfig, device: torch.device, trt: Any) -> Path:
     """The cached engine for ``config`` on ``device``, building it first if needed."""
     info = config.model
-    imgsz = config.imgsz if info.dynamic_hw else info.imgsz[0]
-    shapes = profile_shapes(config.max_batch, imgsz, info.stride, info.dynamic_hw)
+    shapes = model_profile(info, config.max_batch, config.imgsz)
     onnx_path = Path(info.path)
     key = EngineKey(
         file_sha256(onnx_path), trt.__version__, gpu_identity(device), info.precision, shapes
@@ -286,7 +318,7 @@ class TrtEngine(GpuDetector):
         if device.type != "cuda":
             raise EngineError("backend tensorrt runs on a CUDA device (setting STREAMDET_DEVICE)")
         info = self._config.model
-        self._shapes = profile_shapes(self.max_batch, self.input_size, info.stride, info.dynamic_hw)
+        self._shapes = model_profile(info, self.max_batch, self.input_size)
         plan = ensure_engine(self._config, device, trt)
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         engine = runtime.deserialize_cuda_engine(plan.read_bytes())

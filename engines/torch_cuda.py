@@ -176,11 +176,6 @@ class TorchEngine(GpuDetector):
         use_graphs: capture CUDA graphs per batch bucket (CUDA only).
     """
 
-    # A TorchScript traced at a non-square size (imgsz=(320, 480)) gets its frames
-    # letterboxed into that shape, as Ultralytics' predictor does (the placement is the CPU
-    # engine's); TensorRT's optimization profile is square, so it refuses such a model.
-    non_square_fixed = True
-
     def _open(self, device: torch.device) -> tuple[Forward, torch.dtype]:
         path = find_checkpoint(self._config)
         dtype = torch.float16 if device.type == "cuda" else torch.float32

@@ -45,9 +45,16 @@ def served_imgsz(settings: Settings, model: ModelInfo) -> int:
 
 
 def served_max_batch(settings: Settings, model: ModelInfo) -> int:
-    """``max_batch``, or the graph's fixed batch where that is smaller."""
+    """``max_batch``; for a graph whose batch is fixed, no more than that batch, and that
+    batch itself where ``max_batch`` was not set (every batch is padded up to it anyway:
+    the backend's default of 1 on the CPU made a ``batch=8`` export run 8 images' compute
+    for each one)."""
     fixed = fixed_batch(model)
-    return settings.max_batch if fixed is None else min(settings.max_batch, fixed)
+    if fixed is None:
+        return settings.max_batch
+    if "max_batch" not in settings.model_fields_set:
+        return fixed
+    return min(settings.max_batch, fixed)
 
 
 def build_pool(settings: Settings) -> EnginePool:
@@ -59,14 +66,26 @@ def build_pool(settings: Settings) -> EnginePool:
     factory = load_backend(settings.backend)
     model = prepare_model(settings.model, settings.cache_dir, settings.imgsz)
     config = engine_config(settings, model)
-    if config.max_batch < settings.max_batch:
+    fixed = fixed_batch(model)
+    if fixed is not None and config.max_batch < settings.max_batch:
         log.warning(
             "model %s: its graph takes batches of %d only: max batch %d lowered to %d"
             " (export it with dynamic=True to batch)",
             model.path,
-            config.max_batch,
+            fixed,
             settings.max_batch,
             config.max_batch,
+        )
+    elif fixed is not None and config.max_batch < fixed:
+        log.warning(
+            "model %s: its graph takes batches of %d only: every batch of at most %d"
+            " (setting STREAMDET_MAX_BATCH) is padded to %d, the compute of %d images"
+            " (export it with dynamic=True to batch less)",
+            model.path,
+            fixed,
+            config.max_batch,
+            fixed,
+            fixed,
         )
     if config.imgsz != settings.imgsz and "imgsz" not in settings.model_fields_set:
         log.info("model %s: served at its imgsz %d (--imgsz to change)", model.path, config.imgsz)

@@ -731,6 +731,54 @@ def test_fixed_batch_model_caps_the_pool_batch(
         pool.stop(5)
 
 
+@pytest.fixture(scope="module")
+def fixed320_batch8(out_dir: Path) -> Path:
+    """``YOLO(...).export(format="onnx", imgsz=320, batch=8)``: input [8, 3, 320, 320]."""
+    path = ultralytics_onnx(out_dir / "fixed8", "fixed320-b8.onnx", imgsz=IMGSZ, batch=8)
+    assert read_model_info(path).fixed_batch == 8
+    return path
+
+
+def test_a_fixed_batch_of_8_serves_any_number_of_images(
+    fixed320: Path, fixed320_batch8: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ultralytics' ``batch=8`` export (its Reshapes hold the 8): the server did not start
+    (ONNX Runtime: "Got: 1 Expected: 8" at warm-up). Every batch is now padded to 8, the pool
+    batches 8 where --max-batch is not set, and the boxes are the batch-1 export's."""
+    import asyncio
+    import time
+
+    from server.runtime import build_pool
+
+    frames = sample_video_frames(CAR_CLIP, 3, offset=40)
+
+    def detect(settings: Settings) -> tuple[int, list[Detections]]:
+        pool = build_pool(settings)
+        try:
+
+            async def run() -> list[Detections]:
+                deadline = time.monotonic() + 60
+                done = await pool.detect_many(frames, DetectParams(), deadline)
+                return [r.detections for r in done if r.detections is not None]
+
+            return pool.max_batch, asyncio.run(run())
+        finally:
+            pool.stop(5)
+
+    batch, padded = detect(Settings(model=str(fixed320_batch8), cache_dir=CACHE_DIR))
+    assert batch == 8 and len(padded) == len(frames)
+    _, reference = detect(Settings(model=str(fixed320), cache_dir=CACHE_DIR))
+    assert any(len(d.boxes) for d in reference)
+    assert [d.class_ids.tolist() for d in padded] == [d.class_ids.tolist() for d in reference]
+    for got, want in zip(padded, reference, strict=True):
+        np.testing.assert_allclose(got.boxes, want.boxes, atol=0.01)
+        np.testing.assert_allclose(got.scores, want.scores, atol=1e-4)
+    with caplog.at_level("WARNING", logger="server.runtime"):
+        batch, _ = detect(Settings(model=str(fixed320_batch8), cache_dir=CACHE_DIR, max_batch=2))
+    assert batch == 2
+    assert "every batch of at most 2 (setting STREAMDET_MAX_BATCH) is padded to 8" in caplog.text
+
+
 def test_an_artifact_is_served_at_the_size_it_was_made_for(int8: ExportResult) -> None:
     from server.runtime import engine_config, served_imgsz
 

@@ -319,3 +319,40 @@ def test_torch_model_keeps_each_shapes_anchor_grid(monkeypatch: pytest.MonkeyPat
     assert len(built) == 2 + 20 + 2 - 2, built  # 384x640 and 640x640 were among them
     assert first.shape == (2, 84, 5040)
     assert torch.equal(first, again)
+
+
+def test_a_fixed_batch_graph_gets_every_batch_padded_to_it(
+    frames: list[np.ndarray], model_info: ModelInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph whose batch is fixed at 8 takes batches of 8 only (the buckets 1, 2, 4 failed
+    it): 3 frames run as one bucket of 8 and give the boxes they give unpadded."""
+    import dataclasses
+
+    def engine(info: ModelInfo) -> object:
+        config = EngineConfig(
+            model=info, imgsz=640, max_batch=8, threads=1, cache_dir=CACHE_DIR, source=MODEL_PT
+        )
+        made = load_backend("torch")(config)
+        made.load()
+        return made
+
+    fixed = engine(dataclasses.replace(model_info, fixed_batch=8))
+    plain = engine(model_info)
+    assert fixed._buckets == (8,) and plain._buckets == (1, 2, 4, 8)  # type: ignore[attr-defined]
+    runner = fixed._runner  # type: ignore[attr-defined]
+    shapes: list[tuple[int, tuple[int, int]]] = []
+    run = runner.run
+
+    def spy(bucket: int, shape: tuple[int, int]) -> object:
+        shapes.append((bucket, shape))
+        return run(bucket, shape)
+
+    monkeypatch.setattr(runner, "run", spy)
+    three = frames[:3]
+    got = fixed.infer(three, [DetectParams()] * 3)  # type: ignore[attr-defined]
+    want = plain.infer(three, [DetectParams()] * 3)  # type: ignore[attr-defined]
+    assert shapes and all(bucket == 8 for bucket, _ in shapes)
+    assert any(len(d.boxes) for d in want)
+    for a, b in zip(got, want, strict=True):
+        assert a.class_ids.tolist() == b.class_ids.tolist()
+        np.testing.assert_allclose(a.boxes, b.boxes, atol=0.05)

@@ -20,8 +20,11 @@ from engines.tensorrt import (
     EngineKey,
     ProfileShapes,
     TensorBindings,
+    TrtEngine,
     build_engine,
+    ensure_engine,
     import_tensorrt,
+    model_profile,
     profile_shapes,
     trt_major,
 )
@@ -42,6 +45,62 @@ def test_dynamic_profile_covers_every_letterbox_shape() -> None:
 def test_fixed_profile_varies_only_the_batch() -> None:
     shapes = profile_shapes(max_batch=8, imgsz=320, stride=32, dynamic_hw=False, opt_batch=4)
     assert shapes == ProfileShapes((1, 3, 320, 320), (4, 3, 320, 320), (8, 3, 320, 320))
+
+
+def test_fixed_non_square_model_runs_at_its_own_shape(model_info: ModelInfo) -> None:
+    """An ``imgsz=(320, 480)`` export: the profile is the model's own 320x480 (it was refused:
+    the profile was square), and the engine letterboxes into it as the other backends do."""
+    info = dataclasses.replace(model_info, imgsz=(320, 480), dynamic_hw=False)
+    shapes = model_profile(info, max_batch=8, imgsz=640)
+    assert shapes == ProfileShapes((1, 3, 320, 480), (8, 3, 320, 480), (8, 3, 320, 480))
+    engine = TrtEngine(EngineConfig(model=info, imgsz=640, max_batch=8, threads=1))
+    assert engine.input_size == 480 and engine.max_batch == 8
+
+
+def test_fixed_batch_model_gets_that_batch_alone(model_info: ModelInfo) -> None:
+    """A ``batch=8`` export: TensorRT refuses a batch range over its static batch axis, so the
+    profile is 8..8 and every batch is padded to the one bucket 8."""
+    fixed = dataclasses.replace(model_info, imgsz=(320, 320), dynamic_hw=False, fixed_batch=8)
+    assert model_profile(fixed, max_batch=32, imgsz=640) == ProfileShapes(
+        (8, 3, 320, 320), (8, 3, 320, 320), (8, 3, 320, 320)
+    )
+    engine = TrtEngine(EngineConfig(model=fixed, imgsz=640, max_batch=4, threads=1))
+    assert engine.max_batch == 4 and engine._buckets == (8,)
+    dynamic = dataclasses.replace(model_info, fixed_batch=8)
+    assert model_profile(dynamic, max_batch=32, imgsz=640) == ProfileShapes(
+        (8, 3, 160, 160), (8, 3, 384, 640), (8, 3, 640, 640)
+    )
+
+
+def test_export_builds_the_plan_serve_looks_for(
+    model_info: ModelInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``streamdet export --format engine --max-batch 32`` of a fixed-batch model built a
+    1..32 profile (a TensorRT error; and a key serve, capped at the graph's batch, never
+    looked up): both now take the model's own profile, so serve finds export's plan."""
+    import engines.tensorrt as trt_mod
+
+    monkeypatch.setattr(trt_mod, "gpu_identity", lambda device: "NVIDIA H200 sm_90")
+    info = dataclasses.replace(model_info, imgsz=(320, 480), dynamic_hw=False, fixed_batch=1)
+    trt = _Recorder("10.13.0.35")
+    exported = ensure_engine(
+        EngineConfig(model=info, imgsz=640, max_batch=32, threads=1, cache_dir=tmp_path),
+        torch.device("cuda"),
+        trt,
+    )
+    assert ("profile", "images", (1, 3, 320, 480), (1, 3, 320, 480), (1, 3, 320, 480)) in (
+        trt.calls
+    )
+    served = TrtEngine(EngineConfig(model=info, imgsz=640, max_batch=32, threads=1))
+    again = _Recorder("10.13.0.35")
+    found = ensure_engine(
+        EngineConfig(
+            model=info, imgsz=640, max_batch=served.max_batch, threads=1, cache_dir=tmp_path
+        ),
+        torch.device("cuda"),
+        again,
+    )
+    assert found == exported and not [c for c in again.calls if c[0] == "build"]
 
 
 def test_profile_rejects_bad_sizes() -> None:

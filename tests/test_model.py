@@ -218,23 +218,18 @@ def test_malformed_imgsz_metadata_is_a_model_error(tmp_path: Path) -> None:
     )
 
 
-def test_fixed_non_square_input_refused_where_the_backend_cannot_letterbox_it(
-    tmp_path: Path,
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "tensorrt"])
+def test_fixed_non_square_input_is_letterboxed_by_every_backend(
+    tmp_path: Path, backend: str
 ) -> None:
-    """ONNX Runtime letterboxes into a fixed (H, W) (tests/test_engine_parity.py); a backend
-    that cannot says how to re-export the model."""
-    from engines.onnxruntime import OrtEngine
-    from engines.registry import ConfiguredEngine, EngineConfig
-    from engines.types import EngineError
+    """Every backend letterboxes into a fixed (H, W) (tests/test_engine_parity.py); TensorRT
+    refused such a model (its profile was square: tests/test_gpu_tensorrt.py)."""
+    from engines.registry import EngineConfig, load_backend
 
     info = read_model_info(_tiny_onnx(tmp_path / "r.onnx", "[320, 480]", [1, 3, 320, 480]))
     assert info.imgsz == (320, 480) and not info.dynamic_hw
     config = EngineConfig(model=info, imgsz=640, max_batch=8, threads=1)
-    with pytest.raises(
-        EngineError, match=r"320x480 .*--backend onnxruntime and torch.*dynamic=True"
-    ):
-        ConfiguredEngine(config)
-    engine = OrtEngine(config)
+    engine = load_backend(backend)(config)
     assert engine.input_size == 480 and engine.max_batch == 1
 
 
