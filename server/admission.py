@@ -8,6 +8,11 @@ fits the deadline, checked twice:
 1. on arrival, before its body is read (so shedding costs almost nothing under overload);
 2. after its image is decoded, just before it is queued.
 
+A call counts as decoding (ahead of those arriving after it) from when its body is in, not
+while it is still uploading: a slow upload enters the queue after calls that come later
+(30 clients on slow links, each a few bytes into its photo, had an idle server refuse every
+call 429).
+
 The prediction is the queueing model of the pool (:func:`predict`): the items ahead of it
 (queued, plus, on arrival, admitted calls still decoding) fill ``ahead // (max_batch *
 workers)`` full rounds, one more batch if every worker is busy, plus its own batch; times
@@ -327,10 +332,13 @@ class AdmissionController:
         headers: Headers,
         request_id: str,
         client_deadline: str = DEADLINE_HEADER_NAME,
+        *,
+        body_read: bool = True,
     ) -> Ticket:
         """Admit a call that arrived at ``arrived`` (monotonic), or raise HTTP 429.
         ``client_deadline`` names where a client's deadline comes from, in errors (the
-        header; gRPC: the call's own deadline).
+        header; gRPC: the call's own deadline). ``body_read=False``: the call has yet to
+        receive its body, and counts as decoding only once :meth:`Ticket.body_read` says so.
 
         Raises:
             HTTPException: 400 bad deadline header, 429 predicted to miss its deadline.
@@ -359,8 +367,8 @@ class AdmissionController:
             else "setting STREAMDET_REQUEST_TIMEOUT_MS",
         )
         ticket.check(self.estimate(decode_left=True))
-        self.decoding += 1
-        ticket.decoding = True
+        if body_read:
+            ticket.body_read()
         return ticket
 
 
@@ -427,6 +435,12 @@ class Ticket:
             self.request_id,
         )
 
+    def body_read(self) -> None:
+        """The call's body is in: it decodes now, ahead of the calls that arrive after it."""
+        if not self.decoding and self.queued_at is None:
+            self.decoding = True
+            self.controller.decoding += 1
+
     def decoded(self, seconds: float, images: int = 1) -> None:
         """The upload (``images`` pictures) is decoded: record the time and check the
         deadline again (429)."""
@@ -486,7 +500,8 @@ async def admit(request: Request) -> AsyncIterator[Ticket]:
     if controller is None or not state.ready:
         get_metrics(request).refuse_unready(state.shutting_down)
         raise HTTPException(503, "model not loaded yet", headers={"Retry-After": "1"})
-    ticket = controller.admit(time.monotonic(), request.headers, request_id)
+    # Its body is still to come: it counts as decoding once the route has read it.
+    ticket = controller.admit(time.monotonic(), request.headers, request_id, body_read=False)
     try:
         yield ticket
     finally:

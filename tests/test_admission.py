@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import time
 from collections.abc import Iterator
 from typing import Never
@@ -149,6 +150,40 @@ def test_tight_client_deadline_is_refused_early(server: ServerProcess, jpegs: li
             headers={"content-type": "image/jpeg", "x-request-deadline-ms": "x"},
         )
         assert bad.status_code == 400
+
+
+def test_slow_uploads_are_not_work_ahead_of_the_calls_after_them(
+    server: ServerProcess, jpegs: list[bytes]
+) -> None:
+    """30 clients a few bytes into their uploads (slow links) are not calls decoding ahead of
+    the others: an idle server serves the calls that come meanwhile (every one was refused
+    429, predicted past its deadline), and the uploads' own time, once they end, is not taken
+    for decode time (5 uploads of 3 s had a call with its own 1 s deadline refused 429 from
+    then on: refused at arrival, no call decoded to bring the estimate back down)."""
+    jpeg = jpegs[0]
+    head = (
+        b"POST /detect HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/jpeg\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(jpeg)
+    )
+    slow = [socket.create_connection(("127.0.0.1", server.port), timeout=60) for _ in range(30)]
+    try:
+        for sock in slow:
+            sock.sendall(head + jpeg[:1000])
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            for _ in range(3):
+                during = post(client, jpeg)
+                assert during.status_code == 200, during.text
+            time.sleep(3.0)  # the uploads are slow: their time must not count as decoding
+            for sock in slow[:5]:
+                sock.sendall(jpeg[1000:])
+            for sock in slow[:5]:  # five at once: some may not fit the 600 ms deadline
+                assert sock.recv(64)[:13] in (b"HTTP/1.1 200 ", b"HTTP/1.1 429 ")
+            for _ in range(3):
+                after = post(client, jpeg, deadline_ms=1000)
+                assert after.status_code == 200, after.text
+    finally:
+        for sock in slow:
+            sock.close()
 
 
 def test_burst_is_answered_with_200_or_429_never_5xx(

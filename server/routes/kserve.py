@@ -533,6 +533,7 @@ async def infer(
     _check_model(state, model_name, version)
     engine = state.pool.engine
     body = await read_body_capped(request, state.settings.max_upload_bytes)
+    ticket.body_read()  # decoding now: ahead of calls that arrive after this
     inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
     params = _params(inference, engine.names)
     chosen = _chosen(inference)
