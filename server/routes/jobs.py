@@ -40,6 +40,7 @@ from server.jobs import (
     JobStorageError,
 )
 from server.ranges import RangedFile
+from server.routes.bodies import load_json
 from server.routes.detect import capped_stream, megabytes
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.streams import DetectIn
@@ -153,9 +154,9 @@ def settings_of(raw: str | dict[str, Any] | None, where: str) -> JobIn:
     """The settings object from JSON text or a parsed body; 422 naming what is wrong."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise HTTPException(422, f"{where}: not JSON: {exc}") from None
+            raw = load_json(raw) if raw.strip() else {}
+        except ValueError as exc:
+            raise HTTPException(422, f"{where}: {exc}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -208,9 +209,9 @@ async def _receive(
     limit = int(settings.max_job_upload_mb * 1024 * 1024)
     if ctype == "application/json":
         try:
-            body = json.loads(await request.body())
-        except json.JSONDecodeError as exc:
-            raise HTTPException(422, f"body: not JSON: {exc}") from None
+            body = load_json(await request.body())
+        except ValueError as exc:
+            raise HTTPException(422, f"body: {exc}") from None
         job_in = settings_of(body, "body")
         if job_in.url is None:
             raise HTTPException(

@@ -38,6 +38,7 @@ from engines.batching import WorkResult
 from engines.types import Detections, DetectParams, Image
 from server.admission import AdmissionTicket
 from server.images import ImageError, decode_upload, decoded_pixels
+from server.routes.bodies import FASTAPI_PARSE_ERROR, UNREADABLE, load_json, why_unreadable
 from server.routes.detect import (
     check_queue_room,
     parse_classes,
@@ -93,6 +94,14 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
         )
         return JSONResponse({"error": _json_safe(problems)}, status_code=422)
     assert isinstance(exc, StarletteHTTPException)
+    cause = exc.__cause__
+    if exc.detail == FASTAPI_PARSE_ERROR and isinstance(cause, UNREADABLE):
+        # FastAPI's 400 for a model's body json.loads raised other than JSONDecodeError on
+        # (not UTF-8, nested too deep, a 5,000-digit integer): named as its own JSON errors are.
+        problem = {"type": "json_invalid", "loc": ["body"], "msg": why_unreadable(cause)}
+        if is_v2(request):
+            return JSONResponse({"error": f"body: {problem['msg']}"}, status_code=400)
+        return JSONResponse({"detail": [problem]}, status_code=422)
     if not is_v2(request):
         return await http_exception_handler(request, exc)
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
@@ -230,9 +239,9 @@ def _split(body: bytes, header: str | None) -> tuple[dict[str, Any], bytes]:
             )
         size = int(header)
     try:
-        request = json.loads(body[:size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HTTPException(400, f"the inference request is not JSON: {exc}") from None
+        request = load_json(body[:size])
+    except ValueError as exc:
+        raise HTTPException(400, f"the inference request's body: {exc}") from None
     if not isinstance(request, dict):
         raise HTTPException(400, "the inference request must be a JSON object")
     return request, body[size:]

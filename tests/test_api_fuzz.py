@@ -1,0 +1,76 @@
+"""What fuzzing the HTTP API from its own OpenAPI schema (schemathesis, against a real server
+with the real model and streams of the shared clips) found, each kept as a plain test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.helpers import CAR_CLIP, file_stream_app
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    with TestClient(file_stream_app(tmp_path_factory.mktemp("fuzz"))) as c:
+        added = c.post("/streams", json={"url": f"file://{CAR_CLIP}", "id": "car", "max_fps": 2})
+        assert added.status_code == 201, added.text
+        yield c
+
+
+# Bodies that are no JSON Python's parser can read, each with the words its answer must hold.
+UNREADABLE = {
+    "not-utf8": ('{"url": "caf\xe9"}'.encode("latin-1"), "UTF-8"),
+    "nested-too-deep": (b"[" * 100_000 + b"]" * 100_000, "nested"),
+    "huge-integer": (b'{"url": "x", "max_fps": ' + b"9" * 5000 + b"}", "digits"),
+}
+JSON_ROUTES = [
+    ("POST", "/streams"),
+    ("PUT", "/streams/fuzzed"),
+    ("PATCH", "/streams/car"),
+    ("POST", "/streams/car/events"),
+    ("POST", "/webhooks"),
+    ("POST", "/jobs"),
+    ("POST", "/v2/models/yolov8n/infer"),
+]
+
+
+@pytest.mark.parametrize("body", UNREADABLE.values(), ids=UNREADABLE.keys())
+@pytest.mark.parametrize("route", JSON_ROUTES, ids=[f"{m} {p}" for m, p in JSON_ROUTES])
+def test_a_json_body_python_cannot_read_is_a_4xx_saying_why(
+    client: TestClient, route: tuple[str, str], body: tuple[bytes, str]
+) -> None:
+    """Invalid UTF-8, nesting deeper than the parser recurses, an integer of more digits than
+    Python converts: ``POST /jobs`` and KServe's ``infer`` answered a bare 500 (a traceback in
+    the log), the other routes FastAPI's 400 "There was an error parsing the body", naming
+    nothing. Now a 4xx (422; 400 under ``/v2``, as its other unreadable bodies) naming the body
+    and what is wrong with it; nothing is added, and the server goes on serving."""
+    method, path = route
+    content, words = body
+    got = client.request(
+        method, path, content=content, headers={"content-type": "application/json"}
+    )
+    expected = 400 if path.startswith("/v2") else 422
+    assert got.status_code == expected, got.text
+    assert "body" in got.text and words in got.text, got.text
+    assert client.get("/streams/fuzzed").status_code == 404
+    assert client.get("/jobs").json() == {"jobs": []}
+    assert client.get("/streams/car").json()["max_fps"] == 2
+    assert client.get("/healthz").status_code == 200
+
+
+TEXT_UNREADABLE = {k: v for k, v in UNREADABLE.items() if k != "not-utf8"}  # a form's text
+
+
+@pytest.mark.parametrize("body", TEXT_UNREADABLE.values(), ids=TEXT_UNREADABLE.keys())
+def test_a_jobs_settings_field_python_cannot_read_is_a_422_saying_why(
+    client: TestClient, body: tuple[bytes, str]
+) -> None:
+    """The same in a job's multipart ``settings`` field (a 500)."""
+    content, words = body
+    video = ("car.mp4", CAR_CLIP.read_bytes(), "video/mp4")
+    got = client.post("/jobs", files={"video": video}, data={"settings": content.decode()})
+    assert got.status_code == 422, got.text
+    assert words in got.text, got.text
+    assert client.get("/jobs").json() == {"jobs": []}
