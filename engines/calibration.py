@@ -376,12 +376,14 @@ def input_shape(
 
 
 class FrameReader:
-    """Feeds letterboxed frames one at a time to an ONNX Runtime / ModelOpt calibrator.
+    """Feeds letterboxed frames, one batch at a time, to an ONNX Runtime / ModelOpt calibrator.
 
     Implements ``onnxruntime.quantization.CalibrationDataReader``'s ``get_next`` and
     ``rewind`` (and ModelOpt's ``get_first``). Frames are letterboxed lazily so 256 frames
     cost their uint8 size, not a float32 copy; the bar advances as the calibrator consumes
-    them.
+    them. ``batch`` is the graph's fixed batch (an ``export(batch=8)`` runs batches of 8 only):
+    the last batch is filled up with the first frames again, never with blank ones, which
+    would shift the activation ranges calibrated.
     """
 
     def __init__(
@@ -389,14 +391,19 @@ class FrameReader:
         frames: Sequence[Image],
         imgsz: int,
         shape: tuple[int, int],
+        *,
         input_name: str = "images",
         progress: bool = True,
+        batch: int = 1,
     ) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         self._frames = frames
         self._imgsz = imgsz
         self._shape = shape
         self._input_name = input_name
         self._progress = progress
+        self._batch = batch
         self._pos = 0
         self._bar: Any = None
 
@@ -405,8 +412,15 @@ class FrameReader:
         blob, _ = preprocess([self._frames[i]], self._imgsz, self._shape)
         return blob
 
+    def _batch_at(self, start: int) -> npt.NDArray[np.float32]:
+        if self._batch == 1:
+            return self.tensor(start)
+        idx = [(start + k) % len(self._frames) for k in range(self._batch)]
+        blob, _ = preprocess([self._frames[i] for i in idx], self._imgsz, self._shape)
+        return blob
+
     def get_first(self) -> dict[str, npt.NDArray[np.float32]]:
-        return {self._input_name: self.tensor(0)}
+        return {self._input_name: self._batch_at(0)}
 
     def get_next(self) -> dict[str, npt.NDArray[np.float32]] | None:
         if self._pos == 0 and self._bar is None:
@@ -416,9 +430,10 @@ class FrameReader:
                 self._bar.close()
                 self._bar = None
             return None
-        item = {self._input_name: self.tensor(self._pos)}
-        self._pos += 1
-        self._bar.update(1)
+        item = {self._input_name: self._batch_at(self._pos)}
+        step = min(self._batch, len(self._frames) - self._pos)
+        self._pos += step
+        self._bar.update(step)
         return item
 
     def rewind(self) -> None:

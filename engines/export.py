@@ -294,6 +294,7 @@ def export_model(request: ExportRequest) -> ExportResult:
                 shape,
                 input_name=_input_name(reference),
                 progress=request.progress,
+                batch=info.fixed_batch or 1,
             )
             if request.target == "cpu":
                 produced = _quantize_ort(reference, work, reader, request)

@@ -493,10 +493,11 @@ def finetune(
 
     torch.set_num_threads(usable_cores())
     model = onnx.load(str(candidate))
-    # A graph exported with a fixed batch (Ultralytics' default: 1) has it baked into its
-    # Reshape constants too: it runs, and so trains, at that batch only.
+    # A graph exported with a fixed batch (Ultralytics' default: 1; batch=8) has it baked
+    # into its Reshape constants too: it runs, and so trains, at that batch only (a batch
+    # of 4 on a batch-8 graph failed as a batch of 4 on a batch-1 graph did).
     fixed = model.graph.input[0].type.tensor_type.shape.dim[0].dim_value
-    if fixed and fixed < config.batch:
+    if fixed and fixed != config.batch:
         log.info(
             "fine-tuning %s at batch %d, the batch its graph fixes (not %d)",
             candidate, fixed, config.batch,
@@ -515,6 +516,8 @@ def finetune(
     train = [i for i in range(count) if i not in set(val)] or val
 
     def batch(idx: Sequence[int]) -> torch.Tensor:
+        if fixed and len(idx) < fixed:  # a fixed-batch graph: filled up with its own frames
+            idx = [idx[k % len(idx)] for k in range(fixed)]
         return torch.from_numpy(np.concatenate([frames.tensor(i) for i in idx]))
 
     def teach(x: torch.Tensor) -> torch.Tensor:
@@ -566,7 +569,7 @@ def finetune(
     for _ in range(config.steps):
         idx = rng.choice(train, min(config.batch, len(train)), replace=False)
         x = batch(idx.tolist())
-        flip = torch.from_numpy(rng.random(len(idx)) < 0.5)[:, None, None, None]
+        flip = torch.from_numpy(rng.random(len(x)) < 0.5)[:, None, None, None]
         x = torch.where(flip, x.flip(-1), x).contiguous()
         loss = _distill_loss(graph, x, teach(x), logits_name, config.band_gain)
         opt.zero_grad()

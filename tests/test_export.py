@@ -749,8 +749,11 @@ def test_a_fixed_batch_of_8_serves_any_number_of_images(
     import time
 
     from server.runtime import build_pool
+    from streams.files import load_image
 
-    frames = sample_video_frames(CAR_CLIP, 3, offset=40)
+    assets = ultralytics_assets()
+    frames = [load_image(assets / "bus.jpg"), load_image(assets / "zidane.jpg")]
+    frames.append(sample_video_frames(CAR_CLIP, 1, offset=40)[0])
 
     def detect(settings: Settings) -> tuple[int, list[Detections]]:
         pool = build_pool(settings)
@@ -777,6 +780,39 @@ def test_a_fixed_batch_of_8_serves_any_number_of_images(
         batch, _ = detect(Settings(model=str(fixed320_batch8), cache_dir=CACHE_DIR, max_batch=2))
     assert batch == 2
     assert "every batch of at most 2 (setting STREAMDET_MAX_BATCH) is padded to 8" in caplog.text
+
+
+def test_int8_of_a_batch_8_onnx(
+    fixed320_batch8: Path, out_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Calibration fed a batch-8 graph one frame at a time and fine-tuning trained it at 4
+    (both ONNX Runtime's "Got: 1 Expected: 8"); evaluation timed each frame as a padded 8."""
+    out = out_dir / "fixed320-b8-int8.onnx"
+    code = main(
+        [
+            "export", "--model", str(fixed320_batch8), "--precision", "int8",
+            "--finetune-steps", "2", "--calib", str(CAR_CLIP), "--calib-frames", "12",
+            "--eval-frames", "4", "--min-score", "0", "--out", str(out), "--no-progress",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    info = read_model_info(out)
+    assert info.precision == "int8" and info.fixed_batch == 8
+    assert json.loads(info.extra["streamdet_finetune"])["batch"] == 8
+    assert "speed (batch 8, " in printed.out and "PASS" in printed.out
+
+
+def test_calibration_batches_fill_up_with_real_frames() -> None:
+    frames = sample_video_frames(VIDEOS[0], 3)
+    shape = input_shape(frames, 640, 32, dynamic_hw=True)
+    reader = FrameReader(frames, 640, shape, progress=False, batch=2)
+    first, second = reader.get_next(), reader.get_next()
+    assert first is not None and second is not None and reader.get_next() is None
+    assert first["images"].shape == second["images"].shape == (2, 3, *shape)
+    # The last batch's second slot is the first frame again, not a blank picture.
+    np.testing.assert_array_equal(second["images"][1], first["images"][0])
+    np.testing.assert_array_equal(second["images"][0], reader.tensor(2)[0])
 
 
 def test_an_artifact_is_served_at_the_size_it_was_made_for(int8: ExportResult) -> None:
