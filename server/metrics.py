@@ -488,7 +488,8 @@ class Metrics:
         self.webhook_events = Counter(
             "streamdet_webhook_events",
             "Events a webhook took (sent), or that left the event log before it could"
-            " (missed), by webhook URL (no query)",
+            " (missed), by webhook: its URL as GET /webhooks shows it (credentials, query and"
+            " token-like path segments hidden, then a hash of the whole URL)",
             ["webhook", "outcome"],
             registry=reg,
         )

@@ -57,6 +57,19 @@ def label(url: str, *, masked: bool = True) -> str:
     return f"{parts.scheme}://{host}{path}"
 
 
+def name(url: str) -> str:
+    """The webhook as ``GET /webhooks`` and ``/metrics``' ``webhook`` label show it: its
+    :func:`label`, and where that hides something (credentials, a query, a fragment, a
+    token-like segment) `` #`` and the first 8 hex digits of the whole URL's SHA-256, as
+    exporters name a secret they must tell apart: two URLs that differ only in what is hidden
+    (two Slack hooks whose tokens end alike) had one series, their counts added up. The same
+    URL has the same name after a restart; 32 bits of a hash give a long token no way back."""
+    shown = label(url)
+    if shown == url:
+        return shown
+    return f"{shown} #{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+
+
 def _masked(segment: str) -> str:
     mixed = any(c.isdigit() for c in segment) and any(c.isalpha() for c in segment)
     if len(segment) >= 32 or (len(segment) >= 16 and mixed):
@@ -116,7 +129,7 @@ class WebhookSender:
         about: dict[str, Any] | None = None,
     ) -> None:
         self.url = check_webhook_url(url)
-        self.name = label(url)
+        self.name = name(url)
         self.id = webhook_id
         self.about = about or {"filter": {}, "signed": secret is not None, "created_at": None}
         # Its cursor is kept under the URL as it was always named (unmasked: on the server's

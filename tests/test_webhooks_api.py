@@ -4,6 +4,7 @@ a real ``streamdet serve``, a real clip and a real HTTP receiver on loopback."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ import httpx
 import pytest
 
 from benchmarks.events_bench import WebhookReceiver
-from server.webhooks import label, sign
+from server.metrics import Metrics
+from server.webhooks import Webhooks, WebhookSender, label, name, sign
+from streams.events import EventLog
 from tests.helpers import SHELF_STREAM, clip_server
 
 
@@ -60,7 +63,8 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
             hook = added.json()
             assert hook["filter"] == {"type": ["zone_enter"], "classes": ["bottle"]}
             assert hook["signed"] is True and "secret" not in hook and hook["source"] == "api"
-            assert hook["url"] == receiver.url.split("?")[0]  # no query: it may hold a token
+            assert hook["url"] == name(receiver.url)  # no query: it may hold a token
+            assert hook["url"].startswith(receiver.url.split("?")[0] + " #")
             listed = c.get("/webhooks").json()["webhooks"]
             assert [h["source"] for h in listed] == ["setting", "api"]
             assert c.post("/streams", json={**SHELF_STREAM, "track": True}).status_code == 201
@@ -112,3 +116,40 @@ def test_a_webhook_urls_secret_path_is_masked_where_it_is_shown() -> None:
     plain = "http://user:pw@ha.local:8123/api/webhook/streamdet-front?token=abc"
     assert label(plain) == "http://ha.local:8123/api/webhook/streamdet-front"
     assert label(slack, masked=False) == slack  # the key its delivery cursor is kept under
+
+
+async def test_webhook_urls_shown_alike_keep_their_own_metric_series() -> None:
+    """Two Slack URLs whose secrets end alike were both ``.../***5678``: one ``/metrics``
+    series counted for both, and deleting one left the other's counts under a name it shared.
+    A URL with something hidden is named with a short hash of the whole URL beside it."""
+    first = "https://hooks.slack.com/services/T0001ABCD/B0002EFGH/abcdEFGH1234ijklMNOP5678"
+    second = "https://hooks.slack.com/services/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"
+    query = ("https://example.com/hook?token=abc", "https://example.com/hook?token=xyz")
+    metrics = Metrics()
+    log = EventLog(size=10, start_id=1)
+    senders = [
+        WebhookSender(url, log, None, 5.0, metrics, webhook_id=str(n))
+        for n, url in enumerate((first, second, *query))
+    ]
+    names = [s.name for s in senders]
+    assert len(set(names)) == 4, names
+    digest = hashlib.sha256(first.encode()).hexdigest()[:8]
+    assert names[0] == f"https://hooks.slack.com/services/T0001ABCD/B0002EFGH/***5678 #{digest}"
+    assert names[2].startswith("https://example.com/hook #") and "abc" not in names[2]
+    assert all("MNOP" not in n and "MLKJ" not in n for n in names)  # no more of the secret
+    # Stable: the same URL has the same name after a restart (a new sender, a new process).
+    assert WebhookSender(first, log, None, 5.0, webhook_id="9").name == names[0]
+    # A URL with nothing hidden is named by itself, as before.
+    plain = "http://ha.local:8123/api/webhook/streamdet-front"
+    assert WebhookSender(plain, log, None, 5.0).name == plain
+
+    def failures(name: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "streamdet_webhook_failures_total", {"webhook": name}
+        )
+
+    metrics.webhook_failures.labels(names[0]).inc(3)
+    assert (failures(names[0]), failures(names[1])) == (3.0, 0.0)  # not added up
+    webhooks = Webhooks(senders)
+    assert await webhooks.remove("0")
+    assert failures(names[0]) is None and failures(names[1]) == 0.0  # only its series went
