@@ -265,3 +265,94 @@ def test_a_triton_call_of_more_images_than_may_wait_is_refused_as_too_large(
         assert answer.status_code == 413, answer.text
         assert "STREAMDET_MAX_QUEUE" in answer.text
         assert _state(c).pool.queue.depth()[0] == 0
+
+
+def test_a_detect_call_still_queued_when_the_shutdown_runs_out_is_refused_503_and_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uvicorn cancels the calls still open once its graceful shutdown runs out
+    (``STREAMDET_SHUTDOWN_TIMEOUT_S``): one still queued then is answered ``503`` naming the
+    setting, its image taken back from the queue (it was uvicorn's bare ``500`` with a
+    traceback a call, and the image ran on for nobody while the server stopped)."""
+    import asyncio
+
+    from tests.helpers import ultralytics_assets
+
+    with TestClient(file_stream_app(tmp_path, workers=1, max_batch=1)) as c:
+        pool = _state(c).pool
+        engine: Any = pool.engine
+        real_infer = engine.infer
+        running, hold = threading.Event(), threading.Event()
+
+        def held_infer(*args: Any) -> Any:  # the worker stays busy with the first call
+            running.set()
+            hold.wait(60)
+            return real_infer(*args)
+
+        monkeypatch.setattr(engine, "infer", held_infer)
+        real_put_all, put = pool.queue.put_all, threading.Event()
+
+        def noted_put_all(items: Any) -> None:
+            real_put_all(items)
+            put.set()
+
+        monkeypatch.setattr(pool.queue, "put_all", noted_put_all)
+        body = (ultralytics_assets() / "bus.jpg").read_bytes()
+        headers = [(b"content-type", b"image/jpeg"), (b"content-length", b"%d" % len(body))]
+        app: Any = c.app
+
+        async def call(sent: list[dict[str, Any]]) -> None:
+            parts: list[dict[str, Any]] = [
+                {"type": "http.request", "body": body, "more_body": False}
+            ]
+
+            async def receive() -> dict[str, Any]:
+                if parts:
+                    return parts.pop(0)
+                await asyncio.Event().wait()  # the client waits for its answer
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope: dict[str, Any] = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "path": "/detect",
+                "raw_path": b"/detect",
+                "query_string": b"",
+                "headers": headers,
+                "client": ("127.0.0.1", 5000),
+                "server": ("127.0.0.1", 8000),
+                "scheme": "http",
+                "root_path": "",
+                "state": {},
+            }
+            await app(scope, receive, send)
+
+        async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, bool]:
+            first_sent: list[dict[str, Any]] = []
+            queued_sent: list[dict[str, Any]] = []
+            first = asyncio.ensure_future(call(first_sent))
+            assert await asyncio.to_thread(running.wait, 60)
+            put.clear()
+            queued = asyncio.ensure_future(call(queued_sent))
+            assert await asyncio.to_thread(put.wait, 60)
+            assert pool.queue.depth()[0] == 1
+            queued.cancel()  # as uvicorn does when its graceful shutdown runs out
+            await asyncio.wait([queued])
+            left = pool.queue.depth()[0]
+            hold.set()
+            await first
+            return first_sent, queued_sent, left, queued.cancelled()
+
+        assert c.portal is not None
+        first_sent, queued_sent, left, cancelled = c.portal.call(scenario)
+        assert first_sent[0]["status"] == 200
+        assert not cancelled and queued_sent, "the cancelled call sent nothing"
+        assert queued_sent[0]["status"] == 503
+        assert (b"retry-after", b"5") in queued_sent[0]["headers"]
+        assert b"STREAMDET_SHUTDOWN_TIMEOUT_S" in queued_sent[1]["body"]
+        assert left == 0  # taken back: it does not run for nobody

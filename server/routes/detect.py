@@ -136,12 +136,26 @@ async def run_admitted(
             gone = asyncio.ensure_future(_disconnected(request))
             try:
                 await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                # The server cancels the calls still open when its graceful shutdown runs
+                # out (uvicorn, STREAMDET_SHUTDOWN_TIMEOUT_S): the images come back out and
+                # the call is refused as shutting down (it was uvicorn's bare 500 with a
+                # traceback a call, and its images ran on for nobody).
+                await _take_back(work)
+                ticket.reject("shutting_down")
+                if (task := asyncio.current_task()) is not None:
+                    task.uncancel()  # answered instead: the cancellation is handled
+                log.info("request %s: cancelled by the server's shutdown while queued", rid)
+                raise HTTPException(
+                    503,
+                    "server shutting down: the call was not served within the graceful"
+                    " shutdown (setting STREAMDET_SHUTDOWN_TIMEOUT_S)",
+                    headers={"Retry-After": "5"},
+                ) from None
             finally:
                 gone.cancel()
             if not work.done():  # the client went away: its images come back out
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
+                await _take_back(work)
                 ticket.abandon()
                 log.info("request %s: the client went away before its answer", rid)
                 raise HTTPException(499, "the client closed the connection")
@@ -164,6 +178,13 @@ async def run_admitted(
         if result.error is not None or result.detections is None:
             raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
     return results
+
+
+async def _take_back(work: asyncio.Future[list[WorkResult]]) -> None:
+    """Cancel the pool's call ``work``: what of it still waits in the queue comes back out."""
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
 
 
 async def _disconnected(request: Request) -> None:
