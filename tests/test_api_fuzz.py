@@ -74,3 +74,17 @@ def test_a_jobs_settings_field_python_cannot_read_is_a_422_saying_why(
     assert got.status_code == 422, got.text
     assert words in got.text, got.text
     assert client.get("/jobs").json() == {"jobs": []}
+
+
+def test_a_405_lists_every_method_its_path_answers(client: TestClient) -> None:
+    """RFC 9110: a 405's ``Allow`` lists the resource's methods. Starlette took the first route
+    of the path's that did not take the method, so ``OPTIONS /streams`` said ``Allow: POST``
+    (not GET), ``/streams/{id}`` ``PUT`` (not GET, PATCH, DELETE), ``/healthz`` ``HEAD``. Each
+    path of the schema now lists every method it has, under ``/v2`` too."""
+    schema = client.get("/openapi.json").json()
+    for template, operations in schema["paths"].items():
+        path = template.replace("{", "").replace("}", "")  # any value: the path's methods
+        got = client.request("OPTIONS", path)
+        assert got.status_code == 405, (path, got.text)
+        allowed = {m.strip() for m in got.headers["allow"].split(",")}
+        assert {m.upper() for m in operations} <= allowed, (path, got.headers["allow"])

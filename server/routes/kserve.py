@@ -33,6 +33,7 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from engines.batching import WorkResult
 from engines.types import Detections, DetectParams, Image
@@ -94,6 +95,8 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
         )
         return JSONResponse({"error": _json_safe(problems)}, status_code=422)
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 405:
+        exc.headers = {**(exc.headers or {}), "Allow": allowed_methods(request)}
     cause = exc.__cause__
     if exc.detail == FASTAPI_PARSE_ERROR and isinstance(cause, UNREADABLE):
         # FastAPI's 400 for a model's body json.loads raised other than JSONDecodeError on
@@ -106,6 +109,23 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
         return await http_exception_handler(request, exc)
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method the request's path answers, for a 405's ``Allow``: Starlette's names only
+    those of the first route of the path (``GET /streams`` and ``POST /streams`` are two), so
+    ``Allow: POST`` left ``GET`` out (RFC 9110 asks for all of them)."""
+    methods = []
+    for method in HTTP_METHODS:
+        scope = {**request.scope, "method": method}
+        if "fastapi" in scope:  # FastAPI's routers note their matching there
+            scope["fastapi"] = dict(scope["fastapi"])
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
+            methods.append(method)
+    return ", ".join(methods)
 
 
 def _json_safe(value: Any) -> Any:
