@@ -153,6 +153,9 @@ def test_query_parameters_filter(client: TestClient) -> None:
     assert len(top1) == 1
     high = client.post("/detect?conf=0.88&iou=0.5", files=files).json()["detections"]
     assert high and all(d["confidence"] > 0.88 for d in high)
+    # Repeated, as requests and httpx send a list: every class named (the last alone was).
+    listed = client.post("/detect", params={"classes": ["person", 5]}, files=files).json()
+    assert {d["class_name"] for d in listed["detections"]} == {"bus", "person"}
     # A blank list is every class, as no list is (",": it dropped every detection).
     every = client.post("/detect?classes=,", files=files).json()["detections"]
     assert {d["class_name"] for d in every} == {"bus", "person"}

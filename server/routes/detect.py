@@ -226,7 +226,12 @@ async def detect(
     *,
     conf: Annotated[float, Query(ge=0.0, le=1.0, description="minimum confidence")] = 0.25,
     iou: Annotated[float, Query(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7,
-    classes: Annotated[str | None, Query(description="comma list of class ids or names")] = None,
+    # A list: ``classes=0&classes=car`` (what requests and httpx send for a list) is both
+    # (the last alone was kept, silently), as ``classes=0,car`` is.
+    classes: Annotated[
+        list[str] | None,
+        Query(description="class ids or names: comma list, or the parameter repeated"),
+    ] = None,
     max_det: Annotated[int, Query(ge=1, le=1000, description="most detections")] = 300,
     output: Annotated[
         Literal["json", "jpeg"],
@@ -239,7 +244,10 @@ async def detect(
     settings = state.settings  # readiness was checked by the admission dependency
     engine = state.pool.engine
     params = DetectParams(
-        conf=conf, iou=iou, classes=parse_classes(classes, engine.names), max_det=max_det
+        conf=conf,
+        iou=iou,
+        classes=parse_classes(None if classes is None else ",".join(classes), engine.names),
+        max_det=max_det,
     )
     pre_start = time.monotonic()
     data = await read_image_bytes(request, settings.max_upload_bytes)
