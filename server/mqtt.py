@@ -23,7 +23,8 @@ its topic cleared, and so has a stream that is removed, all of its topics. What 
 zone removed while the server was down (or another run of it) left retained is cleared on
 connect: the publisher reads what the broker retains under its topics (and its discovery
 configs, told apart from another server's by their availability topic) for a moment, and
-clears what no current stream, zone or class has.
+clears what no current stream, zone or class has; a server nested under the prefix, whose
+topics look like this one's, is left alone (see :meth:`MqttPublisher._owned`).
 
 Control, as Frigate's ``frigate/<camera>/enabled/set``: ``ON`` or ``OFF`` published to
 ``<prefix>/<stream id>/enabled/set`` enables or disables the stream (``PATCH /streams/{id}
@@ -90,6 +91,18 @@ REFRESH_S = 0.5
 frames or none)."""
 FIXED_KINDS = (("state",), ("objects",), ("active",), ("enabled", "state"))
 """A stream's retained topics besides its zones and thumbnails."""
+SWITCH_STATES = frozenset({b"ON", b"OFF"})
+"""What a stream's ``enabled/state`` holds."""
+AVAILABILITY = frozenset({b"online", b"offline"})
+"""What a server's ``available`` topic holds."""
+
+
+def _json_object(payload: bytes) -> bool:
+    """Whether ``payload`` is a JSON object (as a zone's counts are)."""
+    try:
+        return isinstance(json.loads(payload), dict)
+    except ValueError:  # not JSON, or not UTF-8
+        return False
 
 
 def check_mqtt_url(url: str) -> str:
@@ -521,7 +534,9 @@ class MqttPublisher:
 
     def _sweep_topics(self) -> list[str]:
         """Topic filters of every retained topic this server publishes."""
-        kinds = [*FIXED_KINDS, ("zones", "+"), ("+", "thumbnail")]
+        # And another server's availability one level below: a server nested under this
+        # prefix (``<prefix>/site2``) has topics of the same shape (see :meth:`_owned`).
+        kinds = [*FIXED_KINDS, ("zones", "+"), ("+", "thumbnail"), ("available",)]
         topics = [self.topic("+", *kind) for kind in kinds]
         return topics + ([] if self._discovery is None else self._discovery.subscriptions())
 
@@ -535,8 +550,14 @@ class MqttPublisher:
         roster = self._roster()
         cleared = 0
         cameras: set[str] = set()  # streams with cameras announced before: under the name now
+        servers = {  # the levels below the prefix where another server publishes
+            topic.split("/")[-2]
+            for topic, payload in found.items()
+            if mqtt.topic_matches_sub(self.topic("+", "available"), topic)
+            and payload in AVAILABILITY
+        }
         for topic, payload in found.items():
-            owned = self._owned(topic, payload)
+            owned = self._owned(topic, payload, servers)
             if owned is None:
                 continue
             stream_id, class_name = owned
@@ -559,13 +580,29 @@ class MqttPublisher:
                 cleared,
             )
 
-    def _owned(self, topic: str, payload: bytes) -> tuple[str, str | None] | None:
+    def _owned(
+        self, topic: str, payload: bytes, servers: set[str]
+    ) -> tuple[str, str | None] | None:
         """Of a retained ``topic`` of :meth:`_sweep_topics`: its stream and, for a camera's
-        config, its class; None for another server's."""
+        config, its class; None for another server's.
+
+        A topic is this server's only where it publishes that topic, as it publishes it, and
+        no other server does: a server nested under the prefix (``<prefix>/site2``, known by
+        its retained ``<prefix>/site2/available``) has ``<prefix>/site2/zones/objects`` for its
+        stream ``zones`` and ``<prefix>/site2/enabled/state`` for its stream ``enabled``,
+        which read as a zone and the switch of a stream ``site2`` here (and were cleared); a
+        switch's state is ``ON`` or ``OFF`` and a zone's count a JSON object, never a state
+        (``live``) or an availability (``online``, of a server ``<prefix>/<id>/zones``)."""
         head = self.prefix + "/"
         if topic.startswith(head):
             stream_id, _, rest = topic[len(head) :].partition("/")
             kind = tuple(rest.split("/"))
+            if len(kind) == 2 and stream_id in servers:
+                return None  # under another server's prefix
+            if kind == ("enabled", "state") and payload not in SWITCH_STATES:
+                return None
+            if len(kind) == 2 and kind[0] == "zones" and not _json_object(payload):
+                return None
             zone_or_thumbnail = len(kind) == 2 and (kind[0] == "zones" or kind[1] == "thumbnail")
             if kind in FIXED_KINDS or zone_or_thumbnail:
                 return stream_id, None

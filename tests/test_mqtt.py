@@ -632,6 +632,57 @@ async def test_what_streams_and_zones_gone_left_retained_is_cleared_on_connect(
 
 
 @pytest.mark.mqtt
+async def test_the_sweep_on_connect_leaves_a_nested_servers_topics_alone(
+    tmp_path: Path, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another server publishing under ``streamdet/site2`` has topics that look like this
+    one's: its stream ``zones``' ``streamdet/site2/zones/objects`` reads as zone ``objects`` of
+    a stream ``site2``, its stream ``enabled``'s state as the switch of ``site2``, and the sweep
+    cleared them (``site2`` is no stream here). Only what this server publishes there, as it
+    publishes it, and not under a server's retained availability topic, is taken as its own."""
+    broker.start()
+    earlier = {  # what an earlier run of this server left: a stream removed while it was down
+        "streamdet/gone/state": "live",
+        "streamdet/gone/zones/z": '{"all":0}',
+        "streamdet/gone/enabled/state": "OFF",
+    }
+    nested = {
+        "streamdet/site2/available": "online",  # a server with the prefix streamdet/site2
+        "streamdet/site2/zones/state": "live",  # its stream "zones"
+        "streamdet/site2/zones/objects": '{"all":2,"car":2}',
+        "streamdet/site2/zones/active": '{"all":1,"car":1}',
+        "streamdet/site2/enabled/state": "reconnecting",  # its stream "enabled"
+        "streamdet/site2/enabled/objects": '{"all":0}',
+        "streamdet/lab/zones/available": "offline",  # a server with the prefix streamdet/lab/zones
+        "streamdet/site3/zones/state": "failed",  # one whose availability is not retained
+        "streamdet/site3/enabled/state": "disabled",
+    }
+    listener = Listener(broker.port)
+    try:
+        for topic, payload in {**earlier, **nested}.items():
+            listener.publish(topic, payload, retain=True)
+        streams = Streams(door="Front door")
+        log = EventLog(100)
+        publisher = streams.publisher(broker.port, log)
+        caplog.set_level(logging.INFO, "server.mqtt")
+        publisher.start()
+        await eventually(lambda: all(listener.last(t) == "" for t in earlier))
+        log.finish()
+        await publisher.stop(2)
+    finally:
+        listener.close()
+    late = Listener(broker.port)
+    try:
+        await eventually(lambda: late.on("streamdet/available") == ["offline"])
+        await asyncio.sleep(0.5)
+        left = {t for t, p, _ in late.messages if p and not t.startswith("homeassistant/")}
+        assert left - {"streamdet/available", "streamdet/door/enabled/state"} == set(nested), left
+    finally:
+        late.close()
+    assert "cleared 3 retained topic(s)" in caplog.text
+
+
+@pytest.mark.mqtt
 async def test_a_stream_without_frames_is_announced_again_when_renamed_or_its_zones_change(
     broker: Broker,
 ) -> None:
