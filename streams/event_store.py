@@ -16,7 +16,10 @@ written on a full disk too), keeps the highest id given and the ids reserved ahe
 running server (0 once it closed cleanly), and ``meta`` rows in the database keep the same.
 A start after a run that did not close carries on above the reservation; the ids passed
 over are kept as ``skip:<first>`` rows, so ``missed`` never counts them as events, while the
-ids given whose events never reached the disk are counted as missed.
+ids given whose events never reached the disk are counted as missed. A write of ``events.ids``
+that fails is tried again with each write (the database's retries), so ids given while it
+failed count as missed once it works again before a kill; where nothing at all can be written
+until the kill, nothing on disk says which ids were given, and they are passed over.
 """
 
 from __future__ import annotations
@@ -347,7 +350,7 @@ class EventStore:
                 marks.merge("skip", skip)
                 marks.merge("reserve", reserve)
             self._ops.put(("marks", marks))  # written with the first write that works
-        self._ops.put(("file", (next_id - 1, reserve)))
+        self._ops.put(("file", (next_id - 1, reserve, recorded)))
         self._renew_at = next_id + RESERVE_IDS // 2
         if skip is not None:
             skips[skip[0]] = max(skip[1], skips.get(skip[0], skip[1]))
@@ -402,7 +405,9 @@ class EventStore:
         retry_s = RETRY_FIRST_S
         retry_at = 0.0
         done = False
-        given = reserved = 0  # as events.ids has them
+        given = reserved = 0  # the ids given and reserved
+        written_marks = (0, 0)  # as events.ids has them
+        marks_failed = False  # whether writing events.ids failed last
         with closing(self._connect()) as db:
             db.execute("PRAGMA synchronous=NORMAL")
             while True:
@@ -419,17 +424,32 @@ class EventStore:
                 for op in ops:
                     if op is None:
                         done = pending.release = True
-                    elif op[0] == "file":
-                        given, reserved = op[1]
+                    elif op[0] == "file":  # resume() wrote them (or could not)
+                        given, reserved, recorded = op[1]
+                        written_marks = (given, reserved) if recorded else written_marks
                     elif op[0] == "marks":
                         self._merge_marks(pending, op[1])
                     else:
                         pending.merge(*op)
                 # The ids given and reserved first, in place: never given again, whatever
-                # becomes of the events.
+                # becomes of the events. A write that failed is tried again with each turn
+                # (the retries of the database's writes): the ids were taken as written, and
+                # those given while it failed were passed over after a kill, not missed.
                 now = (max(given, pending.top or 0), max(reserved, pending.reserved or 0))
-                if now != (given, reserved):
-                    self._marks.write(*now, sync=now[1] != reserved)
+                if now != written_marks:
+                    if self._marks.write(*now, sync=now[1] != written_marks[1]):
+                        if marks_failed:
+                            log.warning("event store %s: writes work again", self._marks.path)
+                        written_marks, marks_failed = now, False
+                    elif not marks_failed:
+                        marks_failed = True
+                        log.error(
+                            "event store %s: cannot be written (tried again with each"
+                            " write); if the database cannot be either, a kill meanwhile"
+                            " leaves the ids given since uncounted (passed over, not missed):"
+                            " make the data directory writable (setting STREAMDET_DATA_DIR)",
+                            self._marks.path,
+                        )
                     given, reserved = now
                 if pending.empty or (
                     failed_at is not None and not done and time.monotonic() < retry_at

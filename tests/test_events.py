@@ -682,9 +682,10 @@ class FullDisk(sqlite3.Connection):
 
 if mode != "tmpfs":
     EventStore._connect = lambda self: sqlite3.connect(self.path, timeout=10.0, factory=FullDisk)
-if mode == "nothing":  # not even the 16 bytes of events.ids, overwritten in place
+ids_full = False  # not even the 16 bytes of events.ids, overwritten in place
+if mode in ("nothing", "ids-back"):
     write = event_store._IdMarks.write
-    event_store._IdMarks.write = lambda self, *a, **k: not full and write(self, *a, **k)
+    event_store._IdMarks.write = lambda self, *a, **k: not ids_full and write(self, *a, **k)
 store = EventStore(data, 100)
 log = EventLog(100, start_id=1000, store=store)
 
@@ -706,9 +707,15 @@ if mode == "tmpfs":  # the clips fill the disk
         except OSError:
             pass
 full = True
+ids_full = mode in ("nothing", "ids-back")
 given += add(2) + add(3)  # 1003-1007: the writes fail, the ids are given (sent, streamed)
 while not store.failing:
     time.sleep(0.01)
+if mode == "ids-back":  # events.ids can be written again, the database still cannot
+    ids_full = False
+    deadline = time.monotonic() + 10
+    while store._marks.read()[0] != given[-1] and time.monotonic() < deadline:
+        time.sleep(0.01)
 print(json.dumps(given), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -736,7 +743,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True, timeout=30)
 
 
-@pytest.mark.parametrize("mode", ["events", "sqlite", "nothing", "tmpfs"])
+@pytest.mark.parametrize("mode", ["events", "sqlite", "nothing", "ids-back", "tmpfs"])
 def test_no_id_is_given_twice_after_a_kill_while_the_disk_was_full(
     tmp_path: Path, mode: str, request: pytest.FixtureRequest
 ) -> None:
@@ -746,7 +753,10 @@ def test_no_id_is_given_twice_after_a_kill_while_the_disk_was_full(
     skipped the new events), and counts them as missed where it can know they were given:
     always, but where not even the 16 bytes of ``events.ids`` could be written.
     ``events``: only the events' rows fail; ``sqlite``: every write to the database;
-    ``nothing``: ``events.ids`` too; ``tmpfs``: a real full disk."""
+    ``nothing``: ``events.ids`` too; ``ids-back``: ``events.ids`` too, until it can be
+    written again while the database still cannot (the failed write of the ids given was
+    never tried again: they were passed over, not counted as missed); ``tmpfs``: a real
+    full disk."""
     data = request.getfixturevalue("tmpfs") if mode == "tmpfs" else tmp_path / "data"
     child = subprocess.run(
         [sys.executable, "-c", _KILLED_WHILE_FULL, str(data), mode],
@@ -758,6 +768,10 @@ def test_no_id_is_given_twice_after_a_kill_while_the_disk_was_full(
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()
     given = json.loads(child.stdout.decode().splitlines()[-1])
     assert given == list(range(1000, 1008))
+    said = child.stderr.decode()  # what the log said, naming the setting
+    if mode in ("nothing", "ids-back"):
+        assert "events.ids: cannot be written" in said and "STREAMDET_DATA_DIR" in said, said
+    assert ("events.ids: writes work again" in said) == (mode == "ids-back"), said
     (data / "filler").unlink(missing_ok=True)  # space again
     for restart in range(2):  # a kill, then a clean close: the same
         store = EventStore(data, 100)
