@@ -474,7 +474,7 @@ class JobManager:
                     frames=self._frames,
                 ),
             )
-            job.state = JobState.DONE
+            ended, error = JobState.DONE, None
         except JobCancelled as exc:
             if exc.interrupted and not job.deleted:
                 job.state, job.started_at = JobState.QUEUED, None
@@ -482,23 +482,18 @@ class JobManager:
                 await asyncio.to_thread(self._save, job)
                 log.info("job %s: interrupted; it runs again at the next start", job.id)
                 return
-            job.state = JobState.CANCELLED
+            ended, error = JobState.CANCELLED, None
         except JobError as exc:
-            job.state, job.error = JobState.FAILED, str(exc)
+            ended, error = JobState.FAILED, str(exc)
         except Exception as exc:  # a bug must cost this job, not the runner
             log.exception("job %s: failed", job.id)
-            job.state, job.error = JobState.FAILED, f"internal error: {exc!r}"
-        job.progress.freeze()
-        job.finished_at = time.time()
-        job.crashed_runs = 0
-        if job.deleted:
-            job.finished.set()
+            ended, error = JobState.FAILED, f"internal error: {exc!r}"
+        if not job.deleted:
+            job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
+        self._end(job, ended, error)
+        if job.deleted:  # before its run ended, or while its files were measured
             await asyncio.to_thread(shutil.rmtree, self.directory_of(job.id), True)
             return
-        job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
-        job.finished.set()  # what a waiter reads is complete
-        if job.callback_url is not None:
-            job.callback = {"state": "pending", "attempts": 0, "last_error": None}
         await asyncio.to_thread(self._save, job)
         if job.callback_url is not None:
             self._call_back(job)
@@ -585,19 +580,27 @@ class JobManager:
         jobs.sort(key=lambda job: job.created_at)
         return jobs
 
+    @staticmethod
+    def _end(job: Job, state: JobState, error: str | None) -> None:
+        """A run's ending (a run that finished, or one given up at start), all at once, so no
+        reader sees half of it: its state and error, its finish time, its progress frozen, no
+        crashed run counted, its waiters woken (what they read is complete: its size is
+        measured before) and its callback pending (unless it was deleted)."""
+        job.state, job.error, job.finished_at = state, error, time.time()
+        job.progress.freeze()
+        job.crashed_runs = 0
+        job.finished.set()
+        if job.callback_url is not None and not job.deleted:
+            job.callback = {"state": "pending", "attempts": 0, "last_error": None}
+
     def _give_up(self, job: Job) -> None:
         """Fail a job the server died during each of its last runs (loading, in a thread)."""
-        job.state, job.finished_at = JobState.FAILED, time.time()
-        job.error = (
+        error = (
             f"the server stopped (crashed or was killed) during each of its last"
             f" {job.crashed_runs} runs, so it is not run again: the job may need more memory"
             " than the server has, or its video may crash the decoder; post it again to retry"
         )
-        job.crashed_runs = 0
-        job.progress.freeze()
-        job.finished.set()
-        if job.callback_url is not None:
-            job.callback = {"state": "pending", "attempts": 0, "last_error": None}
+        self._end(job, JobState.FAILED, error)
         try:
             self._save(job)
         except OSError as exc:  # it fails all the same this time, and again at the next start
