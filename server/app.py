@@ -28,7 +28,7 @@ from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
 from server.mqtt_discovery import Discovery
 from server.retention import DAY_S, keep_for
-from server.routes import detect, events, health, jobs, kserve, streams, viewer, ws
+from server.routes import detect, events, health, jobs, kserve, openapi, streams, viewer, ws
 from server.routes import webhooks as webhooks_routes
 from server.routes.webhooks import make_sender
 from server.runtime import build_pool
@@ -254,6 +254,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)
+    openapi.install(app)  # its error answers, other media types
     if app.state.api_keys.enabled:  # /docs asks for the key, and sends it
         schema_of = app.openapi
         app.openapi = lambda: with_bearer_scheme(schema_of())  # type: ignore[method-assign]

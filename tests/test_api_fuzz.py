@@ -88,3 +88,35 @@ def test_a_405_lists_every_method_its_path_answers(client: TestClient) -> None:
         assert got.status_code == 405, (path, got.text)
         allowed = {m.strip() for m in got.headers["allow"].split(",")}
         assert {m.upper() for m in operations} <= allowed, (path, got.headers["allow"])
+
+
+def test_the_schema_documents_the_answers_each_route_gives(client: TestClient) -> None:
+    """Schemathesis checked the real answers against the document: ``422``'s message form
+    (``{"detail": "roi: 0 points; ..."}``) broke the declared list, ``404``/``409``/``400``/
+    ``415`` were in no operation, ``/v2`` errors are ``{"error"}``, ``/v2/health/*`` answer an
+    empty 200 declared JSON, and YAML, CSV, NDJSON and event-stream answers were undeclared."""
+    schema = client.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    detail = components["HTTPValidationError"]["properties"]["detail"]
+    assert {"type": "string"} in detail["anyOf"]
+    refused = client.post("/streams", json={"url": f"file://{CAR_CLIP}", "roi": []})
+    assert refused.status_code == 422 and isinstance(refused.json()["detail"], str)
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert {"4XX", "5XX"} <= set(responses), (method, path)
+            wanted = "V2Error" if path.startswith("/v2") else "Error"
+            ref = responses["4XX"]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/" + wanted), (method, path)
+    missing = client.get("/streams/nope")
+    assert missing.status_code == 404 and isinstance(missing.json()["detail"], str)
+    assert set(client.get("/v2/models/nope").json()) == {"error"}
+    paths = schema["paths"]
+    assert "content" not in paths["/v2/health/live"]["get"]["responses"]["200"]
+    assert client.get("/v2/health/live").content == b""
+    assert "application/yaml" in paths["/streams"]["get"]["responses"]["200"]["content"]
+    assert "text/event-stream" in paths["/events"]["get"]["responses"]["200"]["content"]
+    assert "text/csv" in paths["/events/counts"]["get"]["responses"]["200"]["content"]
+    frames = paths["/jobs/{job_id}/frames"]["get"]["responses"]["200"]["content"]
+    assert {"application/x-ndjson", "text/csv"} <= set(frames)
+    assert client.get("/openapi.json").json() == schema  # the same each time
