@@ -4,6 +4,7 @@ with the real model and streams of the shared clips) found, each kept as a plain
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -186,3 +187,21 @@ def test_fuzzed_from_the_schema_every_answer_is_the_one_it_declares(
 
     answers_as_declared()
     assert client.get("/streams/car").json()["state"] in ("connecting", "live", "disabled")
+
+
+def test_with_api_keys_the_schema_says_which_routes_need_none(tmp_path: Path) -> None:
+    """Keys on, the document said every operation needs a bearer key; the health probes
+    answer without one (on purpose: load balancers, Kubernetes), so a client or fuzzer took
+    their 200 without a key for a hole. They say ``security: []`` now; the rest need the key."""
+    with TestClient(file_stream_app(tmp_path, api_keys=["k1"])) as c:
+        schema = c.get("/openapi.json").json()
+        assert schema["security"] == [{"apiKey": []}]
+        for path, operations in schema["paths"].items():
+            for method, operation in operations.items():
+                anonymous = c.request(method.upper(), path.replace("{", "").replace("}", ""))
+                if path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
+                    assert operation["security"] == [], path
+                    assert anonymous.status_code == 200, (path, anonymous.text)
+                else:
+                    assert "security" not in operation, path
+                    assert anonymous.status_code == 401, (method, path, anonymous.text)

@@ -5,7 +5,8 @@ is a list. The routes also answer ``422`` with a message naming the field (``"ro
 a polygon needs 3 to 64"``), ``404`` for an unknown id, ``400``/``409``/``413``/``415``/``429``
 with a message, ``503``/``507``, and under ``/v2`` every error as ``{"error": ...}``;
 ``GET /streams?format=yaml``, the CSV and NDJSON answers and ``/v2/health/*``'s empty 200
-were not in the document either. A client generated from it (or a schema fuzzer checking the
+were not in the document either, and with API keys on, the health probes were said to need
+one. A client generated from it (or a schema fuzzer checking the
 answers against it) took each as a broken server.
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
+
+from server.auth import is_open
 
 ERROR = {
     "title": "Error",
@@ -74,6 +77,8 @@ def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
         v2 = path == "/v2" or path.startswith("/v2/")
         error = "V2Error" if v2 else "Error"
         for method, operation in operations.items():
+            if is_open(method.upper(), path):  # health probes: no key, whatever is set
+                operation["security"] = []
             responses = operation.setdefault("responses", {})
             if v2 and "422" in responses:
                 responses["422"]["content"] = _ref("V2Error")
