@@ -72,6 +72,13 @@ def names(raw: str | None) -> frozenset[str] | None:
     return found or None
 
 
+# A time in the query as its parser takes it: Unix seconds too, not only the date-time string
+# the ``datetime`` type documents (a client generated from the document could not send 1.5e9).
+UNIX_OR_ISO: dict[str, Any] = {
+    "anyOf": [{"type": "number"}, {"type": "string", "format": "date-time"}, {"type": "null"}]
+}
+
+
 def unix_s(at: datetime | None) -> float | None:
     """A query's date and time as Unix seconds; one without a zone is UTC."""
     if at is None:
@@ -104,11 +111,17 @@ async def wanted_events(
     ] = None,
     since: Annotated[
         datetime | None,
-        Query(description="captured at or after: Unix seconds or ISO 8601 (no zone: UTC)"),
+        Query(
+            description="captured at or after: Unix seconds or ISO 8601 (no zone: UTC)",
+            json_schema_extra=UNIX_OR_ISO,
+        ),
     ] = None,
     until: Annotated[
         datetime | None,
-        Query(description="captured before: Unix seconds or ISO 8601 (no zone: UTC)"),
+        Query(
+            description="captured before: Unix seconds or ISO 8601 (no zone: UTC)",
+            json_schema_extra=UNIX_OR_ISO,
+        ),
     ] = None,
     has_clip: Annotated[bool | None, Query(description="with (true) or without a clip")] = None,
     has_snapshot: Annotated[
