@@ -217,3 +217,18 @@ def test_the_event_filters_times_are_documented_as_they_are_taken(client: TestCl
             if parameter["name"] in ("since", "until"):
                 assert {"type": "number"} in parameter["schema"]["anyOf"], (path, parameter)
     assert client.get("/events/counts", params={"since": 1.5e9, "until": "2100-01-01"}).is_success
+
+
+def test_a_refusal_does_not_echo_a_huge_value_back(client: TestClient) -> None:
+    """FastAPI's 422 echoes each refused value whole: a 20 MB ``url`` (its limit is 2,048
+    characters) or webhook ``secret`` came back as a 20 MB answer. The value is cut to its
+    first 200 characters, saying how long it was; the message still names the field."""
+    huge = "rtsp://camera/" + "a" * 1_000_000
+    for path, body in (("/streams", {"url": huge}), ("/webhooks", {"url": huge})):
+        got = client.post(path, json=body)
+        assert got.status_code == 422 and len(got.content) < 4000, (path, len(got.content))
+        (error,) = got.json()["detail"]
+        assert error["loc"] == ["body", "url"] and "2048" in error["msg"], error
+        assert error["input"].startswith("rtsp://camera/aaa") and "1000014" in error["input"]
+    nested = client.patch("/streams/car", json={"roi": [[0.5, 0.5]] * 50_000})
+    assert nested.status_code == 422 and len(nested.content) < 4000, len(nested.content)

@@ -87,8 +87,11 @@ async def v2_http_error(request: Request, exc: Exception) -> Response:
         if not is_v2(request):
             # FastAPI's own answer, less its failure on a non-finite number or a lone
             # surrogate it echoes (``{"conf": NaN}`` was refused, then could not be written
-            # back: a 500).
-            detail = _json_safe(jsonable_encoder(exc.errors()))
+            # back: a 500), and with each refused value cut short (it was echoed whole).
+            errors = [
+                {**e, "input": _clipped(e["input"])} if "input" in e else e for e in exc.errors()
+            ]
+            detail = _json_safe(jsonable_encoder(errors))
             return JSONResponse({"detail": detail}, status_code=422)
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()
@@ -126,6 +129,26 @@ def allowed_methods(request: Request) -> str:
         if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
             methods.append(method)
     return ", ".join(methods)
+
+
+ECHO_CHARS = 200
+ECHO_ITEMS = 20
+
+
+def _clipped(value: Any, depth: int = 0) -> Any:
+    """A refused value as a 422 echoes it: a string cut to its first ``ECHO_CHARS``
+    characters, a list or object of more than ``ECHO_ITEMS`` items (or nested deeper than 4)
+    named by its size. FastAPI echoed each whole: a 20 MB ``url`` came back as 20 MB."""
+    if isinstance(value, str) and len(value) > ECHO_CHARS:
+        return f"{value[:ECHO_CHARS]}... ({len(value)} characters)"
+    if isinstance(value, list | tuple | dict):
+        if len(value) > ECHO_ITEMS or (value and depth >= 4):
+            kind = "an object" if isinstance(value, dict) else "a list"
+            return f"({kind} of {len(value)} items)"
+        if isinstance(value, dict):
+            return {_clipped(k): _clipped(v, depth + 1) for k, v in value.items()}
+        return [_clipped(v, depth + 1) for v in value]
+    return value
 
 
 def _json_safe(value: Any) -> Any:
