@@ -3,6 +3,7 @@ with the real model and streams of the shared clips) found, each kept as a plain
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,12 @@ def test_the_schema_documents_the_answers_each_route_gives(client: TestClient) -
             wanted = "V2Error" if path.startswith("/v2") else "Error"
             ref = responses["4XX"]["content"]["application/json"]["schema"]["$ref"]
             assert ref.endswith("/" + wanted), (method, path)
+    # POST /jobs reads its body itself: FastAPI declares no 422, its list falls under 4XX.
+    assert {"type": "string"} in components["Error"]["properties"]["detail"]["anyOf"]
+    listed = client.post("/jobs", json={"url": f"file://{CAR_CLIP}", "name": "x" * 201})
+    assert listed.status_code == 422 and isinstance(listed.json()["detail"], list)
+    assert "422" not in schema["paths"]["/jobs"]["post"]["responses"]
+    assert "ValidationError" in json.dumps(components["Error"])
     missing = client.get("/streams/nope")
     assert missing.status_code == 404 and isinstance(missing.json()["detail"], str)
     assert set(client.get("/v2/models/nope").json()) == {"error"}

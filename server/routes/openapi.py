@@ -24,7 +24,14 @@ ERROR = {
     "type": "object",
     "required": ["detail"],
     "properties": {
-        "detail": {"type": "string", "description": "what is wrong, and the setting to change"}
+        "detail": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"$ref": "#/components/schemas/ValidationError"}},
+            ],
+            "description": "what is wrong, and the setting to change (a 422: a message naming"
+            " the field, or a list)",
+        }
     },
 }
 V2_ERROR = {
