@@ -22,7 +22,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -33,17 +33,23 @@ from server.admission import DEADLINE_HEADER, AdmissionController
 from server.auth import Access, ApiKeys, bearer_token
 from server.routes.detect import run_admitted
 from server.routes.kserve import (
+    EXTENSIONS,
     NP_TYPES,
     OUTPUTS,
+    UNSUPPORTED,
     VERSION,
     _check_model,
+    _chosen,
     _found,
     _images,
     _model_name,
     _outputs,
     _params,
+    infer_stats,
     model_config_json,
     model_metadata_json,
+    repository_index_json,
+    statistics_json,
 )
 from server.settings import Settings
 from server.state import AppState
@@ -53,6 +59,7 @@ log = logging.getLogger(__name__)
 STATUS_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMENT"}
 STATUS_CODES |= {415: "INVALID_ARGUMENT"}  # an image format it does not take
 STATUS_CODES |= {422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+STATUS_CODES |= {501: "UNIMPLEMENTED"}  # a Triton extension streamdet does not have
 
 
 def grpc_key_failure(keys: ApiKeys, metadata: Any) -> str | None:
@@ -145,12 +152,20 @@ def _as_v2_json(request: Any) -> tuple[dict[str, Any], bytes]:
         else:
             raw = None
             entry["data"] = list(tensor.contents.uint_contents)
+        # Its own parameters too: a shared-memory region is refused saying so.
+        entry["parameters"] = {k: _parameter(v) for k, v in tensor.parameters.items()}
         if raw is not None:
-            entry["parameters"] = {"binary_data_size": len(raw)}
+            entry["parameters"]["binary_data_size"] = len(raw)
             binary = raw if i == 0 else binary
         inputs.append(entry)
     parameters = {key: _parameter(value) for key, value in request.parameters.items()}
-    return {"inputs": inputs, "parameters": parameters}, binary
+    v2: dict[str, Any] = {"inputs": inputs, "parameters": parameters}
+    if request.outputs:
+        v2["outputs"] = [
+            {"name": o.name, "parameters": {k: _parameter(v) for k, v in o.parameters.items()}}
+            for o in request.outputs
+        ]
+    return v2, binary
 
 
 def make_servicer(app: FastAPI) -> Any:
@@ -194,14 +209,63 @@ def make_servicer(app: FastAPI) -> Any:
             return pb.ServerMetadataResponse(
                 name="streamdet",
                 version=app.version,
-                extensions=["parameters", "model_configuration"],
+                extensions=[e for e in EXTENSIONS if e != "binary_tensor_data"],  # HTTP's
             )
 
         @answers
         async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
             state = self._state()
-            _check_model(state, request.name, request.version)
+            try:
+                _check_model(state, request.name, request.version)
+            except HTTPException:
+                # Not ready, as Triton answers for a model or version it does not have (and
+                # as over HTTP, where tritonclient reads the 404 so): NOT_FOUND raised out
+                # of is_model_ready.
+                return pb.ModelReadyResponse(ready=False)
             return pb.ModelReadyResponse(ready=state.ready)
+
+        @answers
+        async def RepositoryIndex(self, request: Any, context: Any) -> Any:  # noqa: N802
+            answer = pb.RepositoryIndexResponse()
+            return json_format.ParseDict({"models": repository_index_json(self._state())}, answer)
+
+        @answers
+        async def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802
+            stats = statistics_json(app, self._state(), request.name, request.version)
+            return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+        async def _refuse(self, what: str, context: Any) -> None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, UNSUPPORTED[what])
+
+        async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("load", context)
+
+        async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("load", context)
+
+        async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("shared memory", context)
+
+        async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("shared memory", context)
+
+        async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("shared memory", context)
+
+        async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("shared memory", context)
+
+        async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("shared memory", context)
+
+        async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("shared memory", context)
+
+        async def TraceSetting(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("trace", context)
+
+        async def LogSettings(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await self._refuse("log", context)
 
         @answers
         async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -221,12 +285,63 @@ def make_servicer(app: FastAPI) -> Any:
 
         @answers
         async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return await self._infer(request, context)
+
+        async def ModelStreamInfer(  # noqa: N802
+            self, requests: AsyncIterator[Any], context: Any
+        ) -> AsyncIterator[Any]:
+            """Each request of the stream answered on it as it is done (they run at once,
+            as Triton's do), an error in its ``error_message``, the stream left open."""
+            done: asyncio.Queue[Any] = asyncio.Queue()
+            running: set[asyncio.Task[None]] = set()
+
+            async def answer(request: Any) -> None:
+                try:
+                    response = pb.ModelStreamInferResponse(
+                        infer_response=await self._infer(request, context)
+                    )
+                except HTTPException as exc:
+                    response = pb.ModelStreamInferResponse(error_message=str(exc.detail))
+                except Exception as exc:  # one failed request: the stream goes on
+                    log.exception("gRPC stream request %r failed", request.id)
+                    response = pb.ModelStreamInferResponse(error_message=f"internal error: {exc}")
+                await done.put(response)
+
+            async def read() -> None:
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await done.put(None)  # the client closed its side
+
+            reader = asyncio.create_task(read())
+            try:
+                while True:
+                    response = await done.get()
+                    if response is None:
+                        if not running:
+                            break
+                        await asyncio.wait(set(running))
+                        while not done.empty():
+                            item = done.get_nowait()
+                            if item is not None:
+                                yield item
+                        break
+                    yield response
+            finally:
+                reader.cancel()
+                for task in running:
+                    task.cancel()
+
+        async def _infer(self, request: Any, context: Any) -> Any:
+            """One ``ModelInferRequest``'s answer, or the HTTP error of the same meaning."""
             state = self._state()
             _check_model(state, request.model_name, request.model_version)
             controller: AdmissionController | None = getattr(app.state, "admission", None)
             if controller is None or not state.ready:
                 app.state.metrics.refuse_unready(state.shutting_down)
                 raise HTTPException(503, "model not loaded yet")
+            stats, started_ns = infer_stats(app), time.monotonic_ns()
             left_s = context.time_remaining()  # the call's gRPC deadline, if it has one
             headers = Headers(
                 {} if left_s is None else {DEADLINE_HEADER: f"{max(left_s, 0.001) * 1000:.0f}"}
@@ -239,18 +354,19 @@ def make_servicer(app: FastAPI) -> Any:
             try:
                 inference, binary = _as_v2_json(request)
                 params = _params(inference, state.pool.engine.names)
+                # Checked before the images run (an unknown output was refused after).
+                wanted = [name for name, _ in _chosen(inference)]
                 started = time.monotonic()
                 images = await _images(state, inference, binary, asyncio.get_running_loop())
                 ticket.decoded(time.monotonic() - started, len(images))
                 results = await run_admitted(state, ticket, [im for im, _ in images], params)
+            except Exception:
+                stats.failed(started_ns)
+                raise
             finally:
                 ticket.release()
+            stats.succeeded(started_ns, results)
             outputs = _outputs(_found(results, images))
-            wanted = [o.name for o in request.outputs] or list(outputs)
-            unknown = [name for name in wanted if name not in outputs]
-            if unknown:
-                known = ", ".join(outputs)
-                raise HTTPException(400, f"unknown output {unknown[0]!r}; the model has {known}")
             datatypes = {o["name"]: o["datatype"] for o in OUTPUTS}
             return pb.ModelInferResponse(
                 model_name=request.model_name,

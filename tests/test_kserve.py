@@ -4,6 +4,9 @@ answers."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import queue
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -320,3 +323,191 @@ def test_an_image_format_it_does_not_take_is_invalid_argument_over_grpc(
         grpc_client.infer(MODEL, [gif])
     assert "INVALID_ARGUMENT" in str(failed.value.status())
     assert "unsupported image format GIF" in failed.value.message()
+
+
+def _bus_input(module: Any) -> Any:
+    encoded = module.InferInput("image_bytes", [1], "BYTES")
+    encoded.set_data_from_numpy(
+        np.array([(ultralytics_assets() / "bus.jpg").read_bytes()], dtype=np.object_)
+    )
+    return encoded
+
+
+def test_a_compressed_request_is_inflated_as_triton_does(
+    server: ServerProcess, client: triton.InferenceServerClient
+) -> None:
+    """tritonclient's request_compression_algorithm gzip and deflate (Content-Encoding): each
+    was a 400 ("not UTF-8 text"); an encoding it does not take is a 415 naming those it does,
+    and a body that inflates past the upload limit a 413 naming the setting."""
+    plain = client.infer(MODEL, [_bus_input(triton)])
+    for algorithm in ("gzip", "deflate"):
+        packed = client.infer(MODEL, [_bus_input(triton)], request_compression_algorithm=algorithm)
+        for name in ("num_detections", "detection_boxes", "detection_classes"):
+            assert packed.as_numpy(name).tolist() == plain.as_numpy(name).tolist(), algorithm
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        url = f"/v2/models/{MODEL}/infer"
+        odd = c.post(url, content=b"{}", headers={"content-encoding": "br"})
+        assert odd.status_code == 415 and "gzip, deflate" in odd.json()["error"]
+        broken = c.post(url, content=b"not gzip", headers={"content-encoding": "gzip"})
+        assert broken.status_code == 400 and "gzip" in broken.json()["error"]
+        import zlib
+
+        bomb = zlib.compress(b" " * (60 * 1024 * 1024))  # 60 MB of spaces in 60 kB
+        big = c.post(url, content=bomb, headers={"content-encoding": "deflate"})
+        assert big.status_code == 413 and "STREAMDET_MAX_UPLOAD_MB" in big.json()["error"]
+
+
+def test_repository_index_and_statistics_answer_as_tritons(
+    server: ServerProcess,
+    client: triton.InferenceServerClient,
+    grpc_client: triton_grpc.InferenceServerClient,
+) -> None:
+    """get_model_repository_index and get_inference_statistics over HTTP and gRPC (a 404
+    "Not Found", /v2/models/stats taken as a model named 'stats', and gRPC's UNIMPLEMENTED
+    "Method not implemented!")."""
+    client.infer(MODEL, [_bus_input(triton)])
+    grpc_client.infer(MODEL, [_bus_input(triton_grpc)])
+    entry = {"name": MODEL, "version": "1", "state": "READY", "reason": ""}
+    assert client.get_model_repository_index() == [entry]
+    over_grpc_index = grpc_client.get_model_repository_index(as_json=True)
+    assert over_grpc_index == {"models": [{**entry, "reason": ""}]} or over_grpc_index == {
+        "models": [{k: v for k, v in entry.items() if v}]  # protobuf's JSON leaves "" out
+    }
+    for stats in (
+        client.get_inference_statistics(MODEL),
+        client.get_inference_statistics(MODEL, "1"),
+        client.get_inference_statistics(),
+    ):
+        (model,) = stats["model_stats"]
+        assert model["name"] == MODEL and model["version"] == "1"
+        assert model["inference_count"] >= 2 and model["execution_count"] >= 1
+        success = model["inference_stats"]["success"]
+        assert success["count"] >= 2 and success["ns"] > 0
+        assert model["inference_stats"]["compute_infer"]["ns"] > 0
+        assert model["batch_stats"][0]["batch_size"] >= 1
+    (over_grpc,) = grpc_client.get_inference_statistics(MODEL, as_json=True)["model_stats"]
+    assert over_grpc["name"] == MODEL and int(over_grpc["inference_count"]) >= 2
+    assert int(over_grpc["inference_stats"]["success"]["count"]) >= 2
+    with pytest.raises(InferenceServerException) as failed:
+        client.get_inference_statistics("other")
+    assert "unknown model 'other'" in str(failed.value)
+    with pytest.raises(InferenceServerException) as failed:
+        grpc_client.get_inference_statistics("other")
+    assert "NOT_FOUND" in str(failed.value.status())
+
+
+def test_what_it_does_not_support_is_refused_saying_so(
+    client: triton.InferenceServerClient, grpc_client: triton_grpc.InferenceServerClient
+) -> None:
+    """Shared memory, loading models, trace and log settings, and class_count (Triton's
+    classification extension) are refused naming what to do instead, over HTTP and gRPC: they
+    were a bare 404 "Not Found", gRPC's "Method not implemented!", a shared-memory output or
+    class_count silently ignored, and a shared-memory input "data is not UINT8 ... NoneType"."""
+    c, g = client, grpc_client
+    refused: list[tuple[str, Any, str]] = [
+        ("shm status", c.get_system_shared_memory_status, "shared memory"),
+        ("shm register", lambda: c.register_system_shared_memory("r", "/k", 8), "shared memory"),
+        ("shm unregister", c.unregister_system_shared_memory, "shared memory"),
+        ("cuda shm status", c.get_cuda_shared_memory_status, "shared memory"),
+        ("cuda register", lambda: c.register_cuda_shared_memory("r", b"h", 0, 8), "shared"),
+        ("load", lambda: c.load_model(MODEL), "STREAMDET_MODEL"),
+        ("unload", lambda: c.unload_model(MODEL), "STREAMDET_MODEL"),
+        ("trace", c.get_trace_settings, "trace"),
+        ("log", c.get_log_settings, "log"),
+        ("grpc shm status", g.get_system_shared_memory_status, "shared memory"),
+        ("grpc shm register", lambda: g.register_system_shared_memory("r", "/k", 8), "shared"),
+        ("grpc cuda shm", g.get_cuda_shared_memory_status, "shared memory"),
+        ("grpc load", lambda: g.load_model(MODEL), "STREAMDET_MODEL"),
+        ("grpc unload", lambda: g.unload_model(MODEL), "STREAMDET_MODEL"),
+        ("grpc trace", g.get_trace_settings, "trace"),
+        ("grpc log", g.get_log_settings, "log"),
+    ]
+    for module, infer in ((triton, c.infer), (triton_grpc, g.infer)):
+        shm_out = module.InferRequestedOutput("num_detections")
+        shm_out.set_shared_memory("r", 64)
+        shm_in = module.InferInput("images", [1, 8, 8, 3], "UINT8")
+        shm_in.set_shared_memory("r", 192)
+        classify = module.InferRequestedOutput("detection_scores", class_count=3)
+        bus = _bus_input(module)
+        refused += [
+            ("shm output", functools.partial(infer, MODEL, [bus], outputs=[shm_out]), "shared"),
+            ("shm input", functools.partial(infer, MODEL, [shm_in]), "shared memory"),
+            ("class_count", functools.partial(infer, MODEL, [bus], outputs=[classify]), "class"),
+        ]
+    for what, call, words in refused:
+        with pytest.raises(InferenceServerException) as failed:
+            call()
+        message = str(failed.value)
+        assert words in message and "not supported" in message, (what, message)
+        assert "Not Found" not in message and "Method not implemented" not in message, what
+
+
+def test_grpc_streams_and_the_aio_clients_detect(
+    server: ServerProcess,
+    client: triton.InferenceServerClient,
+    grpc_client: triton_grpc.InferenceServerClient,
+    grpc_port: int,
+) -> None:
+    """gRPC's ModelStreamInfer (start_stream / async_stream_infer, the aio stream_infer) was
+    UNIMPLEMENTED: each request is answered on the stream, its id echoed, an error in its
+    error_message with the stream kept open; is_model_ready of an unknown model or version is
+    False over gRPC, as over HTTP and as Triton answers (it raised NOT_FOUND); and the aio
+    clients of both protocols detect as the others do."""
+    expected = client.infer(MODEL, [_bus_input(triton)]).as_numpy("num_detections").tolist()
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    grpc_client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        grpc_client.async_stream_infer(MODEL, [_bus_input(triton_grpc)], request_id="s1")
+        grpc_client.async_stream_infer("other", [_bus_input(triton_grpc)], request_id="s2")
+        grpc_client.async_stream_infer(MODEL, [_bus_input(triton_grpc)], request_id="s3")
+        got = [answers.get(timeout=60) for _ in range(3)]
+    finally:
+        grpc_client.stop_stream()
+    results = {r.get_response().id: r for r, e in got if e is None}
+    errors = [e for r, e in got if e is not None]
+    assert sorted(results) == ["s1", "s3"]
+    assert results["s1"].as_numpy("num_detections").tolist() == expected
+    assert len(errors) == 1 and "unknown model 'other'" in errors[0].message()
+    assert not grpc_client.is_model_ready("other") and not grpc_client.is_model_ready(MODEL, "2")
+
+    import tritonclient.grpc.aio as grpc_aio
+    import tritonclient.http.aio as http_aio
+
+    async def both() -> None:
+        h = http_aio.InferenceServerClient(server.base_url.removeprefix("http://"))
+        g = grpc_aio.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        try:
+            assert await h.is_model_ready(MODEL) and await g.is_model_ready(MODEL)
+            assert (await h.get_model_repository_index())[0]["name"] == MODEL
+            assert (await g.get_inference_statistics(MODEL, as_json=True))["model_stats"]
+            found = await h.infer(MODEL, [_bus_input(http_aio)], request_id="h1")
+            assert found.get_response()["id"] == "h1"
+            assert found.as_numpy("num_detections").tolist() == expected
+            packed = await h.infer(
+                MODEL, [_bus_input(http_aio)], request_compression_algorithm="gzip"
+            )
+            assert packed.as_numpy("num_detections").tolist() == expected
+            found = await g.infer(MODEL, [_bus_input(grpc_aio)], request_id="g1")
+            assert found.as_numpy("num_detections").tolist() == expected
+
+            async def requests() -> Any:
+                for i in range(2):
+                    yield {
+                        "model_name": MODEL,
+                        "inputs": [_bus_input(grpc_aio)],
+                        "request_id": f"a{i}",
+                    }
+
+            ids = []
+            async for result, error in g.stream_infer(requests()):
+                assert error is None, error
+                assert result.as_numpy("num_detections").tolist() == expected
+                ids.append(result.get_response().id)
+                if len(ids) == 2:
+                    break
+            assert sorted(ids) == ["a0", "a1"]
+        finally:
+            await h.close()
+            await g.close()
+
+    asyncio.run(both())

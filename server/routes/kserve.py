@@ -23,6 +23,7 @@ import json
 import math
 import struct
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
@@ -42,6 +43,7 @@ from server.images import ImageError, decode_upload, decoded_pixels
 from server.routes.bodies import FASTAPI_PARSE_ERROR, UNREADABLE, load_json, why_unreadable
 from server.routes.detect import (
     check_queue_room,
+    megabytes,
     parse_classes,
     read_body_capped,
     run_admitted,
@@ -183,13 +185,23 @@ def _check_model(state: AppState, name: str, version: str | None) -> None:
         raise HTTPException(404, f"model {name!r} has no version {version!r}; it has {VERSION!r}")
 
 
+EXTENSIONS = [
+    "binary_tensor_data",
+    "parameters",
+    "model_configuration",
+    "statistics",
+]
+"""The protocol extensions served (Triton's names). The repository's index is answered too,
+but not its loads (so not ``model_repository``)."""
+
+
 @router.get("")
 async def server_metadata(request: Request) -> dict[str, Any]:
     """The server: name, version and the protocol extensions it speaks."""
     return {
         "name": "streamdet",
         "version": request.app.version,
-        "extensions": ["binary_tensor_data", "parameters", "model_configuration"],
+        "extensions": EXTENSIONS,
     }
 
 
@@ -204,6 +216,165 @@ async def live() -> Response:
 async def ready(request: Request) -> Response:
     state = get_state(request)
     return Response(status_code=200 if state.ready else 503)
+
+
+class InferStats:
+    """Triton's statistics of the model (``get_inference_statistics``), as the v2 calls over
+    HTTP and gRPC add to them: ``success`` and ``fail`` count calls and their whole time,
+    ``queue`` and ``compute_infer`` each image's wait and its batch's inference,
+    ``inference_count`` the images, ``execution_count`` the batches they ran in."""
+
+    KINDS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+    def __init__(self) -> None:
+        self.last_ms = 0
+        self.images = 0
+        self.times: dict[str, list[int]] = {kind: [0, 0] for kind in (*self.KINDS, "cache_hit")}
+        self.times["cache_miss"] = [0, 0]
+        self.batches: dict[int, list[float]] = {}  # size: [executions, inference ns]
+
+    def _add(self, kind: str, ns: float, count: int = 1) -> None:
+        self.times[kind][0] += count
+        self.times[kind][1] += int(ns)
+
+    def failed(self, started_ns: int) -> None:
+        self._add("fail", time.monotonic_ns() - started_ns)
+
+    def succeeded(self, started_ns: int, results: Sequence[WorkResult]) -> None:
+        self._add("success", time.monotonic_ns() - started_ns)
+        self.last_ms = time.time_ns() // 1_000_000
+        self.images += len(results)
+        for result in results:
+            self._add("queue", result.queue_ms * 1e6)
+            self._add("compute_infer", result.inference_ms * 1e6)
+            # Each image of a batch of n is one n-th of its execution.
+            size = max(result.batch_size, 1)
+            batch = self.batches.setdefault(size, [0.0, 0.0])
+            batch[0] += 1 / size
+            batch[1] += result.inference_ms * 1e6 / size
+
+    def json(self, name: str) -> dict[str, Any]:
+        """The model's entry of ``model_stats``, as Triton writes it."""
+
+        def duration(count: float, ns: float) -> dict[str, int]:
+            return {"count": round(count), "ns": int(ns)}
+
+        return {
+            "name": name,
+            "version": VERSION,
+            "last_inference": self.last_ms,
+            "inference_count": self.images,
+            "execution_count": round(sum(b[0] for b in self.batches.values())),
+            "inference_stats": {kind: duration(*t) for kind, t in self.times.items()},
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": duration(count, 0),
+                    "compute_infer": duration(count, ns),
+                    "compute_output": duration(count, 0),
+                }
+                for size, (count, ns) in sorted(self.batches.items())
+            ],
+        }
+
+
+def infer_stats(app: Any) -> InferStats:
+    """The app's :class:`InferStats` (HTTP and gRPC add to the same)."""
+    stats: InferStats | None = getattr(app.state, "kserve_stats", None)
+    if stats is None:
+        stats = app.state.kserve_stats = InferStats()
+    return stats
+
+
+def statistics_json(app: Any, state: AppState, name: str, version: str | None) -> dict[str, Any]:
+    """``get_inference_statistics``'s answer: the served model's (``name`` empty: every
+    model's, which is the one), or 404."""
+    if name:
+        _check_model(state, name, version)
+    return {"model_stats": [infer_stats(app).json(name or _model_name(state))]}
+
+
+def repository_index_json(state: AppState) -> list[dict[str, str]]:
+    """The model repository's index: the one model, its version and its state."""
+    ready = "READY" if state.ready else "LOADING"
+    return [{"name": _model_name(state), "version": VERSION, "state": ready, "reason": ""}]
+
+
+UNSUPPORTED = {
+    "shared memory": "shared memory is not supported by streamdet (it may run on another"
+    " machine than its clients): send the tensors in the request (set_data_from_numpy),"
+    " as binary data",
+    "load": "loading and unloading models is not supported: streamdet serves the one model it"
+    " started with; restart it with another (setting STREAMDET_MODEL, --model)",
+    "trace": "trace settings are not supported by streamdet; see GET /metrics and its logs",
+    "log": "log settings are not supported by streamdet over the protocol; restart it with"
+    " --log-level (setting STREAMDET_LOG_LEVEL)",
+}
+"""Why each Triton extension streamdet lacks is refused (501 here, UNIMPLEMENTED over gRPC)."""
+
+
+def refuse(what: str) -> HTTPException:
+    return HTTPException(501, UNSUPPORTED[what])
+
+
+@router.get("/models/stats")
+async def all_statistics(request: Request) -> dict[str, Any]:
+    """Triton's inference statistics of every model: the one served (before
+    ``/models/{model_name}``, which took ``stats`` for a model's name)."""
+    return statistics_json(request.app, get_state(request), "", None)
+
+
+@router.get("/models/{model_name}/stats")
+@router.get("/models/{model_name}/versions/{version}/stats")
+async def model_statistics(
+    request: Request, model_name: str, version: str | None = None
+) -> dict[str, Any]:
+    """Triton's inference statistics of the model."""
+    return statistics_json(request.app, get_state(request), model_name, version)
+
+
+@router.post("/repository/index")
+async def repository_index(request: Request) -> list[dict[str, str]]:
+    """Triton's model repository index: the one model served."""
+    return repository_index_json(get_state(request))
+
+
+@router.post("/repository/models/{model_name}/load", include_in_schema=False)
+@router.post("/repository/models/{model_name}/unload", include_in_schema=False)
+async def repository_load(model_name: str) -> Response:
+    raise refuse("load")
+
+
+SHM_PATHS = [
+    f"/{kind}sharedmemory{path}"
+    for kind in ("system", "cuda")
+    for path in (
+        "/status",
+        "/unregister",
+        "/region/{name}/status",
+        "/region/{name}/register",
+        "/region/{name}/unregister",
+    )
+]
+
+
+async def shared_memory() -> Response:
+    raise refuse("shared memory")
+
+
+async def trace_settings() -> Response:
+    raise refuse("trace")
+
+
+async def log_settings() -> Response:
+    raise refuse("log")
+
+
+for _path in SHM_PATHS:
+    router.add_api_route(_path, shared_memory, methods=["GET", "POST"], include_in_schema=False)
+for _path in ("/trace/setting", "/models/{model_name}/trace/setting"):
+    router.add_api_route(_path, trace_settings, methods=["GET", "POST"], include_in_schema=False)
+router.add_api_route("/logging", log_settings, methods=["GET", "POST"], include_in_schema=False)
 
 
 @router.get("/models/{model_name}")
@@ -270,6 +441,44 @@ async def model_ready(request: Request, model_name: str, version: str | None = N
 
 
 # ---------------------------------------------------------------------------- infer
+
+
+ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+"""Request Content-Encodings (tritonclient's ``request_compression_algorithm``) as zlib's
+window bits; deflate is zlib's format (what tritonclient sends), raw deflate also taken."""
+
+
+def _inflated(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The request's body, inflated if it came compressed, to at most ``limit`` bytes (a few
+    kB of zeros inflate to gigabytes)."""
+    name = (encoding or "").strip().lower()
+    if name in ("", "identity"):
+        return body
+    bits = ENCODINGS.get(name)
+    if bits is None:
+        raise HTTPException(
+            415,
+            f"Content-Encoding {encoding!r} is not taken: send gzip, deflate or none"
+            " (tritonclient's request_compression_algorithm)",
+        )
+    problem: zlib.error | None = None
+    for window in (bits, -15) if name == "deflate" else (bits,):
+        inflater = zlib.decompressobj(window)
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            problem = exc
+            continue
+        if len(out) > limit:
+            raise HTTPException(
+                413,
+                f"the {name}-compressed request inflates past {megabytes(limit)} MB"
+                " (setting STREAMDET_MAX_UPLOAD_MB)",
+            )
+        if not inflater.eof:
+            raise HTTPException(400, f"the {name}-compressed request body is cut short")
+        return out
+    raise HTTPException(400, f"the request body is not {name}-compressed data: {problem}")
 
 
 def _split(body: bytes, header: str | None) -> tuple[dict[str, Any], bytes]:
@@ -341,6 +550,7 @@ async def _images(
         )
     tensor = inputs[0]
     name, datatype = tensor.get("name"), tensor.get("datatype")
+    _no_shared_memory(tensor, f"input {name!r}")
     shape = _shape(tensor, str(name))
     binary_given = "binary_data_size" in _parameters(tensor, f"input {name!r}")
     if name == "image_bytes":
@@ -493,6 +703,16 @@ def _parameters(holder: Mapping[str, Any], where: str) -> dict[str, Any]:
     return params
 
 
+def _no_shared_memory(holder: Mapping[str, Any], where: str) -> None:
+    """400 for a tensor in (or for) shared memory (tritonclient's ``set_shared_memory``): an
+    input's data was read as missing, an output was sent in the answer, the region ignored."""
+    region = _parameters(holder, where).get("shared_memory_region")
+    if region is not None:
+        raise HTTPException(
+            400, f"{where}: shared memory region {region!r}: {UNSUPPORTED['shared memory']}"
+        )
+
+
 def _chosen(request: dict[str, Any]) -> list[tuple[str, bool]]:
     """The outputs asked for, each with whether it goes as binary data; checked before any
     image is run (a bad one answered 400 only after the inference, or 500)."""
@@ -509,7 +729,15 @@ def _chosen(request: dict[str, Any]) -> list[tuple[str, bool]]:
         if name not in names:
             raise HTTPException(400, f"unknown output {name!r}; the model has {', '.join(names)}")
         assert isinstance(item, dict) and isinstance(name, str)
-        binary = _parameters(item, f"output {name!r}").get("binary_data", all_binary)
+        where = f"output {name!r}"
+        _no_shared_memory(item, where)
+        if "classification" in _parameters(item, where):  # tritonclient's class_count
+            raise HTTPException(
+                400,
+                f"{where}: class_count (Triton's classification extension) is not supported:"
+                " the detections come as the four outputs; leave class_count out",
+            )
+        binary = _parameters(item, where).get("binary_data", all_binary)
         chosen.append((name, bool(binary)))
     return chosen
 
@@ -584,14 +812,22 @@ async def infer(
     state = get_state(request)
     _check_model(state, model_name, version)
     engine = state.pool.engine
-    body = await read_body_capped(request, state.settings.max_upload_bytes)
-    ticket.body_read()  # decoding now: ahead of calls that arrive after this
-    inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
-    params = _params(inference, engine.names)
-    chosen = _chosen(inference)
-    loop = asyncio.get_running_loop()
-    started = time.monotonic()
-    images = await _images(state, inference, binary, loop)
-    ticket.decoded(time.monotonic() - started, len(images))  # admission checks it again
-    results = await run_admitted(state, ticket, [image for image, _ in images], params, request)
+    stats, started_ns = infer_stats(request.app), time.monotonic_ns()
+    try:
+        limit = state.settings.max_upload_bytes
+        body = await read_body_capped(request, limit)
+        ticket.body_read()  # decoding now: ahead of calls that arrive after this
+        body = _inflated(body, request.headers.get("content-encoding"), limit)
+        inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
+        params = _params(inference, engine.names)
+        chosen = _chosen(inference)
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        images = await _images(state, inference, binary, loop)
+        ticket.decoded(time.monotonic() - started, len(images))  # admission checks it again
+        results = await run_admitted(state, ticket, [im for im, _ in images], params, request)
+    except Exception:
+        stats.failed(started_ns)
+        raise
+    stats.succeeded(started_ns, results)
     return _response(inference, model_name, _outputs(_found(results, images)), chosen)
