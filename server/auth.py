@@ -294,7 +294,9 @@ class ApiKeyMiddleware:
             failure.status,
             failure.detail,
         )
-        body = json.dumps({"detail": failure.detail}).encode()
+        # Under /v2 as KServe's errors are (tritonclient reads "error"), elsewhere FastAPI's.
+        v2 = scope["path"] == "/v2" or scope["path"].startswith("/v2/")
+        body = json.dumps({"error" if v2 else "detail": failure.detail}).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

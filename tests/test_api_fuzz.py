@@ -239,3 +239,16 @@ def test_a_refusal_does_not_echo_a_huge_value_back(client: TestClient) -> None:
         assert error["input"].startswith("rtsp://camera/aaa") and "1000014" in error["input"]
     nested = client.patch("/streams/car", json={"roi": [[0.5, 0.5]] * 50_000})
     assert nested.status_code == 422 and len(nested.content) < 4000, len(nested.content)
+
+
+def test_with_api_keys_a_refusal_under_v2_is_its_error_answer(tmp_path: Path) -> None:
+    """KServe's routes answer every error as ``{"error": ...}`` (tritonclient reads it), and
+    the document says so; a missing or read-only key got ``{"detail": ...}`` there."""
+    with TestClient(file_stream_app(tmp_path, api_keys=["k1"], api_keys_readonly=["r1"])) as c:
+        refused = c.get("/v2/models/yolov8n")
+        assert refused.status_code == 401 and "STREAMDET_API_KEYS" in refused.json()["error"]
+        assert "bearer" in refused.headers["www-authenticate"].lower()
+        assert set(c.get("/streams").json()) == {"detail"}  # elsewhere as before
+        wrote = c.delete("/streams/x", headers={"Authorization": "Bearer r1"})
+        assert wrote.status_code == 403 and set(wrote.json()) == {"detail"}
+        assert c.get("/v2/models/yolov8n", headers={"Authorization": "Bearer r1"}).is_success
