@@ -28,7 +28,18 @@ from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
 from server.mqtt_discovery import Discovery
 from server.retention import DAY_S, keep_for
-from server.routes import detect, events, health, jobs, kserve, openapi, streams, viewer, ws
+from server.routes import (
+    detect,
+    errors,
+    events,
+    health,
+    jobs,
+    kserve,
+    openapi,
+    streams,
+    viewer,
+    ws,
+)
 from server.routes import webhooks as webhooks_routes
 from server.routes.webhooks import make_sender
 from server.runtime import build_pool
@@ -246,8 +257,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.include_router(jobs.router)
     app.include_router(kserve.router)
     # Under /v2 errors answer {"error": ...}, as the KServe v2 protocol's clients expect.
-    app.add_exception_handler(StarletteHTTPException, kserve.v2_http_error)
-    app.add_exception_handler(RequestValidationError, kserve.v2_http_error)
+    app.add_exception_handler(StarletteHTTPException, errors.http_error)
+    app.add_exception_handler(RequestValidationError, errors.http_error)
     app.add_exception_handler(ClientDisconnect, client_went_away)
     app.add_exception_handler(sqlite3.OperationalError, storage_full)
     app.add_exception_handler(OSError, storage_full)

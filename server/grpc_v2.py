@@ -32,24 +32,26 @@ from starlette.datastructures import Headers
 from server.admission import DEADLINE_HEADER, AdmissionController
 from server.auth import Access, ApiKeys, bearer_token
 from server.routes.detect import run_admitted
-from server.routes.kserve import (
+from server.routes.v2_model import (
     EXTENSIONS,
     NP_TYPES,
     OUTPUTS,
     UNSUPPORTED,
     VERSION,
-    _check_model,
-    _chosen,
-    _found,
-    _images,
-    _model_name,
-    _outputs,
-    _params,
+    check_model,
     infer_stats,
     model_config_json,
     model_metadata_json,
     repository_index_json,
+    served_name,
     statistics_json,
+)
+from server.routes.v2_tensors import (
+    chosen_outputs,
+    output_tensors,
+    request_images,
+    request_params,
+    rescaled_to_sent,
 )
 from server.settings import Settings
 from server.state import AppState
@@ -216,7 +218,7 @@ def make_servicer(app: FastAPI) -> Any:
         async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
             state = self._state()
             try:
-                _check_model(state, request.name, request.version)
+                check_model(state, request.name, request.version)
             except HTTPException:
                 # Not ready, as Triton answers for a model or version it does not have (and
                 # as over HTTP, where tritonclient reads the 404 so): NOT_FOUND raised out
@@ -227,7 +229,8 @@ def make_servicer(app: FastAPI) -> Any:
         @answers
         async def RepositoryIndex(self, request: Any, context: Any) -> Any:  # noqa: N802
             answer = pb.RepositoryIndexResponse()
-            return json_format.ParseDict({"models": repository_index_json(self._state())}, answer)
+            models = repository_index_json(self._state(), ready_only=request.ready)
+            return json_format.ParseDict({"models": models}, answer)
 
         @answers
         async def ModelStatistics(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -270,14 +273,14 @@ def make_servicer(app: FastAPI) -> Any:
         @answers
         async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
             state = self._state()
-            _check_model(state, request.name, request.version)
+            check_model(state, request.name, request.version)
             answer = pb.ModelMetadataResponse()
             return json_format.ParseDict(model_metadata_json(state, request.name), answer)
 
         @answers
         async def ModelConfig(self, request: Any, context: Any) -> Any:  # noqa: N802
             state = self._state()
-            _check_model(state, request.name, request.version)
+            check_model(state, request.name, request.version)
             config = json_format.ParseDict(
                 model_config_json(state, request.name), config_pb.ModelConfig()
             )
@@ -336,7 +339,7 @@ def make_servicer(app: FastAPI) -> Any:
         async def _infer(self, request: Any, context: Any) -> Any:
             """One ``ModelInferRequest``'s answer, or the HTTP error of the same meaning."""
             state = self._state()
-            _check_model(state, request.model_name, request.model_version)
+            check_model(state, request.model_name, request.model_version)
             controller: AdmissionController | None = getattr(app.state, "admission", None)
             if controller is None or not state.ready:
                 app.state.metrics.refuse_unready(state.shutting_down)
@@ -353,11 +356,11 @@ def make_servicer(app: FastAPI) -> Any:
             )
             try:
                 inference, binary = _as_v2_json(request)
-                params = _params(inference, state.pool.engine.names)
+                params = request_params(inference, state.pool.engine.names)
                 # Checked before the images run (an unknown output was refused after).
-                wanted = [name for name, _ in _chosen(inference)]
+                wanted = [name for name, _ in chosen_outputs(inference)]
                 started = time.monotonic()
-                images = await _images(state, inference, binary, asyncio.get_running_loop())
+                images = await request_images(state, inference, binary, asyncio.get_running_loop())
                 ticket.decoded(time.monotonic() - started, len(images))
                 results = await run_admitted(state, ticket, [im for im, _ in images], params)
             except Exception:
@@ -366,7 +369,7 @@ def make_servicer(app: FastAPI) -> Any:
             finally:
                 ticket.release()
             stats.succeeded(started_ns, results)
-            outputs = _outputs(_found(results, images))
+            outputs = output_tensors(rescaled_to_sent(results, images))
             datatypes = {o["name"]: o["datatype"] for o in OUTPUTS}
             return pb.ModelInferResponse(
                 model_name=request.model_name,
@@ -421,5 +424,5 @@ async def start(app: FastAPI, settings: Settings) -> Any:
             f"cannot serve gRPC on {address} (setting STREAMDET_GRPC_PORT): {exc}"
         ) from None
     await server.start()
-    log.info("KServe v2 gRPC on %s (model %s)", address, _model_name(app.state.streamdet))
+    log.info("KServe v2 gRPC on %s (model %s)", address, served_name(app.state.streamdet))
     return server

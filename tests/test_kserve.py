@@ -369,6 +369,10 @@ def test_repository_index_and_statistics_answer_as_tritons(
     grpc_client.infer(MODEL, [_bus_input(triton_grpc)])
     entry = {"name": MODEL, "version": "1", "state": "READY", "reason": ""}
     assert client.get_model_repository_index() == [entry]
+    index = f"{server.base_url}/v2/repository/index"
+    assert httpx.post(index, json={"ready": True}).json() == [entry]
+    refused = httpx.post(index, json={"ready": "yes"})
+    assert refused.status_code == 400 and '"ready"' in refused.json()["error"]
     over_grpc_index = grpc_client.get_model_repository_index(as_json=True)
     assert over_grpc_index == {"models": [{**entry, "reason": ""}]} or over_grpc_index == {
         "models": [{k: v for k, v in entry.items() if v}]  # protobuf's JSON leaves "" out

@@ -70,7 +70,7 @@ def printable(what: str) -> BeforeValidator:
     """A name's check: no control character (a zone's name is an MQTT topic level: one with
     U+0000 got the server's client dropped by the broker at every reconnect) nor lone
     surrogate, refused naming ``what`` (the 422 echoing it escapes a surrogate:
-    ``server.routes.kserve.v2_http_error``)."""
+    ``server.routes.errors.http_error``)."""
 
     def check(value: object) -> object:
         if isinstance(value, str):
