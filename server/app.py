@@ -41,6 +41,7 @@ from server.routes import (
     ws,
 )
 from server.routes import webhooks as webhooks_routes
+from server.routes.bodies import JsonBodyLimit
 from server.routes.webhooks import make_sender
 from server.runtime import build_pool
 from server.settings import Settings
@@ -270,6 +271,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         schema_of = app.openapi
         app.openapi = lambda: with_bearer_scheme(schema_of())  # type: ignore[method-assign]
     # Outermost last: CORS answers preflights and decorates 401s; metrics count refusals.
+    app.add_middleware(JsonBodyLimit)  # inside the key check: a stranger gets 401 first
     app.add_middleware(ApiKeyMiddleware, keys=app.state.api_keys)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     if settings.cors_origins:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 # What json.loads raises for a body it cannot read (JSONDecodeError and UnicodeDecodeError are
@@ -41,3 +42,57 @@ def load_json(data: bytes | str) -> Any:
         return json.loads(data)
     except UNREADABLE as exc:
         raise ValueError(why_unreadable(exc)) from None
+
+
+MAX_JSON_BYTES = 1 << 20
+"""The largest body of a route that takes JSON settings (streams, their events, webhooks):
+a stream of 64 zones of 64 points each is about 60 kB. Those bodies were read whole and
+parsed before any check (a 200 MB ``POST /webhooks`` took 6 s and its size in memory)."""
+
+UPLOAD_PREFIXES = ("/detect", "/jobs", "/v2")
+"""Routes whose bodies are uploads, each capped by its own setting (STREAMDET_MAX_UPLOAD_MB,
+STREAMDET_MAX_JOB_UPLOAD_MB)."""
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+
+
+class JsonBodyLimit:
+    """ASGI middleware: a body sent to a settings route (any POST, PUT or PATCH outside
+    ``UPLOAD_PREFIXES``) is refused with 413 once past ``limit`` bytes, at once where its
+    declared length says so, else as it arrives."""
+
+    def __init__(self, app: App, limit: int = MAX_JSON_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        path: str = scope.get("path", "")
+        if (
+            scope["type"] != "http"
+            or scope["method"] not in ("POST", "PUT", "PATCH")
+            or path.startswith(UPLOAD_PREFIXES)
+        ):
+            await self.app(scope, receive, send)
+            return
+        too_large = f"body larger than {self.limit // 1024} kB: a settings body is JSON of a few kB"
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            from fastapi.responses import JSONResponse
+
+            await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, send)
+            return
+        size = 0
+
+        async def capped() -> MutableMapping[str, Any]:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                from fastapi import HTTPException
+
+                raise HTTPException(413, too_large)
+            return message
+
+        await self.app(scope, capped, send)
