@@ -148,6 +148,34 @@ def test_device_frames_equal_host_frames(
     )
 
 
+def test_a_fixed_batch_graph_runs_every_batch_padded_to_it(
+    cuda_engine: TorchEngine, model: Path, frames: list[np.ndarray]
+) -> None:
+    """A graph whose batch is fixed (``export(batch=8)``) captures the one bucket 8 and pads
+    every batch of 1..8 to it: the boxes are those of the unpadded batch."""
+    import dataclasses
+
+    config = _config(DEVICE, model)
+    fixed = TorchEngine(
+        dataclasses.replace(config, model=dataclasses.replace(config.model, fixed_batch=8))
+    )
+    fixed.load()
+    try:
+        fixed.warmup()
+        assert fixed._buckets == (8,)
+        if ON_CUDA:
+            assert fixed._runner is not None
+            assert fixed._runner.captured == (2 if fixed._dynamic_hw else 1)
+        for n in (1, 3):
+            _assert_match(
+                fixed.infer(frames[:n], [DetectParams()] * n),
+                cuda_engine.infer(frames[:n], [DetectParams()] * n),
+                conf_tol=0.002,
+            )
+    finally:
+        fixed.close()
+
+
 def test_a_batch_staged_by_several_threads_reaches_the_device_whole(
     frames: list[np.ndarray],
 ) -> None:
