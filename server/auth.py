@@ -8,6 +8,13 @@ not changing them (adding or removing a stream answers 403).
   ``WWW-Authenticate: Bearer`` (the client has not proven who it is).
 * A known read-only token on a route that changes state: **403** (known, not allowed).
 
+The decision is made on the path as the router matches it (``scope["path"]``), and a
+read-only key is refused only where the router would run a handler that writes: where no
+handler runs (a ``404``, a ``405``, or the ``307`` to the path's other slash form that the
+router answers, e.g. ``POST /detect/``) it gets the router's answer, as a full key does (it
+got 403 there, saying a full key was needed, where a full key got 404, 405 or the redirect).
+A path whose other slash form is open (``/healthz/``, ``/docs/``) is redirected for anyone.
+
 Tokens are compared in constant time: each candidate is hashed to a fixed length and checked
 against every configured key with :func:`hmac.compare_digest`, without stopping at the first
 match, so timing reveals neither which key matched nor how much of a guess was right.
@@ -37,7 +44,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -45,6 +52,7 @@ from urllib.parse import unquote_plus
 
 from starlette.datastructures import Headers, QueryParams
 from starlette.requests import HTTPConnection
+from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
@@ -53,12 +61,13 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 """Load balancers and orchestrators probe these without credentials (Kubernetes probes of a
 Triton deployment ask KServe's ``/v2/health/*``); they say nothing but up or ready."""
-OPEN_PAGES = frozenset({"/", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+OPEN_PAGES = frozenset({"/", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 OPEN_PREFIXES = ("/static/",)
-"""The viewer page and its static files, and the API's schema and its ``/docs`` page, hold
-no data; a browser navigating to them cannot send a bearer header (``/docs`` answered 401).
-The pages' own API calls and WebSockets still need a key: ``/docs`` has an Authorize button
-for it (:func:`with_bearer_scheme`)."""
+"""The viewer page and its static files, and the API's schema and its ``/docs`` and
+``/redoc`` pages, hold no data; a browser navigating to them cannot send a bearer header
+(``/docs`` answered 401, and ``/redoc`` did while ``/docs`` was open). The pages' own API
+calls and WebSockets still need a key: ``/docs`` has an Authorize button for it
+(:func:`with_bearer_scheme`); ``/redoc`` only reads the open schema."""
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 READONLY_WRITES = frozenset({("POST", "/detect")})
 """Non-safe calls a read-only key may still make: running detection changes nothing."""
@@ -72,6 +81,21 @@ class Access(Enum):
     READONLY = "readonly"
     FULL = "full"
 
+
+class Routed(Enum):
+    """How the router answers a request, as far as keys are concerned."""
+
+    HANDLER = "handler"
+    """A route's handler runs for this method and path."""
+    REDIRECT = "redirect"
+    """No route has the path, its other slash form has one: the router answers ``307``."""
+    NONE = "none"
+    """No handler runs: the router answers ``404``, or ``405`` (the path has other methods)."""
+
+
+RouteLookup = Callable[[], tuple[Routed, str]]
+"""How the router answers the request being checked, and the path it redirects to (else the
+request's own); looked up only where a refusal depends on it."""
 
 EVENTS_PATH = "/events"
 PICTURE_ROUTES = frozenset({"mjpeg", "latest.jpg"})
@@ -151,20 +175,32 @@ def authorize(
     path: str,
     headers: Headers,
     query: QueryParams | None = None,
+    *,
+    route: RouteLookup | None = None,
 ) -> AuthFailure | None:
     """Check one request; ``None`` means allowed.
 
     Args:
         keys: the configured keys.
         method: HTTP method, or ``"WEBSOCKET"`` for a WebSocket handshake.
-        path: the request path.
+        path: the request path, as the router matches it.
         headers: request headers.
         query: query parameters; only consulted for WebSockets, ``GET /events`` and a
             stream's ``mjpeg`` and ``latest.jpg`` (``access_token``), which browsers and
             cameras' integrations open without headers.
+        route: how the router answers the request (:func:`route_of`); without it every
+            path is taken as served by a handler.
     """
     if not keys.enabled or is_open(method, path):
         return None
+    twin = _slash_twin(path)
+    if (
+        twin is not None
+        and route is not None
+        and is_open(method, twin)
+        and route() == (Routed.REDIRECT, twin)
+    ):
+        return None  # the router only redirects to an open page (/docs/ to /docs)
     token = bearer_token(headers)
     headerless = method == "WEBSOCKET" or (method == "GET" and _opened_without_headers(path))
     if token is None and headerless and query is not None:
@@ -179,12 +215,56 @@ def authorize(
     access = keys.check(token)
     if access is Access.NONE:
         return AuthFailure(401, "unknown API key (keys are set with STREAMDET_API_KEYS)")
-    if access is Access.READONLY and not _readonly_allowed(method, path):
+    if (
+        access is Access.READONLY
+        and not _readonly_allowed(method, path)
+        and (route is None or route()[0] is Routed.HANDLER)
+    ):
         return AuthFailure(
             403,
             f"this API key is read-only; {method} {path} needs a key from STREAMDET_API_KEYS",
         )
     return None
+
+
+def _slash_twin(path: str) -> str | None:
+    """The path the router redirects to where no route has ``path``: without its trailing
+    slashes, or with one (none for ``/``)."""
+    if path in ("", "/"):
+        return None
+    return path.rstrip("/") if path.endswith("/") else path + "/"
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path as the router matches it: ``scope["path"]`` less the root path
+    (Starlette's own rule), never re-parsed from a URL."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and path != root and path[len(root)] == "/":
+        return path[len(root) :]
+    return path
+
+
+def route_of(scope: Scope) -> tuple[Routed, str]:
+    """How the app's router answers the request of ``scope``, by its own matching rules
+    (first full match, else a partial one's ``405``, else the redirect to the other slash
+    form, else ``404``). A scope without a Starlette app is taken as served by a handler."""
+    router = getattr(scope.get("app"), "router", None)
+    path = route_path(scope)
+    if not isinstance(router, Router):
+        return Routed.HANDLER, path
+    partial = False
+    for candidate in router.routes:
+        match, _ = candidate.matches(scope)
+        if match is Match.FULL:
+            return Routed.HANDLER, path
+        partial = partial or match is Match.PARTIAL
+    twin = _slash_twin(path)
+    if not partial and twin is not None and scope["type"] == "http" and router.redirect_slashes:
+        redirect = {**scope, "path": _slash_twin(scope["path"]) or scope["path"]}
+        if any(c.matches(redirect)[0] is not Match.NONE for c in router.routes):
+            return Routed.REDIRECT, twin
+    return Routed.NONE, path
 
 
 def _opened_without_headers(path: str) -> bool:
@@ -215,8 +295,22 @@ def _readonly_allowed(method: str, path: str) -> bool:
 
 def check_connection(conn: HTTPConnection, keys: ApiKeys) -> AuthFailure | None:
     """:func:`authorize` for a Starlette ``Request`` or ``WebSocket``."""
-    method = "WEBSOCKET" if conn.scope["type"] == "websocket" else conn.scope["method"]
-    return authorize(keys, method, conn.url.path, conn.headers, conn.query_params)
+    scope = conn.scope
+    method = "WEBSOCKET" if scope["type"] == "websocket" else scope["method"]
+    return authorize(
+        keys,
+        method,
+        route_path(scope),
+        conn.headers,
+        conn.query_params,
+        route=lambda: route_of(scope),
+    )
+
+
+def sent_path(scope: Scope) -> str:
+    """The request's path as the client sent it, for logs (``raw_path``, else ``path``)."""
+    raw = scope.get("raw_path")
+    return raw.decode("latin-1") if isinstance(raw, bytes) and raw else str(scope["path"])
 
 
 def get_api_keys(conn: HTTPConnection) -> ApiKeys:
@@ -233,7 +327,7 @@ async def websocket_allowed(websocket: WebSocket) -> bool:
     failure = check_connection(websocket, get_api_keys(websocket))
     if failure is None:
         return True
-    log.info("websocket %s refused: %s", websocket.url.path, failure.detail)
+    log.info("websocket %s refused: %s", sent_path(websocket.scope), failure.detail)
     await websocket.close(code=WS_POLICY_VIOLATION, reason=failure.detail[:120])
     return False
 
@@ -290,7 +384,7 @@ class ApiKeyMiddleware:
             "request %s: %s %s refused with %d: %s",
             request_id,
             scope.get("method", "WEBSOCKET"),
-            conn.url.path,
+            sent_path(scope),
             failure.status,
             failure.detail,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +73,85 @@ def test_the_docs_page_opens_in_a_browser_and_asks_for_the_key(http: httpx.Clien
     assert schema["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
     assert schema["security"] == [{"apiKey": []}]
     assert http.get("/streams").status_code == 401  # what the page calls still needs it
+    # ReDoc is the same kind of page reading the same open schema (it needed a key).
+    redoc = http.get("/redoc")
+    assert redoc.status_code == 200 and "/openapi.json" in redoc.text
+
+
+def raw_request(
+    server: ServerProcess, method: str, path: str, key: str | None = None
+) -> tuple[int, str | None]:
+    """``method path`` sent literally over a socket (clients normalise ``//x`` or drop it),
+    with a one-byte body: the status and the ``Location`` answered."""
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        f"Host: 127.0.0.1:{server.port}",
+        "Connection: close",
+        "Content-Type: image/jpeg",
+        "Content-Length: 1",
+    ]
+    if key is not None:
+        lines.append(f"Authorization: Bearer {key}")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + b"x")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head = answer.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    location = [v for k, _, v in (h.partition(": ") for h in head[1:]) if k.lower() == "location"]
+    return int(head[0].split()[1]), location[0] if location else None
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/detect/"),  # the router's redirect to /detect: 403 with a read-only key
+        ("POST", "/v2/models/yolov8n/infer/"),
+        ("POST", "/streams/"),
+        ("GET", "/streams/"),
+        ("PUT", "/detect"),  # 405 for every key (a read-only key got 403)
+        ("POST", "/streams/abc"),
+        ("POST", "//v2/models/yolov8n/infer"),  # no such route: 404 for every key
+        ("POST", "//detect"),
+        ("GET", "//v2/models/yolov8n"),
+    ],
+)
+def test_a_read_only_key_gets_what_a_full_key_gets_where_no_handler_writes(
+    server: ServerProcess, method: str, path: str
+) -> None:
+    """Keys are checked on the path as the router matches it, and a read-only key is
+    refused only where a handler that writes would run: elsewhere it gets the router's own
+    answer, as a full key does. Without a key it is 401 all the same."""
+    full = raw_request(server, method, path, FULL)
+    assert full[0] in (307, 404, 405), full
+    assert raw_request(server, method, path, READONLY) == full
+    assert raw_request(server, method, path)[0] == 401
+
+
+def test_the_write_rule_holds_where_the_redirect_leads(server: ServerProcess) -> None:
+    """Past the redirect a read-only key still cannot add a stream, and still detects."""
+    status, location = raw_request(server, "POST", "/streams/", READONLY)
+    assert status == 307 and location is not None and location.endswith("/streams")
+    assert raw_request(server, "POST", "/streams", READONLY)[0] == 403
+    assert raw_request(server, "POST", "/detect/", READONLY)[1] == f"{server.base_url}/detect"
+    assert raw_request(server, "POST", "/detect", READONLY)[0] == 400  # not a picture: the route
+
+
+def test_open_routes_are_open_by_the_routed_path_and_logged_as_sent(
+    server: ServerProcess,
+) -> None:
+    """What is open is decided on the path the router matches: ``//healthz`` is no route
+    and needs a key as every unknown path does; ``/healthz/`` and ``/docs/`` are the
+    router's redirects to open pages, for anyone (they were 401 without a key). A refusal
+    is logged with the path as it was sent."""
+    assert raw_request(server, "GET", "/healthz") == (200, None)
+    assert raw_request(server, "GET", "//healthz")[0] == 401
+    for path in ("/healthz/", "/docs/", "/v2/health/ready/"):
+        assert raw_request(server, "GET", path) == (307, f"{server.base_url}{path.rstrip('/')}")
+    assert raw_request(server, "GET", "/streams/")[0] == 401  # not open: its twin is not
+    assert raw_request(server, "POST", "//v2/models/yolov8n/infer")[0] == 401
+    log = server.log_path.read_text()
+    assert "POST //v2/models/yolov8n/infer refused with 401" in log
 
 
 @pytest.mark.parametrize(
