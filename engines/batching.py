@@ -119,13 +119,14 @@ class WorkQueue:
             self._interactive.extend(items)
             self._wake()
 
-    def withdraw(self, items: Sequence[WorkItem]) -> int:
-        """Take back those of ``items`` still waiting (their caller went away); how many."""
+    def withdraw(self, items: Sequence[WorkItem]) -> list[WorkItem]:
+        """Take back those of ``items`` still waiting (their caller went away, or their
+        deadline passed); returns them."""
         gone = {id(item) for item in items}
         with self._lock:
-            kept = deque(i for i in self._interactive if id(i) not in gone)
-            taken = len(self._interactive) - len(kept)
-            self._interactive = kept
+            taken = [i for i in self._interactive if id(i) in gone]
+            if taken:
+                self._interactive = deque(i for i in self._interactive if id(i) not in gone)
         return taken
 
     def put_latest(self, key: str, item: WorkItem) -> WorkItem | None:

@@ -180,10 +180,18 @@ class EnginePool:
             items.append(WorkItem(image, params, deadline, done, request_id=rid))
         self.queue.put_all(items)
         try:
+            # An image still queued at its deadline is answered then (DeadlineExceeded), not
+            # when a worker comes to it, up to a batch later; one running is waited for.
+            left = deadline - time.monotonic()
+            _, pending = await asyncio.wait(futures, timeout=max(0.0, left) if left < 1e6 else None)
+            if pending:
+                now = time.monotonic()
+                for item in self.queue.withdraw(items):  # a timer may fire a hair early
+                    self._expire(item, now)
             return list(await asyncio.gather(*futures))
         except asyncio.CancelledError:
             if taken := self.queue.withdraw(items):
-                log.info("request %s: gone; %d image(s) taken back", request_id, taken)
+                log.info("request %s: gone; %d image(s) taken back", request_id, len(taken))
             raise
 
     # ---- workers ------------------------------------------------------------------------
@@ -221,11 +229,15 @@ class EnginePool:
         """Whether ``item``'s deadline has passed; if so it is answered so, and counted."""
         if item.deadline >= now:
             return False
+        self._expire(item, now)
+        return True
+
+    def _expire(self, item: WorkItem, now: float) -> None:
+        """Answer ``item`` as past its deadline, and count it."""
         self._count(expired=1)
         waited = (now - item.enqueued_at) * 1000
         error = DeadlineExceeded(f"waited {waited:.0f} ms in queue, past its deadline")
         _deliver(item, WorkResult(None, error, waited, 0.0, 0))
-        return True
 
     def _run_batch(self, engine: Engine, batch: list[WorkItem]) -> None:
         now = time.monotonic()

@@ -184,6 +184,31 @@ async def test_a_call_of_several_images_is_queued_whole_or_not_and_taken_back_wh
         pool.stop(5)
 
 
+async def test_a_call_queued_past_its_deadline_is_answered_then_not_when_a_worker_frees(
+    model_info: ModelInfo,
+) -> None:
+    """With the one worker held: a queued call whose deadline passes is answered
+    DeadlineExceeded (and counted expired) while the worker is still held; it was answered
+    only once a worker took it, up to a batch late. The held call still runs."""
+    bus = load_image(ultralytics_assets() / "bus.jpg")
+    gate = threading.Event()
+    pool, made = _gated_pool(model_info, gate)
+    try:
+        busy = asyncio.ensure_future(
+            pool.detect(bus, DetectParams(), time.monotonic() + 60, "busy")
+        )
+        assert await asyncio.to_thread(made[0].entered.wait, 30)  # held at the gate
+        late = await pool.detect_many([bus, bus], DetectParams(), time.monotonic() + 0.2, "late")
+        assert not gate.is_set() and made[0].calls == 1  # answered with the worker still held
+        assert all(isinstance(r.error, DeadlineExceeded) for r in late)
+        assert pool.queue.depth()[0] == 0 and pool.stats.expired == 2
+        gate.set()
+        assert (await busy).detections is not None
+    finally:
+        gate.set()
+        pool.stop(5)
+
+
 async def test_an_engine_answering_too_few_results_fails_nobody_and_keeps_its_worker(
     model_info: ModelInfo,
 ) -> None:
