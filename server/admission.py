@@ -19,7 +19,10 @@ workers)`` full rounds, one more batch if every worker is busy, plus its own bat
 come from the pool's recent batch and per-item EWMAs. A refused call gets ``429`` with
 ``Retry-After`` (whole seconds until the backlog ahead of it should have cleared), so
 accepted calls keep their latency and the rest come back later instead of every call
-timing out.
+timing out. A client's deadline shorter than the call takes alone on an idle pool is no
+matter of load: no retry can meet it, so it is ``504`` (gRPC ``DEADLINE_EXCEEDED``, the
+mapping of the two) without ``Retry-After``, naming the deadline to raise (it was ``429``
+"server busy ... retry after 1 s" on an idle server, for ever).
 
 The server's deadline is a latency target for admission; ``STREAMDET_REQUEST_TIMEOUT_MS``
 stays the hard limit after which a queued call is answered ``503`` instead of run. A client
@@ -293,6 +296,20 @@ class AdmissionController:
             decode_threads=self.settings.decode_threads,
         )
 
+    def alone(self, more: int = 0) -> Estimate:
+        """Prediction for a call on an idle pool (nothing ahead, no worker busy, nothing
+        decoding): the best any retry of it can meet. ``more``: its images besides one."""
+        return predict(
+            ahead=more,
+            busy=0,
+            workers=self.pool.workers,
+            max_batch=self.pool.max_batch,
+            batch_s=self.pool.stats.ewma_batch_s,
+            item_s=self.item_s,
+            decode_s=self.decode_ewma_s,
+            decode_threads=self.settings.decode_threads,
+        )
+
     def retry_after_s(self, estimate: Estimate) -> int:
         """Seconds a refused client should wait: until the queue ahead clears, or longer
         when many are being refused, so their retries spread over the time the pool needs
@@ -341,7 +358,8 @@ class AdmissionController:
         receive its body, and counts as decoding only once :meth:`Ticket.body_read` says so.
 
         Raises:
-            HTTPException: 400 bad deadline header, 429 predicted to miss its deadline.
+            HTTPException: 400 bad deadline header, 429 predicted to miss its deadline, 504
+                a client's deadline shorter than the call takes alone on an idle server.
         """
         self.metrics.calls.inc()
         client_ms = parse_deadline_ms(headers)
@@ -396,9 +414,10 @@ class Ticket:
     checked: bool = field(default=False)
     """Admission had a say (the pool was not idle): the outcome tunes the budget scale."""
 
-    def check(self, estimate: Estimate) -> None:
+    def check(self, estimate: Estimate, more: int = 0) -> None:
         """Raise 429 if ``estimate`` (corrected by past outcomes) says this call finishes
-        after its deadline."""
+        after its deadline; 504 where its own deadline is shorter than the call takes alone
+        on an idle pool (``more``: its images besides one), which no retry can meet."""
         # Under the server's deadline a call that would run at once is never refused:
         # refusing it shortens nobody's wait, and on a slow or loaded host one image alone
         # may exceed the target. A client's own deadline is honoured even then.
@@ -412,6 +431,7 @@ class Ticket:
         if now + finish_s <= self.arrived + planned_s:
             return
         self.refused = True
+        self._check_meetable(more)
         predicted = (
             "unknown (no batch has run yet)"
             if math.isinf(finish_s)
@@ -435,6 +455,38 @@ class Ticket:
             self.request_id,
         )
 
+    def _check_meetable(self, more: int) -> None:
+        """Raise 504 (no ``Retry-After``) if the client's deadline is shorter than this call
+        alone takes on an idle pool, by the model corrected down but never up: a correction
+        above 1 is a recent burst's, which fades (a retry may meet less), one below 1 the
+        model's own pessimism."""
+        if not self.from_client:
+            return  # the server's deadline: an idle pool runs the call whatever it takes
+        c = self.controller
+        alone_s = c.alone(more).finish_s * min(1.0, c.correction)
+        deadline_s = self.deadline - self.arrived
+        if c.item_s <= 0 or math.isinf(alone_s) or alone_s <= deadline_s:
+            return
+        images = f"its {more + 1} images take" if more else "one image takes"
+        detail = (
+            f"deadline too short: this request's {deadline_s * 1000:.0f} ms deadline is less"
+            f" than the {alone_s * 1000:.0f} ms {images} here on an idle server (decode and"
+            f" inference), so no retry can meet it: raise {self.source}"
+        )
+        c.metrics.reject("deadline")
+        log.info("request %s: 504 (deadline): %s", self.request_id, detail)
+        raise HTTPException(504, detail)
+
+    def tighten(self, deadline_ms: float, source: str) -> None:
+        """A deadline the client gave after arrival (Triton's ``timeout`` parameter, in the
+        request's body): the earliest of it and the ticket's own deadlines holds, for
+        admission (checked when the call is decoded) and as the hard limit."""
+        at = self.arrived + deadline_ms / 1000.0
+        if at < self.deadline:
+            self.deadline, self.source, self.from_client = at, source, True
+        if at < self.hard_deadline:
+            self.hard_deadline, self.hard_source = at, source
+
     def body_read(self) -> None:
         """The call's body is in: it decodes now, ahead of the calls that arrive after it."""
         if not self.decoding and self.queued_at is None:
@@ -456,7 +508,7 @@ class Ticket:
             # Its own images are nobody else's wait: a call of several on an idle server is
             # run, as a call of one is (it was refused 429 on every retry, for ever).
             estimate = replace(estimate, idle=True)
-        self.check(estimate)
+        self.check(estimate, more=images - 1)
         self.queued_at = time.monotonic()
         self.predicted_s = estimate.finish_s
 

@@ -7,7 +7,10 @@ port, in the same event loop, and answers exactly as ``/v2`` over HTTP does
 ``images`` UINT8 ``[N, H, W, 3]``), EfficientNMS-style outputs and ``/detect`` parameters,
 through the same admission control and deadline, the call's gRPC deadline taking the place of
 ``X-Request-Deadline-Ms``. Errors carry the HTTP side's message with the matching gRPC status
-(400 ``INVALID_ARGUMENT``, 404 ``NOT_FOUND``, 429 ``RESOURCE_EXHAUSTED``, 503 ``UNAVAILABLE``).
+(400 ``INVALID_ARGUMENT``, 404 ``NOT_FOUND``, 429 ``RESOURCE_EXHAUSTED`` for a full queue
+or a busy server, 503 ``UNAVAILABLE``, 504 ``DEADLINE_EXCEEDED`` for a deadline shorter than
+the call takes alone on an idle server). Triton's ``timeout`` request parameter tightens the
+call's deadline as over HTTP.
 
 The service's messages come with ``tritonclient[grpc]`` (its generated ``service_pb2``), an
 extra: ``pip install -e ".[grpc]"``; a server asked for a gRPC port without it stops at
@@ -47,10 +50,12 @@ from server.routes.v2_model import (
     statistics_json,
 )
 from server.routes.v2_tensors import (
+    TIMEOUT_SOURCE,
     chosen_outputs,
     output_tensors,
     request_images,
     request_params,
+    request_timeout_ms,
     rescaled_to_sent,
 )
 from server.settings import Settings
@@ -62,6 +67,7 @@ STATUS_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "INVALID_ARGUMEN
 STATUS_CODES |= {415: "INVALID_ARGUMENT"}  # an image format it does not take
 STATUS_CODES |= {422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 STATUS_CODES |= {501: "UNIMPLEMENTED"}  # a Triton extension streamdet does not have
+STATUS_CODES |= {504: "DEADLINE_EXCEEDED"}  # a deadline shorter than the call takes alone
 
 
 def grpc_key_failure(keys: ApiKeys, metadata: Any) -> str | None:
@@ -357,6 +363,8 @@ def make_servicer(app: FastAPI) -> Any:
             try:
                 inference, binary = _as_v2_json(request)
                 params = request_params(inference, state.pool.engine.names)
+                if (timeout_ms := request_timeout_ms(inference)) is not None:
+                    ticket.tighten(timeout_ms, TIMEOUT_SOURCE)
                 # Checked before the images run (an unknown output was refused after).
                 wanted = [name for name, _ in chosen_outputs(inference)]
                 started = time.monotonic()

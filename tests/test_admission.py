@@ -140,10 +140,13 @@ def post(client: httpx.Client, jpeg: bytes, deadline_ms: float | None = None) ->
 def test_tight_client_deadline_is_refused_early(server: ServerProcess, jpegs: list[bytes]) -> None:
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         assert post(client, jpegs[0]).status_code == 200  # the estimate needs one batch
+        # Shorter than one image takes alone: no retry can meet it, so 504 without a
+        # Retry-After (it was 429 "server busy ... retry after 1 s" on an idle server).
         resp = post(client, jpegs[0], deadline_ms=1)
-        assert resp.status_code == 429
-        assert int(resp.headers["retry-after"]) >= 1
-        assert "X-Request-Deadline-Ms" in resp.json()["detail"]
+        assert resp.status_code == 504, resp.text
+        assert "retry-after" not in resp.headers
+        assert "no retry can meet it: raise X-Request-Deadline-Ms" in resp.json()["detail"]
+        assert rejections(server.base_url).get("deadline", 0) >= 1
         bad = client.post(
             "/detect",
             content=jpegs[0],
@@ -412,3 +415,43 @@ def test_a_bursts_lesson_fades_and_refusals_name_the_deadlines_setting() -> None
     assert longer.source == "setting STREAMDET_ADMISSION_DEADLINE_MS"
     assert longer.hard_source == "X-Request-Deadline-Ms"  # under the 10 s timeout: the header's
     longer.release()
+
+
+def test_a_deadline_shorter_than_the_call_alone_is_504_and_the_earliest_deadline_holds() -> None:
+    """A client's deadline no idle pool can meet is 504 without ``Retry-After`` (a 429 said
+    to retry after 1 s, for ever); a deadline learnt from the body (Triton's ``timeout``)
+    tightens the ticket's planned and hard deadlines, never loosens them, and is named."""
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=8)
+    controller = AdmissionController(pool, Settings(admission_deadline_ms=1000), Metrics())
+    for _ in range(50):
+        pool._observe(1, 0.1)  # 0.1 s per image
+    with pytest.raises(HTTPException) as short:
+        controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "50"}), "s1")
+    assert short.value.status_code == 504 and not short.value.headers
+    assert "50 ms deadline is less than the 100 ms one image takes" in str(short.value.detail)
+    assert str(short.value.detail).endswith("raise X-Request-Deadline-Ms")
+    # The server's own deadline: an idle pool runs the call, whatever it takes.
+    ticket = controller.admit(time.monotonic(), Headers(), "s2")
+    ticket.tighten(600_000, "the request's timeout parameter")  # later than both: no change
+    assert ticket.source == "setting STREAMDET_ADMISSION_DEADLINE_MS"
+    assert ticket.hard_source == "setting STREAMDET_REQUEST_TIMEOUT_MS"
+    ticket.tighten(50, "the request's timeout parameter")
+    assert ticket.deadline == ticket.hard_deadline == pytest.approx(ticket.arrived + 0.05)
+    assert ticket.source == ticket.hard_source == "the request's timeout parameter"
+    with pytest.raises(HTTPException) as timed:
+        ticket.decoded(0.001)
+    assert timed.value.status_code == 504
+    assert str(timed.value.detail).endswith("raise the request's timeout parameter")
+    ticket.release()
+    # Meetable alone: a tight deadline that only the queue would miss stays a 429 to retry.
+    fits = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "900"}), "s3")
+    fits.decoded(0.001)
+    fits.release()

@@ -515,3 +515,57 @@ def test_grpc_streams_and_the_aio_clients_detect(
             await g.close()
 
     asyncio.run(both())
+
+
+def _alone_ms(server: ServerProcess) -> float:
+    """Milliseconds one image took in its batch so far (``/metrics``), after one call."""
+    assert _detect(server, (ultralytics_assets() / "bus.jpg").read_bytes())
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    sums = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith(("streamdet_batch_duration_seconds_sum", "streamdet_batch_size_sum"))
+    }
+    return 1000 * sums["streamdet_batch_duration_seconds_sum"] / sums["streamdet_batch_size_sum"]
+
+
+def test_a_deadline_no_retry_can_meet_is_deadline_exceeded_not_busy(
+    server: ServerProcess,
+    grpc_client: triton_grpc.InferenceServerClient,
+    client: triton.InferenceServerClient,
+) -> None:
+    """A gRPC deadline shorter than one image takes alone, on an idle server, is
+    ``DEADLINE_EXCEEDED`` naming the deadline to raise (it was ``RESOURCE_EXHAUSTED``
+    "server busy ... retry after 1 s", which no retry could meet); Triton's ``timeout``
+    request parameter (microseconds) is that call's deadline too, over gRPC and HTTP (it was
+    ignored: 1 µs ran), and a longer one runs."""
+    alone_ms = _alone_ms(server)
+    with pytest.raises(InferenceServerException) as refused:
+        # Half the image's own time: the server's answer, not the client's own expiry.
+        grpc_client.infer(MODEL, [_bus_input(triton_grpc)], client_timeout=alone_ms / 2000)
+    assert refused.value.status() == "StatusCode.DEADLINE_EXCEEDED", refused.value
+    assert "no retry can meet it: raise the call's gRPC deadline" in refused.value.message()
+    with pytest.raises(InferenceServerException) as timed:
+        grpc_client.infer(MODEL, [_bus_input(triton_grpc)], timeout=1)
+    assert timed.value.status() == "StatusCode.DEADLINE_EXCEEDED", timed.value
+    assert "raise the request's timeout parameter" in timed.value.message()
+    with pytest.raises(InferenceServerException) as over_http:
+        client.infer(MODEL, [_bus_input(triton)], timeout=1000)
+    assert over_http.value.status() == "504", over_http.value
+    assert "raise the request's timeout parameter" in over_http.value.message()
+    for module, c in ((triton_grpc, grpc_client), (triton, client)):
+        ran = c.infer(MODEL, [_bus_input(module)], timeout=60_000_000)
+        assert int(ran.as_numpy("num_detections")[0, 0]) > 0
+        none = c.infer(MODEL, [_bus_input(module)], timeout=0)  # 0: none, as in Triton
+        assert int(none.as_numpy("num_detections")[0, 0]) > 0
+
+
+@pytest.mark.parametrize("timeout", [-1, 1.5, "1000", True])
+def test_a_malformed_timeout_parameter_is_a_400_naming_it(
+    server: ServerProcess, timeout: object
+) -> None:
+    pixels = {"name": "images", "datatype": "UINT8", "shape": [1, 2, 2, 3], "data": [0] * 12}
+    request = {"inputs": [pixels], "parameters": {"timeout": timeout}}
+    answer = httpx.post(f"{server.base_url}/v2/models/{MODEL}/infer", json=request, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert "parameter 'timeout': whole microseconds" in answer.json()["error"]

@@ -50,10 +50,12 @@ from server.routes.v2_model import (
     statistics_json,
 )
 from server.routes.v2_tensors import (
+    TIMEOUT_SOURCE,
     chosen_outputs,
     output_tensors,
     request_images,
     request_params,
+    request_timeout_ms,
     rescaled_to_sent,
 )
 from server.state import get_state
@@ -337,6 +339,8 @@ async def infer(
         body = _inflated(body, request.headers.get("content-encoding"), limit)
         inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
         params = request_params(inference, engine.names)
+        if (timeout_ms := request_timeout_ms(inference)) is not None:
+            ticket.tighten(timeout_ms, TIMEOUT_SOURCE)
         chosen = chosen_outputs(inference)
         loop = asyncio.get_running_loop()
         started = time.monotonic()

@@ -189,6 +189,25 @@ def request_params(request: dict[str, Any], names: Mapping[int, str]) -> DetectP
     )
 
 
+TIMEOUT_SOURCE = "the request's timeout parameter"
+"""Where a deadline from Triton's ``timeout`` came from, in errors."""
+
+
+def request_timeout_ms(request: dict[str, Any]) -> float | None:
+    """Triton's ``timeout`` request parameter (whole microseconds, what ``tritonclient``'s
+    ``infer(timeout=...)`` sends; 0 is none, as in Triton) in milliseconds, or None; a
+    malformed one is a 400. The call's deadline is the earliest of it, the client's own
+    (``X-Request-Deadline-Ms``, or the gRPC deadline) and the settings'."""
+    value = parameters_of(request, "the request").get("timeout")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HTTPException(
+            400, f"parameter 'timeout': whole microseconds, 0 or more (0: none), not {value!r}"
+        )
+    return value / 1000.0 if value else None
+
+
 def rescaled_to_sent(
     results: Sequence[WorkResult], images: Sequence[tuple[Image, tuple[int, int]]]
 ) -> list[Detections]:
