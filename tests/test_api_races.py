@@ -145,7 +145,15 @@ def _call(
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope: dict[str, Any] = {
+    assert c.portal is not None
+    app: Any = c.app
+    c.portal.call(app, _post_scope(path, headers), receive, send)
+    return sent
+
+
+def _post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """The ASGI scope of ``POST path`` as uvicorn makes it."""
+    return {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
@@ -160,10 +168,6 @@ def _call(
         "root_path": "",
         "state": {},
     }
-    assert c.portal is not None
-    app: Any = c.app
-    c.portal.call(app, scope, receive, send)
-    return sent
 
 
 def test_an_upload_cut_off_is_logged_as_such_and_leaves_nothing(
@@ -315,22 +319,7 @@ def test_a_detect_call_still_queued_when_the_shutdown_runs_out_is_refused_503_an
             async def send(message: dict[str, Any]) -> None:
                 sent.append(message)
 
-            scope: dict[str, Any] = {
-                "type": "http",
-                "asgi": {"version": "3.0"},
-                "http_version": "1.1",
-                "method": "POST",
-                "path": "/detect",
-                "raw_path": b"/detect",
-                "query_string": b"",
-                "headers": headers,
-                "client": ("127.0.0.1", 5000),
-                "server": ("127.0.0.1", 8000),
-                "scheme": "http",
-                "root_path": "",
-                "state": {},
-            }
-            await app(scope, receive, send)
+            await app(_post_scope("/detect", headers), receive, send)
 
         async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int, bool]:
             first_sent: list[dict[str, Any]] = []
