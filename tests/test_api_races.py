@@ -7,6 +7,7 @@ waited on and called back."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,16 +152,18 @@ def _call(
     return sent
 
 
-def _post_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
-    """The ASGI scope of ``POST path`` as uvicorn makes it."""
+def _post_scope(
+    path: str, headers: list[tuple[bytes, bytes]], method: str = "POST", query: bytes = b""
+) -> dict[str, Any]:
+    """The ASGI scope of ``POST path`` (or ``method``) as uvicorn makes it."""
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "POST",
+        "method": method,
         "path": path,
         "raw_path": path.encode(),
-        "query_string": b"",
+        "query_string": query,
         "headers": headers,
         "client": ("127.0.0.1", 5000),
         "server": ("127.0.0.1", 8000),
@@ -345,3 +348,47 @@ def test_a_detect_call_still_queued_when_the_shutdown_runs_out_is_refused_503_an
         assert (b"retry-after", b"5") in queued_sent[0]["headers"]
         assert b"STREAMDET_SHUTDOWN_TIMEOUT_S" in queued_sent[1]["body"]
         assert left == 0  # taken back: it does not run for nobody
+
+
+@pytest.mark.parametrize("route", ["/events", "/jobs/{job}"])
+def test_a_long_poll_whose_client_goes_away_stops_waiting(tmp_path: Path, route: str) -> None:
+    """``GET /events?wait_s=60`` (nothing logged) or ``GET /jobs/{id}?wait_s=60`` (a job still
+    queued) whose client hangs up: the handler stops at once, its wait cancelled (it waited
+    the whole minute for nobody, a task each)."""
+    with TestClient(file_stream_app(tmp_path, job_concurrency=1)) as c:
+        c.post("/jobs", json={"url": f"file://{CAR_CLIP}"})
+        queued = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}"}).json()["id"]
+        path = route.format(job=queued)
+        after = c.get("/events", params={"latest": True}).json()["next"]
+        events_query = f"wait_s=60&after={after}&type=manual"  # no manual event comes
+        query = (events_query if route == "/events" else "wait_s=60").encode()
+        app: Any = c.app
+
+        async def hang_up() -> tuple[list[dict[str, Any]], bool]:
+            asked, gone = asyncio.Event(), asyncio.Event()
+            messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    asked.set()
+                    return messages.pop(0)
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+            sent: list[dict[str, Any]] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            call = asyncio.ensure_future(app(_post_scope(path, [], "GET", query), receive, send))
+            await asyncio.wait_for(asked.wait(), 10)
+            await asyncio.sleep(0.3)  # waiting now
+            assert not call.done()
+            gone.set()
+            done, _ = await asyncio.wait([call], timeout=10)  # not the minute of wait_s
+            return sent, bool(done)
+
+        assert c.portal is not None
+        sent, ended = c.portal.call(hang_up)
+        assert ended, "the long poll went on waiting for a client that had gone"
+        assert sent and sent[0]["status"] == 499

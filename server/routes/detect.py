@@ -19,6 +19,7 @@ from server.admission import AdmissionTicket, Ticket
 from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_upload
 from server.metrics import get_metrics
 from server.render import render_jpeg
+from server.routes.longpoll import disconnected
 from server.state import AppState, get_state
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ async def run_admitted(
     work = asyncio.ensure_future(state.pool.detect_many(images, params, ticket.hard_deadline, rid))
     try:
         if request is not None:
-            gone = asyncio.ensure_future(_disconnected(request))
+            gone = asyncio.ensure_future(disconnected(request))
             try:
                 await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
@@ -185,12 +186,6 @@ async def _take_back(work: asyncio.Future[list[WorkResult]]) -> None:
     work.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await work
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once the client of ``request`` (its body read) has closed the connection."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 IMAGE_BODY = {"schema": {"type": "string", "format": "binary"}}

@@ -36,6 +36,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from server.ranges import RangedFile
 from server.routes.detect import parse_classes
+from server.routes.longpoll import wait_unless_gone
 from server.routes.streams import get_manager
 from server.state import get_state
 from streams.events import COUNT_KEYS, EVENT_TYPES, EventFilter, EventLog, count_events
@@ -201,7 +202,8 @@ async def read_events(
         if page.events or page.missed or left <= 0 or log.closed:
             break
         cursor = page.next
-        await log.wait(cursor, left)
+        if await wait_unless_gone(request, log.wait(cursor, left)):
+            raise HTTPException(499, "the client closed the connection")
     return {"events": page.events, "next": page.next, "missed": page.missed}
 
 

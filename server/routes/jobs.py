@@ -43,6 +43,7 @@ from server.ranges import RangedFile
 from server.routes.bodies import load_json
 from server.routes.detect import capped_stream, megabytes
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
+from server.routes.longpoll import wait_unless_gone
 from server.routes.streams import DetectIn
 from server.state import AppState, get_state
 from streams.detect import StreamDetect
@@ -409,7 +410,8 @@ async def get_job(
     state = get_state(request)
     job = _job(state, job_id)
     if wait_s:
-        await _jobs(state).wait(job, wait_s)
+        if await wait_unless_gone(request, _jobs(state).wait(job, wait_s)):
+            raise HTTPException(499, "the client closed the connection")
         job = _job(state, job_id)  # 404 once deleted meanwhile
     return _describe(_jobs(state), job, state.pool.engine.names)
 
