@@ -23,11 +23,15 @@ class RtspCamera:
     Args:
         mounts: mount name to clip.
         port: fixed port (to restart the same camera), else a free one.
+        session_timeout_s: the RTSP session timeout clients must keep alive (0: the server's).
     """
 
-    def __init__(self, mounts: dict[str, Path], port: int | None = None) -> None:
+    def __init__(
+        self, mounts: dict[str, Path], port: int | None = None, session_timeout_s: int = 0
+    ) -> None:
         self.mounts = mounts
         self.port = port or free_port()
+        self.session_timeout_s = session_timeout_s
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> RtspCamera:
@@ -42,6 +46,8 @@ class RtspCamera:
                 " /usr/bin/python3: run `bash scripts/system-deps.sh` (or -m 'not rtsp')"
             )
         cmd = [SYSTEM_PYTHON, str(RTSP_SCRIPT), "--port", str(self.port)]
+        if self.session_timeout_s:
+            cmd += ["--session-timeout-s", str(self.session_timeout_s)]
         for name, clip in self.mounts.items():
             cmd += ["--mount", f"{name}={clip}"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

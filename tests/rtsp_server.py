@@ -141,6 +141,10 @@ class LoopingFactory(GstRtspServer.RTSPMediaFactory):  # type: ignore[misc]
         src.emit("push-buffer", buf)
 
 
+def _timeout_sessions(_server: Any, client: Any, timeout_s: int) -> None:
+    client.connect("new-session", lambda _client, session: session.set_timeout(timeout_s))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
@@ -153,6 +157,12 @@ def main() -> int:
         help="serve CLIP at rtsp://HOST:PORT/NAME (repeatable)",
     )
     parser.add_argument("--no-loop", action="store_true", help="end each stream after one pass")
+    parser.add_argument(
+        "--session-timeout-s",
+        type=int,
+        default=0,
+        help="RTSP session timeout a client must keep alive (as cameras' 60 s); 0: the server's",
+    )
     args = parser.parse_args()
     Gst.init(None)
     clips: dict[str, Clip] = {}
@@ -167,6 +177,11 @@ def main() -> int:
         if path not in clips:
             clips[path] = load_clip(path)
         mounts.add_factory("/" + name.strip("/"), LoopingFactory(clips[path], not args.no_loop))
+    if args.session_timeout_s:
+        server.connect("client-connected", _timeout_sessions, args.session_timeout_s)
+        # The server removes expired sessions only when asked: as a camera does, once a second.
+        pool = server.get_session_pool()
+        GLib.timeout_add_seconds(1, lambda: pool.cleanup() >= 0)
     if server.attach(None) == 0:
         print(f"cannot listen on {args.host}:{args.port}", file=sys.stderr)
         return 1

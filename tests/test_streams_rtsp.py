@@ -20,6 +20,7 @@ from streams.events import EventFilter
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
+from streams.sources import Transport
 from streams.store import StreamStore
 from tests.helpers import VIDEOS, silent_camera, start_ort_pool
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
@@ -308,3 +309,32 @@ async def test_a_stalled_camera_says_which_wait_ran_out_and_each_return_starts_a
         await m.stop(10)
         cam.stop()
         silent.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "udp"])
+async def test_a_camera_with_a_short_session_timeout_is_kept_alive(
+    manager: StreamManager, transport: Transport
+) -> None:
+    """Cameras end an RTSP session nothing renewed within its timeout (60 s, often): one of
+    2 s stays live three times as long, with no reconnect, over TCP and UDP. FFmpeg sends
+    GET_PARAMETER/OPTIONS keep-alives; GStreamer's server also keeps a session alive while
+    its TCP connection is open or RTCP comes, so this shows the stream lasts, not which of
+    them kept it."""
+    assert CAR is not None
+    cam = RtspCamera({"car": CAR}, session_timeout_s=2).start()
+    try:
+        info = await manager.add(cam.url("car"), transport=transport)
+        sub = manager.subscribe(info["id"])
+        assert sub is not None
+        assert await manager.wait_state(info["id"], {StreamState.LIVE}, 30)
+        await asyncio.sleep(6)
+        before = await next_frame(sub)
+        while (after := await next_frame(sub)).frame <= before.frame + 5:
+            pass
+        stats = manager.describe(info["id"])
+        assert stats is not None
+        assert stats["state"] == "live" and stats["reconnects"] == 0, stats
+        assert stats["last_error"] is None, stats
+        assert after.captured_at > before.captured_at
+    finally:
+        cam.stop()
