@@ -376,7 +376,10 @@ class AdmissionController:
             arrived,
             arrived + budget_ms / 1000.0,
             arrived + hard_ms / 1000.0,
-            from_client=client_ms is not None,
+            # The client's deadline binds only where it is the earlier: a longer one leaves
+            # the server's rules (an idle pool runs the call) as if none was sent (it lost
+            # that, and a slow host's call was refused 504 for sending a generous deadline).
+            from_client=client_ms is not None and client_ms < server_ms,
             source=client_deadline
             if client_ms is not None and client_ms < server_ms
             else self.deadline_source(),

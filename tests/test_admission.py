@@ -455,3 +455,29 @@ def test_a_deadline_shorter_than_the_call_alone_is_504_and_the_earliest_deadline
     fits = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "900"}), "s3")
     fits.decoded(0.001)
     fits.release()
+
+
+def test_a_client_deadline_longer_than_the_servers_keeps_the_idle_pool_running_the_call() -> None:
+    """On a host where one image takes longer than the server's deadline, an idle pool runs a
+    call that asks for none; one asking for a longer deadline than the server's was refused
+    504 ("raise X-Request-Deadline-Ms"), though it asked to wait more, not less."""
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=8)
+    controller = AdmissionController(pool, Settings(admission_deadline_ms=1000), Metrics())
+    for _ in range(50):
+        pool._observe(1, 2.0)  # 2 s per image: over the server's 1 s deadline
+    for headers in (Headers(), Headers({"x-request-deadline-ms": "5000"})):
+        ticket = controller.admit(time.monotonic(), headers, "slow")
+        assert ticket.source == "setting STREAMDET_ADMISSION_DEADLINE_MS"
+        ticket.decoded(0.001)  # queued, not refused
+        ticket.release()
+    with pytest.raises(HTTPException) as short:  # a client's own shorter deadline still binds
+        controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "500"}), "short")
+    assert short.value.status_code == 504
