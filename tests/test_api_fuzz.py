@@ -131,6 +131,16 @@ def test_the_schema_documents_the_answers_each_route_gives(client: TestClient) -
     assert client.get("/openapi.json").json() == schema  # the same each time
 
 
+def test_the_error_answers_name_every_status_the_routes_give(client: TestClient) -> None:
+    """The 4XX/5XX descriptions list each status a route answers: a 405 (its Allow), a
+    long poll or /detect whose client hung up (499) and a client deadline no retry can meet
+    (504, without Retry-After) were in neither."""
+    detect = client.get("/openapi.json").json()["paths"]["/detect"]["post"]["responses"]
+    for status in ("405", "499"):
+        assert status in detect["4XX"]["description"], status
+    assert "504" in detect["5XX"]["description"]
+
+
 # The operations fuzzed from the schema in CI: those that take JSON or many query parameters,
 # on the module's app (a live stream "car"). Not /detect (inference on every example: the
 # engine's own tests), nor GET /events (a wait_s long poll of up to 60 s each).

@@ -42,12 +42,14 @@ V2_ERROR = {
     "description": "KServe v2's error answer (tritonclient reads ``error``)",
 }
 CLIENT_ERRORS = (
-    "refused: 400 unreadable input, 401/403 API key, 404 unknown id, 409 conflict, 413 too"
-    " large, 415 wrong media type, 429 overloaded (Retry-After); the message names the problem"
+    "refused: 400 unreadable input, 401/403 API key, 404 unknown id, 405 method not allowed"
+    " (Allow), 409 conflict, 413 too large, 415 wrong media type, 429 overloaded (Retry-After),"
+    " 499 the client closed the connection; the message names the problem"
 )
 SERVER_ERRORS = (
-    "503 not ready or not in time (Retry-After), 507 the data directory cannot be written"
-    " (setting STREAMDET_DATA_DIR)"
+    "503 not ready or not in time (Retry-After), 504 the client's deadline is shorter than the"
+    " call takes alone on an idle server (no Retry-After: raise the deadline), 507 the data"
+    " directory cannot be written (setting STREAMDET_DATA_DIR)"
 )
 # Answers of other media types than FastAPI documents, by (method, path): format=yaml,
 # format=csv, NDJSON, server-sent events.
