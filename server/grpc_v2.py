@@ -199,6 +199,14 @@ def make_servicer(app: FastAPI) -> Any:
 
     base: Any = pb_grpc.GRPCInferenceServiceServicer
 
+    def _refusing(what: str) -> Callable[[Any, Any, Any], Awaitable[None]]:
+        """A servicer method that answers ``UNIMPLEMENTED`` naming ``what`` is not served."""
+
+        async def refuse(self: Any, request: Any, context: Any) -> None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, UNSUPPORTED[what])
+
+        return refuse
+
     class Servicer(base):  # type: ignore[misc]
         def _state(self) -> AppState:
             state: AppState = app.state.streamdet
@@ -243,38 +251,13 @@ def make_servicer(app: FastAPI) -> Any:
             stats = statistics_json(app, self._state(), request.name, request.version)
             return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
-        async def _refuse(self, what: str, context: Any) -> None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, UNSUPPORTED[what])
-
-        async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("load", context)
-
-        async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("load", context)
-
-        async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("shared memory", context)
-
-        async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("shared memory", context)
-
-        async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("shared memory", context)
-
-        async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("shared memory", context)
-
-        async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("shared memory", context)
-
-        async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("shared memory", context)
-
-        async def TraceSetting(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("trace", context)
-
-        async def LogSettings(self, request: Any, context: Any) -> Any:  # noqa: N802
-            await self._refuse("log", context)
+        # Triton's methods of what streamdet does not have: UNIMPLEMENTED, saying so.
+        RepositoryModelLoad = RepositoryModelUnload = _refusing("load")
+        SystemSharedMemoryStatus = SystemSharedMemoryRegister = _refusing("shared memory")
+        SystemSharedMemoryUnregister = CudaSharedMemoryStatus = _refusing("shared memory")
+        CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _refusing("shared memory")
+        TraceSetting = _refusing("trace")
+        LogSettings = _refusing("log")
 
         @answers
         async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
