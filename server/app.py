@@ -49,7 +49,7 @@ from server.snapshots import SnapshotStore
 from server.state import AppState
 from server.streams_file import StreamsFileError
 from server.webhook_store import WebhookStore
-from server.webhooks import Webhooks, WebhookSender
+from server.webhooks import Webhooks, WebhookSender, load_name_key
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         state.snapshots = snapshots
         if manager.clips is not None:
             manager.clips.on_outcome = lambda outcome: metrics.event_clips.labels(outcome).inc()
+        load_name_key(settings.data_dir)  # before any webhook is named
         webhooks = Webhooks(
             [
                 WebhookSender(

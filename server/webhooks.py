@@ -25,8 +25,10 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -57,17 +59,54 @@ def label(url: str, *, masked: bool = True) -> str:
     return f"{parts.scheme}://{host}{path}"
 
 
+NAME_KEY_FILE = "webhook-names.key"
+_name_key = bytearray(os.urandom(16))  # this process's until load_name_key reads the kept one
+
+
+def load_name_key(data_dir: Path) -> None:
+    """Key the hash in webhooks' names (:func:`name`) with this server's own secret, kept in
+    ``data_dir`` (made once, readable by the server alone), so a name is the same after a
+    restart. Unkeyed, anyone reading ``GET /webhooks`` or ``/metrics`` could check guesses
+    of a short hidden secret (a 4-digit ``?token=``, a dictionary password) against it."""
+    path = data_dir / NAME_KEY_FILE
+    with contextlib.suppress(OSError):
+        if len(key := path.read_bytes()) >= 16:
+            _name_key[:] = key
+            return
+    key = os.urandom(16)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning(
+            "webhooks: cannot keep the key of their names in %s (%s): names with a hidden"
+            " part change at each start (setting STREAMDET_DATA_DIR)",
+            path,
+            exc,
+        )
+    _name_key[:] = key
+
+
 def name(url: str) -> str:
     """The webhook as ``GET /webhooks`` and ``/metrics``' ``webhook`` label show it: its
     :func:`label`, and where that hides something (credentials, a query, a fragment, a
-    token-like segment) `` #`` and the first 8 hex digits of the whole URL's SHA-256, as
-    exporters name a secret they must tell apart: two URLs that differ only in what is hidden
-    (two Slack hooks whose tokens end alike) had one series, their counts added up. The same
-    URL has the same name after a restart; 32 bits of a hash give a long token no way back."""
+    token-like segment) `` #`` and the first 8 hex digits of the whole URL's HMAC-SHA-256
+    under the server's key (:func:`load_name_key`), as exporters name a secret they must tell
+    apart: two URLs that differ only in what is hidden (two Slack hooks whose tokens end
+    alike) had one series, their counts added up."""
     shown = label(url)
     if shown == url:
         return shown
-    return f"{shown} #{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+    return f"{shown} #{name_digest(url)}"
+
+
+def name_digest(url: str) -> str:
+    """The 8 hex digits that tell ``url`` apart in its :func:`name`."""
+    return hmac.new(_name_key, url.encode(), hashlib.sha256).hexdigest()[:8]
 
 
 def _masked(segment: str) -> str:

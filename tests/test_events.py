@@ -33,7 +33,7 @@ from server.render import crop_jpeg
 from server.routes import events as events_route
 from server.settings import Settings
 from server.snapshots import SnapshotStore
-from server.webhooks import WebhookSender, label, sign
+from server.webhooks import WebhookSender, label, load_name_key, sign
 from server.webhooks import name as webhook_name
 from streams import event_store
 from streams.event_store import EventStore
@@ -489,6 +489,7 @@ def test_webhooks_get_every_event_signed_after_failures_and_sse_streams_them(
     _, first_headers, first_body = receiver.calls[0]
     expected = hmac.new(secret.encode(), first_body, hashlib.sha256).hexdigest()
     assert first_headers["X-Streamdet-Signature"] == f"sha256={expected}"
+    load_name_key(tmp_path / "data")  # the server's key, kept in its data directory
     name = webhook_name(receiver.url)
     assert "token" not in name and name.startswith(label(receiver.url) + " #")
     assert f'streamdet_webhook_failures_total{{webhook="{name}"}} 2.0' in metrics

@@ -16,7 +16,16 @@ import pytest
 
 from benchmarks.events_bench import WebhookReceiver
 from server.metrics import Metrics
-from server.webhooks import Webhooks, WebhookSender, label, name, sign
+from server.webhooks import (
+    NAME_KEY_FILE,
+    Webhooks,
+    WebhookSender,
+    label,
+    load_name_key,
+    name,
+    name_digest,
+    sign,
+)
 from streams.events import EventLog
 from tests.helpers import SHELF_STREAM, clip_server
 
@@ -63,6 +72,7 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
             hook = added.json()
             assert hook["filter"] == {"type": ["zone_enter"], "classes": ["bottle"]}
             assert hook["signed"] is True and "secret" not in hook and hook["source"] == "api"
+            load_name_key(tmp_path / "data")  # the server's key, kept in its data directory
             assert hook["url"] == name(receiver.url)  # no query: it may hold a token
             assert hook["url"].startswith(receiver.url.split("?")[0] + " #")
             listed = c.get("/webhooks").json()["webhooks"]
@@ -133,7 +143,8 @@ async def test_webhook_urls_shown_alike_keep_their_own_metric_series() -> None:
     ]
     names = [s.name for s in senders]
     assert len(set(names)) == 4, names
-    digest = hashlib.sha256(first.encode()).hexdigest()[:8]
+    digest = name_digest(first)
+    assert digest != hashlib.sha256(first.encode()).hexdigest()[:8]  # keyed: no guess-check
     assert names[0] == f"https://hooks.slack.com/services/T0001ABCD/B0002EFGH/***5678 #{digest}"
     assert names[2].startswith("https://example.com/hook #") and "abc" not in names[2]
     assert all("MNOP" not in n and "MLKJ" not in n for n in names)  # no more of the secret
@@ -153,3 +164,22 @@ async def test_webhook_urls_shown_alike_keep_their_own_metric_series() -> None:
     webhooks = Webhooks(senders)
     assert await webhooks.remove("0")
     assert failures(names[0]) is None and failures(names[1]) == 0.0  # only its series went
+
+
+def test_webhook_names_are_keyed_by_the_data_dirs_own_key(tmp_path: Path) -> None:
+    """The hash in a webhook's name is keyed with a secret kept in the data directory: the
+    same after a restart (the key read back), another server's different, and no one reading
+    GET /webhooks can check guesses of a short hidden token against it (it was a plain
+    SHA-256: a 4-digit ?token= fell to 10,000 hashes)."""
+    url = "https://example.com/hook?token=4821"
+    load_name_key(tmp_path / "a")
+    key_file = tmp_path / "a" / NAME_KEY_FILE
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    first = name(url)
+    load_name_key(tmp_path / "b")
+    other = name(url)
+    load_name_key(tmp_path / "a")  # a restart on the first data directory
+    assert name(url) == first != other
+    candidates = (f"https://example.com/hook?token={n:04d}" for n in range(10_000))
+    guesses = {hashlib.sha256(c.encode()).hexdigest()[:8] for c in candidates}
+    assert first.rsplit("#", 1)[1] not in guesses  # the unkeyed hash of the right guess was
