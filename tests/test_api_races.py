@@ -392,3 +392,20 @@ def test_a_long_poll_whose_client_goes_away_stops_waiting(tmp_path: Path, route:
         sent, ended = c.portal.call(hang_up)
         assert ended, "the long poll went on waiting for a client that had gone"
         assert sent and sent[0]["status"] == 499
+
+
+async def test_a_long_polls_own_error_reaches_its_caller() -> None:
+    """The wait of a long poll that fails raises in its handler (it was dropped, and
+    GET /events went on calling it with no pause until wait_s ran out)."""
+    from server.routes.longpoll import wait_unless_gone
+
+    class Waiting:
+        async def receive(self) -> dict[str, Any]:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    async def failing() -> None:
+        raise OSError("the log is gone")
+
+    with pytest.raises(OSError, match="the log is gone"):
+        await wait_unless_gone(Waiting(), failing())  # type: ignore[arg-type]

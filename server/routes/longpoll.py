@@ -26,4 +26,6 @@ async def wait_unless_gone(request: Request, waiting: Awaitable[object]) -> bool
     finally:
         for task in (work, gone):
             task.cancel()
+    if work.done() and not work.cancelled():
+        work.result()  # the wait's own error, if any, is the caller's (not dropped)
     return gone.done() and not gone.cancelled()
