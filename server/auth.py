@@ -56,6 +56,8 @@ from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from server.routes.errors import is_v2_path
+
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
@@ -389,8 +391,8 @@ class ApiKeyMiddleware:
             failure.detail,
         )
         # Under /v2 as KServe's errors are (tritonclient reads "error"), elsewhere FastAPI's.
-        v2 = scope["path"] == "/v2" or scope["path"].startswith("/v2/")
-        body = json.dumps({"error" if v2 else "detail": failure.detail}).encode()
+        key = "error" if is_v2_path(scope["path"]) else "detail"
+        body = json.dumps({key: failure.detail}).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -14,6 +14,9 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from fastapi import HTTPException
+from fastapi.responses import JSONResponse
+
 # What json.loads raises for a body it cannot read (JSONDecodeError and UnicodeDecodeError are
 # ValueErrors).
 UNREADABLE = (ValueError, RecursionError)
@@ -79,8 +82,6 @@ class JsonBodyLimit:
         too_large = f"body larger than {self.limit // 1024} kB: a settings body is JSON of a few kB"
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            from fastapi.responses import JSONResponse
-
             await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, send)
             return
         size = 0
@@ -90,8 +91,6 @@ class JsonBodyLimit:
             message = await receive()
             size += len(message.get("body", b""))
             if size > self.limit:
-                from fastapi import HTTPException
-
                 raise HTTPException(413, too_large)
             return message
 

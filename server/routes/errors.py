@@ -19,9 +19,14 @@ from server.routes.bodies import FASTAPI_PARSE_ERROR, UNREADABLE, why_unreadable
 V2_PREFIX = "/v2"
 
 
-def is_v2(request: Request) -> bool:
-    path: str = request.url.path
+def is_v2_path(path: str) -> bool:
+    """Whether ``path`` is the KServe v2 protocol's (``/v2`` and below), whose errors answer
+    ``{"error": ...}``: the app's handlers, the key check's refusals and the document alike."""
     return path == V2_PREFIX or path.startswith(V2_PREFIX + "/")
+
+
+def is_v2(request: Request) -> bool:
+    return is_v2_path(request.url.path)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from server.auth import is_open
+from server.routes.errors import is_v2_path
 
 ERROR = {
     "title": "Error",
@@ -83,7 +84,7 @@ def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
             "description": "the field and what is wrong with it: a message, or a list",
         }
     for path, operations in schema.get("paths", {}).items():
-        v2 = path == "/v2" or path.startswith("/v2/")
+        v2 = is_v2_path(path)
         error = "V2Error" if v2 else "Error"
         for method, operation in operations.items():
             if is_open(method.upper(), path):  # health probes: no key, whatever is set
