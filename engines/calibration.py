@@ -413,8 +413,6 @@ class FrameReader:
         return blob
 
     def _batch_at(self, start: int) -> npt.NDArray[np.float32]:
-        if self._batch == 1:
-            return self.tensor(start)
         idx = [(start + k) % len(self._frames) for k in range(self._batch)]
         blob, _ = preprocess([self._frames[i] for i in idx], self._imgsz, self._shape)
         return blob
