@@ -34,7 +34,6 @@ from starlette.datastructures import Headers
 
 from server.admission import DEADLINE_HEADER, AdmissionController
 from server.auth import Access, ApiKeys, bearer_token
-from server.routes.detect import run_admitted
 from server.routes.v2_model import (
     EXTENSIONS,
     NP_TYPES,
@@ -49,15 +48,7 @@ from server.routes.v2_model import (
     served_name,
     statistics_json,
 )
-from server.routes.v2_tensors import (
-    TIMEOUT_SOURCE,
-    chosen_outputs,
-    output_tensors,
-    request_images,
-    request_params,
-    request_timeout_ms,
-    rescaled_to_sent,
-)
+from server.routes.v2_tensors import output_tensors, run_infer
 from server.settings import Settings
 from server.state import AppState
 
@@ -284,8 +275,9 @@ def make_servicer(app: FastAPI) -> Any:
         ) -> AsyncIterator[Any]:
             """Each request of the stream answered on it as it is done (they run at once,
             as Triton's do), an error in its ``error_message``, the stream left open."""
-            done: asyncio.Queue[Any] = asyncio.Queue()
+            done: asyncio.Queue[Any] = asyncio.Queue()  # one answer a request, then None
             running: set[asyncio.Task[None]] = set()
+            asked = 0  # requests read (each puts exactly one answer)
 
             async def answer(request: Any) -> None:
                 try:
@@ -300,26 +292,24 @@ def make_servicer(app: FastAPI) -> Any:
                 await done.put(response)
 
             async def read() -> None:
+                nonlocal asked
                 async for request in requests:
+                    asked += 1
                     task = asyncio.create_task(answer(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
                 await done.put(None)  # the client closed its side
 
             reader = asyncio.create_task(read())
+            answered, closed = 0, False
             try:
-                while True:
+                while not closed or answered < asked:
                     response = await done.get()
                     if response is None:
-                        if not running:
-                            break
-                        await asyncio.wait(set(running))
-                        while not done.empty():
-                            item = done.get_nowait()
-                            if item is not None:
-                                yield item
-                        break
-                    yield response
+                        closed = True
+                    else:
+                        answered += 1
+                        yield response
             finally:
                 reader.cancel()
                 for task in running:
@@ -345,22 +335,15 @@ def make_servicer(app: FastAPI) -> Any:
             )
             try:
                 inference, binary = _as_v2_json(request)
-                params = request_params(inference, state.pool.engine.names)
-                if (timeout_ms := request_timeout_ms(inference)) is not None:
-                    ticket.tighten(timeout_ms, TIMEOUT_SOURCE)
-                # Checked before the images run (an unknown output was refused after).
-                wanted = [name for name, _ in chosen_outputs(inference)]
-                started = time.monotonic()
-                images = await request_images(state, inference, binary, asyncio.get_running_loop())
-                ticket.decoded(time.monotonic() - started, len(images))
-                results = await run_admitted(state, ticket, [im for im, _ in images], params)
+                results, found, chosen = await run_infer(state, ticket, inference, binary)
             except Exception:
                 stats.failed(started_ns)
                 raise
             finally:
                 ticket.release()
             stats.succeeded(started_ns, results)
-            outputs = output_tensors(rescaled_to_sent(results, images))
+            wanted = [name for name, _ in chosen]
+            outputs = output_tensors(found)
             datatypes = {o["name"]: o["datatype"] for o in OUTPUTS}
             return pb.ModelInferResponse(
                 model_name=request.model_name,

@@ -18,7 +18,6 @@ Each image runs through the same admission control, interactive lane and deadlin
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import zlib
@@ -33,7 +32,6 @@ from server.routes.bodies import load_json
 from server.routes.detect import (
     megabytes,
     read_body_capped,
-    run_admitted,
 )
 from server.routes.errors import V2_PREFIX
 from server.routes.v2_model import (
@@ -49,20 +47,11 @@ from server.routes.v2_model import (
     repository_index_json,
     statistics_json,
 )
-from server.routes.v2_tensors import (
-    TIMEOUT_SOURCE,
-    chosen_outputs,
-    output_tensors,
-    request_images,
-    request_params,
-    request_timeout_ms,
-    rescaled_to_sent,
-)
+from server.routes.v2_tensors import output_tensors, run_infer
 from server.state import get_state
 
 router = APIRouter(prefix=V2_PREFIX, tags=["KServe v2"])
 HEADER_LENGTH = "Inference-Header-Content-Length"
-"""A call's images together decode to at most this many times ``max_image_pixels``."""
 
 
 @router.get("")
@@ -330,7 +319,6 @@ async def infer(
     """Detect objects in a batch of images (see the module's description)."""
     state = get_state(request)
     check_model(state, model_name, version)
-    engine = state.pool.engine
     stats, started_ns = infer_stats(request.app), time.monotonic_ns()
     try:
         limit = state.settings.max_upload_bytes
@@ -338,19 +326,9 @@ async def infer(
         ticket.body_read()  # decoding now: ahead of calls that arrive after this
         body = _inflated(body, request.headers.get("content-encoding"), limit)
         inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
-        params = request_params(inference, engine.names)
-        if (timeout_ms := request_timeout_ms(inference)) is not None:
-            ticket.tighten(timeout_ms, TIMEOUT_SOURCE)
-        chosen = chosen_outputs(inference)
-        loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        images = await request_images(state, inference, binary, loop)
-        ticket.decoded(time.monotonic() - started, len(images))  # admission checks it again
-        results = await run_admitted(state, ticket, [im for im, _ in images], params, request)
+        results, found, chosen = await run_infer(state, ticket, inference, binary, request)
     except Exception:
         stats.failed(started_ns)
         raise
     stats.succeeded(started_ns, results)
-    return _response(
-        inference, model_name, output_tensors(rescaled_to_sent(results, images)), chosen
-    )
+    return _response(inference, model_name, output_tensors(found), chosen)

@@ -7,22 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
 
 from engines.batching import WorkResult
 from engines.types import Detections, DetectParams, Image
+from server.admission import Ticket
 from server.images import ImageError, decode_upload, decoded_pixels
-from server.routes.detect import check_queue_room, parse_classes
+from server.routes.detect import check_queue_room, parse_classes, run_admitted
 from server.routes.v2_model import OUTPUTS, UNSUPPORTED
 from server.state import AppState
 
 MAX_IMAGES = 256  # images in one request
 CALL_PIXELS = 2
+"""A call's images together decode to at most this many times ``max_image_pixels``."""
 
 
 def tensor_shape(tensor: Mapping[str, Any], name: str) -> list[int]:
@@ -285,3 +288,29 @@ def chosen_outputs(request: dict[str, Any]) -> list[tuple[str, bool]]:
         binary = parameters_of(item, where).get("binary_data", all_binary)
         chosen.append((name, bool(binary)))
     return chosen
+
+
+InferRun = tuple[list[WorkResult], list[Detections], list[tuple[str, bool]]]
+"""The pool's results, each image's detections in its pixels as sent, the outputs chosen."""
+
+
+async def run_infer(
+    state: AppState,
+    ticket: Ticket,
+    inference: dict[str, Any],
+    binary: bytes,
+    request: Request | None = None,
+) -> InferRun:
+    """Run one v2 infer request (its JSON and binary data) under ``ticket``, over HTTP or
+    gRPC alike: its parameters and ``timeout``, the outputs asked for (checked before any
+    image runs), its images decoded and run (:data:`InferRun`). ``request``: the HTTP call,
+    whose client may go away."""
+    params = request_params(inference, state.pool.engine.names)
+    if (timeout_ms := request_timeout_ms(inference)) is not None:
+        ticket.tighten(timeout_ms, TIMEOUT_SOURCE)
+    chosen = chosen_outputs(inference)
+    started = time.monotonic()
+    images = await request_images(state, inference, binary, asyncio.get_running_loop())
+    ticket.decoded(time.monotonic() - started, len(images))  # admission checks it again
+    results = await run_admitted(state, ticket, [im for im, _ in images], params, request)
+    return results, rescaled_to_sent(results, images), chosen
