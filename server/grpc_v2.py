@@ -226,8 +226,7 @@ def make_servicer(app: FastAPI) -> Any:
                 check_model(state, request.name, request.version)
             except HTTPException:
                 # Not ready, as Triton answers for a model or version it does not have (and
-                # as over HTTP, where tritonclient reads the 404 so): NOT_FOUND raised out
-                # of is_model_ready.
+                # as over HTTP, its 400): NOT_FOUND raised out of is_model_ready.
                 return pb.ModelReadyResponse(ready=False)
             return pb.ModelReadyResponse(ready=state.ready)
 

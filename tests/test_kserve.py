@@ -357,6 +357,29 @@ def test_a_compressed_request_is_inflated_as_triton_does(
         assert big.status_code == 413 and "STREAMDET_MAX_UPLOAD_MB" in big.json()["error"]
 
 
+def test_model_ready_of_a_model_or_version_it_lacks_is_tritons_400(
+    server: ServerProcess, client: triton.InferenceServerClient
+) -> None:
+    """GET /v2/models/{name}/ready of a model or version the server does not have is 400 with
+    the protocol's error, as Triton's (it was 404, where Triton answers 400 "Model version not
+    ready"); a version that is no number is Triton's 400 on every model route; what it has is
+    200, and metadata of an unknown model stays Triton's 404 (NOT_FOUND)."""
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        for path in ("/v2/models/other/ready", f"/v2/models/{MODEL}/versions/2/ready"):
+            answer = c.get(path)
+            assert answer.status_code == 400, path
+            assert "not ready" in answer.json()["error"], path
+        assert "unknown model 'other'" in c.get("/v2/models/other/ready").json()["error"]
+        assert c.get(f"/v2/models/{MODEL}/ready").status_code == 200
+        assert c.get(f"/v2/models/{MODEL}/versions/1/ready").status_code == 200
+        assert c.get("/v2/models/other").status_code == 404
+        assert c.get(f"/v2/models/{MODEL}/versions/2").status_code == 404
+        for path in (f"/v2/models/{MODEL}/versions/x", f"/v2/models/{MODEL}/versions/x/ready"):
+            answer = c.get(path)
+            assert answer.status_code == 400 and "not a number" in answer.json()["error"], path
+    assert client.is_model_ready(MODEL) and not client.is_model_ready("other")
+
+
 def test_repository_index_and_statistics_answer_as_tritons(
     server: ServerProcess,
     client: triton.InferenceServerClient,

@@ -186,8 +186,13 @@ async def model_config(
 @router.get("/models/{model_name}/ready")
 @router.get("/models/{model_name}/versions/{version}/ready")
 async def model_ready(request: Request, model_name: str, version: str | None = None) -> Response:
+    """200 once the model is ready, 503 before; 400 for a model or version this server does
+    not have, as Triton answers (its "not ready" for what it does not have: it was 404)."""
     state = get_state(request)
-    check_model(state, model_name, version)
+    try:
+        check_model(state, model_name, version)
+    except HTTPException as exc:
+        raise HTTPException(400, f"{exc.detail}: not ready") from None
     return Response(status_code=200 if state.ready else 503)
 
 

@@ -43,7 +43,13 @@ def served_name(state: AppState) -> str:
 
 
 def check_model(state: AppState, name: str, version: str | None) -> None:
+    """A 404 for a model or version this server does not have (Triton's ``NOT_FOUND``), a
+    400 for a version that is no number (Triton's "failed to get model version")."""
     served = served_name(state)
+    if version and not version.lstrip("-").isdigit():
+        raise HTTPException(
+            400, f"version {version[:40]!r} of model {name!r} is not a number; it has {VERSION!r}"
+        )
     if name not in {served, state.pool.engine.model_name}:
         raise HTTPException(404, f"unknown model {name!r}; this server serves {served!r}")
     if version not in (None, "", VERSION):
