@@ -79,7 +79,39 @@ def resolve_device(name: str) -> torch.device:
         raise EngineError(
             f"device {name!r}: only {count} CUDA device(s) visible (STREAMDET_DEVICE)"
         )
+    if (reason := unsupported_capability(index)) is not None:
+        raise EngineError(reason)
     return torch.device("cuda", index)
+
+
+def unsupported_capability(index: int) -> str | None:
+    """Why this torch build has no kernels for CUDA device ``index``, or ``None`` if it has.
+
+    A cubin runs on GPUs of its major compute capability and the same or a higher minor one
+    (``sm_80`` on 8.0 and 8.6, not on 7.5 or 9.0); PTX (``compute_XY``) is compiled at load
+    for any capability from ``X.Y`` up. Without either, the device is visible but its first
+    kernel fails ("no kernel image is available for execution on the device"), mid-warmup.
+    """
+    archs = torch.cuda.get_arch_list()
+    if not archs:  # a build that does not say: let its first kernel tell
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    for arch in archs:
+        kind, _, digits = arch.partition("_")
+        number = "".join(c for c in digits if c.isdigit())
+        if not number:
+            continue
+        arch_major, arch_minor = divmod(int(number), 10)
+        if kind == "sm" and arch_major == major and arch_minor <= minor:
+            return None
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
+            return None
+    return (
+        f"CUDA device {index} ({torch.cuda.get_device_name(index)}) has compute capability"
+        f" {major}.{minor}, which this torch {torch.__version__} (CUDA {torch.version.cuda})"
+        f" has no kernels for (built for {' '.join(archs)}): install a torch build for"
+        f" sm_{major}{minor}, or pick --backend onnxruntime"
+    )
 
 
 # ---- batch buckets --------------------------------------------------------------------------

@@ -249,6 +249,43 @@ def test_cuda_device_without_gpu_is_refused_with_the_reason() -> None:
         resolve_device("mps")
 
 
+@pytest.mark.parametrize(
+    ("capability", "archs", "usable"),
+    [
+        ((7, 0), ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"], False),  # V100
+        ((8, 0), ["sm_86", "sm_90"], False),  # an sm_86 cubin does not run on 8.0
+        ((8, 6), ["sm_80", "sm_90"], True),  # sm_80 runs on 8.6
+        ((9, 0), ["sm_80", "sm_90a"], True),
+        ((12, 1), ["sm_90", "compute_120"], True),  # PTX compiled at load
+        ((8, 9), ["sm_90", "compute_90"], False),  # PTX of a newer capability: no
+    ],
+)
+def test_a_gpu_torch_has_no_kernels_for_is_refused_naming_its_capability(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int],
+    archs: list[str],
+    usable: bool,
+) -> None:
+    """A GPU the installed torch was not built for is visible, and its first kernel fails
+    mid-warmup ("no kernel image is available"): refused at load, saying which capability
+    and which build to install."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: archs)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Some GPU")
+    if usable:
+        assert resolve_device("cuda") == torch.device("cuda", 0)
+        return
+    major, minor = capability
+    with pytest.raises(EngineError) as info:
+        resolve_device("cuda")
+    message = str(info.value)
+    assert f"compute capability {major}.{minor}" in message
+    assert f"torch build for sm_{major}{minor}" in message and "--backend onnxruntime" in message
+
+
 def test_torch_backend_refuses_cuda_without_gpu(model_info: ModelInfo) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible here")
