@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -200,7 +201,11 @@ def build_engine(trt: Any, onnx_path: Path, shapes: ProfileShapes, out: Path) ->
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".build-", delete=False) as tmp:
-        tmp.write(memoryview(plan))
+        try:
+            tmp.write(memoryview(plan))
+        except BaseException:  # a full disk: no half-written plan left beside the cache
+            Path(tmp.name).unlink(missing_ok=True)
+            raise
     os.replace(tmp.name, out)  # concurrent builders: the last complete plan wins, none is torn
     return out
 
@@ -214,12 +219,53 @@ def ensure_engine(config: EngineConfig, device: torch.device, trt: Any) -> Path:
         file_sha256(onnx_path), trt.__version__, gpu_identity(device), info.precision, shapes
     )
     path = key.path(config.cache_dir, onnx_path.stem)
-    if path.exists():
-        log.info("using cached TensorRT engine %s", path)
-        return path
-    build_engine(trt, onnx_path, shapes, path)
-    path.with_suffix(".json").write_text(json.dumps(asdict(key), indent=2))
+    # Every worker of a pool loads at once: one builds, the others wait for its plan (they
+    # each built the same plan at the same time, minutes of GPU and N times the memory).
+    with _build_lock(path):
+        if path.exists():
+            log.info("using cached TensorRT engine %s", path)
+            return path
+        build_engine(trt, onnx_path, shapes, path)
+        path.with_suffix(".json").write_text(json.dumps(asdict(key), indent=2))
     return path
+
+
+_BUILD_LOCKS: dict[Path, threading.Lock] = {}
+_BUILD_LOCKS_GUARD = threading.Lock()
+
+
+def _build_lock(path: Path) -> threading.Lock:
+    with _BUILD_LOCKS_GUARD:
+        return _BUILD_LOCKS.setdefault(path.resolve(), threading.Lock())
+
+
+# TensorRT's I/O types and torch's of the same size; FP8/INT4/FP4 never are an engine's I/O here.
+_TORCH_DTYPES = {
+    "FLOAT": torch.float32,
+    "HALF": torch.float16,
+    "BF16": torch.bfloat16,
+    "INT8": torch.int8,
+    "UINT8": torch.uint8,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+def torch_dtype(trt: Any, dtype: Any, name: str, plan: Path) -> torch.dtype:
+    """The torch dtype of an I/O tensor of TensorRT type ``dtype`` (its buffer is allocated
+    in it, so a wrong one is a wrong size: an INT64 output in float32 would overflow it).
+
+    Raises:
+        EngineError: a type with no torch equivalent.
+    """
+    for member, torch_type in _TORCH_DTYPES.items():
+        if getattr(trt.DataType, member, None) == dtype:
+            return torch_type
+    raise EngineError(
+        f"engine {plan}: tensor {name!r} is of TensorRT type {dtype}, which streamdet does not"
+        " bind; export the ONNX with float32 or float16 inputs and outputs"
+    )
 
 
 class TensorBindings:
@@ -239,6 +285,7 @@ class TensorBindings:
         device: where the outputs are allocated.
         stream: the CUDA stream to run on (its handle), asked at each call.
         keep: what must outlive the context (the engine, its runtime, aux streams).
+        profile: the engine's optimization profile, named when a shape falls outside it.
     """
 
     def __init__(
@@ -250,8 +297,10 @@ class TensorBindings:
         *,
         stream: Callable[[], int],
         keep: object = None,
+        profile: ProfileShapes | None = None,
     ) -> None:
         self._context = context
+        self._profile = "(unknown)" if profile is None else f"{profile.min}..{profile.max}"
         self._in_name = in_name
         self._outputs = outputs
         self._out_name = next(iter(outputs))
@@ -267,7 +316,14 @@ class TensorBindings:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = tuple(x.shape)
         context = self._context
-        context.set_input_shape(self._in_name, shape)
+        if not context.set_input_shape(self._in_name, shape):
+            # Outside the engine's profile: its output shapes would be -1s (TensorRT's log
+            # above says which bound).
+            raise EngineError(
+                f"TensorRT refused input shape {shape} for {self._in_name!r}: outside the"
+                f" engine's optimization profile {self._profile}; rebuild the engine with a"
+                " --max-batch / --imgsz that covers it"
+            )
         key = (x.data_ptr(), shape)
         bound = self._bound.get(key)
         if bound is None:  # allocated in the eager warm-up, before any graph capture
@@ -323,8 +379,20 @@ class TrtEngine(GpuDetector):
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         engine = runtime.deserialize_cuda_engine(plan.read_bytes())
         if engine is None:
-            raise EngineError(f"TensorRT cannot load {plan}; delete it to rebuild")
+            raise EngineError(
+                f"TensorRT {trt.__version__} cannot load {plan} (see its log above: built by"
+                f" another TensorRT version or for another GPU than {gpu_identity(device)},"
+                " or damaged); delete it and it is rebuilt at the next start"
+                " (or by streamdet export --format engine)"
+            )
         context = engine.create_execution_context()
+        if context is None:  # its activation memory could not be allocated (TensorRT logs it)
+            free, total = torch.cuda.mem_get_info(device)
+            raise EngineError(
+                f"TensorRT could not create an execution context for {plan} on {device}"
+                f" (out of GPU memory? {free >> 20} MiB free of {total >> 20} MiB): lower"
+                " --workers or --max-batch, or free the GPU"
+            )
         # TensorRT may run parts of the engine on auxiliary streams; made by it, they might
         # be blocking streams, which NVDEC's work on the legacy default stream would then
         # wait on (and which fail a graph capture going on meanwhile): so they are torch's
@@ -341,13 +409,8 @@ class TrtEngine(GpuDetector):
         if len(inputs) != 1 or not outputs:
             raise EngineError(f"engine {plan}: expected one image input, got {inputs} -> {outputs}")
         in_name = inputs[0]
-        dtypes = {
-            trt.DataType.FLOAT: torch.float32,
-            trt.DataType.HALF: torch.float16,
-            trt.DataType.INT32: torch.int32,
-        }
-        in_dtype = dtypes[engine.get_tensor_dtype(in_name)]
-        out_dtype = {n: dtypes.get(engine.get_tensor_dtype(n), torch.float32) for n in outputs}
+        in_dtype = torch_dtype(trt, engine.get_tensor_dtype(in_name), in_name, plan)
+        out_dtype = {n: torch_dtype(trt, engine.get_tensor_dtype(n), n, plan) for n in outputs}
         forward = TensorBindings(
             context,
             in_name,
@@ -355,6 +418,7 @@ class TrtEngine(GpuDetector):
             device,
             stream=lambda: torch.cuda.current_stream(device).cuda_stream,
             keep=(engine, runtime, aux),
+            profile=self._shapes,
         )
         log.info("tensorrt engine: %s on %s (%s in, %s out)", plan, device, in_dtype, out_dtype)
         return forward, in_dtype

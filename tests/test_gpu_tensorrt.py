@@ -26,6 +26,7 @@ from engines.tensorrt import (
     import_tensorrt,
     model_profile,
     profile_shapes,
+    torch_dtype,
     trt_major,
 )
 from engines.types import EngineError, ModelInfo
@@ -335,3 +336,160 @@ def test_outputs_are_bound_per_input_and_freed_with_it() -> None:
     del a
     gc.collect()
     assert len(forward) == 0
+
+
+class _RefusingContext(_FakeContext):
+    """A context whose profile does not take the shape: TensorRT answers False and leaves the
+    output shapes unknown (-1)."""
+
+    def set_input_shape(self, name: str, shape: tuple[int, ...]) -> bool:
+        return False
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return (-1, 84, -1)
+
+
+def test_a_shape_outside_the_profile_is_refused_naming_it() -> None:
+    """``set_input_shape`` returns False outside the engine's profile; its result was ignored,
+    and the outputs were allocated at TensorRT's -1 shapes ('negative dimension -1')."""
+    profile = profile_shapes(8, 640, 32, True)
+    forward = TensorBindings(
+        _RefusingContext(),
+        "images",
+        {"output0": torch.float32},
+        torch.device("cpu"),
+        stream=lambda: 7,
+        profile=profile,
+    )
+    with pytest.raises(EngineError) as info:
+        forward(torch.zeros((16, 3, 640, 640)))
+    message = str(info.value)
+    assert "(16, 3, 640, 640)" in message and str(profile.max) in message
+    assert "--max-batch" in message and len(forward) == 0
+
+
+def _data_types() -> Any:
+    return type(
+        "DataType",
+        (),
+        {n: f"DataType.{n}" for n in ("FLOAT", "HALF", "BF16", "INT8", "INT32", "INT64", "BOOL")},
+    )
+
+
+@pytest.mark.parametrize(
+    ("member", "dtype"),
+    [
+        ("FLOAT", torch.float32),
+        ("HALF", torch.float16),
+        ("BF16", torch.bfloat16),
+        ("INT32", torch.int32),
+        ("INT64", torch.int64),
+        ("BOOL", torch.bool),
+    ],
+)
+def test_io_tensors_get_torch_buffers_of_their_own_type(member: str, dtype: torch.dtype) -> None:
+    """An output's buffer is allocated in its dtype: an INT64 or BF16 output was given float32
+    (an INT64 one half the bytes TensorRT writes into it)."""
+    trt = type("trt", (), {"DataType": _data_types()})
+    assert torch_dtype(trt, f"DataType.{member}", "output0", Path("m.engine")) == dtype
+
+
+def test_an_io_type_torch_cannot_hold_is_refused_naming_the_tensor() -> None:
+    """An unknown input type raised a bare KeyError."""
+    trt = type("trt", (), {"DataType": _data_types()})
+    with pytest.raises(EngineError, match=r"'images' is of TensorRT type DataType.FP8.*float32"):
+        torch_dtype(trt, "DataType.FP8", "images", Path("m.engine"))
+
+
+def test_workers_loading_at_once_build_the_engine_once(
+    model_info: ModelInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool's workers load together: each found no plan and built it, at the same time
+    (minutes of GPU each, and their memory together); now one builds and the others use it."""
+    import threading
+
+    import engines.tensorrt as trt_mod
+
+    monkeypatch.setattr(trt_mod, "gpu_identity", lambda device: "NVIDIA H200 sm_90")
+    trt = _Recorder("10.13.0.35")
+    second = threading.Event()
+    builder = trt.Builder
+
+    class SlowBuilder(builder):  # type: ignore[misc, valid-type]
+        def build_serialized_network(self, network: Any, config: Any) -> bytes:
+            builds = [c for c in trt.calls if c[0] == "build"]
+            if builds:
+                second.set()
+            else:  # the first build: long enough for another worker to start one alongside
+                second.wait(3)
+            return super().build_serialized_network(network, config)  # type: ignore[no-any-return]
+
+    trt.Builder = SlowBuilder
+    config = EngineConfig(model=model_info, imgsz=640, max_batch=8, threads=1, cache_dir=tmp_path)
+    paths: list[Path] = []
+    workers = [
+        threading.Thread(
+            target=lambda: paths.append(ensure_engine(config, torch.device("cuda"), trt))
+        )
+        for _ in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert len(paths) == 2 and paths[0] == paths[1] and paths[0].read_bytes() == b"plan"
+    assert [c for c in trt.calls if c[0] == "build"] == [("build",)]
+    assert not list(paths[0].parent.glob(".build-*"))
+
+
+class _Engine:
+    """A deserialized engine whose execution context cannot be made (its memory)."""
+
+    num_aux_streams = 0
+
+    def create_execution_context(self) -> None:
+        return None
+
+
+def _serving_trt(engine: object) -> Any:
+    class Logger:
+        WARNING = 2
+
+        def __init__(self, severity: int) -> None:
+            pass
+
+    class Runtime:
+        def __init__(self, logger: Logger) -> None:
+            pass
+
+        def deserialize_cuda_engine(self, plan: bytes) -> object:
+            return engine
+
+    return type("trt", (), {"__version__": "10.13.0.35", "Logger": Logger, "Runtime": Runtime})
+
+
+@pytest.mark.parametrize("engine", [_Engine(), None], ids=["no-context", "no-engine"])
+def test_an_engine_that_cannot_run_here_says_why(
+    model_info: ModelInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: object
+) -> None:
+    """An execution context TensorRT cannot allocate is None (it failed later with
+    AttributeError on None); a plan it cannot deserialize names what to rebuild."""
+    import engines.tensorrt as trt_mod
+
+    plan = tmp_path / "engines" / "m.engine"
+    plan.parent.mkdir()
+    plan.write_bytes(b"plan")
+    monkeypatch.setattr(trt_mod, "import_tensorrt", lambda: _serving_trt(engine))
+    monkeypatch.setattr(trt_mod, "ensure_engine", lambda config, device, trt: plan)
+    monkeypatch.setattr(trt_mod, "gpu_identity", lambda device: "NVIDIA H200 sm_90")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (300 << 20, 141 << 30))
+    trt_engine = TrtEngine(EngineConfig(model=model_info, imgsz=640, max_batch=8, threads=1))
+    with pytest.raises(EngineError) as info:
+        trt_engine._open(torch.device("cuda"))
+    message = str(info.value)
+    if engine is None:
+        assert "TensorRT 10.13.0.35 cannot load" in message and "NVIDIA H200 sm_90" in message
+        assert "delete it" in message and str(plan) in message
+    else:
+        assert "out of GPU memory? 300 MiB free of 144384 MiB" in message
+        assert "--workers" in message
