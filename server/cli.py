@@ -200,6 +200,7 @@ def _serve(settings: Settings) -> int:
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # Viewers get 1001 (going away) now, before uvicorn drops sockets with 1012.
             going_away(app)
+            app.state.exiting = True  # a call cancelled from now on is the shutdown's
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -274,15 +274,20 @@ def test_a_triton_call_of_more_images_than_may_wait_is_refused_as_too_large(
         assert _state(c).pool.queue.depth()[0] == 0
 
 
+@pytest.mark.parametrize("by", ["shutdown", "caller"])
 def test_a_detect_call_still_queued_when_the_shutdown_runs_out_is_refused_503_and_taken_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, by: str
 ) -> None:
     """uvicorn cancels the calls still open once its graceful shutdown runs out
     (``STREAMDET_SHUTDOWN_TIMEOUT_S``): one still queued then is answered ``503`` naming the
     setting, its image taken back from the queue (it was uvicorn's bare ``500`` with a
-    traceback a call, and the image ran on for nobody while the server stopped)."""
+    traceback a call, and the image ran on for nobody while the server stopped). Cancelled
+    by anything else (an outer timeout, a middleware, a client's gRPC cancel), it stays
+    cancelled, its image taken back, not counted or logged as the shutdown's refusal (every
+    cancellation was the shutdown's 503)."""
     import asyncio
 
+    from server.routes.detect import UVICORN_SHUTDOWN_CANCEL
     from tests.helpers import ultralytics_assets
 
     with TestClient(file_stream_app(tmp_path, workers=1, max_batch=1)) as c:
@@ -333,7 +338,8 @@ def test_a_detect_call_still_queued_when_the_shutdown_runs_out_is_refused_503_an
             queued = asyncio.ensure_future(call(queued_sent))
             assert await asyncio.to_thread(put.wait, 60)
             assert pool.queue.depth()[0] == 1
-            queued.cancel()  # as uvicorn does when its graceful shutdown runs out
+            # As uvicorn does when its graceful shutdown runs out; else as a caller does.
+            queued.cancel(UVICORN_SHUTDOWN_CANCEL if by == "shutdown" else None)
             await asyncio.wait([queued])
             left = pool.queue.depth()[0]
             hold.set()
@@ -341,8 +347,18 @@ def test_a_detect_call_still_queued_when_the_shutdown_runs_out_is_refused_503_an
             return first_sent, queued_sent, left, queued.cancelled()
 
         assert c.portal is not None
-        first_sent, queued_sent, left, cancelled = c.portal.call(scenario)
+        with caplog.at_level("INFO", logger="server.routes.detect"):
+            first_sent, queued_sent, left, cancelled = c.portal.call(scenario)
         assert first_sent[0]["status"] == 200
+        refused = c.get("/metrics").text
+        shutdown_refusal = 'streamdet_rejections_total{reason="shutting_down"} 1.0'
+        if by == "caller":
+            assert cancelled and queued_sent == []  # the cancellation goes on to its caller
+            assert left == 0  # taken back
+            assert shutdown_refusal not in refused
+            assert "shutdown" not in caplog.text and "cancelled while queued" in caplog.text
+            return
+        assert shutdown_refusal in refused
         assert not cancelled and queued_sent, "the cancelled call sent nothing"
         assert queued_sent[0]["status"] == 503
         assert (b"retry-after", b"5") in queued_sent[0]["headers"]

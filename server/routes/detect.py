@@ -137,22 +137,6 @@ async def run_admitted(
             gone = asyncio.ensure_future(disconnected(request))
             try:
                 await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                # The server cancels the calls still open when its graceful shutdown runs
-                # out (uvicorn, STREAMDET_SHUTDOWN_TIMEOUT_S): the images come back out and
-                # the call is refused as shutting down (it was uvicorn's bare 500 with a
-                # traceback a call, and its images ran on for nobody).
-                await _take_back(work)
-                ticket.reject("shutting_down")
-                if (task := asyncio.current_task()) is not None:
-                    task.uncancel()  # answered instead: the cancellation is handled
-                log.info("request %s: cancelled by the server's shutdown while queued", rid)
-                raise HTTPException(
-                    503,
-                    "server shutting down: the call was not served within the graceful"
-                    " shutdown (setting STREAMDET_SHUTDOWN_TIMEOUT_S)",
-                    headers={"Retry-After": "5"},
-                ) from None
             finally:
                 gone.cancel()
             if not work.done():  # the client went away: its images come back out
@@ -161,6 +145,29 @@ async def run_admitted(
                 log.info("request %s: the client went away before its answer", rid)
                 raise HTTPException(499, "the client closed the connection")
         results = await work
+    except asyncio.CancelledError as exc:
+        await _take_back(work)  # whoever cancelled, its images would run for nobody
+        if request is None or not cancelled_by_shutdown(request, exc):
+            # Its caller cancelled it: a gRPC call cancelled or past its deadline, an outer
+            # timeout, a middleware. Not a refusal, and no calibration from a call that did
+            # not run (it was calibrated as if it had; over HTTP it was the shutdown's 503).
+            ticket.abandon()
+            log.info("request %s: cancelled while queued, its images taken back", rid)
+            raise
+        # The server cancels the calls still open when its graceful shutdown runs out
+        # (uvicorn, STREAMDET_SHUTDOWN_TIMEOUT_S): the images come back out and the call
+        # is refused as shutting down (it was uvicorn's bare 500 with a traceback a call,
+        # and its images ran on for nobody).
+        ticket.reject("shutting_down")
+        if (task := asyncio.current_task()) is not None:
+            task.uncancel()  # answered instead: the cancellation is handled
+        log.info("request %s: cancelled by the server's shutdown while queued", rid)
+        raise HTTPException(
+            503,
+            "server shutting down: the call was not served within the graceful"
+            " shutdown (setting STREAMDET_SHUTDOWN_TIMEOUT_S)",
+            headers={"Retry-After": "5"},
+        ) from None
     except QueueFull as exc:
         ticket.reject("queue_full")
         raise HTTPException(429, f"server busy: {exc}", headers=ticket.retry_after()) from None
@@ -179,6 +186,20 @@ async def run_admitted(
         if result.error is not None or result.detections is None:
             raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
     return results
+
+
+UVICORN_SHUTDOWN_CANCEL = "Task cancelled, timeout graceful shutdown exceeded"
+"""The message uvicorn cancels the calls still open with once its graceful shutdown runs out."""
+
+
+def cancelled_by_shutdown(request: Request, exc: asyncio.CancelledError) -> bool:
+    """Whether ``exc`` is the server's shutdown cancelling the call: uvicorn's message, or a
+    cancellation once the server is exiting (``streamdet serve`` notes its exit signal in
+    ``app.state.exiting``) or shutting down. Any other is its caller's."""
+    if exc.args and exc.args[0] == UVICORN_SHUTDOWN_CANCEL:
+        return True
+    state = get_state(request)
+    return bool(getattr(request.app.state, "exiting", False) or state.shutting_down)
 
 
 async def _take_back(work: asyncio.Future[list[WorkResult]]) -> None:
