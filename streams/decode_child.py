@@ -244,6 +244,7 @@ class _ChildReader(StreamReader):
         self._ring: _Ring | None = None
         self._gens = itertools.count(1)
         self._reported = dict.fromkeys(COUNTED, 0)
+        self._report_lock = threading.Lock()
 
     def _set_state(self, state: StreamState, error: str | None = None) -> None:
         super()._set_state(state, error)
@@ -266,29 +267,41 @@ class _ChildReader(StreamReader):
             self.count_drop()
             return
         ring.write(slot, frame)
-        self._child.post(("frame", self._key, ring.gen, slot, pts, now))
+        # Its counts go with it: sent on the 0.2 s timer only, a frame processed before the
+        # next report had the server's frames_processed lead its frames_in.
+        self.report(("frame", self._key, ring.gen, slot, pts, now))
 
     def _clip_done(self, clip_id: int, path: Path | None, error: str | None) -> None:
         self._child.post(
             ("clip-done", self._key, clip_id, None if path is None else str(path), error)
         )
 
-    def report(self) -> None:
-        """Send the counters that changed since the last report."""
-        now = time.monotonic()
-        with self._lock:
-            values = {name: getattr(self, name) for name in COUNTED}
-            latest = (
-                self.width,
-                self.height,
-                self.keyframes_only,
-                self._fps_in.rate(now),
-                self._last_frame_mono,
-                self._motion.area,
-            )
-        deltas = {k: v - self._reported[k] for k, v in values.items() if v != self._reported[k]}
-        self._reported = values
-        self._child.post(("counts", self._key, deltas, latest))
+    def report(self, frame: tuple[Any, ...] | None = None) -> None:
+        """Send the counters that changed since the last report: on their own, or with
+        ``frame`` (a ``("frame", ...)`` message), which the server counts before it offers
+        the frame, so no read of its counts shows a frame processed that has not come in."""
+        # One report at a time, sent in the order its increments were taken: the timer's
+        # thread and the decode thread both report (two at once sent one increment twice).
+        with self._report_lock:
+            with self._lock:
+                values = {name: getattr(self, name) for name in COUNTED}
+                latest = None
+                if frame is None:
+                    latest = (
+                        self.width,
+                        self.height,
+                        self.keyframes_only,
+                        self._fps_in.rate(time.monotonic()),
+                        self._last_frame_mono,
+                        self._motion.area,
+                    )
+            old = self._reported
+            deltas = {k: v - old[k] for k, v in values.items() if v != old[k]}
+            self._reported = values
+            if frame is None:
+                self._child.post(("counts", self._key, deltas, latest))
+            else:
+                self._child.post((*frame, deltas))
 
     def _run(self) -> None:
         try:

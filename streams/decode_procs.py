@@ -32,8 +32,10 @@ Messages (pickled tuples, one pipe each way per child):
   limit, event_id)``, ``("stop", key)``, ``("quit",)``;
 - child to server: ``("ring", key, gen, path, slots, height, width, source)`` (frames of
   ``width`` x ``height``, scaled from the camera's ``source`` width and height), ``("frame",
-  key, gen, slot, pts, decoded_mono)``, ``("state", key, state, error)``, ``("counts", key,
-  deltas, latest)``, ``("clip-done", key, clip_id, path, error)``, ``("exited", key)``.
+  key, gen, slot, pts, decoded_mono, deltas)`` (``deltas``: the counters' increments since
+  the last report, counted before the frame is offered), ``("state", key, state, error)``,
+  ``("counts", key, deltas, latest)``, ``("clip-done", key, clip_id, path, error)``,
+  ``("exited", key)``.
 
 A child whose server goes away (its pipe closes) stops its streams and exits; a child that
 dies is started again and its streams reopen on it.
@@ -561,7 +563,9 @@ class DecodeHub:
             if (job := proc.jobs.get(key)) is not None:
                 job.put(("end", message[2], message[3:]))
         elif kind == "frame":
-            _, _, gen, slot, pts, decoded_mono = message
+            _, _, gen, slot, pts, decoded_mono, deltas = message
+            if reader is not None:  # counted in before it is offered (and maybe processed)
+                reader.remote_counts(deltas, None)
             ring = proc.rings.get(key)
             if ring is None or ring.gen != gen:  # its ring could not be mapped: counted
                 if reader is not None:
@@ -785,11 +789,15 @@ class RemoteReader(StreamReader):
     def remote_state(self, state: StreamState, error: str | None) -> None:
         self._set_state(state, error)
 
-    def remote_counts(self, deltas: dict[str, int], latest: tuple[Any, ...]) -> None:
+    def remote_counts(self, deltas: dict[str, int], latest: tuple[Any, ...] | None) -> None:
+        """The process's increments of its counters, and (``latest``: its timer's reports,
+        not a frame's) its size, rate and last frame's time."""
         with self._lock:
-            self._remote_at = time.monotonic()
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
+            if latest is None:
+                return
+            self._remote_at = time.monotonic()
             (
                 self.width,
                 self.height,

@@ -513,6 +513,39 @@ async def test_changes_reach_the_decode_process(
     assert described()["state"] == "live" and described()["reconnects"] == 0
 
 
+def _inconsistent(stats: dict[str, Any]) -> str | None:
+    """What is wrong with a stream's counts (None: nothing): every frame in is processed,
+    dropped, skipped (sampled out, or still) or failed, or on its way (pending, >= 0)."""
+    came, done = stats["frames_in"], stats["frames_processed"]
+    gone = done + stats["drops"] + stats["skipped"] + stats["motion_skipped"]
+    gone += stats["frames_failed"]
+    if done > came:
+        return f"frames_processed {done} > frames_in {came}"
+    if gone > came:
+        return f"processed + dropped + skipped + failed {gone} > frames_in {came}"
+    return None
+
+
+async def test_a_streams_counts_add_up_at_every_read_in_a_decode_process(
+    manager: StreamManager,
+) -> None:
+    """The process sends a frame's counts with the frame: they came on a 0.2 s timer, the
+    frame at once, so a frame processed before the next report had frames_processed lead
+    frames_in (GET /streams/{id} showed more frames processed than came in)."""
+    info = await manager.add(f"file://{CAR_CLIP}")  # every frame, at the clip's 25 fps
+    sid = info["id"]
+    reads = 0
+    end = time.monotonic() + 60
+    while (stats := manager.describe(sid)) is None or stats["frames_processed"] < 40:
+        assert stats is not None
+        assert (wrong := _inconsistent(stats)) is None, (wrong, reads, stats)
+        assert time.monotonic() < end, stats
+        reads += 1
+        await asyncio.sleep(0.002)
+    assert _inconsistent(stats) is None, stats
+    assert stats["decode_process"] is not None
+
+
 async def test_stopping_leaves_no_process_and_no_shared_memory(
     pool: EnginePool, tmp_path: Path
 ) -> None:
