@@ -34,14 +34,17 @@ from streams.frames import decoded_size, frame_rgb, keyframes_suffice
 from streams.motion import MotionGate, MotionOptions
 from streams.pacing import FilePacer, RateSampler, frame_interval
 from streams.sources import (
+    RTSP_PROBE_S,
     SNAPSHOT_FPS,
     SourceSpec,
     backoff_delay,
     explain_open_failure,
+    explain_rtsp_answer,
     is_still_image,
     open_options,
     redact,
     redact_in,
+    rtsp_answer,
 )
 
 if TYPE_CHECKING:
@@ -452,6 +455,19 @@ class StreamReader:
         timed_out = isinstance(exc, av.error.ExitError) or (
             isinstance(exc, av.error.InvalidDataError) and opening and waited >= 0.9 * limit
         )
+        # FFmpeg says "Invalid data" as much for a port that answers another protocol (and it
+        # waits for an RTSP reply to the end) as for one that never answers: asked again,
+        # the source's first bytes tell which (both were "no answer within 10 s").
+        spec = self.config.spec
+        if (
+            opening
+            and spec.scheme == "rtsp"
+            and isinstance(exc, av.error.InvalidDataError)
+            and not self._stop.is_set()
+            and (answer := rtsp_answer(spec.url, min(RTSP_PROBE_S, limit))) is not None
+            and (said := explain_rtsp_answer(answer, text, timed_out=timed_out)) is not None
+        ):
+            return said
         if timed_out and not self._stop.is_set():
             if opening:
                 return (

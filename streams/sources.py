@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 import re
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -254,6 +256,67 @@ def explain_open_failure(spec_is_file: bool, text: str) -> str:
     if spec_is_file and "Invalid argument" in text:
         return f"{text} ({FILE_FORMAT_REFUSED})"
     return text
+
+
+RTSP_PORT = 554
+RTSP_PROBE_S = 2.0
+"""How long :func:`rtsp_answer` waits for a source's first bytes, at most."""
+SHOWN_BYTES = 40
+
+
+def rtsp_answer(url: str, timeout_s: float) -> bytes | None:
+    """The first bytes (up to :data:`SHOWN_BYTES`) an ``rtsp://`` source answers a plain
+    RTSP ``OPTIONS`` request with, on a connection of its own; None where it sent nothing
+    within ``timeout_s`` (or cannot be reached).
+
+    FFmpeg's open fails alike ("Invalid data found when processing input") where the port
+    never answers and where it answers in another protocol (an HTTP server, SSH), and an
+    answer that is no RTSP reply leaves it waiting for one until the open timeout: this
+    tells them apart, after such a failure (it costs a working camera nothing).
+    """
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or RTSP_PORT
+    except ValueError:
+        return None
+    if host is None:
+        return None
+    target = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()  # no password
+    request = f"OPTIONS {target} RTSP/1.0\r\nCSeq: 1\r\nUser-Agent: streamdet\r\n\r\n"
+    end = time.monotonic() + timeout_s
+    data = b""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(request.encode("latin-1", "replace"))
+            while len(data) < SHOWN_BYTES and (left := end - time.monotonic()) > 0:
+                sock.settimeout(left)
+                chunk = sock.recv(SHOWN_BYTES - len(data))
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:  # refused, reset, timed out: what came before it is the answer
+        pass
+    return data or None
+
+
+def explain_rtsp_answer(answer: bytes, text: str, *, timed_out: bool) -> str | None:
+    """What an RTSP open's failure (FFmpeg's ``text``) says, given the source's ``answer``
+    (:func:`rtsp_answer`): None where the answer says nothing more (an RTSP reply, and the
+    open ran out of time)."""
+    if not answer.startswith(b"RTSP/"):
+        shown = answer[:SHOWN_BYTES].decode("latin-1")
+        return (
+            f"the camera answered, but not with RTSP (first bytes: {shown!r}): check the"
+            f" URL's scheme and port (rtsp:// is port {RTSP_PORT} unless the URL names"
+            " another; a web server, or another service, listens on this one); " + text
+        )
+    if timed_out:
+        return None
+    return (
+        "the camera answered RTSP, but FFmpeg could not use its answer to the stream's"
+        " request (usually a stream description, SDP, that it cannot read): check the URL's"
+        " path names the camera's video stream; " + text
+    )
 
 
 SNAPSHOT_FPS = 1.0

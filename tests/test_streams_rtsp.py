@@ -4,9 +4,12 @@ clips, decoded by the stream manager and run through the real engine pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import os
+import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +216,134 @@ async def test_unreachable_and_missing_cameras_report_their_error(
     sub = manager.subscribe(good["id"])
     assert sub is not None
     await next_frame(sub)
+
+
+class _Answering:
+    """A TCP server on loopback that answers each connection's first request with
+    ``answer(request)`` and then keeps the connection open, saying nothing (a port of another
+    protocol, or an RTSP server with a broken reply); ``None`` leaves it silent."""
+
+    def __init__(self, answer: Callable[[bytes], bytes | None]) -> None:
+        self._answer = answer
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._conns: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def port(self) -> int:
+        return int(self._sock.getsockname()[1])
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            self._conns.append(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            request = b""
+            while b"\r\n\r\n" not in request:
+                if not (chunk := conn.recv(4096)):
+                    return
+                request += chunk
+            while (reply := self._answer(request)) is not None:
+                conn.sendall(reply)
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    if not (chunk := conn.recv(4096)):
+                        return
+                    request += chunk
+
+    def close(self) -> None:
+        self._sock.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        for thread in self._threads:
+            thread.join(5)
+
+
+class _WebPage(http.server.BaseHTTPRequestHandler):
+    """A web server's refusal of an RTSP request: a 400 with its status line, as nginx's or
+    a camera's web page's (Python's answers such a request bare, as to HTTP/0.9)."""
+
+    default_request_version = "HTTP/1.0"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _ssh(request: bytes) -> bytes | None:
+    """An SSH server's banner (it sends it whatever comes), then nothing."""
+    return b"SSH-2.0-OpenSSH_9.6\r\n" if request else None
+
+
+def _rtsp_empty_sdp(request: bytes) -> bytes | None:
+    """An RTSP server that answers OPTIONS, and DESCRIBE with an empty stream description."""
+    method, cseq = request.split(b" ", 1)[0], b"0"
+    for line in request.split(b"\r\n"):
+        if line.lower().startswith(b"cseq:"):
+            cseq = line.split(b":", 1)[1].strip()
+    if method == b"OPTIONS":
+        return b"RTSP/1.0 200 OK\r\nCSeq: " + cseq + b"\r\nPublic: OPTIONS, DESCRIBE\r\n\r\n"
+    if method == b"DESCRIBE":
+        return (
+            b"RTSP/1.0 200 OK\r\nCSeq: " + cseq + b"\r\nContent-Type: application/sdp\r\n"
+            b"Content-Length: 0\r\n\r\n"
+        )
+    return None
+
+
+async def test_a_port_that_answers_another_protocol_says_so_not_that_it_timed_out(
+    manager: StreamManager,
+) -> None:
+    """A web server on the URL's port (it refuses RTSP at once), an SSH server (its banner,
+    then FFmpeg waits for an RTSP reply to the open timeout) and an RTSP server whose stream
+    description is empty: FFmpeg said "Invalid data found" for each (the SSH one "no answer
+    within 3 s (setting STREAMDET_STREAM_OPEN_TIMEOUT_S)", which no timeout would help);
+    each says what answered and what to check. A silent camera still names the timeout
+    (test_a_stalled_camera_says_which_wait_ran_out_and_each_return_starts_afresh)."""
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebPage)
+    web.daemon_threads = True
+    serving = threading.Thread(target=web.serve_forever, daemon=True)
+    serving.start()
+    ssh, rtsp = _Answering(_ssh), _Answering(_rtsp_empty_sdp)
+    try:
+        expected = {
+            web.server_address[1]: "the camera answered, but not with RTSP (first bytes:"
+            " \"HTTP/1.0 400 Bad request version ('RTSP/\"): check the URL's scheme and port",
+            ssh.port: "the camera answered, but not with RTSP (first bytes:"
+            " 'SSH-2.0-OpenSSH_9.6\\r\\n'): check the URL's scheme and port",
+            rtsp.port: "the camera answered RTSP, but FFmpeg could not use its answer",
+        }
+        added = {
+            port: await manager.add(f"rtsp://admin:s3cret-pw@127.0.0.1:{port}/cam")
+            for port in expected
+        }
+        for port, info in added.items():
+            assert await manager.wait_state(info["id"], {StreamState.RECONNECTING}, 30)
+            stats = manager.describe(info["id"])
+            assert stats is not None
+            error = stats["last_error"]
+            assert expected[port] in error, error
+            assert "STREAMDET_STREAM_OPEN_TIMEOUT_S" not in error, error
+            assert "s3cret-pw" not in error, error
+        assert "SDP" in manager.describe(added[rtsp.port]["id"])["last_error"]  # type: ignore[index]
+        for info in added.values():
+            assert await manager.remove(info["id"])
+    finally:
+        web.shutdown()
+        web.server_close()
+        serving.join(5)
+        ssh.close()
+        rtsp.close()
 
 
 async def test_add_remove_cycles_leak_no_threads_or_sockets(
