@@ -87,7 +87,7 @@ async def storage_full(request: Request, exc: Exception) -> Response:
         f"the server cannot store this: {exc} (free space in, or fix the permissions of,"
         " the data directory: setting STREAMDET_DATA_DIR)"
     )
-    key = "error" if request.url.path.startswith("/v2") else "detail"
+    key = "error" if errors.is_v2(request) else "detail"
     return JSONResponse({key: detail}, status_code=507)
 
 
@@ -249,6 +249,8 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             executor.shutdown(wait=False, cancel_futures=True)
             log.info("shutdown complete")
 
+    # A proxy's prefix (--root-path) comes as the ASGI root_path uvicorn sets (server/cli.py):
+    # FastAPI's own root_path is deprecated.
     app = FastAPI(title="streamdet", version="0.1.0", lifespan=lifespan)
     app.include_router(health.router)
     app.include_router(detect.router)

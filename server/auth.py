@@ -57,6 +57,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from server.routes.errors import is_v2_path
+from server.routes.paths import app_path
 
 log = logging.getLogger(__name__)
 
@@ -240,11 +241,7 @@ def _slash_twin(path: str) -> str | None:
 def route_path(scope: Scope) -> str:
     """The request's path as the router matches it: ``scope["path"]`` less the root path
     (Starlette's own rule), never re-parsed from a URL."""
-    path: str = scope["path"]
-    root = scope.get("root_path", "")
-    if root and path.startswith(root) and path != root and path[len(root)] == "/":
-        return path[len(root) :]
-    return path
+    return app_path(scope)
 
 
 def route_of(scope: Scope) -> tuple[Routed, str]:
@@ -391,7 +388,7 @@ class ApiKeyMiddleware:
             failure.detail,
         )
         # Under /v2 as KServe's errors are (tritonclient reads "error"), elsewhere FastAPI's.
-        key = "error" if is_v2_path(scope["path"]) else "detail"
+        key = "error" if is_v2_path(app_path(scope)) else "detail"
         body = json.dumps({key: failure.detail}).encode()
         headers = [
             (b"content-type", b"application/json"),

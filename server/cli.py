@@ -216,6 +216,10 @@ def _serve(settings: Settings) -> int:
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.access_log,
+            # Behind a proxy that strips --root-path: the app's URLs carry it again.
+            root_path=settings.root_path,
+            proxy_headers=True,
+            forwarded_allow_ips=settings.forwarded_allow_ips,
             timeout_keep_alive=settings.keep_alive_s,
             # Whole seconds for uvicorn, at least one: int() made anything under 1 s
             # "None", which waits for open requests for ever.

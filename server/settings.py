@@ -113,6 +113,19 @@ class Settings(BaseSettings):
         description="KServe v2 gRPC (Triton's GRPCInferenceService, its clients' port 8001);"
         " 0: off. Needs the grpc extra",
     )
+    root_path: str = Field(
+        "",
+        max_length=200,
+        description="the path prefix a reverse proxy serves the app under, which it strips"
+        " (nginx: location /streamdet/ { proxy_pass http://127.0.0.1:8000/; }): /streamdet;"
+        " the docs, redirects, Location headers and the viewer carry it. Empty: at the root",
+    )
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1",
+        max_length=2000,
+        description="comma-separated addresses or networks of the proxies whose"
+        " X-Forwarded-For/-Proto are trusted (the client's address and scheme in logs); *: any",
+    )
     max_upload_mb: float = Field(
         20.0,
         gt=0,
@@ -390,6 +403,16 @@ class Settings(BaseSettings):
         description="comma-separated origins allowed to call the API from a browser"
         " (e.g. https://app.example.com, or * for any); none = no CORS headers",
     )
+
+    @field_validator("root_path")
+    @classmethod
+    def _root_path(cls, value: str) -> str:
+        path = value.strip().rstrip("/")
+        if path and (not path.startswith("/") or "?" in path or "#" in path or "//" in path):
+            raise ValueError(
+                f"{value[:60]!r}: a path prefix such as /streamdet (setting STREAMDET_ROOT_PATH)"
+            )
+        return path
 
     @field_validator("api_keys", "api_keys_readonly", "cors_origins", "webhooks", mode="before")
     @classmethod

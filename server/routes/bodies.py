@@ -17,6 +17,8 @@ from typing import Any
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
+from server.routes.paths import app_path
+
 # What json.loads raises for a body it cannot read (JSONDecodeError and UnicodeDecodeError are
 # ValueErrors).
 UNREADABLE = (ValueError, RecursionError)
@@ -71,7 +73,7 @@ class JsonBodyLimit:
         self.limit = limit
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-        path: str = scope.get("path", "")
+        path = app_path(scope)  # without a --root-path prefix
         if (
             scope["type"] != "http"
             or scope["method"] not in ("POST", "PUT", "PATCH")

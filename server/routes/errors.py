@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from server.routes.bodies import FASTAPI_PARSE_ERROR, UNREADABLE, why_unreadable
+from server.routes.paths import app_path
 
 V2_PREFIX = "/v2"
 
@@ -26,7 +27,7 @@ def is_v2_path(path: str) -> bool:
 
 
 def is_v2(request: Request) -> bool:
-    return is_v2_path(request.url.path)
+    return is_v2_path(app_path(request.scope))  # without a --root-path prefix
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -357,7 +357,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
         with contextlib.suppress(OSError):
             await asyncio.to_thread(shutil.rmtree, directory, True)
         raise
-    response.headers["Location"] = f"/jobs/{job_id}"
+    response.headers["Location"] = f"{request.scope.get('root_path', '')}/jobs/{job_id}"
     return _describe(jobs, job, names)  # as GET /jobs/{id} (it had no queue_position)
 
 

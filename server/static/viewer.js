@@ -119,6 +119,10 @@ async function errorText(resp) {
   }
 }
 
+// Where the app is mounted: "" at the server's root, "/streamdet" behind a proxy's path
+// prefix (the page is the app's "/", so its own directory). Every URL of the page starts with it.
+const BASE = new URL(".", location.href).pathname.replace(/\/$/, "");
+
 // fetch() with the session's API key; a 401 asks for a key and retries.
 async function api(path, init = {}) {
   for (;;) {
@@ -127,7 +131,7 @@ async function api(path, init = {}) {
     if (key) headers.set("Authorization", `Bearer ${key}`);
     let resp;
     try {
-      resp = await fetch(path, { ...init, headers });
+      resp = await fetch(BASE + path, { ...init, headers });
     } catch (err) {
       setServerUp(false, err.message);
       throw new ApiError(0, `server unreachable (${err.message})`);
@@ -637,7 +641,7 @@ class Tile {
     // Browsers cannot set headers on a WebSocket: the key goes as RFC 6750's query parameter.
     if (key) params.set("access_token", key);
     const proto = location.protocol === "https:" ? "wss:" : "ws:";
-    return `${proto}//${location.host}/ws/streams/${encodeURIComponent(this.id)}?${params}`;
+    return `${proto}//${location.host}${BASE}/ws/streams/${encodeURIComponent(this.id)}?${params}`;
   }
 
   connect() {
@@ -1270,7 +1274,7 @@ async function connectEvents() {
   params.set("after", String(lastEventId));
   const key = sessionStorage.getItem(KEY_STORAGE);
   if (key) params.set("access_token", key);
-  const source = new EventSource(`/events?${params}`);
+  const source = new EventSource(`${BASE}/events?${params}`);
   eventSource = source;
   source.onopen = () => clearError("events");
   source.onmessage = (message) => {
