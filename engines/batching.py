@@ -7,6 +7,8 @@ so it is tested on its own.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from collections import OrderedDict, deque
@@ -14,6 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engines.types import Detections, DetectParams, Image
+
+REMEMBERED_STREAMS = 8192
+"""Streams whose last turn the queue remembers (twice the most ``STREAMDET_MAX_STREAMS``
+allows): one forgotten is one served longest ago, which goes first all the same."""
 
 
 class QueueFull(RuntimeError):
@@ -68,10 +74,14 @@ class WorkQueue:
     which outrank background work (video jobs).
 
     The stream lane holds at most one frame per stream (a newer frame replaces the waiting
-    one) and serves streams round-robin, so under overload every stream drops frames
-    instead of building a backlog, and none starves. The background lane is FIFO and runs
-    only on capacity the other two leave; its producers bound it (a job keeps a few frames
-    in flight), and a live frame arriving behind it waits at most for the batch running.
+    one, keeping its place) and serves first the stream served longest ago, so under
+    overload every stream drops frames instead of building a backlog, and none starves: a
+    stream whose frames come less often than a round of the others takes its turn when its
+    frame comes (it went in at the back of the round, behind every stream served since, and
+    where a round took longer than the frame deadline each of its frames expired). The
+    background lane is FIFO and runs only on capacity the other two leave; its producers
+    bound it (a job keeps a few frames in flight), and a live frame arriving behind it
+    waits at most for the batch running.
 
     Waking a thread costs the producer a system call and, on a busy machine, often its
     turn on the CPU with the interpreter lock held, so an item wakes a worker only when that
@@ -86,7 +96,13 @@ class WorkQueue:
             raise ValueError("max_interactive must be >= 1")
         self._max_interactive = max_interactive
         self._interactive: deque[WorkItem] = deque()
-        self._streams: OrderedDict[str, WorkItem] = OrderedDict()
+        self._streams: dict[str, WorkItem] = {}
+        # Waiting streams by (last served, arrival, id), a heap; an entry is live while
+        # _turn_of names its arrival (a discarded stream's entry is skipped).
+        self._turns: list[tuple[int, int, str]] = []
+        self._turn_of: dict[str, int] = {}
+        self._served: OrderedDict[str, int] = OrderedDict()  # when each was last served
+        self._seq = itertools.count()
         self._background: deque[WorkItem] = deque()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # workers waiting for a first item
@@ -137,6 +153,9 @@ class WorkQueue:
             replaced = self._streams.get(key)
             self._streams[key] = item  # a replaced frame keeps its stream's turn
             if replaced is None:  # one more item waiting
+                arrival = next(self._seq)
+                self._turn_of[key] = arrival
+                heapq.heappush(self._turns, (self._served.get(key, -1), arrival, key))
                 self._wake()
             return replaced
 
@@ -150,8 +169,12 @@ class WorkQueue:
             self._wake()
 
     def discard(self, key: str) -> WorkItem | None:
-        """Remove a stream's waiting frame (stream removed)."""
+        """Remove a stream's waiting frame and forget its turns (stream removed)."""
         with self._lock:
+            self._turn_of.pop(key, None)
+            self._served.pop(key, None)
+            if not self._turn_of:
+                self._turns.clear()
             return self._streams.pop(key, None)
 
     def _waiting(self) -> int:
@@ -168,8 +191,16 @@ class WorkQueue:
     def _pop(self) -> WorkItem | None:
         if self._interactive:
             return self._interactive.popleft()
-        if self._streams:
-            return self._streams.popitem(last=False)[1]
+        while self._turns:
+            _, arrival, key = heapq.heappop(self._turns)
+            if self._turn_of.get(key) != arrival:
+                continue  # discarded while it waited
+            del self._turn_of[key]
+            self._served[key] = next(self._seq)
+            self._served.move_to_end(key)
+            if len(self._served) > REMEMBERED_STREAMS:
+                self._served.popitem(last=False)
+            return self._streams.pop(key)
         if self._background:
             return self._background.popleft()
         return None
@@ -226,6 +257,8 @@ class WorkQueue:
             items = [*self._interactive, *self._streams.values(), *self._background]
             self._interactive.clear()
             self._streams.clear()
+            self._turns.clear()
+            self._turn_of.clear()
             self._background.clear()
             return items
 

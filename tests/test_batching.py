@@ -164,3 +164,42 @@ def test_what_a_full_batch_leaves_wakes_an_idle_worker() -> None:
     filling.join(10)
     idle.join(10)
     assert got == {"filling": ["1", "2"], "idle": ["3", "4"]}
+
+
+def test_a_stream_with_few_frames_keeps_its_turn_while_it_has_none_waiting() -> None:
+    """A stream whose frames come less often than the round of streams is served (max_fps 0.5
+    among 47 streams sending every frame, on 2 cores a round of about 1 s) got each frame in at
+    the back of the round, behind every stream served since, so it waited a whole round: past
+    the frame deadline, 25 of its 31 frames expired in 60 s while the others ran one a second.
+    Streams are served by when they were last served, so its frame runs next."""
+    q = WorkQueue(4)
+    busy = [f"cam{i}" for i in range(5)]
+    for cam in busy:
+        q.put_latest(cam, item(f"{cam}-0", cam))
+    q.put_latest("slow", item("slow-0", "slow"))
+    assert [collect_batch(q, 1, 0)[0].request_id for _ in range(6)][-1] == "slow-0"
+    for rnd in range(1, 7):
+        for cam in busy:
+            q.put_latest(cam, item(f"{cam}-{rnd}", cam))
+        if rnd % 2 == 0:  # its next frame, after the busy streams' (it comes half as often)
+            q.put_latest("slow", item(f"slow-{rnd}", "slow"))
+        order = [b.request_id for b in collect_batch(q, 8, 0)]
+        if rnd % 2 == 0:
+            assert order[0] == f"slow-{rnd}", order
+        # every busy stream is still served once a round, in the order they were last served
+        assert [r for r in order if not r.startswith("slow")] == [f"{c}-{rnd}" for c in busy]
+
+
+def test_a_removed_stream_is_forgotten_and_its_waiting_frame_gone() -> None:
+    q = WorkQueue(4)
+    q.put_latest("a", item("a1", "a"))
+    q.put_latest("b", item("b1", "b"))
+    gone = q.discard("a")
+    assert gone is not None and gone.request_id == "a1"
+    assert q.discard("a") is None
+    q.put_latest("c", item("c1", "c"))
+    assert [b.request_id for b in collect_batch(q, 4, 0)] == ["b1", "c1"]
+    q.put_latest("b", item("b2", "b"))
+    q.put_latest("a", item("a2", "a"))  # the same id again: a new stream, never served
+    assert [b.request_id for b in collect_batch(q, 4, 0)] == ["a2", "b2"]
+    assert q.depth() == (0, 0)
