@@ -20,6 +20,8 @@ import websockets
 from loadtest.server import ServerProcess, free_port
 from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
 
+pytestmark = pytest.mark.proxy
+
 PREFIX = "/streamdet"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
