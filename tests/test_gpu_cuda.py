@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.gpu import STAGE_SHARE_BYTES, DeviceWorkspace
+from engines.gpu import STAGE_SHARE_BYTES, DeviceWorkspace, unsupported_capability
 from engines.nvdec import VideoDecoder, nvdec_unavailable
 from engines.pool import EnginePool
 from engines.registry import EngineConfig
@@ -116,6 +116,16 @@ def test_warmup_captures_every_bucket_at_square_and_16_9(cuda_engine: TorchEngin
     assert cuda_engine._runner is not None
     shapes = 2 if cuda_engine._dynamic_hw else 1
     assert cuda_engine._runner.captured == len(cuda_engine._buckets) * shapes
+
+
+def test_this_gpu_is_one_the_installed_torch_has_kernels_for() -> None:
+    """The load-time compute capability check passes the GPU this torch runs on (its arch
+    list and the device's capability, as read on the device)."""
+    if not ON_CUDA:
+        pytest.skip("compute capability is CUDA's")
+    index = torch.device(DEVICE).index or 0
+    capability = torch.cuda.get_device_capability(index)
+    assert unsupported_capability(index) is None, (capability, torch.cuda.get_arch_list())
 
 
 def test_fp16_cuda_matches_fp32_cpu(
