@@ -61,28 +61,6 @@ def test_preprocess_makes_a_normalised_batch() -> None:
     assert metas[1].gain == pytest.approx(640 / 768)
 
 
-def test_preprocess_converts_in_one_pass() -> None:
-    """The float tensor is written once, in CHW order, from the letterboxed bytes: the
-    transposed ``astype`` kept HWC memory order and ``ascontiguousarray`` copied the floats
-    again (two tensors allocated for one)."""
-    import tracemalloc
-
-    image = np.random.default_rng(3).integers(0, 255, (432, 768, 3), dtype=np.uint8)
-    letterboxed = letterbox(image, (384, 640), 640)[0].transpose(2, 0, 1)[None]
-    expected = letterboxed.astype(np.float32) * np.float32(1.0 / 255.0)
-    preprocess([image], 640, (384, 640))  # numpy's own first-call allocations out of the count
-    tracemalloc.start()
-    try:
-        blob, _ = preprocess([image], 640, (384, 640))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert blob.flags.c_contiguous
-    np.testing.assert_array_equal(blob, expected)
-    tensor, canvas = blob.nbytes, 384 * 640 * 3
-    assert peak < tensor + canvas + tensor // 4, f"peak {peak} B for a {tensor} B tensor"
-
-
 def test_nms_matches_torchvision_semantics() -> None:
     from ultralytics.utils.nms import TorchNMS
 
