@@ -174,10 +174,12 @@ async def test_a_list_of_files_under_the_allowed_dir_reaches_no_video_outside_it
 def test_ffmpeg_options_pin_protocols_and_transport() -> None:
     udp = open_options(parse_source("rtsp://cam/x", None, transport="udp"))
     assert udp["rtsp_transport"] == "udp"
+    # The probe ends at the first frame (test_streams_rtsp's 0.4 fps camera).
+    assert (udp["fpsprobesize"], udp["max_ts_probe"]) == ("0", "0")
     assert "file" not in udp["protocol_whitelist"].split(",")
     hls = open_options(parse_source("https://cam/x.m3u8", None))
     assert "file" not in hls["protocol_whitelist"].split(",")
-    assert "rtsp_transport" not in hls
+    assert "rtsp_transport" not in hls and "fpsprobesize" not in hls
 
 
 def test_passwords_are_redacted() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fractions
 import http.server
 import os
 import socket
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import av
 import pytest
 
 from benchmarks.make_clip import make_clip
@@ -143,6 +145,58 @@ async def test_an_h265_camera_is_decoded_and_detected_as_an_h264_one(
     assert stats is not None
     assert stats["state"] == "live" and stats["keyframes_only"], stats
     assert stats["frames_decoded"] < stats["frames_in"], stats
+
+
+def slow_clip(source: Path, out: Path, rate: fractions.Fraction, frames: int, gop: int) -> Path:
+    """``frames`` of ``source`` at 640x360, ``rate`` frames a second (below 1: a camera set
+    to save bandwidth), H.264 with a keyframe every ``gop`` frames."""
+    with av.open(str(source)) as src, av.open(str(out), "w") as dst:
+        stream = dst.add_stream("libx264", rate=rate)
+        stream.options = {"g": str(gop), "keyint_min": str(gop), "sc_threshold": "0", "bf": "0"}
+        stream.width, stream.height, stream.pix_fmt = 640, 360, "yuv420p"
+        for index, frame in enumerate(src.decode(video=0)):
+            if index == frames:
+                break
+            picture = av.VideoFrame.from_ndarray(
+                frame.reformat(640, 360, "yuv420p").to_ndarray(), format="yuv420p"
+            )
+            picture.pts, picture.time_base = index, 1 / rate
+            for packet in stream.encode(picture):
+                dst.mux(packet)
+        for packet in stream.encode():
+            dst.mux(packet)
+    return out
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-threads", "decode-processes"])
+async def test_a_camera_at_a_frame_every_2_5_s_opens_at_its_first_frame(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A 0.4 fps camera's open waited for 3 more of its frames (7.5 s: FFmpeg's probe, whose
+    analyzeduration RTP's packets never reach, read for a frame rate and a first timestamp),
+    or, slower, to the open timeout, and its first frames then came at once; now the open
+    ends at its first frame (the SDP and the frame give codec and size), and frames come as
+    the camera sends them, a frame interval apart."""
+    assert CAR is not None
+    clip = slow_clip(CAR, tmp_path / "slow.mp4", fractions.Fraction(2, 5), frames=8, gop=4)
+    cam = RtspCamera({"slow": clip}).start()
+    # The defaults' timeouts (a read's must outlast the camera's 2.5 s between frames).
+    options = manager_options(decode_processes, open_timeout_s=10, read_timeout_s=10)
+    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await manager.start()
+    try:
+        info = await manager.add(cam.url("slow"))
+        sub = manager.subscribe(info["id"])
+        assert sub is not None
+        first, second = await next_frame(sub), await next_frame(sub)
+        assert (first.image.shape, second.frame) == ((360, 640, 3), first.frame + 1)
+        # The camera paces them 2.5 s apart; those the probe held were decoded together.
+        assert second.captured_at - first.captured_at > 1.25, (first, second)
+        stats = manager.describe(info["id"])
+        assert stats is not None and stats["reconnects"] == 0, stats
+    finally:
+        await manager.stop(10)
+        cam.stop()
 
 
 async def test_two_streams_share_batches(manager: StreamManager, camera: RtspCamera) -> None:
