@@ -244,8 +244,9 @@ def open_options(spec: SourceSpec) -> dict[str, str]:
         # for a frame rate (fpsprobesize) or a first timestamp within 50 (max_ts_probe), or
         # probesize's bytes. The SDP and the first frame give codec and size: a 0.4 fps
         # camera opened in 7.5 s (3 frame intervals; a slower one at the open timeout, its
-        # first frames held back that long), now in 2.5 s; a 25 fps one in 0.09 s, not 0.7
-        # (the test RTSP camera, TCP and UDP; frame rates found are the same).
+        # first frames held back that long), now in 2.5 s (one interval: the first frame is
+        # read whole at the next); a 25 fps one in 0.09 s, not 0.7 (the test RTSP camera,
+        # TCP and UDP; the frame rates found are the same).
         options["fpsprobesize"] = "0"
         options["max_ts_probe"] = "0"
     if spec.is_file:

@@ -169,14 +169,15 @@ def slow_clip(source: Path, out: Path, rate: fractions.Fraction, frames: int, go
 
 
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-threads", "decode-processes"])
-async def test_a_camera_at_a_frame_every_2_5_s_opens_at_its_first_frame(
+async def test_a_camera_at_a_frame_every_2_5_s_opens_and_sends_frames_as_they_come(
     pool: EnginePool, tmp_path: Path, decode_processes: int
 ) -> None:
     """A 0.4 fps camera's open waited for 3 more of its frames (7.5 s: FFmpeg's probe, whose
     analyzeduration RTP's packets never reach, read for a frame rate and a first timestamp),
-    or, slower, to the open timeout, and its first frames then came at once; now the open
-    ends at its first frame (the SDP and the frame give codec and size), and frames come as
-    the camera sends them, a frame interval apart."""
+    or, slower, to the open timeout, and its first frames then came at once (the second
+    replaced in the stream's lane by the third); now the open ends one frame interval in
+    (the SDP and the first frame give codec and size), and frames come as the camera sends
+    them, a frame interval apart."""
     assert CAR is not None
     clip = slow_clip(CAR, tmp_path / "slow.mp4", fractions.Fraction(2, 5), frames=8, gop=4)
     cam = RtspCamera({"slow": clip}).start()
