@@ -28,6 +28,17 @@ The server's deadline is a latency target for admission; ``STREAMDET_REQUEST_TIM
 stays the hard limit after which a queued call is answered ``503`` instead of run. A client
 deadline is both: a call still queued when its own deadline passes is not run (and is
 counted as ``expired``), since the client has stopped waiting for it.
+
+A refused call yields no measurement, so a prediction that is too high could only fade on a
+timer: after a burst of slow calls (1.2-3.5 s while 47 streams opened) the correction sat at
+its cap and steady-state calls (100-450 ms) were refused 429 for about 45 s. So while calls
+are being refused, one is let through as a *probe* whenever no interactive call is queued,
+running or decoding ahead of it and the model alone (the correction applied only where it
+lowers the prediction) says it fits: it delays nobody, and its time measured at the worker
+(enqueue to batch done, not the wall time around it) calibrates the correction with a gain
+of its own (:data:`PROBE_ALPHA`). A server overloaded by calls always has one queued or
+running, so it admits no probe; one slowed by other work measures that in its probes and
+keeps refusing the rest.
 """
 
 from __future__ import annotations
@@ -58,6 +69,9 @@ ITEM_ALPHA = 0.125
 """EWMA gain of the mean per-image time (TCP's gain for the smoothed RTT)."""
 RATIO_ALPHA = 0.1
 """EWMA gain of the real/predicted ratio (about the last 10 calls)."""
+PROBE_ALPHA = 0.5
+"""Gain of a probe's ratio: the only measurement since calls began to be refused, of a lesson
+as old as the refusals (at 0.1, 10 probes of 0.3 s at 1 s apart were needed to undo a burst)."""
 MIN_CORRECTION, MAX_CORRECTION = 0.25, 4.0
 TAIL_QUANTILE = 0.99
 """Share of admitted calls that should finish within their deadline (the p99 target)."""
@@ -191,6 +205,8 @@ class AdmissionController:
         self.settings = settings
         self.metrics = metrics
         self.decoding = 0
+        self.running = 0
+        """Admitted calls queued in the pool or running there (decoded, not yet released)."""
         self.decode_ewma_s = 0.0
         self._shed_score = 0.0
         self._shed_at = time.monotonic()
@@ -219,15 +235,30 @@ class AdmissionController:
         mean, dev = self._relaxed()
         return min(MAX_CORRECTION, max(MIN_CORRECTION, mean + 2 * dev))
 
-    def calibrate(self, predicted_s: float, actual_s: float) -> None:
-        """One call ran: compare its queue-to-answer time with the model's prediction."""
+    def calibrate(self, predicted_s: float, actual_s: float, *, probe: bool = False) -> None:
+        """One call ran: compare its queue-to-answer time with the model's prediction.
+
+        ``probe``: it was admitted as a probe (:data:`PROBE_ALPHA`). A ratio below the mean
+        grows the deviation with an eighth of the gain (Linux's TCP RTT estimator, after
+        Eifel): news that calls got faster must not raise the correction (a probe of 0.3 s
+        after a burst raised mean + 2 deviations further above the cap)."""
         if predicted_s < 0.001 or math.isinf(predicted_s):
             return
         self.ratio_mean, self.ratio_dev = self._relaxed()
         self._ratio_at = self.clock()
         ratio = actual_s / predicted_s
-        self.ratio_dev += RATIO_ALPHA * (abs(ratio - self.ratio_mean) - self.ratio_dev)
-        self.ratio_mean += RATIO_ALPHA * (ratio - self.ratio_mean)
+        gain = PROBE_ALPHA if probe else RATIO_ALPHA
+        error = abs(ratio - self.ratio_mean) - self.ratio_dev
+        if ratio < self.ratio_mean and error > 0:
+            error /= 8
+        self.ratio_dev += gain * error
+        self.ratio_mean += gain * (ratio - self.ratio_mean)
+
+    def may_probe(self, decode_left: bool) -> bool:
+        """Whether no interactive call is queued, running, or (``decode_left``: the call has
+        its upload to decode) decoding ahead: a probe then delays nobody."""
+        interactive, _ = self.pool.queue.depth()
+        return interactive == 0 and self.running == 0 and not (decode_left and self.decoding)
 
     @property
     def budget_scale(self) -> float:
@@ -387,7 +418,7 @@ class AdmissionController:
             if client_ms is not None and client_ms < self.settings.request_timeout_ms
             else "setting STREAMDET_REQUEST_TIMEOUT_MS",
         )
-        ticket.check(self.estimate(decode_left=True))
+        ticket.check(self.estimate(decode_left=True), decode_left=True)
         if body_read:
             ticket.body_read()
         return ticket
@@ -416,11 +447,19 @@ class Ticket:
     refused: bool = field(default=False)
     checked: bool = field(default=False)
     """Admission had a say (the pool was not idle): the outcome tunes the budget scale."""
+    probe: bool = field(default=False)
+    """Admitted as a probe (the module docstring): refused by the corrected prediction, let
+    through to measure the server again."""
+    served_s: float | None = field(default=None)
+    """Seconds from its queueing to its answer, measured at the worker."""
+    running: bool = field(default=False)
 
-    def check(self, estimate: Estimate, more: int = 0) -> None:
+    def check(self, estimate: Estimate, more: int = 0, *, decode_left: bool = False) -> None:
         """Raise 429 if ``estimate`` (corrected by past outcomes) says this call finishes
-        after its deadline; 504 where its own deadline is shorter than the call takes alone
-        on an idle pool (``more``: its images besides one), which no retry can meet."""
+        after its deadline, unless it may go as a probe; 504 where its own deadline is
+        shorter than the call takes alone on an idle pool (``more``: its images besides
+        one), which no retry can meet. ``decode_left``: the arrival check."""
+        self.probe = False
         # Under the server's deadline a call that would run at once is never refused:
         # refusing it shortens nobody's wait, and on a slow or loaded host one image alone
         # may exceed the target. A client's own deadline is honoured even then.
@@ -432,6 +471,13 @@ class Ticket:
         planned_s = (self.deadline - self.arrived) * scale
         now = time.monotonic()
         if now + finish_s <= self.arrived + planned_s:
+            return
+        uncorrected_s = estimate.finish_s * min(1.0, self.controller.correction)
+        if (
+            self.controller.may_probe(decode_left)
+            and now + uncorrected_s <= self.arrived + planned_s
+        ):
+            self.probe = True
             return
         self.refused = True
         self._check_meetable(more)
@@ -512,8 +558,23 @@ class Ticket:
             # run, as a call of one is (it was refused 429 on every retry, for ever).
             estimate = replace(estimate, idle=True)
         self.check(estimate, more=images - 1)
+        if self.probe:
+            c.metrics.admission_probes.inc()
+            log.info(
+                "request %s: admitted as a probe (correction x%.2f refused it)",
+                self.request_id,
+                c.correction,
+            )
         self.queued_at = time.monotonic()
         self.predicted_s = estimate.finish_s
+        self.running = True
+        c.running += 1
+
+    def served(self, seconds: float) -> None:
+        """The pool answered the call ``seconds`` after queueing it (its worker's figures:
+        time queued plus its batch's), which calibrates the model instead of the wall time
+        around it (result delivery, the event loop's lag: the budget scale's to close)."""
+        self.served_s = seconds
 
     def abandon(self) -> None:
         """Not run to its end (its client went away, or it could never be queued): not
@@ -533,10 +594,14 @@ class Ticket:
     def release(self) -> None:
         """The call is over (answered, refused or abandoned); a call that ran calibrates."""
         self._stop_decoding()
+        if self.running:
+            self.running = False
+            self.controller.running -= 1
         if self.queued_at is not None and not self.refused:
             now = time.monotonic()
             if self.calibrates:
-                self.controller.calibrate(self.predicted_s, now - self.queued_at)
+                actual_s = self.served_s if self.served_s is not None else now - self.queued_at
+                self.controller.calibrate(self.predicted_s, actual_s, probe=self.probe)
             if self.checked:
                 self.controller.observe_outcome(now - self.arrived, self.deadline - self.arrived)
 

@@ -485,6 +485,14 @@ class Metrics:
             registry=reg,
         )
         self.admission_budget_scale.set(1.0)
+        self.admission_probes = Counter(
+            "streamdet_admission_probes",
+            "Calls the corrected prediction refused but admission let through to measure the"
+            " server again: nothing interactive was queued or running and the model alone"
+            " said they fit (a refused call measures nothing, so a lesson of a burst only"
+            " faded on a timer)",
+            registry=reg,
+        )
         self.webhook_events = Counter(
             "streamdet_webhook_events",
             "Events a webhook took (sent), or that left the event log before it could"

@@ -481,3 +481,77 @@ def test_a_client_deadline_longer_than_the_servers_keeps_the_idle_pool_running_t
     with pytest.raises(HTTPException) as short:  # a client's own shorter deadline still binds
         controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "500"}), "short")
     assert short.value.status_code == 504
+
+
+def test_after_a_burst_a_probe_measures_the_server_again_and_overload_still_refuses() -> None:
+    """A burst's lesson (the correction at its cap, x4) is tested by probes instead of waiting
+    for its relaxation: a call is let through when no interactive call is queued or running
+    and the model alone says it fits, and its time measured at the worker calibrates. Calls
+    in steady state (0.3 s predicted, 1 s deadline) were refused 429 at 1.2 s predicted for
+    about 45 s after a burst of 1.2-3.5 s calls (only admitted calls calibrate, so the
+    lesson only faded on the 30 s relaxation). A really overloaded server still refuses."""
+    import numpy as np
+
+    from engines.batching import WorkItem
+    from engines.pool import EnginePool
+    from engines.types import DetectParams
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    def probes(metrics: Metrics) -> float:
+        for family in text_string_to_metric_families(metrics.render().decode()):
+            if family.name == "streamdet_admission_probes":
+                return sum(s.value for s in family.samples if s.name.endswith("_total"))
+        raise AssertionError("no streamdet_admission_probes_total")
+
+    def ask(controller: AdmissionController, worker_s: float) -> str:
+        """One call: 'refused', or how it was admitted; run for ``worker_s`` at the worker."""
+        try:
+            ticket = controller.admit(time.monotonic(), Headers(), "c")
+            ticket.decoded(0.001)
+        except HTTPException as exc:
+            return "refused" if exc.status_code == 429 else str(exc.status_code)
+        ticket.served(worker_s)
+        ticket.release()
+        return "probe" if ticket.probe else "admitted"
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=8)
+    now = [100.0]
+    metrics = Metrics()
+    settings = Settings(admission_deadline_ms=1000)
+    controller = AdmissionController(pool, settings, metrics, clock=lambda: now[0])
+    for _ in range(50):
+        pool._observe(1, 0.15)  # 0.15 s an image
+    pool._busy = 1  # the worker runs stream frames: a call waits for that batch, then its own
+    for _ in range(20):
+        controller.calibrate(0.3, 2.0)  # the burst: 1.2-3.5 s calls while streams opened
+    assert controller.correction == 4.0
+    outcomes = []
+    for _ in range(10):  # one call every 0.5 s, each 0.3 s at the worker, as in steady state
+        now[0] += 0.5
+        outcomes.append(ask(controller, 0.3))
+    assert "refused" not in outcomes, outcomes  # every one was refused 429 (1200 ms predicted)
+    assert outcomes[0] == "probe"
+    assert "admitted" in outcomes[:6], outcomes  # the correction itself came down in 3 s
+    assert outcomes[-1] == "admitted"
+    assert probes(metrics) == outcomes.count("probe")
+
+    # Overloaded for real: probes measure 4x the model, so the lesson stands, and a call
+    # arriving with another queued (no probe then) is refused at once.
+    for _ in range(20):
+        controller.calibrate(0.3, 2.0)
+    for _ in range(5):
+        now[0] += 0.5
+        assert ask(controller, 1.2) in ("probe", "refused")
+    assert controller.correction == 4.0
+    queued = WorkItem(np.zeros((8, 8, 3), np.uint8), DetectParams(), math.inf, lambda _: None)
+    pool.submit(queued)
+    assert ask(controller, 0.3) == "refused"
+    before = probes(metrics)
+    for _ in range(5):
+        assert ask(controller, 0.3) == "refused"
+    assert probes(metrics) == before

@@ -185,6 +185,8 @@ async def run_admitted(
             )
         if result.error is not None or result.detections is None:
             raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
+    # Admission calibrates on the worker's own figures (queued, then its batch).
+    ticket.served(max(r.queue_ms + r.inference_ms for r in results) / 1000.0)
     return results
 
 
