@@ -620,6 +620,23 @@ def route_template(scope: Scope) -> str:
     return path if isinstance(path, str) else UNROUTED
 
 
+SHUTDOWN_BODY = (
+    b'{"detail":"server shutting down: the call was not answered within the graceful'
+    b' shutdown (setting STREAMDET_SHUTDOWN_TIMEOUT_S)"}'
+)
+
+
+def _cancelled_by_shutdown(scope: Scope, exc: asyncio.CancelledError) -> bool:
+    """Whether the server's shutdown cancelled the call (the routes' own test of it)."""
+    # The routes import this module: theirs is imported when first needed.
+    from server.routes.detect import UVICORN_SHUTDOWN_CANCEL, cancelled_by_shutdown
+
+    app = scope.get("app")
+    if getattr(getattr(app, "state", None), "streamdet", None) is None:
+        return bool(exc.args and exc.args[0] == UVICORN_SHUTDOWN_CANCEL)
+    return cancelled_by_shutdown(Request(scope), exc)
+
+
 class RequestMetricsMiddleware:
     """Counts and times every HTTP request by route template, method and status."""
 
@@ -633,15 +650,49 @@ class RequestMetricsMiddleware:
             return
         start = time.perf_counter()
         status = 500  # what the client gets if the app raises before answering
+        started = gone = False
+
+        async def receive_wrapper() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                status, started = int(message["status"]), True
             await send(message)
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except asyncio.CancelledError as exc:
+            # Cancelled before any answer: it was counted 500 whatever it was. The client
+            # gone, nothing is answered (uvicorn logs no line): 499, as the routes answer a
+            # client that left. The shutdown's cancel is answered 503 here, which uvicorn's
+            # access log shows (it answered and logged its own 500); any other stays 500.
+            if started:
+                raise
+            if gone:
+                status = 499
+                raise
+            if not _cancelled_by_shutdown(scope, exc):
+                raise
+            status = 503
+            if (task := asyncio.current_task()) is not None:
+                task.uncancel()  # answered instead: the cancellation is handled
+            await send_wrapper(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"retry-after", b"5"),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
         finally:
             route = route_template(scope)
             method = str(scope.get("method", "GET"))

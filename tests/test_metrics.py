@@ -236,3 +236,71 @@ def test_ready_goes_to_0_as_the_server_shuts_down(client: TestClient) -> None:
         assert value(scrape(client), "streamdet_ready") == 0
     finally:
         state.shutting_down = False
+
+
+def test_a_call_cancelled_before_its_answer_is_counted_as_what_it_was() -> None:
+    """A call cancelled before it answered was counted status 500 whatever it was: the client
+    gone is 499 (uvicorn answers and logs nothing then), the shutdown's cancel is answered
+    503 with Retry-After by the middleware (uvicorn answered and logged its own 500), any
+    other cancellation stays 500 (uvicorn's answer)."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from server.metrics import RequestMetricsMiddleware
+    from server.routes.detect import UVICORN_SHUTDOWN_CANCEL
+
+    async def hang(request: Request) -> Response:
+        await asyncio.Event().wait()  # a call queued for ever
+        raise AssertionError("never answered")
+
+    async def listen(request: Request) -> Response:
+        await request.body()
+        assert await request.is_disconnected()  # the client left while its call waited
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+    metrics = Metrics()
+    app = RequestMetricsMiddleware(
+        Starlette(routes=[Route("/hang", hang), Route("/listen", listen)]), metrics
+    )
+
+    async def call(path: str, message: str | None, disconnect: bool) -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+        events = [{"type": "http.request", "body": b"", "more_body": False}]
+        if disconnect:
+            events.append({"type": "http.disconnect"})
+
+        async def receive() -> dict[str, Any]:
+            if events:
+                return events.pop(0)
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def send(msg: dict[str, Any]) -> None:
+            sent.append(msg)
+
+        scope = {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
+        task = asyncio.ensure_future(app(scope, receive, send))  # type: ignore[arg-type]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel(message)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return sent
+
+    def count(path: str, status: str) -> float:
+        return float(metrics.requests.labels(path, "GET", status)._value.get())
+
+    shutdown = asyncio.run(call("/hang", UVICORN_SHUTDOWN_CANCEL, False))
+    assert shutdown[0]["status"] == 503
+    assert (b"retry-after", b"5") in shutdown[0]["headers"]
+    assert b"STREAMDET_SHUTDOWN_TIMEOUT_S" in shutdown[1]["body"]
+    assert count("/hang", "503") == 1
+    assert asyncio.run(call("/listen", None, True)) == []  # nothing to answer: the client left
+    assert count("/listen", "499") == 1
+    assert asyncio.run(call("/hang", None, False)) == []  # another cancel: uvicorn's 500
+    assert count("/hang", "500") == 1
