@@ -250,8 +250,11 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             log.info("shutdown complete")
 
     # A proxy's prefix (--root-path) comes as the ASGI root_path uvicorn sets (server/cli.py):
-    # FastAPI's own root_path is deprecated.
-    app = FastAPI(title="streamdet", version="0.1.0", lifespan=lifespan)
+    # FastAPI's own root_path is deprecated. /docs and /redoc are the viewer's (server/routes/
+    # viewer.py): FastAPI's load their files from a CDN.
+    app = FastAPI(
+        title="streamdet", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.include_router(health.router)
     app.include_router(detect.router)
     app.include_router(streams.router)
@@ -312,5 +315,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             ],
         )
     app.include_router(viewer.router)
+    # Before /static, whose mount would take /static/docs/... too.
+    app.mount(viewer.DOCS_STATIC_PATH, viewer.docs_files(), name="docs-static")
     app.mount(viewer.STATIC_PATH, viewer.static_files(), name="static")
     return app

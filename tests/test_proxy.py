@@ -16,9 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from loadtest.server import ServerProcess, free_port
-from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
+from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, ultralytics_assets
+from tests.test_viewer import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = pytest.mark.proxy
 
@@ -69,6 +71,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             "max_batch": 2,
             "root_path": PREFIX,
             "admission_deadline_ms": 0,
+            # A small engine and a looping clip: the browser test's stream, cheap on 2 cores.
+            "imgsz": 320,
+            "allowed_file_dir": str(CAR_CLIP.parent),
         },
         log_path=tmp / "server.log",
         ready_timeout_s=180,
@@ -153,3 +158,181 @@ def test_a_websocket_through_the_proxy(proxy: str) -> None:
     code, reason = asyncio.run(watch())
     assert code is not None and code != 1006, (code, reason)
     assert reason is not None and "nope" in reason, json.dumps([code, reason])
+
+
+# ---- the viewer and /docs in a real headless Chromium, through the proxy ------------------
+
+BROWSER_TIMEOUT_MS = 20_000
+# Over the picture: each car the stream tracks enters it, an event with a snapshot.
+LOT = {"name": "lot", "points": [[0.02, 0.02], [0.98, 0.02], [0.98, 0.98], [0.02, 0.98]]}
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: see tests/test_viewer.py, or deselect")
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        yield chromium
+        chromium.close()
+
+
+class Traffic:
+    """What a page asked for and what went wrong in it: every request and WebSocket URL,
+    answers of 400 and over, failed requests, console errors and uncaught exceptions."""
+
+    def __init__(self, page: Page) -> None:
+        self.urls: list[str] = []
+        self.bad: list[str] = []
+        page.on("request", lambda r: self.urls.append(r.url))
+        page.on("websocket", lambda ws: self.urls.append(ws.url))
+        page.on(
+            "response",
+            lambda r: self.bad.append(f"{r.status} {r.url}") if r.status >= 400 else None,
+        )
+        page.on("requestfailed", lambda r: self.bad.append(f"failed {r.url}: {r.failure}"))
+        page.on(
+            "console",
+            lambda m: self.bad.append(f"console: {m.text}") if m.type == "error" else None,
+        )
+        page.on("pageerror", lambda exc: self.bad.append(f"uncaught: {exc}"))
+
+    def outside(self, base: str) -> list[str]:
+        """The URLs not under ``base`` (the proxy's prefix, itself or its folder)."""
+        origin = httpx.URL(base)
+        return [
+            url
+            for url in self.urls
+            if not url.startswith("data:")
+            and not url.startswith("blob:")
+            and (
+                httpx.URL(url).host != origin.host
+                or httpx.URL(url).port != origin.port
+                or not (httpx.URL(url).path + "/").startswith(origin.path + "/")
+            )
+        ]
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[tuple[Page, Traffic]]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1100})
+    context.set_default_timeout(BROWSER_TIMEOUT_MS)
+    pg = context.new_page()
+    traffic = Traffic(pg)
+    yield pg, traffic
+    context.close()
+
+
+REDOCLY_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
+LOADED_JS = (
+    "(id) => { const i = document.getElementById(id); return i.complete && i.naturalWidth > 0; }"
+)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(90)
+def test_the_viewer_through_the_proxy_in_a_browser(proxy: str, page: tuple[Page, Traffic]) -> None:
+    """The page behind nginx under the prefix, as a user sees it: its script and styles,
+    the stream list, a tile's frames and boxes over the WebSocket, events over EventSource
+    with their thumbnails and snapshots, MJPEG and latest.jpg pictures; every request it
+    made went under the prefix, none failed, nothing on the console."""
+    pg, traffic = page
+    base = proxy + PREFIX
+    with httpx.Client(base_url=base, timeout=30) as c:
+        created = c.post(
+            "/streams",
+            json={"url": CAR_CLIP.as_uri(), "name": "car", "track": True, "zones": [LOT]},
+        )
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+    try:
+        # Opened as a user types it, without the slash: nginx sends the browser to the
+        # prefix's folder, where the page's relative URLs resolve under the prefix.
+        pg.goto(base)
+        assert pg.url == base + "/"
+        expect(pg.locator("#server-status")).to_have_text("connected")
+        # The stylesheet applied (a hidden element stays hidden), the module ran.
+        assert pg.evaluate("() => document.styleSheets.length") == 1
+        row = pg.locator(f'#stream-rows tr[data-id="{sid}"]')
+        expect(row.locator(".name")).to_have_text("car")
+        expect(row.locator("td.state")).to_have_text("live")
+        # Watched: its tile draws frames with boxes, frame and detections on one WebSocket.
+        row.locator("input.watch").check()
+        tile = f"tile-{sid}"
+        pg.wait_for_function(
+            "(id) => { const d = window.streamdet.drawn[id];"
+            " return d !== undefined && d.shapes.length > 0; }",
+            arg=tile,
+        )
+        # The cars' entries come over the events feed, each with its thumbnail and snapshot.
+        entered = pg.locator("#event-list li.zone_enter").first
+        expect(entered.locator(".event-text")).to_contain_text("entered lot")
+        pg.wait_for_function(
+            "() => { const i = document.querySelector('#event-list li.zone_enter img.event-thumb');"
+            " return i && i.complete && i.naturalWidth > 0; }"
+        )
+        entered.locator("button.event-snapshot").click()
+        expect(pg.locator("#snapshot-dialog")).to_be_visible()
+        pg.wait_for_function(LOADED_JS, arg="snapshot-image")
+        pg.locator("#snapshot-dialog button[type=submit]").click()
+        # The stream's pictures, as a dashboard embeds them: URLs relative to the page.
+        pg.evaluate(
+            """(sid) => {
+              for (const [id, src] of [["mjpeg", `streams/${sid}/mjpeg?max_fps=2`],
+                                       ["latest", `streams/${sid}/latest.jpg`]]) {
+                const img = document.createElement("img");
+                img.id = id;
+                img.src = src;
+                document.body.append(img);
+              }
+            }""",
+            sid,
+        )
+        pg.wait_for_function(LOADED_JS, arg="latest")
+        pg.wait_for_function(LOADED_JS, arg="mjpeg")
+        pg.evaluate("() => document.getElementById('mjpeg').remove()")
+        expect(pg.locator("#errors .error")).to_have_count(0)
+        assert any("/events?" in url and "after=" in url for url in traffic.urls), traffic.urls
+        assert any(url.startswith("ws://") for url in traffic.urls), traffic.urls
+        assert traffic.outside(base) == []
+        assert traffic.bad == []
+    finally:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            c.delete(f"/streams/{sid}")
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(90)
+def test_docs_through_the_proxy_in_a_browser(proxy: str, page: tuple[Page, Traffic]) -> None:
+    """Swagger UI under the prefix: its own files, the OpenAPI document, and "Try it out"
+    of ``GET /healthz`` answered through the proxy; ReDoc beside it. Their files came from a
+    CDN (and ReDoc's fonts from Google's): offline, as here, both pages stayed blank."""
+    pg, traffic = page
+    base = proxy + PREFIX
+    pg.goto(base + "/docs")
+    operation = pg.locator("#operations-default-healthz_healthz_get")
+    expect(operation).to_be_visible()
+    operation.locator(".opblock-summary").click()
+    operation.get_by_role("button", name="Try it out").click()
+    with pg.expect_response(lambda r: r.url.endswith("/healthz")) as answered:
+        operation.get_by_role("button", name="Execute").click()
+    assert answered.value.url == f"{base}/healthz" and answered.value.status == 200
+    # What the page shows: the call it made, under the prefix, and the server's answer.
+    expect(operation.locator(".request-url pre")).to_have_text(f"{base}/healthz")
+    answer = operation.locator(".live-responses-table tbody tr.response")
+    expect(answer.locator(".response-col_status")).to_have_text("200")
+    expect(answer.locator(".response-col_description")).to_contain_text('"status"')
+    assert any(url == f"{base}/openapi.json" for url in traffic.urls), traffic.urls
+    assert traffic.outside(base) == []
+    assert traffic.bad == []
+    traffic.urls.clear()
+    # ReDoc too: its script from the server, the document read, the API's routes listed.
+    pg.goto(base + "/redoc")
+    expect(pg.get_by_role("heading", name="streamdet (0.1.0)")).to_be_visible()
+    expect(pg.get_by_text("/healthz").first).to_be_attached()
+    # But for the logo of ReDoc's "API docs by Redocly" link, which its bundle always asks
+    # its own CDN for, and leaves out when it does not load.
+    assert [url for url in traffic.outside(base) if url != REDOCLY_LOGO] == []
+    assert [bad for bad in traffic.bad if REDOCLY_LOGO not in bad and "ERR_NAME" not in bad] == []

@@ -1,10 +1,14 @@
-"""``GET /``: the viewer page, the static files it loads from ``/static``, the JPEG frames it
+"""``GET /``: the viewer page, the static files it loads from ``/static``, the API's ``/docs``
+and ``/redoc`` pages with their files from ``/static/docs``, the JPEG frames it
 asks for beside the JSON on ``WS /ws/streams/{id}?frames=jpeg`` (:class:`JpegFrames`), and
 ``GET /streams/{id}/latest.jpg``: a stream's last processed frame with its boxes drawn (for
 dashboards, thumbnails and home-automation camera cards that poll a picture).
 
 The page is plain HTML, CSS and an ES module in ``server/static`` (shipped as package data), so
-it needs no build step and no internet: everything it loads comes from this server.
+it needs no build step and no internet: everything it loads comes from this server. So do
+``/docs`` (Swagger UI) and ``/redoc``: their scripts, stylesheet and icon are the copies the
+``fastapi-offline`` package ships (FastAPI's own pages load them from a CDN and a font host,
+which a browser on an offline network or behind a strict proxy cannot reach: a blank page).
 """
 
 from __future__ import annotations
@@ -18,8 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+import fastapi_offline
 from fastapi import APIRouter, HTTPException, Query, Request, WebSocket
-from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.openapi.docs import (
+    get_redoc_html,
+    get_swagger_ui_html,
+    get_swagger_ui_oauth2_redirect_html,
+)
+from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import Message, Send
 
@@ -35,6 +45,17 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 """Where the viewer's files live inside the installed package."""
 
 STATIC_PATH = "/static"
+
+DOCS_DIR = Path(fastapi_offline.__file__).resolve().parent / "static"
+"""Swagger UI's and ReDoc's files (``swagger-ui-bundle.js``, ``swagger-ui.css``,
+``redoc.standalone.js``, ``favicon.png``) as the ``fastapi-offline`` package ships them."""
+
+DOCS_STATIC_PATH = STATIC_PATH + "/docs"
+"""Where the app mounts :data:`DOCS_DIR`: under ``/static``, open without a key as the
+viewer's files are (the pages are open; their files answered 401 elsewhere)."""
+
+OPENAPI_PATH = "/openapi.json"
+DOCS_OAUTH2_REDIRECT = "/docs/oauth2-redirect"
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -61,6 +82,65 @@ def static_files() -> StaticFiles:
             " (pip install -e . from the repository)"
         )
     return StaticFiles(directory=STATIC_DIR)
+
+
+def docs_files() -> StaticFiles:
+    """The app mounts this at :data:`DOCS_STATIC_PATH` for ``/docs`` and ``/redoc``.
+
+    Raises:
+        RuntimeError: the ``fastapi-offline`` package lacks the files.
+    """
+    missing = [
+        name
+        for name in ("swagger-ui-bundle.js", "swagger-ui.css", "redoc.standalone.js")
+        if not (DOCS_DIR / name).is_file()
+    ]
+    if missing:
+        raise RuntimeError(
+            f"API docs files {missing} missing from {DOCS_DIR}; reinstall streamdet's"
+            " dependencies (pip install -e . from the repository, which pulls fastapi-offline)"
+        )
+    return StaticFiles(directory=DOCS_DIR)
+
+
+def _root(request: Request) -> str:
+    """The proxy's prefix (``--root-path``), which the pages' URLs start with."""
+    root: str = request.scope.get("root_path", "")
+    return root.rstrip("/")
+
+
+@router.get("/docs", include_in_schema=False)
+async def swagger_ui(request: Request) -> HTMLResponse:
+    """Swagger UI for the API, its files from this server; "Try it out" calls the
+    document's ``servers`` URL (the prefix behind a proxy)."""
+    root = _root(request)
+    return get_swagger_ui_html(
+        openapi_url=root + OPENAPI_PATH,
+        title=f"{request.app.title} - Swagger UI",
+        swagger_js_url=f"{root}{DOCS_STATIC_PATH}/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}{DOCS_STATIC_PATH}/swagger-ui.css",
+        swagger_favicon_url=f"{root}{DOCS_STATIC_PATH}/favicon.png",
+        oauth2_redirect_url=root + DOCS_OAUTH2_REDIRECT,
+    )
+
+
+@router.get(DOCS_OAUTH2_REDIRECT, include_in_schema=False)
+async def swagger_ui_redirect() -> HTMLResponse:
+    """Swagger UI's OAuth2 redirect page."""
+    return get_swagger_ui_oauth2_redirect_html()
+
+
+@router.get("/redoc", include_in_schema=False)
+async def redoc(request: Request) -> HTMLResponse:
+    """ReDoc for the API, its script from this server and no web fonts."""
+    root = _root(request)
+    return get_redoc_html(
+        openapi_url=root + OPENAPI_PATH,
+        title=f"{request.app.title} - ReDoc",
+        redoc_js_url=f"{root}{DOCS_STATIC_PATH}/redoc.standalone.js",
+        redoc_favicon_url=f"{root}{DOCS_STATIC_PATH}/favicon.png",
+        with_google_fonts=False,
+    )
 
 
 # ---- JPEG frames beside the JSON on ``WS /ws/streams/{id}`` ---------------------------------
