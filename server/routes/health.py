@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,12 +14,72 @@ from server.state import get_state
 
 router = APIRouter()
 
+PRESSURE_WINDOW_S = 60.0
+"""Streams' drop ratios in ``/healthz`` are over this window."""
+DROP_RATIO_THRESHOLD = 0.5
+"""A stream dropping more than this share of its frames is listed (the alert rule's)."""
+
+
+class StreamPressure:
+    """Drop ratios over the last :data:`PRESSURE_WINDOW_S`, from the streams' counters as
+    ``/healthz`` saw them (at most one sample a second is kept; where calls come less often,
+    since the call before; for a stream not seen before, since it was added)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._samples: deque[tuple[float, Mapping[str, tuple[int, int]]]] = deque()
+
+    def observe(self, counters: Mapping[str, tuple[int, int]]) -> dict[str, float]:
+        """``counters``: ``(frames_in, drops)`` by stream now; returns drop ratios by stream."""
+        now = self.clock()
+        # The newest sample at least a window old stays as the window's start.
+        while len(self._samples) > 1 and self._samples[1][0] <= now - PRESSURE_WINDOW_S:
+            self._samples.popleft()
+        ratios: dict[str, float] = {}
+        for sid, (frames, drops) in counters.items():
+            base = next((s[sid] for _, s in self._samples if sid in s), (0, 0))
+            seen = frames - base[0]
+            ratios[sid] = max(0, drops - base[1]) / seen if seen > 0 else 0.0
+        if not self._samples or now - self._samples[-1][0] >= 1.0:
+            self._samples.append((now, dict(counters)))
+        return ratios
+
+
+def stream_pressure(request: Request) -> dict[str, Any] | None:
+    """The streams' part of ``/healthz``: the lane's depth and the streams dropping most of
+    their frames (``None`` with no stream)."""
+    state = get_state(request)
+    if state.streams is None:
+        return None
+    streams = state.streams.list()
+    if not streams:
+        return None
+    tracker: StreamPressure | None = getattr(request.app.state, "stream_pressure", None)
+    if tracker is None:
+        tracker = request.app.state.stream_pressure = StreamPressure()
+    ratios = tracker.observe({s["id"]: (int(s["frames_in"]), int(s["drops"])) for s in streams})
+    dropping = {sid: round(r, 3) for sid, r in sorted(ratios.items()) if r > DROP_RATIO_THRESHOLD}
+    _, lane = state.pool.queue.depth()
+    return {
+        "count": len(streams),
+        "lane_depth": lane,
+        "dropping": dropping,
+        "drop_ratio_threshold": DROP_RATIO_THRESHOLD,
+        "window_s": PRESSURE_WINDOW_S,
+    }
+
 
 # HEAD too: some load balancers' and uptime checkers' probes send it (it was 405).
 @router.get("/healthz")
 @router.head("/healthz", include_in_schema=False)
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz(request: Request) -> dict[str, Any]:
+    """Alive (always 200); with streams, their pressure: an operator reading it sees streams
+    dropping most of their frames (a 95 % overload showed only in /metrics). ``/readyz`` is
+    not affected: it gates ``/detect`` in load balancers."""
+    body: dict[str, Any] = {"status": "ok"}
+    if (pressure := stream_pressure(request)) is not None:
+        body["streams"] = pressure
+    return body
 
 
 @router.get("/readyz")
