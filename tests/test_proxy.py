@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import websockets
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from loadtest.server import ServerProcess, free_port
-from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, ultralytics_assets
+from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO, ultralytics_assets
 from tests.test_viewer import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = pytest.mark.proxy
@@ -27,6 +28,8 @@ pytestmark = pytest.mark.proxy
 PREFIX = "/streamdet"
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
+# What the test runs around README's configuration (the "Behind a reverse proxy" paragraph's
+# nginx block, read from there so the two cannot drift apart): its files under pytest's tmp.
 NGINX_CONF = """
 daemon off;
 pid {run}/nginx.pid;
@@ -39,25 +42,38 @@ http {{
     fastcgi_temp_path {run}/fastcgi;
     uwsgi_temp_path {run}/uwsgi;
     scgi_temp_path {run}/scgi;
-    client_max_body_size 50m;
     # Bodies and answers in memory: the workers (nobody) cannot write under pytest's tmp.
     client_body_buffer_size 50m;
     proxy_max_temp_file_size 0;
+    {http}
     server {{
         listen 127.0.0.1:{port};
-        location /streamdet/ {{
-            proxy_pass http://127.0.0.1:{upstream}/;
-            proxy_http_version 1.1;
-            proxy_set_header Host $http_host;
-            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-            proxy_set_header X-Forwarded-Proto $scheme;
-            proxy_set_header Upgrade $http_upgrade;
-            proxy_set_header Connection $connection_upgrade;
-        }}
+        {location}
     }}
-    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
 }}
 """
+README_UPSTREAM = "http://127.0.0.1:8000/"
+
+
+def readme_nginx() -> tuple[str, str]:
+    """README's nginx example: its ``map`` (for ``http``) and its ``location`` block."""
+    text = (REPO / "README.md").read_text()
+    paragraph = text.index("**Behind a reverse proxy**")
+    found = re.search(r"```nginx\n(.*?)```", text[paragraph:], re.S)
+    if found is None:
+        raise AssertionError("README: no ```nginx block after 'Behind a reverse proxy'")
+    block = found.group(1)
+    http = re.search(r"^map .*$", block, re.M)
+    location = re.search(r"^location /streamdet/ \{$.*?^\}$", block, re.M | re.S)
+    if http is None or location is None or README_UPSTREAM not in location.group(0):
+        raise AssertionError(f"README's nginx block lacks a map or a location to {PREFIX}/")
+    return http.group(0), location.group(0)
+
+
+def nginx_conf(run: Path, port: int, upstream: int) -> str:
+    http, location = readme_nginx()
+    location = location.replace(README_UPSTREAM, f"http://127.0.0.1:{upstream}/")
+    return NGINX_CONF.format(run=run, port=port, http=http, location=location)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +107,7 @@ def proxy(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> It
     run = tmp_path_factory.mktemp("nginx")
     port = free_port()
     conf = run / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(run=run, port=port, upstream=server.port))
+    conf.write_text(nginx_conf(run, port, server.port))
     proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(run)], stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -144,6 +160,26 @@ def test_detect_kserve_and_settings_limits_through_the_proxy(proxy: str) -> None
         # An upload route under the prefix keeps its own limit (not the settings' 1 MiB).
         job = c.post("/jobs", content=b"\0" * (1_100_000), headers={"content-type": "video/mp4"})
         assert job.status_code != 413, job.text
+
+
+def test_readme_nginx_outwaits_the_long_polls(proxy: str) -> None:
+    """nginx's default 60 s between reads cut a 60 s long poll (``GET /events?wait_s=60``
+    answered 504 after 60.2 s through this config without it): README's waits longer than
+    any route's ``wait_s`` may ask for (read from the OpenAPI document)."""
+    document = httpx.get(f"{proxy}{PREFIX}/openapi.json", timeout=30).json()
+    waits = [
+        param["schema"]["maximum"]
+        for route in document["paths"].values()
+        for operation in route.values()
+        for param in operation.get("parameters", [])
+        if param["name"] == "wait_s"
+    ]
+    assert len(waits) >= 2, waits  # GET /events and GET /jobs/{id}
+    _, location = readme_nginx()
+    found = re.search(r"proxy_read_timeout (\d+)([smh]?);", location)
+    assert found is not None, location
+    seconds = int(found.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[found.group(2)]
+    assert seconds > max(waits) + 10, (location, waits)
 
 
 def test_a_websocket_through_the_proxy(proxy: str) -> None:
