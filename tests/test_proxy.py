@@ -1,7 +1,9 @@
 """``streamdet serve --root-path /streamdet`` behind a real nginx that serves it under that
-prefix (``location /streamdet/ { proxy_pass http://127.0.0.1:PORT/; }``, which strips it):
-the viewer page, ``/docs``, redirects, ``Location``, ``POST /detect``, the settings bodies'
-limit, KServe v2's error form and a WebSocket, all through the proxy."""
+prefix with README's configuration (``location /streamdet/ { proxy_pass
+http://127.0.0.1:PORT/; ... }``, which strips it): the viewer page, ``/docs``, redirects,
+``Location``, ``POST /detect``, the settings bodies' limit, KServe v2's error form and a
+WebSocket, all through the proxy; and the viewer and ``/docs`` in headless Chromium through it
+(marker ``browser`` too)."""
 
 from __future__ import annotations
 
