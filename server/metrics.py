@@ -83,6 +83,9 @@ class StreamSample:
         state: connecting, live, reconnecting, failed, stopped or disabled.
         frames_processed: frames run through the engine since the stream was added.
         drops: frames replaced by a newer one before the engine took them.
+        publish_drops: frames run through the engine (counted in ``frames_processed``) but not
+            published to the stream's viewers and observers: the event loop fell behind and
+            a newer frame took its place (frames with events are always published).
         reconnects: times the source was reopened after a failure.
         frames_failed: frames the engine failed on (each also logged).
         motion_skipped: frames not inferred because nothing moved (streams with motion on).
@@ -114,6 +117,7 @@ class StreamSample:
     motion_skipped: int = 0
     frames_decoded: int = 0
     frames_copied: int = 0
+    publish_drops: int = 0
     state: str = ""
     detections: Mapping[str, int] = field(default_factory=dict)
     objects: Mapping[str, int] = field(default_factory=dict)
@@ -273,6 +277,12 @@ class _ScrapeCollector(Collector):
                 "Frames replaced by a newer one before the engine took them",
                 labels=["stream"],
             ),
+            "publish_dropped": CounterMetricFamily(
+                "streamdet_stream_frames_publish_dropped",
+                "Frames run through the engine (so counted as processed) but not published:"
+                " the event loop fell behind and newer frames took their place",
+                labels=["stream"],
+            ),
             "reconnects": CounterMetricFamily(
                 "streamdet_stream_reconnects",
                 "Times the source was reopened after a failure",
@@ -366,6 +376,7 @@ class _ScrapeCollector(Collector):
             counters["frames_received"].add_metric([s.stream_id], s.frames_in)
             counters["frames_processed"].add_metric([s.stream_id], s.frames_processed)
             counters["frames_dropped"].add_metric([s.stream_id], s.drops)
+            counters["publish_dropped"].add_metric([s.stream_id], s.publish_drops)
             counters["reconnects"].add_metric([s.stream_id], s.reconnects)
             counters["frames_failed"].add_metric([s.stream_id], s.frames_failed)
             counters["motion_skipped"].add_metric([s.stream_id], s.motion_skipped)

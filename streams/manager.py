@@ -597,13 +597,15 @@ class StreamManager:
         loop. Frames queue in the outbox and the loop is woken once for all that arrive
         before it runs (a batch's worth): a wake-up per frame cost the worker a system call
         and the loop a turn per frame. A loop that falls behind costs a stream its oldest
-        waiting frames without events, counted as drops (:mod:`streams.outbox`)."""
+        waiting frames without events, counted as ``publish_drops`` (:mod:`streams.outbox`):
+        each was counted as processed already, so they are not ``drops`` (frames the engine
+        never took), and every frame taken in ends in one counter."""
         loop = self._loop
         if loop is None:
             return
         wake, dropped = self._outbox.put(frame, token)
         if dropped is not None and (reader := self._reader_of(*dropped)) is not None:
-            reader.count_drop()
+            reader.count_publish_drop()
         if not wake:
             return
         try:

@@ -5,8 +5,10 @@ all the frames that arrive before it runs (a batch's worth). When the loop falls
 long callback, a collection pause, more frames per second than it publishes), a stream's
 frames would pile up here with their images, a GPU's thousands a second: so each stream
 keeps at most ``per_stream`` frames waiting, and beyond them its oldest frame without events
-is dropped, the latest frame winning as it does at ingest. A frame with events is never
-dropped: an event reaches the event log, its sinks and the viewers whatever the lag.
+is dropped, the latest frame winning as it does at ingest (counted as the stream's
+``publish_drops``: processed, not published; not among its ``drops``, frames the engine never
+took). A frame with events is never dropped: an event reaches the event log, its sinks and
+the viewers whatever the lag.
 """
 
 from __future__ import annotations

@@ -210,6 +210,8 @@ class StreamReader:
         self.frames_in = 0
         self.processed = 0
         self.drops = 0
+        self.publish_drops = 0
+        """Frames processed but not published: the event loop fell behind (``streams.outbox``)."""
         self.skipped = 0
         self.decoded = 0
         self.keyframes_only = False
@@ -262,7 +264,7 @@ class StreamReader:
             self.frames_in, self.processed, self.drops = old.frames_in, old.processed, old.drops
             self.skipped, self.decoded, self.failed = old.skipped, old.decoded, old.failed
             self.motion_skipped, self.reconnects = old.motion_skipped, old.reconnects
-            self.copied = old.copied
+            self.copied, self.publish_drops = old.copied, old.publish_drops
             self.last_latency_ms = old.last_latency_ms
         with old._result_lock:
             self._frame_no = max(old._frame_no, old._last_result_frame)
@@ -328,6 +330,7 @@ class StreamReader:
                 "keyframes_only": self.keyframes_only,
                 "frames_processed": self.processed,
                 "drops": self.drops,
+                "publish_drops": self.publish_drops,
                 "skipped": self.skipped,
                 "motion_skipped": self.motion_skipped,
                 "motion_area": round(self._motion.area, 4) if self.detect.motion else None,
@@ -643,11 +646,16 @@ class StreamReader:
             self.count_drop()
 
     def count_drop(self) -> None:
-        """A frame of this stream was dropped: replaced by a newer one, too late, or (once
-        detected) on its way to the viewers where the event loop fell behind
-        (:mod:`streams.outbox`)."""
+        """A frame of this stream was dropped, not processed: replaced by a newer one before
+        the engine took it, past its deadline, or finished after a newer one."""
         with self._lock:
             self.drops += 1
+
+    def count_publish_drop(self) -> None:
+        """A processed frame of this stream (counted in ``processed``) was dropped on its way
+        to the event loop, which fell behind (:mod:`streams.outbox`): not a drop as well."""
+        with self._lock:
+            self.publish_drops += 1
 
     def _on_done(self, pending: _Pending, result: WorkResult) -> None:
         """Engine worker thread: count, then publish."""

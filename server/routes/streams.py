@@ -705,6 +705,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             frames_in=info["frames_in"],
             frames_processed=info["frames_processed"],
             drops=info["drops"],
+            publish_drops=info["publish_drops"],
             reconnects=info["reconnects"],
             frames_failed=info["frames_failed"],
             motion_skipped=info["motion_skipped"],
