@@ -154,13 +154,22 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                     settings.webhook_secret,
                     settings.webhook_timeout_s,
                     metrics,
+                    root_path=settings.root_path,
                 )
                 for url in settings.webhooks
             ]
         )
         webhook_store = WebhookStore(settings.data_dir)
         for record in await asyncio.to_thread(webhook_store.load):  # added before a restart
-            webhooks.add(make_sender(record, manager.events, settings.webhook_timeout_s, metrics))
+            webhooks.add(
+                make_sender(
+                    record,
+                    manager.events,
+                    settings.webhook_timeout_s,
+                    metrics,
+                    root_path=settings.root_path,
+                )
+            )
         state.webhooks, state.webhook_store = webhooks, webhook_store
         webhooks.start()
         publisher = (
@@ -179,6 +188,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 discovery=Discovery(settings.mqtt_topic, settings.mqtt_discovery_prefix)
                 if settings.mqtt_discovery
                 else None,
+                root_path=settings.root_path,
             )
         )
         if publisher is not None:
@@ -197,6 +207,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             frames=manager.job_frames(),
             callback_secret=settings.webhook_secret,
             callback_timeout_s=settings.webhook_timeout_s,
+            root_path=settings.root_path,
         )
         await job_manager.start()
         state.jobs = job_manager

@@ -135,8 +135,9 @@ class Job:
     bytes: int = 0
     """Its files' size on disk, measured when it was added and when it ended."""
 
-    def to_json(self, names: Mapping[int, str]) -> dict[str, Any]:
-        """What ``GET /jobs/{id}`` answers."""
+    def to_json(self, names: Mapping[int, str], root: str = "") -> dict[str, Any]:
+        """What ``GET /jobs/{id}`` answers, its paths under ``root`` (the request's root
+        path, ``--root-path``: ``job.json`` keeps them without)."""
         return {
             "id": self.id,
             "name": self.name,
@@ -151,9 +152,9 @@ class Job:
             "error": self.error,
             "counts": self.counts,
             "bytes": self.bytes,
-            "frames_url": f"/jobs/{self.id}/frames",
-            "events_url": f"/jobs/{self.id}/events",
-            "video_url": f"/jobs/{self.id}/video.mp4" if self.render else None,
+            "frames_url": f"{root}/jobs/{self.id}/frames",
+            "events_url": f"{root}/jobs/{self.id}/events",
+            "video_url": f"{root}/jobs/{self.id}/video.mp4" if self.render else None,
             "callback": None
             if self.callback_url is None
             else {"url": label(self.callback_url), **(self.callback or {})},
@@ -205,8 +206,10 @@ class JobManager:
         frames: FrameSource | None = None,
         callback_secret: str | None = None,
         callback_timeout_s: float = 5.0,
+        root_path: str = "",
     ) -> None:
         self.directory = directory
+        self._root_path = root_path  # a callback's paths: no request, the setting's prefix
         self._callback_secret = callback_secret
         self._callback_timeout_s = callback_timeout_s
         self._callbacks: set[asyncio.Task[None]] = set()
@@ -522,7 +525,7 @@ class JobManager:
                 if job.deleted:  # its caller deleted it: nothing left to tell of
                     job.callback["state"] = "cancelled"
                     break
-                payload = {"job": job.to_json(self._names)}
+                payload = {"job": job.to_json(self._names, self._root_path)}
                 error = await post_json(client, job.callback_url, payload, self._callback_secret)
                 job.callback.update(attempts=attempt, last_error=error)
                 if error is None:

@@ -61,6 +61,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from server.metrics import Metrics
 from server.mqtt_discovery import Discovery, level
+from server.routes.paths import served_event
 from streams.detect import StreamDetect
 from streams.events import EventLog, LogReader
 from streams.fanout import ProcessedFrame
@@ -188,6 +189,8 @@ class MqttPublisher:
             the new name (within a second, whether it has frames or not).
         discovery: announce each stream's entities to Home Assistant
             (``server/mqtt_discovery.py``); None: do not.
+        root_path: the events' paths (snapshot, thumbnail, clip) start with it, as
+            ``GET /events`` gives them behind the proxy (``--root-path``).
     """
 
     def __init__(
@@ -203,8 +206,10 @@ class MqttPublisher:
         roster: Callable[[], Mapping[str, tuple[str, bool]]] | None = None,
         name_of: Callable[[str], str | None] | None = None,
         discovery: Discovery | None = None,
+        root_path: str = "",
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
+        self._root_path = root_path
         self.name = safe_url(url)
         self.prefix = check_topic_prefix(prefix, "mqtt_topic")
         self._host = parts.hostname or ""
@@ -343,7 +348,7 @@ class MqttPublisher:
         newest = {_thumbnail_key(e): e["id"] for e in events if "thumbnail" in e}
         sent: list[list[mqtt.MQTTMessageInfo]] = []
         for event in events:
-            body = json.dumps(event, separators=(",", ":"))
+            body = json.dumps(served_event(event, self._root_path), separators=(",", ":"))
             infos = []
             for topic in (self.topic("events"), self.topic(event["stream_id"], "events")):
                 info = self._client.publish(topic, body, qos=QOS)

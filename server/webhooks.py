@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from server.metrics import Metrics
+from server.routes.paths import served_event
 from server.settings import check_webhook_url
 from streams.events import EVERY_EVENT, EventFilter, EventLog, LogReader
 
@@ -153,6 +154,9 @@ class WebhookSender:
         wanted: the events it sends (the others are passed over).
         about: what ``GET /webhooks`` shows of one added at run time (its filter, whether
             it signs, when it was added).
+        root_path: the events' paths (snapshot, thumbnail, clip) start with it, as
+            ``GET /events`` gives them behind the proxy (``--root-path``): no request is in
+            scope here.
     """
 
     def __init__(
@@ -166,8 +170,10 @@ class WebhookSender:
         webhook_id: str | None = None,
         wanted: EventFilter = EVERY_EVENT,
         about: dict[str, Any] | None = None,
+        root_path: str = "",
     ) -> None:
         self.url = check_webhook_url(url)
+        self._root_path = root_path
         self.name = name(url)
         self.id = webhook_id
         self.about = about or {"filter": {}, "signed": secret is not None, "created_at": None}
@@ -264,9 +270,12 @@ class WebhookSender:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2.0, BACKOFF_MAX_S)
 
-    async def _post(self, client: httpx.AsyncClient, events: Sequence[object]) -> str | None:
+    async def _post(
+        self, client: httpx.AsyncClient, events: Sequence[dict[str, Any]]
+    ) -> str | None:
         """POST one batch; the reason it failed, or None."""
-        return await post_json(client, self.url, {"events": events}, self._secret)
+        served = [served_event(event, self._root_path) for event in events]
+        return await post_json(client, self.url, {"events": served}, self._secret)
 
     def _count(self, outcome: str, n: int) -> None:
         if self._metrics is not None:

@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +22,9 @@ import pytest
 import websockets
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from benchmarks.events_bench import WebhookReceiver
 from loadtest.server import ServerProcess, free_port
-from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO, ultralytics_assets
+from tests.helpers import BOTTLE_CLIP, CACHE_DIR, CAR_CLIP, MODEL_PT, REPO, ultralytics_assets
 from tests.test_viewer import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = pytest.mark.proxy
@@ -52,6 +54,12 @@ http {{
         listen 127.0.0.1:{port};
         {location}
     }}
+    server {{
+        listen 127.0.0.1:{strip_port};
+        # As Traefik's StripPrefix serves it: the prefix itself is the app's /, no redirect.
+        location = /streamdet {{ proxy_pass http://127.0.0.1:{upstream}/; }}
+        {location}
+    }}
 }}
 """
 README_UPSTREAM = "http://127.0.0.1:8000/"
@@ -72,14 +80,26 @@ def readme_nginx() -> tuple[str, str]:
     return http.group(0), location.group(0)
 
 
-def nginx_conf(run: Path, port: int, upstream: int) -> str:
+def nginx_conf(run: Path, port: int, upstream: int, strip_port: int) -> str:
     http, location = readme_nginx()
     location = location.replace(README_UPSTREAM, f"http://127.0.0.1:{upstream}/")
-    return NGINX_CONF.format(run=run, port=port, http=http, location=location)
+    return NGINX_CONF.format(
+        run=run, port=port, http=http, location=location, upstream=upstream, strip_port=strip_port
+    )
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def receiver() -> Iterator[WebhookReceiver]:
+    """The server's webhook and its jobs' callback: what it POSTs, no request in scope."""
+    got = WebhookReceiver()
+    yield got
+    got.close()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, receiver: WebhookReceiver
+) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("proxy")
     srv = ServerProcess(
         {
@@ -92,6 +112,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             # A small engine and a looping clip: the browser test's stream, cheap on 2 cores.
             "imgsz": 320,
             "allowed_file_dir": str(CAR_CLIP.parent),
+            "webhooks": receiver.url,
+            "event_clip_pre_s": 1,
+            "event_clip_post_s": 1,
         },
         log_path=tmp / "server.log",
         ready_timeout_s=180,
@@ -102,14 +125,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def proxy(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """nginx in front of ``server`` under :data:`PREFIX`; its base URL."""
+def proxies(
+    server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    """nginx in front of ``server`` under :data:`PREFIX`: the base URLs of README's
+    configuration and of one that serves the prefix without a slash with no redirect."""
     if not Path(NGINX).exists():
         pytest.fail("nginx not found: apt-get install nginx-light (Debian), or deselect")
     run = tmp_path_factory.mktemp("nginx")
-    port = free_port()
+    port, strip_port = free_port(), free_port()
     conf = run / "nginx.conf"
-    conf.write_text(nginx_conf(run, port, server.port))
+    conf.write_text(nginx_conf(run, port, server.port, strip_port))
     proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(run)], stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -121,10 +147,23 @@ def proxy(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> It
                 if proc.poll() is not None:
                     pytest.fail(f"nginx exited: see {run / 'error.log'}")
                 asyncio.run(asyncio.sleep(0.1))
-        yield base
+        yield base, f"http://127.0.0.1:{strip_port}"
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def proxy(proxies: tuple[str, str]) -> str:
+    """README's nginx in front of ``server``: its base URL."""
+    return proxies[0]
+
+
+@pytest.fixture(scope="module")
+def stripping(proxies: tuple[str, str]) -> str:
+    """The proxy that serves :data:`PREFIX` itself as the app's ``/`` (Traefik's
+    StripPrefix): its base URL."""
+    return proxies[1]
 
 
 def test_pages_docs_and_redirects_carry_the_prefix(proxy: str) -> None:
@@ -133,6 +172,9 @@ def test_pages_docs_and_redirects_carry_the_prefix(proxy: str) -> None:
         assert page.status_code == 200
         # The page's own files and calls resolve under the prefix (they were /static/...).
         assert 'href="static/viewer.css"' in page.text and 'src="static/viewer.js"' in page.text
+        # Relative to the app's root, wherever the page was opened (see test_the_viewer_
+        # without_a_redirect_in_a_browser).
+        assert f'<base href="{PREFIX}/">' in page.text
         assert "const BASE" in c.get("/static/viewer.js").text
         docs = c.get("/docs")
         assert docs.status_code == 200 and f"'{PREFIX}/openapi.json'" in docs.text
@@ -162,6 +204,95 @@ def test_detect_kserve_and_settings_limits_through_the_proxy(proxy: str) -> None
         # An upload route under the prefix keeps its own limit (not the settings' 1 MiB).
         job = c.post("/jobs", content=b"\0" * (1_100_000), headers={"content-type": "video/mp4"})
         assert job.status_code != 413, job.text
+
+
+def follow(c: httpx.Client, proxy: str, path: str) -> None:
+    """``path`` as the API handed it out, followed through the proxy as a client does:
+    under the prefix, and found there."""
+    assert path.startswith(PREFIX + "/"), path
+    got = c.get(proxy + path)
+    assert got.status_code == 200, (path, got.status_code, got.text[:200])
+
+
+def test_paths_the_api_hands_out_work_through_the_proxy(
+    proxy: str, receiver: WebhookReceiver, server: ServerProcess
+) -> None:
+    """Every path in a body (an event's snapshot, thumbnail and clip, over JSON, server-sent
+    events and webhooks; a clip's url; a job's frames, events and video, in its body, its
+    list and its callback) and the job's ``Location`` carry the prefix and answer 200
+    through nginx (they were app-relative: the proxy's host root answered 404); a followed
+    job result says not to buffer it (``X-Accel-Buffering: no``, which it lacked)."""
+    with httpx.Client(base_url=proxy + PREFIX, timeout=60) as c:
+        stream = {"url": CAR_CLIP.as_uri(), "track": True, "zones": [LOT], "clips": True}
+        sid = c.post("/streams", json=stream).json()["id"]
+        try:
+            events: list[dict[str, object]] = []
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and not any(
+                "thumbnail" in e and "clip" in e for e in events
+            ):
+                page = c.get("/events", params={"stream_id": sid, "wait_s": 5}).json()
+                events = page["events"] or events
+            entered = next(e for e in events if "thumbnail" in e and "clip" in e)
+            for key in ("snapshot", "thumbnail", "clip"):
+                follow(c, proxy, str(entered[key]))
+            latest = c.get("/events", params={"stream_id": sid, "latest": True}).json()
+            pictured = [str(e["snapshot"]) for e in latest["events"] if "snapshot" in e]
+            assert pictured and all(path.startswith(PREFIX + "/") for path in pictured)
+            with c.stream(
+                "GET",
+                "/events",
+                params={"stream_id": sid, "after": int(str(entered["id"])) - 1},
+                headers={"Accept": "text/event-stream"},
+            ) as sse:
+                for line in sse.iter_lines():
+                    if line.startswith("data: "):
+                        assert json.loads(line[6:])["snapshot"] == entered["snapshot"]
+                        break
+            for clip in c.get("/clips", params={"stream_id": sid}).json()["clips"]:
+                follow(c, proxy, clip["url"])
+            # A webhook's payload: no request, the prefix from the setting.
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(
+                e["id"] == entered["id"] for e in receiver.events()
+            ):
+                time.sleep(0.2)
+            hooked = next(e for e in receiver.events() if e["id"] == entered["id"])
+            assert {k: hooked[k] for k in ("snapshot", "thumbnail", "clip")} == {
+                k: entered[k] for k in ("snapshot", "thumbnail", "clip")
+            }
+        finally:
+            c.delete(f"/streams/{sid}")
+        job_in = {"url": BOTTLE_CLIP.as_uri(), "fps": 0.5, "render": True}
+        created = c.post("/jobs", json={**job_in, "callback_url": receiver.url})
+        assert created.status_code == 202, created.text
+        job = created.json()
+        assert httpx.URL(created.headers["location"]).path == f"{PREFIX}/jobs/{job['id']}"
+        follow(c, proxy, created.headers["location"])
+        done = c.get(f"/jobs/{job['id']}", params={"wait_s": 60}).json()
+        assert done["state"] == "done", done
+        for key in ("frames_url", "events_url", "video_url"):
+            follow(c, proxy, done[key])
+        # A followed result streams, as MJPEG and server-sent events do: nginx is told not
+        # to buffer it (the header is nginx's own, so asked of the server itself).
+        for key in ("frames_url", "events_url"):
+            path = done[key].removeprefix(PREFIX)
+            followed = httpx.get(f"{server.base_url}{path}", params={"follow": True}, timeout=30)
+            assert followed.status_code == 200, followed.text
+            assert followed.headers.get("x-accel-buffering") == "no", followed.headers
+        listed = next(j for j in c.get("/jobs").json()["jobs"] if j["id"] == job["id"])
+        assert listed["video_url"] == done["video_url"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+            called := [
+                json.loads(body)["job"]
+                for _, _, body in receiver.calls
+                if "job" in json.loads(body)
+            ]
+        ):
+            time.sleep(0.2)
+        assert called and called[0]["video_url"] == done["video_url"], called
+        c.delete(f"/jobs/{job['id']}")
 
 
 def test_readme_nginx_outwaits_the_long_polls(proxy: str) -> None:
@@ -196,6 +327,37 @@ def test_a_websocket_through_the_proxy(proxy: str) -> None:
     code, reason = asyncio.run(watch())
     assert code is not None and code != 1006, (code, reason)
     assert reason is not None and "nope" in reason, json.dumps([code, reason])
+
+
+@pytest.mark.mqtt
+async def test_mqtt_events_carry_the_root_path(tmp_path: Path) -> None:
+    """An event's paths published over MQTT carry the prefix (``--root-path``) as
+    ``GET /events`` gives them: no request is in scope, it comes from the setting (they were
+    app-relative, 404 through the proxy)."""
+    from server.mqtt import MqttPublisher
+    from streams.events import EventLog, ManualEvent
+    from tests.test_mqtt import Broker, Listener, eventually
+
+    broker = Broker(tmp_path / "mosquitto.log")
+    broker.start()
+    listener = Listener(broker.port)
+    try:
+        log = EventLog(100)
+        publisher = MqttPublisher(
+            f"mqtt://127.0.0.1:{broker.port}", "streamdet", log, root_path=PREFIX
+        )
+        publisher.start()
+        media = {"snapshot": "/events/1/snapshot.jpg", "clip": "/clips/1.mp4"}
+        log.add("door", "door", time.time(), [ManualEvent("bell", 0)], str, extra=lambda _: media)
+        await eventually(lambda: listener.on("streamdet/events"))
+        got = json.loads(listener.on("streamdet/events")[0])
+        assert {k: got[k] for k in media} == {k: PREFIX + v for k, v in media.items()}
+        assert log.read(0, 10).events[0]["snapshot"] == media["snapshot"]  # kept app-relative
+        log.finish()
+        await publisher.stop(2)
+    finally:
+        listener.close()
+        broker.stop()
 
 
 # ---- the viewer and /docs in a real headless Chromium, through the proxy ------------------
@@ -339,6 +501,28 @@ def test_the_viewer_through_the_proxy_in_a_browser(proxy: str, page: tuple[Page,
     finally:
         with httpx.Client(base_url=base, timeout=30) as c:
             c.delete(f"/streams/{sid}")
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(90)
+def test_the_viewer_without_a_redirect_in_a_browser(
+    stripping: str, page: tuple[Page, Traffic]
+) -> None:
+    """The page where a proxy serves the prefix without its slash and no redirect (Traefik's
+    StripPrefix): the browser stays at ``/streamdet``, whose directory is the host's root,
+    and the page's relative URLs resolve under the prefix all the same, from its ``<base>``
+    (they went to ``/static/viewer.js``, ``/streams``: 404)."""
+    pg, traffic = page
+    base = stripping + PREFIX
+    pg.goto(base)
+    assert pg.url == base
+    expect(pg.locator("#server-status")).to_have_text("connected")
+    assert pg.evaluate("() => document.styleSheets.length") == 1
+    expect(pg.locator("#model-name")).not_to_be_empty()
+    expect(pg.locator("#errors .error")).to_have_count(0)
+    assert any(url.startswith(base + "/static/") for url in traffic.urls), traffic.urls
+    assert traffic.outside(base) == []
+    assert traffic.bad == []
 
 
 @pytest.mark.browser

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import itertools
 import json
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -37,6 +38,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from server.ranges import RangedFile
 from server.routes.detect import parse_classes
 from server.routes.longpoll import wait_unless_gone
+from server.routes.paths import root_of, served_event
 from server.routes.streams import get_manager
 from server.state import get_state
 from streams.events import COUNT_KEYS, EVENT_TYPES, EventFilter, EventLog, count_events
@@ -182,10 +184,11 @@ async def read_events(
     ] = False,
 ) -> dict[str, Any] | StreamingResponse:
     log = get_manager(request).events
+    root = root_of(request.scope)
     if "text/event-stream" in request.headers.get("accept", ""):
         cursor = _resume_from(request.headers.get("last-event-id"), after, log)
         return StreamingResponse(
-            _event_stream(log, cursor, wanted),
+            _event_stream(log, cursor, wanted, root),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -193,7 +196,7 @@ async def read_events(
         if after is not None or wait_s:
             raise HTTPException(422, "latest: reads the newest events; drop after and wait_s")
         page = log.latest(limit, wanted)
-        return {"events": page.events, "next": page.next, "missed": page.missed}
+        return _page(page.events, page.next, page.missed, root)
     cursor = 0 if after is None else after
     deadline = time.monotonic() + wait_s
     while True:
@@ -204,7 +207,13 @@ async def read_events(
         cursor = page.next
         if await wait_unless_gone(request, log.wait(cursor, left)):
             raise HTTPException(499, "the client closed the connection")
-    return {"events": page.events, "next": page.next, "missed": page.missed}
+    return _page(page.events, page.next, page.missed, root)
+
+
+def _page(events: list[dict[str, Any]], after: int, missed: int, root: str) -> dict[str, Any]:
+    """A page of events as ``GET /events`` answers it, their paths under ``root``."""
+    served = [served_event(event, root) for event in events]
+    return {"events": served, "next": after, "missed": missed}
 
 
 @router.get("/events/counts", response_model=None)
@@ -285,7 +294,7 @@ def _resume_from(last_event_id: str | None, after: int | None, log: EventLog) ->
 
 
 async def _event_stream(
-    log: EventLog, cursor: int, wanted: EventFilter
+    log: EventLog, cursor: int, wanted: EventFilter, root: str = ""
 ) -> AsyncGenerator[str, None]:
     """The event stream from ``cursor`` on.
 
@@ -304,7 +313,7 @@ async def _event_stream(
         if page.missed:
             missed = {"type": "missed", "missed": page.missed}
             yield f"data: {json.dumps(missed)}\n\n"
-        for event in page.events:
+        for event in map(served_event, page.events, itertools.repeat(root)):
             yield f"id: {event['id']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
         now = time.monotonic()
         if page.events or page.missed:
@@ -376,7 +385,9 @@ async def list_clips(
     manager = get_manager(request)
     if manager.clips is None:
         return {"clips": []}
-    return {"clips": await manager.clips.listing(stream_id, limit)}
+    root = root_of(request.scope)
+    clips = await manager.clips.listing(stream_id, limit)
+    return {"clips": [{**c, "url": root + c["url"]} if "url" in c else c for c in clips]}
 
 
 @router.delete("/clips/{clip_id}.mp4", status_code=204)

@@ -44,6 +44,7 @@ from server.routes.bodies import load_json
 from server.routes.detect import capped_stream, megabytes
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.longpoll import wait_unless_gone
+from server.routes.paths import root_of
 from server.routes.streams import DetectIn
 from server.state import AppState, get_state
 from streams.detect import StreamDetect
@@ -357,8 +358,8 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
         with contextlib.suppress(OSError):
             await asyncio.to_thread(shutil.rmtree, directory, True)
         raise
-    response.headers["Location"] = f"{request.scope.get('root_path', '')}/jobs/{job_id}"
-    return _describe(jobs, job, names)  # as GET /jobs/{id} (it had no queue_position)
+    response.headers["Location"] = f"{root_of(request.scope)}/jobs/{job_id}"
+    return _describe(request, jobs, job, names)  # as GET /jobs/{id} (it had no queue_position)
 
 
 async def _make_room(jobs: JobManager, incoming: int, max_mb: int, job_id: str) -> None:
@@ -374,8 +375,10 @@ async def _make_room(jobs: JobManager, incoming: int, max_mb: int, job_id: str) 
         raise HTTPException(503, "server shutting down", headers={"Retry-After": "5"}) from None
 
 
-def _describe(jobs: JobManager, job: Job, names: Mapping[int, str]) -> dict[str, Any]:
-    data = job.to_json(names)
+def _describe(
+    request: Request, jobs: JobManager, job: Job, names: Mapping[int, str]
+) -> dict[str, Any]:
+    data = job.to_json(names, root_of(request.scope))
     data["queue_position"] = jobs.position(job)
     return data
 
@@ -394,7 +397,7 @@ async def list_jobs(
     jobs = _jobs(state)
     names = state.pool.engine.names
     kept = [job for job in jobs.all() if state_ is None or job.state == state_]
-    return {"jobs": [_describe(jobs, job, names) for job in kept[:limit]]}
+    return {"jobs": [_describe(request, jobs, job, names) for job in kept[:limit]]}
 
 
 @router.get("/jobs/{job_id}")
@@ -413,7 +416,7 @@ async def get_job(
         if await wait_unless_gone(request, _jobs(state).wait(job, wait_s)):
             raise HTTPException(499, "the client closed the connection")
         job = _job(state, job_id)  # 404 once deleted meanwhile
-    return _describe(_jobs(state), job, state.pool.engine.names)
+    return _describe(request, _jobs(state), job, state.pool.engine.names)
 
 
 Output = Annotated[
@@ -500,8 +503,11 @@ async def _results(
     if follow:
         if output != "ndjson":
             raise HTTPException(422, "follow streams NDJSON: leave out format=csv")
+        # Each line as it is written, as MJPEG and server-sent events: nginx otherwise
+        # buffers a proxied answer (proxy_buffering on, its default) until it fills a buffer.
+        streamed = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(
-            _follow(request, jobs, job, path), media_type=NDJSON, headers=headers
+            _follow(request, jobs, job, path), media_type=NDJSON, headers=streamed
         )
     if output == "ndjson" and job.finished.is_set() and path.is_file():
         return RangedFile(path, media_type=NDJSON, headers=headers)

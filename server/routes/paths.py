@@ -21,3 +21,24 @@ def app_path(scope: Mapping[str, Any]) -> str:
     if path == root:
         return ""
     return path[len(root) :] if path[len(root)] == "/" else path
+
+
+EVENT_PATHS = ("snapshot", "thumbnail", "clip")
+"""An event's members that are paths of this app (``/events/{id}/snapshot.jpg``, ...)."""
+
+
+def root_of(scope: Mapping[str, Any]) -> str:
+    """The request's root path (``--root-path``, the proxy's prefix), without a final ``/``:
+    what every path the API hands out starts with."""
+    root: str = scope.get("root_path", "")
+    return root.rstrip("/")
+
+
+def served_event(event: dict[str, Any], root: str) -> dict[str, Any]:
+    """``event`` as the API hands it out, its paths (``snapshot``, ``thumbnail``, ``clip``)
+    under ``root``. The log keeps them app-relative, so the events logged before a restart,
+    or under another prefix, are served with the prefix the server has now."""
+    if not root or not any(isinstance(event.get(key), str) for key in EVENT_PATHS):
+        return event
+    paths = {key: root + event[key] for key in EVENT_PATHS if isinstance(event.get(key), str)}
+    return {**event, **paths}

@@ -36,6 +36,7 @@ from engines.pool import EnginePool
 from engines.types import DetectParams
 from server import streams_file
 from server.routes.detect import parse_classes
+from server.routes.paths import root_of, served_event
 from server.settings import Settings
 from server.state import get_state
 from streams.clips import ClipOptions
@@ -572,7 +573,7 @@ async def create_event(stream_id: str, body: EventIn, request: Request) -> dict[
     event = manager.trigger(stream_id, body.label, body.data, clip=body.clip is not False)
     if event is None:  # removed meanwhile
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
-    return event
+    return served_event(event, root_of(request.scope))
 
 
 @router.delete("/streams/{stream_id}", status_code=204)

@@ -14,6 +14,7 @@ which a browser on an offline network or behind a strict proxy cannot reach: a b
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import logging
 from asyncio import FIRST_COMPLETED
@@ -29,7 +30,7 @@ from fastapi.openapi.docs import (
     get_swagger_ui_html,
     get_swagger_ui_oauth2_redirect_html,
 )
-from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import Message, Send
 
@@ -64,10 +65,20 @@ router = APIRouter()
 _NO_CACHE = {"Cache-Control": "no-cache"}
 
 
+PAGE_BASE = '<base href="./">'
+"""The page's base as its file has it; served as ``<base href="{root path}/">``."""
+
+
 @router.get("/", include_in_schema=False)
-async def index() -> FileResponse:
-    """Serve the viewer page."""
-    return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=_NO_CACHE)
+async def index(request: Request) -> HTMLResponse:
+    """Serve the viewer page, its base the app's root (the proxy's prefix and a ``/``): its
+    relative URLs (``static/viewer.js``, and the script's calls) resolve under the prefix
+    whether the browser opened ``/streamdet/`` or ``/streamdet``, which a proxy that strips
+    the prefix without redirecting (Traefik's StripPrefix) serves as the app's ``/`` too
+    (there they resolved at the host's root: ``/static/viewer.js``, 404)."""
+    page = await asyncio.to_thread((STATIC_DIR / "index.html").read_text, "utf-8")
+    base = f'<base href="{html.escape(_root(request), quote=True)}/">'
+    return HTMLResponse(page.replace(PAGE_BASE, base, 1), headers=_NO_CACHE)
 
 
 def static_files() -> StaticFiles:

@@ -110,9 +110,15 @@ def event_filter(spec: Mapping[str, Any]) -> EventFilter:
 
 
 def make_sender(
-    record: WebhookRecord, events: EventLog, timeout_s: float, metrics: Metrics | None
+    record: WebhookRecord,
+    events: EventLog,
+    timeout_s: float,
+    metrics: Metrics | None,
+    *,
+    root_path: str = "",
 ) -> WebhookSender:
-    """The sender of a webhook added at run time (now, or before a restart)."""
+    """The sender of a webhook added at run time (now, or before a restart); its events'
+    paths under ``root_path`` (the setting)."""
     about = {
         "filter": record.filter,
         "signed": record.secret is not None,
@@ -127,6 +133,7 @@ def make_sender(
         webhook_id=record.id,
         wanted=event_filter(record.filter),
         about=about,
+        root_path=root_path,
     )
 
 
@@ -155,7 +162,11 @@ async def add_webhook(body: WebhookIn, request: Request) -> dict[str, Any]:
     record = WebhookRecord(uuid.uuid4().hex[:12], body.url, body.secret, spec, time.time())
     state = get_state(request)
     sender = make_sender(
-        record, get_manager(request).events, state.settings.webhook_timeout_s, get_metrics(request)
+        record,
+        get_manager(request).events,
+        state.settings.webhook_timeout_s,
+        get_metrics(request),
+        root_path=state.settings.root_path,
     )
     # Counted at once, before the store's write is awaited: calls at the same moment each
     # see the others (a hundred at once were all let past the limit).

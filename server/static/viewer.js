@@ -120,10 +120,16 @@ async function errorText(resp) {
 }
 
 // Where the app is mounted: "" at the server's root, "/streamdet" behind a proxy's path
-// prefix (the page is the app's "/", so its own directory). Every URL of the page starts with it.
-const BASE = new URL(".", location.href).pathname.replace(/\/$/, "");
+// prefix: the page's <base>, which the server sets to it (the page's own directory was "/"
+// where a proxy served it at /streamdet without a redirect). Every URL of the page starts with it.
+const BASE = new URL(".", document.baseURI).pathname.replace(/\/$/, "");
 
-// fetch() with the session's API key; a 401 asks for a key and retries.
+// A path the server handed out (an event's snapshot, thumbnail and clip, a job's files): it
+// carries the prefix already, so api() takes it as it is.
+const served = (path) => new URL(path, location.origin);
+
+// fetch() with the session's API key; a 401 asks for a key and retries. path: the app's (under
+// BASE), or a URL as it is (served()).
 async function api(path, init = {}) {
   for (;;) {
     const headers = new Headers(init.headers ?? {});
@@ -131,7 +137,7 @@ async function api(path, init = {}) {
     if (key) headers.set("Authorization", `Bearer ${key}`);
     let resp;
     try {
-      resp = await fetch(BASE + path, { ...init, headers });
+      resp = await fetch(path instanceof URL ? path : BASE + path, { ...init, headers });
     } catch (err) {
       setServerUp(false, err.message);
       throw new ApiError(0, `server unreachable (${err.message})`);
@@ -1182,7 +1188,7 @@ function eventThumbnail(e, onclick) {
   image.alt = `${e.class_name} #${e.track_id}`;
   image.title = "The object; click for the frame it was in";
   image.onclick = onclick;
-  api(e.thumbnail)
+  api(served(e.thumbnail))
     .then((resp) => resp.blob())
     .then((blob) => { image.src = URL.createObjectURL(blob); })
     .catch(() => image.remove());
@@ -1202,7 +1208,7 @@ function eventButton(className, label, title, onclick) {
 // An event's snapshot (GET /events/{id}/snapshot.jpg, fetched with the API key) in a dialog.
 async function showSnapshot(e, caption) {
   try {
-    const blob = await (await api(e.snapshot)).blob();
+    const blob = await (await api(served(e.snapshot))).blob();
     const image = $("#snapshot-image");
     if (image.src) URL.revokeObjectURL(image.src);
     image.src = URL.createObjectURL(blob);
@@ -1219,7 +1225,7 @@ async function showClip(e, caption, what = `Clip of event ${e.id}`) {
   const status = $("#clip-caption");
   try {
     status.textContent = `${caption} · loading the clip…`;
-    const blob = await (await api(e.clip)).blob();
+    const blob = await (await api(served(e.clip))).blob();
     const video = $("#clip-video");
     if (video.src) URL.revokeObjectURL(video.src);
     video.src = URL.createObjectURL(blob);
@@ -1473,7 +1479,7 @@ async function deleteJob(id) {
 
 async function downloadJob(job, path, suffix) {
   try {
-    const blob = await (await api(path)).blob();
+    const blob = await (await api(served(path))).blob();
     const link = document.createElement("a");
     link.href = URL.createObjectURL(blob);
     link.download = `${job.id}-${suffix}`;
