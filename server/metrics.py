@@ -22,6 +22,7 @@ and a GPU answers; otherwise those series are simply absent.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -631,10 +632,20 @@ def route_template(scope: Scope) -> str:
     return path if isinstance(path, str) else UNROUTED
 
 
-SHUTDOWN_BODY = (
-    b'{"detail":"server shutting down: the call was not answered within the graceful'
-    b' shutdown (setting STREAMDET_SHUTDOWN_TIMEOUT_S)"}'
+SHUTDOWN_DETAIL = (
+    "server shutting down: the call was not answered within the graceful shutdown"
+    " (setting STREAMDET_SHUTDOWN_TIMEOUT_S)"
 )
+
+
+def shutdown_body(scope: Scope) -> bytes:
+    """The middleware's answer to a call the shutdown cancelled: under ``/v2`` as KServe's
+    errors are (tritonclient reads "error"), elsewhere FastAPI's."""
+    from server.routes.errors import is_v2_path  # the routes import this module
+    from server.routes.paths import app_path
+
+    key = "error" if is_v2_path(app_path(scope)) else "detail"
+    return json.dumps({key: SHUTDOWN_DETAIL}).encode()
 
 
 def _cancelled_by_shutdown(scope: Scope, exc: asyncio.CancelledError) -> bool:
@@ -703,7 +714,7 @@ class RequestMetricsMiddleware:
                     ],
                 }
             )
-            await send({"type": "http.response.body", "body": SHUTDOWN_BODY})
+            await send({"type": "http.response.body", "body": shutdown_body(scope)})
         finally:
             route = route_template(scope)
             method = str(scope.get("method", "GET"))

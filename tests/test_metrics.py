@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -238,11 +239,46 @@ def test_ready_goes_to_0_as_the_server_shuts_down(client: TestClient) -> None:
         state.shutting_down = False
 
 
-def test_a_call_cancelled_before_its_answer_is_counted_as_what_it_was() -> None:
-    """A call cancelled before it answered was counted status 500 whatever it was: the client
-    gone is 499 (uvicorn answers and logs nothing then), the shutdown's cancel is answered
-    503 with Retry-After by the middleware (uvicorn answered and logged its own 500), any
-    other cancellation stays 500 (uvicorn's answer)."""
+async def _cancelled_call(
+    app: Any, path: str, message: str | None, disconnect: bool, root_path: str = ""
+) -> list[dict[str, Any]]:
+    """What ``app`` sends for a GET of ``path`` cancelled (with ``message``) while it waits;
+    ``disconnect``: its client left first."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+    events = [{"type": "http.request", "body": b"", "more_body": False}]
+    if disconnect:
+        events.append({"type": "http.disconnect"})
+
+    async def receive() -> dict[str, Any]:
+        if events:
+            return events.pop(0)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "root_path": root_path,
+        "headers": [],
+        "query_string": b"",
+    }
+    task = asyncio.ensure_future(app(scope, receive, send))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    task.cancel(message)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return sent
+
+
+def _hanging_app(metrics: Metrics, *paths: str) -> Any:
+    """The metrics middleware around routes ``paths`` that wait for ever (a call queued)."""
     import asyncio
 
     from starlette.applications import Starlette
@@ -251,10 +287,9 @@ def test_a_call_cancelled_before_its_answer_is_counted_as_what_it_was() -> None:
     from starlette.routing import Route
 
     from server.metrics import RequestMetricsMiddleware
-    from server.routes.detect import UVICORN_SHUTDOWN_CANCEL
 
     async def hang(request: Request) -> Response:
-        await asyncio.Event().wait()  # a call queued for ever
+        await asyncio.Event().wait()
         raise AssertionError("never answered")
 
     async def listen(request: Request) -> Response:
@@ -263,44 +298,52 @@ def test_a_call_cancelled_before_its_answer_is_counted_as_what_it_was() -> None:
         await asyncio.Event().wait()
         raise AssertionError("never answered")
 
+    routes = [Route(path, listen if path == "/listen" else hang) for path in paths]
+    return RequestMetricsMiddleware(Starlette(routes=routes), metrics)
+
+
+def test_a_call_cancelled_before_its_answer_is_counted_as_what_it_was() -> None:
+    """A call cancelled before it answered was counted status 500 whatever it was: the client
+    gone is 499 (uvicorn answers and logs nothing then), the shutdown's cancel is answered
+    503 with Retry-After by the middleware (uvicorn answered and logged its own 500), any
+    other cancellation stays 500 (uvicorn's answer)."""
+    import asyncio
+
+    from server.routes.detect import UVICORN_SHUTDOWN_CANCEL
+
     metrics = Metrics()
-    app = RequestMetricsMiddleware(
-        Starlette(routes=[Route("/hang", hang), Route("/listen", listen)]), metrics
-    )
-
-    async def call(path: str, message: str | None, disconnect: bool) -> list[dict[str, Any]]:
-        sent: list[dict[str, Any]] = []
-        events = [{"type": "http.request", "body": b"", "more_body": False}]
-        if disconnect:
-            events.append({"type": "http.disconnect"})
-
-        async def receive() -> dict[str, Any]:
-            if events:
-                return events.pop(0)
-            await asyncio.Event().wait()
-            raise AssertionError("unreachable")
-
-        async def send(msg: dict[str, Any]) -> None:
-            sent.append(msg)
-
-        scope = {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
-        task = asyncio.ensure_future(app(scope, receive, send))  # type: ignore[arg-type]
-        for _ in range(20):
-            await asyncio.sleep(0)
-        task.cancel(message)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return sent
+    app = _hanging_app(metrics, "/hang", "/listen")
 
     def count(path: str, status: str) -> float:
         return float(metrics.requests.labels(path, "GET", status)._value.get())
 
-    shutdown = asyncio.run(call("/hang", UVICORN_SHUTDOWN_CANCEL, False))
+    shutdown = asyncio.run(_cancelled_call(app, "/hang", UVICORN_SHUTDOWN_CANCEL, False))
     assert shutdown[0]["status"] == 503
     assert (b"retry-after", b"5") in shutdown[0]["headers"]
+    assert json.loads(shutdown[1]["body"]).keys() == {"detail"}
     assert b"STREAMDET_SHUTDOWN_TIMEOUT_S" in shutdown[1]["body"]
     assert count("/hang", "503") == 1
-    assert asyncio.run(call("/listen", None, True)) == []  # nothing to answer: the client left
+    # nothing to answer: the client left
+    assert asyncio.run(_cancelled_call(app, "/listen", None, True)) == []
     assert count("/listen", "499") == 1
-    assert asyncio.run(call("/hang", None, False)) == []  # another cancel: uvicorn's 500
+    # another cancel: uvicorn's 500
+    assert asyncio.run(_cancelled_call(app, "/hang", None, False)) == []
     assert count("/hang", "500") == 1
+
+
+@pytest.mark.parametrize("root_path", ["", "/streamdet"])
+def test_the_shutdowns_503_under_v2_answers_error_as_kserve_clients_read(root_path: str) -> None:
+    """The middleware's own 503 for a call the shutdown cancelled is ``{"error": ...}`` under
+    ``/v2`` (tritonclient reads "error"), as every other /v2 answer, behind a proxy's prefix
+    too: it was ``{"detail": ...}`` there."""
+    import asyncio
+
+    from server.routes.detect import UVICORN_SHUTDOWN_CANCEL
+
+    app = _hanging_app(Metrics(), "/v2/models/{name}/infer")
+    path = f"{root_path}/v2/models/yolov8n/infer"
+    sent = asyncio.run(_cancelled_call(app, path, UVICORN_SHUTDOWN_CANCEL, False, root_path))
+    assert sent[0]["status"] == 503
+    body = json.loads(sent[1]["body"])
+    assert body.keys() == {"error"}
+    assert "STREAMDET_SHUTDOWN_TIMEOUT_S" in body["error"]
