@@ -35,6 +35,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import Message, Send
 
 from server.render import line_label, render_jpeg, zone_label
+from server.routes.paths import root_of
 from server.routes.streams import get_manager
 from server.state import get_state
 from server.transport import CLOSE_GRACE_S, abort_later
@@ -77,7 +78,7 @@ async def index(request: Request) -> HTMLResponse:
     the prefix without redirecting (Traefik's StripPrefix) serves as the app's ``/`` too
     (there they resolved at the host's root: ``/static/viewer.js``, 404)."""
     page = await asyncio.to_thread((STATIC_DIR / "index.html").read_text, "utf-8")
-    base = f'<base href="{html.escape(_root(request), quote=True)}/">'
+    base = f'<base href="{html.escape(root_of(request.scope), quote=True)}/">'
     return HTMLResponse(page.replace(PAGE_BASE, base, 1), headers=_NO_CACHE)
 
 
@@ -114,17 +115,11 @@ def docs_files() -> StaticFiles:
     return StaticFiles(directory=DOCS_DIR)
 
 
-def _root(request: Request) -> str:
-    """The proxy's prefix (``--root-path``), which the pages' URLs start with."""
-    root: str = request.scope.get("root_path", "")
-    return root.rstrip("/")
-
-
 @router.get("/docs", include_in_schema=False)
 async def swagger_ui(request: Request) -> HTMLResponse:
     """Swagger UI for the API, its files from this server; "Try it out" calls the
     document's ``servers`` URL (the prefix behind a proxy)."""
-    root = _root(request)
+    root = root_of(request.scope)
     return get_swagger_ui_html(
         openapi_url=root + OPENAPI_PATH,
         title=f"{request.app.title} - Swagger UI",
@@ -144,7 +139,7 @@ async def swagger_ui_redirect() -> HTMLResponse:
 @router.get("/redoc", include_in_schema=False)
 async def redoc(request: Request) -> HTMLResponse:
     """ReDoc for the API, its script from this server and no web fonts."""
-    root = _root(request)
+    root = root_of(request.scope)
     return get_redoc_html(
         openapi_url=root + OPENAPI_PATH,
         title=f"{request.app.title} - ReDoc",
