@@ -473,8 +473,11 @@ class Ticket:
         if now + finish_s <= self.arrived + planned_s:
             return
         uncorrected_s = estimate.finish_s * min(1.0, self.controller.correction)
+        # Only a call of one image probes: one of several does not calibrate (decoded), so
+        # it would measure nothing and be counted as a probe all the same.
         if (
-            self.controller.may_probe(decode_left)
+            more == 0
+            and self.controller.may_probe(decode_left)
             and now + uncorrected_s <= self.arrived + planned_s
         ):
             self.probe = True

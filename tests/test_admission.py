@@ -531,6 +531,12 @@ def test_after_a_burst_a_probe_measures_the_server_again_and_overload_still_refu
         controller.calibrate(0.3, 2.0)  # the burst: 1.2-3.5 s calls while streams opened
     assert controller.correction == 4.0
     outcomes = []
+    # A call of several images is no probe: it calibrates nothing, so it would learn nothing.
+    several = controller.admit(time.monotonic(), Headers(), "c")
+    with pytest.raises(HTTPException) as refused:
+        several.decoded(0.001, images=2)
+    assert refused.value.status_code == 429, refused.value
+    assert probes(metrics) == 0
     for _ in range(10):  # one call every 0.5 s, each 0.3 s at the worker, as in steady state
         now[0] += 0.5
         outcomes.append(ask(controller, 0.3))
