@@ -191,8 +191,9 @@ async def test_a_camera_at_a_frame_every_2_5_s_opens_and_sends_frames_as_they_co
         assert sub is not None
         first, second = await next_frame(sub), await next_frame(sub)
         assert (first.image.shape, second.frame) == ((360, 640, 3), first.frame + 1)
-        # The camera paces them 2.5 s apart; those the probe held were decoded together.
-        assert second.captured_at - first.captured_at > 1.25, (first, second)
+        # The camera paces them 2.5 s apart; those the probe held were decoded together
+        # (milliseconds apart): a fifth of the interval leaves a loaded machine its stalls.
+        assert second.captured_at - first.captured_at > 0.5, (first, second)
         stats = manager.describe(info["id"])
         assert stats is not None and stats["reconnects"] == 0, stats
     finally:
