@@ -37,12 +37,28 @@ class StreamPressure:
             self._samples.popleft()
         ratios: dict[str, float] = {}
         for sid, (frames, drops) in counters.items():
-            base = next((s[sid] for _, s in self._samples if sid in s), (0, 0))
+            base = self._base(sid, frames)
             seen = frames - base[0]
             ratios[sid] = max(0, drops - base[1]) / seen if seen > 0 else 0.0
         if not self._samples or now - self._samples[-1][0] >= 1.0:
             self._samples.append((now, dict(counters)))
         return ratios
+
+    def _base(self, sid: str, frames: int) -> tuple[int, int]:
+        """The window's first counters of this stream since it last started: a stream
+        removed and added again under its id (absent from a sample, or counters gone back)
+        starts anew (it was measured against its old counters, above its new ones: 0 for
+        up to a window however much it dropped)."""
+        base: tuple[int, int] | None = None
+        last: tuple[int, int] | None = None
+        for _, sample in self._samples:
+            got = sample.get(sid)
+            if got is None or (last is not None and got[0] < last[0]) or base is None:
+                base = got
+            last = got
+        if base is None or (last is not None and frames < last[0]):
+            return (0, 0)
+        return base
 
 
 def stream_pressure(request: Request) -> dict[str, Any] | None:
