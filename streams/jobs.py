@@ -367,6 +367,7 @@ def run_job(
 
     finish = functools.partial(
         _finish,
+        job_id=job_id,
         spec=spec,
         analytics=analytics,
         name_of=name_of,
@@ -413,6 +414,7 @@ def run_job(
 def _finish(
     sampled: _Sampled,
     *,
+    job_id: str,
     spec: JobSpec,
     analytics: StreamAnalytics,
     name_of: Callable[[int], str],
@@ -435,7 +437,10 @@ def _finish(
         if isinstance(result.error, PoolClosed):
             raise JobCancelled(interrupted=True)
         progress.frames_failed += 1
-        log.warning("job %s: frame %d failed: %s", spec.source, sampled.index, result.error)
+        # Named by its id, never its source (a URL's password and token); the first at
+        # WARNING, the rest at DEBUG (its frames_failed counts them): one a frame flooded.
+        level = logging.WARNING if progress.frames_failed == 1 else logging.DEBUG
+        log.log(level, "job %s: frame %d failed: %s", job_id, sampled.index, result.error)
         width, height = sampled.source
         line.update(width=width, height=height, detections=[], error=str(result.error))
         if sink is not None:

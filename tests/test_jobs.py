@@ -8,6 +8,7 @@ import csv
 import io
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from benchmarks.events_bench import WebhookReceiver
-from engines.batching import WorkItem
+from engines.batching import DeadlineExceeded, WorkItem, WorkResult
 from engines.types import DetectParams, Engine, ModelInfo
 from engines.yolo import resize
 from loadtest.server import free_port
@@ -35,7 +36,15 @@ from server.webhooks import sign
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.frames import decoded_size
-from streams.jobs import FrameSource, JobProgress, JobSpec, Sampler, lower_priority, run_job
+from streams.jobs import (
+    FrameSource,
+    JobProgress,
+    JobSpec,
+    Sampler,
+    local_frames,
+    lower_priority,
+    run_job,
+)
 from tests.helpers import (
     BOTTLE_CLIP,
     CACHE_DIR,
@@ -740,3 +749,42 @@ async def test_a_job_the_server_keeps_dying_during_fails_instead_of_running_agai
     assert on_disk["state"] == "done" and on_disk["crashed_runs"] == 0
     on_disk = json.loads((tmp_path / thrice.id / "job.json").read_text())
     assert on_disk["state"] == "failed" and "3 runs" in on_disk["error"]
+
+
+def test_a_failed_frame_is_logged_under_the_jobs_id_never_its_urls_password(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frame the engines answered with an error is logged as ``job <id>: frame N failed``,
+    once at WARNING and the rest at DEBUG: it named the job by its URL, password and token
+    and all, one WARNING a frame."""
+    url = "https://admin:Pw4711secret@cam.example/v.mp4?token=Tok0815secret"
+
+    def clip_frames(
+        spec: JobSpec, progress: JobProgress, stopped: Callable[[], None], max_side: int
+    ) -> Generator[tuple[int, float, Any, tuple[int, int]], None, None]:
+        real = JobSpec(str(BOTTLE_CLIP), spec.detect, fps=spec.fps)  # the clip, on disk
+        yield from local_frames(real, progress, stopped, max_side)
+
+    def expire(item: WorkItem) -> None:
+        item.on_done(WorkResult(None, DeadlineExceeded("expired in the queue"), 0.0, 0.0, 0))
+
+    caplog.set_level(logging.DEBUG, "streams.jobs")
+    progress = JobProgress()
+    run_job(
+        JobSpec(url, StreamDetect(DetectParams()), fps=1.0),
+        expire,
+        tmp_path,
+        str,
+        inflight=2,
+        cancel=threading.Event(),
+        interrupt=threading.Event(),
+        progress=progress,
+        job_id="j0b1d",
+        frames=clip_frames,
+    )
+    assert progress.frames_failed == 40
+    failed = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 40
+    assert all(r.getMessage().startswith("job j0b1d: frame ") for r in failed)
+    assert [r.levelno for r in failed] == [logging.WARNING] + [logging.DEBUG] * 39
+    assert "Pw4711secret" not in caplog.text and "Tok0815secret" not in caplog.text
