@@ -63,6 +63,14 @@ def decode_image(data: bytes, max_pixels: int) -> Image:
     return decode_upload(data, max_pixels)[0]
 
 
+MAX_JPEG_SCANS = 100
+"""The most scans a JPEG may hold. Each scan of a progressive JPEG is decoded over the whole
+picture, and a crafted one repeats a scan of a few bytes: a 97 kB 4000x3000 JPEG of 1,000
+scans took 7.3 s of a decode thread here (10,000 in 330 kB over a minute), where its pixels
+alone pass the pixel limit. Encoders write 10 or so (libjpeg's progression: 10 for a colour
+picture, 6 for a grey one), mozjpeg's and jpegtran's optimized ones a few more; NVIDIA's
+nvImageCodec refuses over 256 for the same reason (the Cure53 report on libjpeg-turbo)."""
+
 EXIF_ORIENTATION = 0x0112
 """The EXIF tag saying how a picture is turned; values 5 to 8 swap its width and height."""
 
@@ -91,6 +99,15 @@ def _opened(
             413,
             f"image is {width}x{height} = {width * height / 1e6:.1f} MP, over the limit of"
             f" {max_pixels / 1e6:.1f} MP (setting STREAMDET_MAX_IMAGE_PIXELS)",
+        )
+    # A scan starts with the marker SOS (FF DA), which the entropy-coded data never holds
+    # (its FF bytes are stuffed with 00): counted in the whole file, what the decoder would
+    # read is at most this (a thumbnail in the EXIF adds its own few).
+    if fmt == "JPEG" and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+        raise ImageError(
+            400,
+            f"JPEG holds {scans} scans, over the limit of {MAX_JPEG_SCANS}: each is decoded over"
+            " the whole picture (encoders write about 10); re-encode the image",
         )
     if max_side and fmt == "JPEG" and max(width, height) >= 2 * max_side:
         try:
