@@ -45,7 +45,7 @@ from server.routes.detect import capped_stream, megabytes
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.longpoll import wait_unless_gone
 from server.routes.paths import root_of
-from server.routes.streams import DetectIn
+from server.routes.streams import DetectIn, printable
 from server.state import AppState, get_state
 from streams.detect import StreamDetect
 from streams.events import COUNT_KEYS, count_events
@@ -74,7 +74,7 @@ class JobIn(DetectIn):
     ``max_det``, ``roi``, ``track``, ``lines``, ``zones``), a ``name``, ``fps``, and, for a
     video already reachable from the server, its ``url``."""
 
-    name: Annotated[str, Field(max_length=200)] = ""
+    name: Annotated[str, Field(max_length=200), printable("name")] = ""
     fps: Annotated[
         float | None,
         Field(

@@ -417,6 +417,7 @@ class EventIn(BaseModel):
     label: Annotated[
         str,
         Field(min_length=1, max_length=MAX_NAME, description="what happened, e.g. 'doorbell'"),
+        printable("label"),  # it goes into the log line: a newline wrote a line of its own
     ]
     data: Annotated[
         dict[str, Any] | None,

@@ -1,0 +1,35 @@
+"""What a caller sends the server, as an attacker holding a valid key would send it: names
+that reach the log, images crafted to cost far more than their bytes, URLs reaching past
+what is allowed. Against the real app on the real model; no timing is asserted."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.helpers import CAR_CLIP, file_stream_app
+
+FORGED = "door\n2026-12-02 10:00:00,000 CRITICAL server.auth: admin in"
+
+
+def test_a_name_or_label_with_a_newline_is_refused_and_forges_no_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside event's label went into the log as it came: a newline in it wrote a line
+    of the caller's own, as the server's."""
+    caplog.set_level(logging.INFO)
+    with TestClient(file_stream_app(tmp_path)) as c:
+        sid = c.post("/streams", json={"url": f"file://{CAR_CLIP}", "max_fps": 1}).json()["id"]
+        for label in (FORGED, "door\rbell", "bell\x1b[2J", "a\x00b", "x\u0085y"):
+            refused = c.post(f"/streams/{sid}/events", json={"label": label})
+            assert refused.status_code == 422, refused.text
+            assert "label" in refused.text and "control characters" in refused.text
+        job = c.post("/jobs", json={"url": f"file://{CAR_CLIP}", "name": FORGED})
+        assert job.status_code == 422 and "control characters" in job.text, job.text
+        assert "CRITICAL" not in caplog.text
+        # A label of any other text goes through as it was.
+        made = c.post(f"/streams/{sid}/events", json={"label": "Türklingel 🔔 pressed"})
+        assert made.status_code == 201 and made.json()["label"] == "Türklingel 🔔 pressed"
