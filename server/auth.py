@@ -56,6 +56,7 @@ from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from server.admission import client_request_id
 from server.routes.errors import is_v2_path
 from server.routes.paths import app_path
 
@@ -378,7 +379,7 @@ class ApiKeyMiddleware:
         if failure is None:
             await self.app(scope, receive, send)
             return
-        request_id = conn.headers.get("x-request-id", "-")
+        request_id = client_request_id(conn.headers.get("x-request-id"))
         log.info(
             "request %s: %s %s refused with %d: %s",
             request_id,
@@ -393,6 +394,7 @@ class ApiKeyMiddleware:
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request_id.encode()),  # the one its log line carries
         ]
         headers += [(k.lower().encode(), v.encode()) for k, v in failure.headers.items()]
         if scope["type"] == "http":

@@ -24,7 +24,6 @@ import functools
 import logging
 import struct
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -32,7 +31,7 @@ import numpy as np
 from fastapi import FastAPI, HTTPException
 from starlette.datastructures import Headers
 
-from server.admission import DEADLINE_HEADER, AdmissionController
+from server.admission import DEADLINE_HEADER, AdmissionController, client_request_id
 from server.auth import Access, ApiKeys, bearer_token
 from server.routes.v2_model import (
     EXTENSIONS,
@@ -328,7 +327,7 @@ def make_servicer(app: FastAPI) -> Any:
                 {} if left_s is None else {DEADLINE_HEADER: f"{max(left_s, 0.001) * 1000:.0f}"}
             )
             metadata = dict(context.invocation_metadata() or ())
-            request_id = str(metadata.get("x-request-id") or request.id or uuid.uuid4().hex[:12])
+            request_id = client_request_id(str(metadata.get("x-request-id") or request.id or ""))
             ticket = controller.admit(
                 time.monotonic(), headers, request_id, client_deadline="the call's gRPC deadline"
             )

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streams.store import keep_private
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS webhooks (
     id TEXT PRIMARY KEY,
@@ -40,6 +42,7 @@ class WebhookStore:
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.path = data_dir / "webhooks.sqlite3"
+        keep_private(self.path)  # webhook URLs (tokens) and secrets
         with closing(self._connect()) as db, db:
             db.execute(_SCHEMA)
 

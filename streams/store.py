@@ -3,6 +3,7 @@ restart. A connection per call keeps it usable from any thread."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from contextlib import closing
@@ -52,6 +53,15 @@ class StreamRecord:
     """Decoded and detected; a disabled stream keeps its settings and counts, camera closed."""
 
 
+def keep_private(path: Path) -> None:
+    """Make the file at ``path`` (created empty if missing) readable by this user only: it
+    holds secrets at rest (cameras' passwords in their URLs, webhooks' tokens), and was made
+    0644 under the usual umask, for every user of the machine to read. SQLite gives the
+    database's journal the database's mode."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)  # one an earlier version made readable by everyone
+
+
 class StreamStore:
     """Streams in ``<data_dir>/streams.sqlite3``.
 
@@ -62,6 +72,7 @@ class StreamStore:
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.path = data_dir / "streams.sqlite3"
+        keep_private(self.path)  # camera URLs, passwords and all
         with closing(self._connect()) as db, db:
             db.execute(_SCHEMA)
             have = {row[1] for row in db.execute("PRAGMA table_info(streams)")}

@@ -24,12 +24,18 @@ class RtspCamera:
         mounts: mount name to clip.
         port: fixed port (to restart the same camera), else a free one.
         session_timeout_s: the RTSP session timeout clients must keep alive (0: the server's).
+        auth: ``USER:PASSWORD`` the camera requires (Basic auth), or empty for none.
     """
 
     def __init__(
-        self, mounts: dict[str, Path], port: int | None = None, session_timeout_s: int = 0
+        self,
+        mounts: dict[str, Path],
+        port: int | None = None,
+        session_timeout_s: int = 0,
+        auth: str = "",
     ) -> None:
         self.mounts = mounts
+        self.auth = auth
         self.port = port or free_port()
         self.session_timeout_s = session_timeout_s
         self.proc: subprocess.Popen[str] | None = None
@@ -48,6 +54,8 @@ class RtspCamera:
         cmd = [SYSTEM_PYTHON, str(RTSP_SCRIPT), "--port", str(self.port)]
         if self.session_timeout_s:
             cmd += ["--session-timeout-s", str(self.session_timeout_s)]
+        if self.auth:
+            cmd += ["--auth", self.auth]
         for name, clip in self.mounts.items():
             cmd += ["--mount", f"{name}={clip}"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

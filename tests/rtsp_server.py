@@ -163,6 +163,9 @@ def main() -> int:
         default=0,
         help="RTSP session timeout a client must keep alive (as cameras' 60 s); 0: the server's",
     )
+    parser.add_argument(
+        "--auth", default="", metavar="USER:PASSWORD", help="require Basic auth (as cameras do)"
+    )
     args = parser.parse_args()
     Gst.init(None)
     clips: dict[str, Clip] = {}
@@ -176,7 +179,22 @@ def main() -> int:
             parser.error(f"--mount wants NAME=CLIP.mp4, got {spec!r}")
         if path not in clips:
             clips[path] = load_clip(path)
-        mounts.add_factory("/" + name.strip("/"), LoopingFactory(clips[path], not args.no_loop))
+        factory = LoopingFactory(clips[path], not args.no_loop)
+        if args.auth:
+            factory.add_role_from_structure(
+                Gst.Structure.from_string(
+                    "camera, media.factory.access=(boolean)true,"
+                    " media.factory.construct=(boolean)true"
+                )[0]
+            )
+        mounts.add_factory("/" + name.strip("/"), factory)
+    if args.auth:
+        user, _, password = args.auth.partition(":")
+        auth = GstRtspServer.RTSPAuth()
+        token = GstRtspServer.RTSPToken()
+        token.set_string("media.factory.role", "camera")
+        auth.add_basic(GstRtspServer.RTSPAuth.make_basic(user, password), token)
+        server.set_auth(auth)
     if args.session_timeout_s:
         server.connect("client-connected", _timeout_sessions, args.session_timeout_s)
         # The server removes expired sessions only when asked: as a camera does, once a second.

@@ -29,6 +29,7 @@ from server.state import get_state
 from server.webhook_store import WebhookRecord, WebhookStore
 from server.webhooks import Webhooks, WebhookSender
 from streams.events import EventFilter, EventLog
+from streams.sources import redact
 
 router = APIRouter()
 MAX_WEBHOOKS = 64
@@ -153,7 +154,7 @@ async def add_webhook(body: WebhookIn, request: Request) -> dict[str, Any]:
         check_webhook_url(body.url)
     except ValueError:
         raise HTTPException(
-            422, f"url: {body.url[:200]!r} is not an http:// or https:// URL"
+            422, f"url: {redact(body.url)[:200]!r} is not an http:// or https:// URL"
         ) from None
     added = [s for s in webhooks.senders if s.id is not None]
     if len(added) >= MAX_WEBHOOKS:
