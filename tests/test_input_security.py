@@ -33,3 +33,18 @@ def test_a_name_or_label_with_a_newline_is_refused_and_forges_no_log_line(
         # A label of any other text goes through as it was.
         made = c.post(f"/streams/{sid}/events", json={"label": "Türklingel 🔔 pressed"})
         assert made.status_code == 201 and made.json()["label"] == "Türklingel 🔔 pressed"
+
+
+def test_a_video_of_frames_over_the_pixel_limit_is_refused_when_sent(tmp_path: Path) -> None:
+    """It was queued (202) and failed at its first frame; its size is known from the probe."""
+    with TestClient(file_stream_app(tmp_path, max_image_pixels=200_000)) as c:
+        by_url = c.post("/jobs", json={"url": f"file://{CAR_CLIP}"})  # 768x432
+        uploaded = c.post(
+            "/jobs", content=CAR_CLIP.read_bytes(), headers={"content-type": "video/mp4"}
+        )
+        for refused in (by_url, uploaded):
+            assert refused.status_code == 413, refused.text
+            assert "768x432 = 0.3 MP, over the limit of 0.2 MP" in refused.text
+            assert "STREAMDET_MAX_IMAGE_PIXELS" in refused.text
+        assert c.get("/jobs").json()["jobs"] == []
+        assert not any((tmp_path / "data" / "jobs").glob("*/source*"))  # nothing kept

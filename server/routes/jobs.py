@@ -339,6 +339,13 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
             video = await jobs.probe(target, options, timeout)
         except JobError as exc:
             raise HTTPException(415 if "upload" in source else 422, f"video: {exc}") from None
+        pixels, most = video["width"] * video["height"], state.settings.max_image_pixels
+        if pixels > most:  # it was queued, then failed at its first frame
+            raise HTTPException(
+                413,
+                f"video: frames of {video['width']}x{video['height']} = {pixels / 1e6:.1f} MP,"
+                f" over the limit of {most / 1e6:.1f} MP (setting STREAMDET_MAX_IMAGE_PIXELS)",
+            )
         job = Job(
             id=job_id,
             name=job_in.name,
