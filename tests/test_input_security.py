@@ -5,6 +5,7 @@ what is allowed. Against the real app on the real model; no timing is asserted."
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,22 @@ def test_a_video_of_frames_over_the_pixel_limit_is_refused_when_sent(tmp_path: P
             assert "STREAMDET_MAX_IMAGE_PIXELS" in refused.text
         assert c.get("/jobs").json()["jobs"] == []
         assert not any((tmp_path / "data" / "jobs").glob("*/source*"))  # nothing kept
+
+
+def test_a_jobs_json_body_is_capped_as_a_settings_body_is(tmp_path: Path) -> None:
+    """``POST /jobs`` as JSON was read whole, however large (300 MB: 1.2 GB of memory)."""
+
+    def body(megabytes: int) -> Iterator[bytes]:
+        yield b'{"url": "file:///x.mp4", "name": "'
+        for _ in range(megabytes):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    with TestClient(file_stream_app(tmp_path)) as c:
+        json_type = {"content-type": "application/json"}
+        for sent in (body(8), b"".join(body(8))):  # chunked, and with its length declared
+            refused = c.post("/jobs", content=sent, headers=json_type)
+            assert refused.status_code == 413, refused.text[:300]
+            assert "larger than 1024 kB" in refused.text and "multipart" in refused.text
+        fits = c.post("/jobs", json={"url": f"file://{CAR_CLIP}", "name": "a" * 200})
+        assert fits.status_code == 202, fits.text
