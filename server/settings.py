@@ -48,13 +48,59 @@ def check_webhook_url(url: str) -> str:
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        from streams.sources import redact  # its password and token: the error is shown
-
         raise ValueError(
-            f"webhooks: {redact(url)!r} is not an http:// or https:// URL"
-            " (setting STREAMDET_WEBHOOKS)"
+            f"webhooks: {url!r} is not an http:// or https:// URL (setting STREAMDET_WEBHOOKS)"
         )
     return url
+
+
+def check_public_url(url: str) -> str:
+    """``url`` without its final ``/`` if it is an http(s) URL with a host and nothing a base
+    cannot carry (no query, fragment or credentials, which every receiver would be sent).
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    text = url.strip()
+    setting = "(setting STREAMDET_PUBLIC_URL)"
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises on a port that is no number or out of range
+    except ValueError as exc:
+        raise ValueError(f"{text[:80]!r}: {exc} {setting}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"{text[:80]!r} is not an http:// or https:// URL with a host, such as"
+            f" https://cams.example.com/streamdet {setting}"
+        )
+    if "?" in text or "#" in text:
+        raise ValueError(
+            f"{text[:80]!r} has a query or a fragment: give the address the app"
+            f" is reached at, paths are added after it {setting}"
+        )
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"{parts.scheme}://...@{parts.hostname}: credentials in it would go to"
+            f" every webhook, MQTT and callback receiver; leave them out {setting}"
+        )
+    return text.rstrip("/")
+
+
+def public_url_mismatch(public_url: str | None, root_path: str) -> str | None:
+    """Why ``public_url`` and ``root_path`` disagree, or None: the proxy strips the root path
+    from what it forwards, so the public URL's path should end with it (URLs pushed out
+    would answer 404 at the proxy otherwise)."""
+    if public_url is None or not root_path:
+        return None
+    path = urlsplit(public_url).path.rstrip("/")
+    if path.endswith(root_path):
+        return None
+    return (
+        f"public_url {public_url!r} does not end with root_path {root_path!r}: the URLs sent"
+        " to webhooks, MQTT and job callbacks start with the public URL, while the proxy"
+        f" serves the app under {root_path}; give a public URL ending with it (setting"
+        " STREAMDET_PUBLIC_URL) or correct the root path (setting STREAMDET_ROOT_PATH)"
+    )
 
 
 DEFAULT_MAX_BATCH = {"onnxruntime": 1, "torch": 32, "tensorrt": 32}
@@ -122,6 +168,14 @@ class Settings(BaseSettings):
         description="the path prefix a reverse proxy serves the app under, which it strips"
         " (nginx: location /streamdet/ { proxy_pass http://127.0.0.1:8000/; }): /streamdet;"
         " the docs, redirects, Location headers and the viewer carry it. Empty: at the root",
+    )
+    public_url: str | None = Field(
+        None,
+        max_length=2000,
+        description="the address receivers reach the app at, through the proxy"
+        " (https://cams.example.com/streamdet): what the server pushes out (webhooks, MQTT"
+        " events, job callbacks) carries absolute URLs under it, and Home Assistant gets it"
+        " as each device's configuration_url; HTTP answers keep paths. Empty: paths",
     )
     forwarded_allow_ips: str = Field(
         "127.0.0.1",
@@ -416,6 +470,11 @@ class Settings(BaseSettings):
                 f"{value[:60]!r}: a path prefix such as /streamdet (setting STREAMDET_ROOT_PATH)"
             )
         return path
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str | None) -> str | None:
+        return None if value is None or not value.strip() else check_public_url(value)
 
     @field_validator("api_keys", "api_keys_readonly", "cors_origins", "webhooks", mode="before")
     @classmethod

@@ -420,3 +420,58 @@ def test_analyze_that_fails_leaves_no_folder_it_made(
     args = argparse.Namespace(video=str(CAR_CLIP), settings="{}", out=kept)
     assert run_analyze(Settings(model=missing, cache_dir=CACHE_DIR), args) == 2
     assert kept.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("cams.example.com/streamdet", "is not an http:// or https:// URL with a host"),
+        ("ftp://cams.example.com", "is not an http:// or https:// URL with a host"),
+        ("https:///streamdet", "is not an http:// or https:// URL with a host"),
+        ("https://cams.example.com/streamdet?x=1", "has a query or a fragment"),
+        ("https://cams.example.com/streamdet#top", "has a query or a fragment"),
+        ("https://me:secret@cams.example.com", "credentials in it"),
+        ("https://cams.example.com:99999", "Port out of range"),
+    ],
+)
+def test_a_public_url_that_is_no_base_url_is_refused_naming_the_setting(
+    value: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", "--public-url", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("streamdet: --public-url: ") and why in err, err
+    assert "(setting STREAMDET_PUBLIC_URL)" in err and "Traceback" not in err
+    assert "secret" not in err  # a password given in it is not printed back
+
+
+def test_a_public_url_loses_its_final_slash_and_empty_is_unset() -> None:
+    assert Settings(public_url="https://cams.example.com/streamdet/").public_url == (
+        "https://cams.example.com/streamdet"
+    )
+    assert Settings(public_url="http://10.0.0.5:8000").public_url == "http://10.0.0.5:8000"
+    assert Settings(public_url=" ").public_url is None  # a compose file's KEY=
+    assert Settings().public_url is None
+
+
+@pytest.mark.usefixtures("no_model")
+@pytest.mark.parametrize(
+    ("public_url", "warned"),
+    [
+        ("https://cams.example.com/streamdet", False),
+        ("https://cams.example.com/site/streamdet", False),  # an outer proxy's prefix too
+        ("https://cams.example.com/other", True),
+        ("https://cams.example.com", True),
+    ],
+)
+def test_a_public_url_that_disagrees_with_the_root_path_is_warned_of(
+    public_url: str, warned: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path / "data", port=0, root_path="/streamdet", public_url=public_url
+    )
+    with caplog.at_level(logging.WARNING, logger="streamdet"):
+        assert cli.serve(settings) == 2  # stopped where the model would load
+    said = "does not end with root_path '/streamdet'" in caplog.text
+    assert said == warned, caplog.text
+    if warned:
+        assert "STREAMDET_PUBLIC_URL" in caplog.text and "STREAMDET_ROOT_PATH" in caplog.text
