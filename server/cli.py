@@ -25,6 +25,32 @@ from server.settings import Settings, public_url_mismatch, unknown_env_settings
 log = logging.getLogger("streamdet")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SECRET_FLAGS = ("api_keys", "api_keys_readonly", "webhook_secret", "mqtt_url")
+"""Settings that hold a secret (``mqtt_url``: where it has a password)."""
+
+
+def configure_logging(level: str) -> None:
+    """One format for every line, ours and uvicorn's (its access lines had no time)."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    # httpx logs each request's URL at INFO: a webhook's or a job callback's holds its
+    # token (path, query, user:password@), written out with every event sent. Our own
+    # lines say how each delivery went, without it.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def warn_secret_flags(args: argparse.Namespace) -> None:
+    """A secret given as a flag is in the process's command line, which every user of the
+    machine reads (``ps``, ``/proc/<pid>/cmdline``): say so, and which variable to use."""
+    for name in SECRET_FLAGS:
+        value = getattr(args, name, None)
+        if not value or (name == "mqtt_url" and "@" not in value):
+            continue
+        log.warning(
+            "--%s is given on the command line, which every user of this machine can read"
+            " (ps): set STREAMDET_%s in the environment instead",
+            name.replace("_", "-"),
+            name.upper(),
+        )
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -219,6 +245,7 @@ def _serve(settings: Settings) -> int:
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.access_log,
+            log_config=None,  # its lines in ours (configure_logging), not its own format
             # Behind a proxy that strips --root-path: the app's URLs carry it again.
             root_path=settings.root_path,
             proxy_headers=True,
@@ -317,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = err["msg"].removeprefix("Value error, ")  # pydantic's, for ValueErrors
             print(f"streamdet: {where}{message}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(settings.log_level)
+    warn_secret_flags(args)
     if args.command == "serve":
         try:
             return serve(settings)

@@ -48,8 +48,11 @@ def check_webhook_url(url: str) -> str:
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
+        from streams.sources import redact  # its password and token: the error is shown
+
         raise ValueError(
-            f"webhooks: {url!r} is not an http:// or https:// URL (setting STREAMDET_WEBHOOKS)"
+            f"webhooks: {redact(url)!r} is not an http:// or https:// URL"
+            " (setting STREAMDET_WEBHOOKS)"
         )
     return url
 
