@@ -14,10 +14,11 @@ from __future__ import annotations
 import random
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 Transport = Literal["tcp", "udp"]
@@ -274,10 +275,58 @@ RTSP_PROBE_S = 2.0
 SHOWN_BYTES = 40
 
 
+def _resolve(host: str, port: int, end: float) -> list[tuple[int, int, int, Any]]:
+    """``host``'s TCP addresses, looked up by :func:`socket.getaddrinfo` within ``end``
+    (monotonic); :class:`TimeoutError` past it. The lookup has no timeout of its own (a
+    resolver that does not answer held the caller for its retries, 5 s each): it runs in a
+    thread of its own, left to end by itself when it is given up on."""
+    found: list[list[tuple[int, int, int, Any]] | OSError] = []
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+            found.append(
+                [(family, kind, proto, address) for family, kind, proto, _, address in infos]
+            )
+        except OSError as exc:
+            found.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=look_up, name="rtsp-answer-resolve", daemon=True).start()
+    if not done.wait(max(0.0, end - time.monotonic())):
+        raise TimeoutError(f"{host} not resolved in time")
+    result = found[0]
+    if isinstance(result, OSError):
+        raise result
+    return result
+
+
+def _connect(host: str, port: int, end: float) -> socket.socket:
+    """A TCP connection to ``host``'s first address that takes one, name lookup and all
+    within ``end`` (monotonic): :func:`socket.create_connection` bounds each address's
+    connect only, not the lookup, nor all of them together."""
+    error: OSError = TimeoutError(f"no address of {host} connected in time")
+    for family, kind, proto, address in _resolve(host, port, end):
+        if (left := end - time.monotonic()) <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        return sock
+    raise error
+
+
 def rtsp_answer(url: str, timeout_s: float) -> bytes | None:
     """The first bytes (up to :data:`SHOWN_BYTES`) an ``rtsp://`` source answers a plain
     RTSP ``OPTIONS`` request with, on a connection of its own; None where it sent nothing
-    within ``timeout_s`` (or cannot be reached).
+    within ``timeout_s`` (or cannot be reached, or its name is not resolved within it).
 
     FFmpeg's open fails alike ("Invalid data found when processing input") where the port
     never answers and where it answers in another protocol (an HTTP server, SSH), and an
@@ -296,7 +345,7 @@ def rtsp_answer(url: str, timeout_s: float) -> bytes | None:
     end = time.monotonic() + timeout_s
     data = b""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        with _connect(host, port, end) as sock:
             sock.sendall(request.encode("latin-1", "replace"))
             while len(data) < SHOWN_BYTES and (left := end - time.monotonic()) > 0:
                 sock.settimeout(left)

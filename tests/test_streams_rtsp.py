@@ -25,7 +25,7 @@ from streams.events import EventFilter
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
-from streams.sources import Transport
+from streams.sources import Transport, rtsp_answer
 from streams.store import StreamStore
 from tests.helpers import VIDEOS, silent_camera, start_ort_pool
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
@@ -400,6 +400,37 @@ async def test_a_port_that_answers_another_protocol_says_so_not_that_it_timed_ou
         serving.join(5)
         ssh.close()
         rtsp.close()
+
+
+def test_the_answer_probe_bounds_a_slow_name_lookup_by_its_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe after a failed open resolved the camera's name with no bound (a resolver
+    that does not answer held the stream's thread for its own retries, 5 s each, before the
+    probe's 2 s began); now the lookup counts in the probe's limit, and a name that resolves
+    in time is asked as before."""
+    ssh = _Answering(_ssh)
+    entered, released, resolved = threading.Event(), threading.Event(), threading.Event()
+    resolve = socket.getaddrinfo
+
+    def slow_resolver(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow-dns.camera.test":
+            entered.set()
+            released.wait(10)  # a resolver that answers late (then with this machine)
+            resolved.set()
+            host = "127.0.0.1"
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_resolver)
+    try:
+        assert rtsp_answer(f"rtsp://slow-dns.camera.test:{ssh.port}/cam", 0.5) is None
+        assert entered.is_set() and not resolved.is_set()  # given up on, still resolving
+        released.set()
+        answer = rtsp_answer(f"rtsp://localhost:{ssh.port}/cam", 5.0)
+        assert answer == b"SSH-2.0-OpenSSH_9.6\r\n", answer
+    finally:
+        released.set()
+        ssh.close()
 
 
 async def test_add_remove_cycles_leak_no_threads_or_sockets(
