@@ -155,6 +155,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                     settings.webhook_timeout_s,
                     metrics,
                     root_path=settings.root_path,
+                    public_url=settings.public_url,
                 )
                 for url in settings.webhooks
             ]
@@ -168,6 +169,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                     settings.webhook_timeout_s,
                     metrics,
                     root_path=settings.root_path,
+                    public_url=settings.public_url,
                 )
             )
         state.webhooks, state.webhook_store = webhooks, webhook_store
@@ -185,10 +187,18 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 enable=functools.partial(streams.set_enabled, manager),
                 roster=manager.roster,
                 name_of=manager.name_of,
-                discovery=Discovery(settings.mqtt_topic, settings.mqtt_discovery_prefix)
+                discovery=Discovery(
+                    settings.mqtt_topic,
+                    settings.mqtt_discovery_prefix,
+                    # The viewer, each device's "Visit" link in Home Assistant.
+                    configuration_url=None
+                    if settings.public_url is None
+                    else settings.public_url + "/",
+                )
                 if settings.mqtt_discovery
                 else None,
                 root_path=settings.root_path,
+                public_url=settings.public_url,
             )
         )
         if publisher is not None:
@@ -208,6 +218,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             callback_secret=settings.webhook_secret,
             callback_timeout_s=settings.webhook_timeout_s,
             root_path=settings.root_path,
+            public_url=settings.public_url,
         )
         await job_manager.start()
         state.jobs = job_manager

@@ -38,6 +38,7 @@ import httpx
 
 from engines.batching import WorkItem
 from server.job_video import VIDEO_FILE, AnnotatedVideo
+from server.routes.paths import link_base
 from server.webhooks import label, post_json
 from streams.detect import StreamDetect
 from streams.jobs import (
@@ -137,7 +138,8 @@ class Job:
 
     def to_json(self, names: Mapping[int, str], root: str = "") -> dict[str, Any]:
         """What ``GET /jobs/{id}`` answers, its paths under ``root`` (the request's root
-        path, ``--root-path``: ``job.json`` keeps them without)."""
+        path, ``--root-path``: ``job.json`` keeps them without; a callback's, the public URL
+        where one is set)."""
         return {
             "id": self.id,
             "name": self.name,
@@ -207,9 +209,12 @@ class JobManager:
         callback_secret: str | None = None,
         callback_timeout_s: float = 5.0,
         root_path: str = "",
+        public_url: str | None = None,
     ) -> None:
         self.directory = directory
-        self._root_path = root_path  # a callback's paths: no request, the setting's prefix
+        # A callback's paths: no request in scope, so the setting's prefix, or absolute URLs
+        # under the public URL (--public-url), which the receiver can fetch.
+        self._base = link_base(root_path, public_url)
         self._callback_secret = callback_secret
         self._callback_timeout_s = callback_timeout_s
         self._callbacks: set[asyncio.Task[None]] = set()
@@ -525,7 +530,7 @@ class JobManager:
                 if job.deleted:  # its caller deleted it: nothing left to tell of
                     job.callback["state"] = "cancelled"
                     break
-                payload = {"job": job.to_json(self._names, self._root_path)}
+                payload = {"job": job.to_json(self._names, self._base)}
                 error = await post_json(client, job.callback_url, payload, self._callback_secret)
                 job.callback.update(attempts=attempt, last_error=error)
                 if error is None:

@@ -61,7 +61,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from server.metrics import Metrics
 from server.mqtt_discovery import Discovery, level
-from server.routes.paths import served_event
+from server.routes.paths import link_base, served_event
 from streams.detect import StreamDetect
 from streams.events import EventLog, LogReader
 from streams.fanout import ProcessedFrame
@@ -191,6 +191,8 @@ class MqttPublisher:
             (``server/mqtt_discovery.py``); None: do not.
         root_path: the events' paths (snapshot, thumbnail, clip) start with it, as
             ``GET /events`` gives them behind the proxy (``--root-path``).
+        public_url: where receivers reach the app (``--public-url``): the events' paths
+            are absolute URLs under it instead, which Home Assistant or Node-RED can fetch.
     """
 
     def __init__(
@@ -207,9 +209,10 @@ class MqttPublisher:
         name_of: Callable[[str], str | None] | None = None,
         discovery: Discovery | None = None,
         root_path: str = "",
+        public_url: str | None = None,
     ) -> None:
         parts = urlsplit(check_mqtt_url(url))
-        self._root_path = root_path
+        self._base = link_base(root_path, public_url)
         self.name = safe_url(url)
         self.prefix = check_topic_prefix(prefix, "mqtt_topic")
         self._host = parts.hostname or ""
@@ -348,7 +351,7 @@ class MqttPublisher:
         newest = {_thumbnail_key(e): e["id"] for e in events if "thumbnail" in e}
         sent: list[list[mqtt.MQTTMessageInfo]] = []
         for event in events:
-            body = json.dumps(served_event(event, self._root_path), separators=(",", ":"))
+            body = json.dumps(served_event(event, self._base), separators=(",", ":"))
             infos = []
             for topic in (self.topic("events"), self.topic(event["stream_id"], "events")):
                 info = self._client.publish(topic, body, qos=QOS)

@@ -17,7 +17,9 @@ Configs are retained under ``<discovery prefix>/<component>/streamdet_<id>/<obje
 (``streamdet_<prefix>_<id>`` where the topics' prefix is not ``streamdet``: two servers with
 their own prefixes keep their own entities); an entity whose stream or zone is gone gets an
 empty config, which removes it. Every entity is unavailable while the server is
-(``<prefix>/available``).
+(``<prefix>/available``). With the server's public URL set (``--public-url``) each device
+links to the viewer (its ``configuration_url``, the *Visit* link of Home Assistant's device
+page).
 
 Names become ids and topic levels uniquely: a zone's topic level is its name (UTF-8 letters
 kept) with ``/``, ``+``, ``#`` and control characters replaced, and a short hash of the name
@@ -50,10 +52,13 @@ _LEVEL_UNSAFE = frozenset("/+#")
 @dataclass(frozen=True, slots=True)
 class Discovery:
     """Where configs go (``discovery_prefix``) and where the states are (``prefix``); both
-    without a leading or trailing ``/``."""
+    without a leading or trailing ``/``. ``configuration_url``: each device's link to the
+    viewer, where the server's public URL is known (``--public-url``); Home Assistant shows
+    it on the device's page ("Visit"). None: no link."""
 
     prefix: str
     discovery_prefix: str = "homeassistant"
+    configuration_url: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix", self.prefix.strip("/"))
@@ -141,16 +146,19 @@ class Discovery:
 
     def _base(self, stream_id: str, name: str, key: str, label: str) -> dict[str, Any]:
         node = self._node(stream_id)
+        device = {
+            "identifiers": [node],
+            "name": f"streamdet {name or stream_id}",
+            "manufacturer": "streamdet",
+            "model": "video stream",
+        }
+        if self.configuration_url is not None:
+            device["configuration_url"] = self.configuration_url
         return {
             "name": label,
             "unique_id": f"{node}_{key}",
             "availability_topic": f"{self.prefix}/available",
-            "device": {
-                "identifiers": [node],
-                "name": f"streamdet {name or stream_id}",
-                "manufacturer": "streamdet",
-                "model": "video stream",
-            },
+            "device": device,
         }
 
     def _node(self, stream_id: str) -> str:

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from server.metrics import Metrics
-from server.routes.paths import served_event
+from server.routes.paths import link_base, served_event
 from server.settings import check_webhook_url
 from streams.events import EVERY_EVENT, EventFilter, EventLog, LogReader
 
@@ -157,6 +157,8 @@ class WebhookSender:
         root_path: the events' paths (snapshot, thumbnail, clip) start with it, as
             ``GET /events`` gives them behind the proxy (``--root-path``): no request is in
             scope here.
+        public_url: where receivers reach the app (``--public-url``): the events' paths
+            are absolute URLs under it instead, which a receiver can fetch.
     """
 
     def __init__(
@@ -171,9 +173,10 @@ class WebhookSender:
         wanted: EventFilter = EVERY_EVENT,
         about: dict[str, Any] | None = None,
         root_path: str = "",
+        public_url: str | None = None,
     ) -> None:
         self.url = check_webhook_url(url)
-        self._root_path = root_path
+        self._base = link_base(root_path, public_url)
         self.name = name(url)
         self.id = webhook_id
         self.about = about or {"filter": {}, "signed": secret is not None, "created_at": None}
@@ -274,7 +277,7 @@ class WebhookSender:
         self, client: httpx.AsyncClient, events: Sequence[dict[str, Any]]
     ) -> str | None:
         """POST one batch; the reason it failed, or None."""
-        served = [served_event(event, self._root_path) for event in events]
+        served = [served_event(event, self._base) for event in events]
         return await post_json(client, self.url, {"events": served}, self._secret)
 
     def _count(self, outcome: str, n: int) -> None:

@@ -2,8 +2,10 @@
 prefix with README's configuration (``location /streamdet/ { proxy_pass
 http://127.0.0.1:PORT/; ... }``, which strips it): the viewer page, ``/docs``, redirects,
 ``Location``, ``POST /detect``, the settings bodies' limit, KServe v2's error form and a
-WebSocket, all through the proxy; and the viewer and ``/docs`` in headless Chromium through it
-(marker ``browser`` too)."""
+WebSocket, all through the proxy; what the server pushes out (webhooks, job callbacks, MQTT
+events and Home Assistant's device links) as absolute URLs under ``--public-url``, which point
+at the proxy and are followed through it; and the viewer and ``/docs`` in headless Chromium
+through it (marker ``browser`` too)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,15 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from benchmarks.events_bench import WebhookReceiver
 from loadtest.server import ServerProcess, free_port
-from tests.helpers import BOTTLE_CLIP, CACHE_DIR, CAR_CLIP, MODEL_PT, REPO, ultralytics_assets
+from tests.helpers import (
+    BOTTLE_CLIP,
+    CACHE_DIR,
+    CAR_CLIP,
+    MODEL_PT,
+    REPO,
+    clip_server,
+    ultralytics_assets,
+)
 from tests.test_viewer import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = pytest.mark.proxy
@@ -97,8 +107,21 @@ def receiver() -> Iterator[WebhookReceiver]:
 
 
 @pytest.fixture(scope="module")
+def nginx_ports() -> tuple[int, int]:
+    """The ports of :func:`proxies`, chosen before the server starts: its public URL
+    (``--public-url``) is README's proxy's."""
+    return free_port(), free_port()
+
+
+@pytest.fixture(scope="module")
+def public_url(nginx_ports: tuple[int, int]) -> str:
+    """Where receivers reach the server: README's nginx, under the prefix."""
+    return f"http://127.0.0.1:{nginx_ports[0]}{PREFIX}"
+
+
+@pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, receiver: WebhookReceiver
+    tmp_path_factory: pytest.TempPathFactory, receiver: WebhookReceiver, public_url: str
 ) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("proxy")
     srv = ServerProcess(
@@ -108,6 +131,7 @@ def server(
             "workers": 1,
             "max_batch": 2,
             "root_path": PREFIX,
+            "public_url": public_url,
             "admission_deadline_ms": 0,
             # A small engine and a looping clip: the browser test's stream, cheap on 2 cores.
             "imgsz": 320,
@@ -126,16 +150,25 @@ def server(
 
 @pytest.fixture(scope="module")
 def proxies(
-    server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+    server: ServerProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+    nginx_ports: tuple[int, int],
 ) -> Iterator[tuple[str, str]]:
     """nginx in front of ``server`` under :data:`PREFIX`: the base URLs of README's
     configuration and of one that serves the prefix without a slash with no redirect."""
+    with nginx(tmp_path_factory.mktemp("nginx"), server.port, *nginx_ports) as bases:
+        yield bases
+
+
+@contextlib.contextmanager
+def nginx(run: Path, upstream: int, port: int, strip_port: int) -> Iterator[tuple[str, str]]:
+    """nginx (its files in ``run``) in front of the server on port ``upstream``, under
+    :data:`PREFIX`, listening on ``port`` (README's configuration) and ``strip_port`` (no
+    redirect): their base URLs, once it answers."""
     if not Path(NGINX).exists():
         pytest.fail("nginx not found: apt-get install nginx-light (Debian), or deselect")
-    run = tmp_path_factory.mktemp("nginx")
-    port, strip_port = free_port(), free_port()
     conf = run / "nginx.conf"
-    conf.write_text(nginx_conf(run, port, server.port, strip_port))
+    conf.write_text(nginx_conf(run, port, upstream, strip_port))
     proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(run)], stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -214,14 +247,23 @@ def follow(c: httpx.Client, proxy: str, path: str) -> None:
     assert got.status_code == 200, (path, got.status_code, got.text[:200])
 
 
+def fetch(url: str) -> None:
+    """An absolute URL the server pushed out, fetched as its receiver does: found."""
+    got = httpx.get(url, timeout=60)
+    assert got.status_code == 200, (url, got.status_code, got.text[:200])
+
+
 def test_paths_the_api_hands_out_work_through_the_proxy(
-    proxy: str, receiver: WebhookReceiver, server: ServerProcess
+    proxy: str, receiver: WebhookReceiver, server: ServerProcess, public_url: str
 ) -> None:
-    """Every path in a body (an event's snapshot, thumbnail and clip, over JSON, server-sent
-    events and webhooks; a clip's url; a job's frames, events and video, in its body, its
-    list and its callback) and the job's ``Location`` carry the prefix and answer 200
-    through nginx (they were app-relative: the proxy's host root answered 404); a followed
-    job result says not to buffer it (``X-Accel-Buffering: no``, which it lacked)."""
+    """Every path in a body (an event's snapshot, thumbnail and clip, over JSON and
+    server-sent events; a clip's url; a job's frames, events and video, in its body and its
+    list) and the job's ``Location`` carry the prefix and answer 200 through nginx (they
+    were app-relative: the proxy's host root answered 404); what the server pushes out (a
+    webhook's events, a job's callback) carries them as absolute URLs under
+    ``--public-url``, which answer 200 through nginx too (a receiver cannot fetch a path);
+    a followed job result says not to buffer it (``X-Accel-Buffering: no``, which it
+    lacked)."""
     with httpx.Client(base_url=proxy + PREFIX, timeout=60) as c:
         stream = {"url": CAR_CLIP.as_uri(), "track": True, "zones": [LOT], "clips": True}
         sid = c.post("/streams", json=stream).json()["id"]
@@ -251,7 +293,7 @@ def test_paths_the_api_hands_out_work_through_the_proxy(
                         break
             for clip in c.get("/clips", params={"stream_id": sid}).json()["clips"]:
                 follow(c, proxy, clip["url"])
-            # A webhook's payload: no request, the prefix from the setting.
+            # A webhook's payload: no request, absolute URLs under the public URL.
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not any(
                 e["id"] == entered["id"] for e in receiver.events()
@@ -259,8 +301,11 @@ def test_paths_the_api_hands_out_work_through_the_proxy(
                 time.sleep(0.2)
             hooked = next(e for e in receiver.events() if e["id"] == entered["id"])
             assert {k: hooked[k] for k in ("snapshot", "thumbnail", "clip")} == {
-                k: entered[k] for k in ("snapshot", "thumbnail", "clip")
+                k: public_url + str(entered[k]).removeprefix(PREFIX)
+                for k in ("snapshot", "thumbnail", "clip")
             }
+            for key in ("snapshot", "thumbnail", "clip"):
+                fetch(hooked[key])
         finally:
             c.delete(f"/streams/{sid}")
         job_in = {"url": BOTTLE_CLIP.as_uri(), "fps": 0.5, "render": True}
@@ -291,7 +336,10 @@ def test_paths_the_api_hands_out_work_through_the_proxy(
             ]
         ):
             time.sleep(0.2)
-        assert called and called[0]["video_url"] == done["video_url"], called
+        assert called, receiver.calls
+        for key in ("frames_url", "events_url", "video_url"):  # the callback's: absolute
+            assert called[-1][key] == public_url + done[key].removeprefix(PREFIX), called
+            fetch(called[-1][key])
         c.delete(f"/jobs/{job['id']}")
 
 
@@ -355,6 +403,74 @@ async def test_mqtt_events_carry_the_root_path(tmp_path: Path) -> None:
         assert log.read(0, 10).events[0]["snapshot"] == media["snapshot"]  # kept app-relative
         log.finish()
         await publisher.stop(2)
+    finally:
+        listener.close()
+        broker.stop()
+
+
+@pytest.mark.mqtt
+def test_mqtt_events_and_discovery_carry_the_public_url(tmp_path: Path) -> None:
+    """A real server with ``--public-url`` (its own nginx, README's configuration) and a
+    real Mosquitto: each event published carries its snapshot, thumbnail and clip as
+    absolute URLs under the public URL, each answering 200 through nginx (they were paths,
+    which Home Assistant or Node-RED cannot fetch), and each Home Assistant device links to
+    the viewer (``configuration_url``, which it lacked), which answers too."""
+    from tests.test_mqtt import Broker, Listener
+
+    port, strip_port = free_port(), free_port()
+    public = f"http://127.0.0.1:{port}{PREFIX}"
+    broker = Broker(tmp_path / "mosquitto.log")
+    broker.start()
+    listener = Listener(broker.port)
+    srv = clip_server(
+        tmp_path,
+        root_path=PREFIX,
+        public_url=public + "/",  # the final slash is dropped
+        mqtt_url=f"mqtt://127.0.0.1:{broker.port}",
+        workers=1,
+        imgsz=320,
+        event_clip_pre_s=1,
+        event_clip_post_s=1,
+    )
+    try:
+        with srv, nginx(tmp_path, srv.port, port, strip_port):
+            stream = {"url": CAR_CLIP.as_uri(), "track": True, "zones": [LOT], "clips": True}
+            with httpx.Client(base_url=public, timeout=60) as c:
+                created = c.post("/streams", json=stream)
+                assert created.status_code == 201, created.text
+                sid = created.json()["id"]
+                deadline = time.monotonic() + 90
+                while time.monotonic() < deadline and not (
+                    pictured := [
+                        e
+                        for e in map(json.loads, listener.on("streamdet/events"))
+                        if "thumbnail" in e and "clip" in e
+                    ]
+                ):
+                    time.sleep(0.2)
+                assert pictured, listener.on("streamdet/events")
+                event = pictured[0]
+                for key in ("snapshot", "thumbnail", "clip"):
+                    assert str(event[key]).startswith(public + "/"), event
+                    fetch(str(event[key]))
+                # GET /events keeps paths, under the prefix the request came by.
+                page = c.get("/events", params={"stream_id": sid, "latest": True}).json()
+                served = next(e for e in page["events"] if e["id"] == event["id"])
+                assert served["snapshot"] == event["snapshot"].removeprefix(
+                    f"http://127.0.0.1:{port}"
+                )
+                configs = [
+                    json.loads(payload)
+                    for topic, payload, _ in listener.messages
+                    if topic.startswith("homeassistant/") and sid in topic and payload
+                ]
+                assert configs, listener.messages[-5:]
+                assert {config["device"]["configuration_url"] for config in configs} == {
+                    public + "/"
+                }
+                viewer = httpx.get(public + "/", timeout=30)
+                assert viewer.status_code == 200 and "streamdet viewer" in viewer.text
+                c.delete(f"/streams/{sid}")
     finally:
         listener.close()
         broker.stop()

@@ -42,3 +42,10 @@ def served_event(event: dict[str, Any], root: str) -> dict[str, Any]:
         return event
     paths = {key: root + event[key] for key in EVENT_PATHS if isinstance(event.get(key), str)}
     return {**event, **paths}
+
+
+def link_base(root_path: str, public_url: str | None = None) -> str:
+    """What the paths the server pushes out (webhooks, MQTT, job callbacks: no request in
+    scope) start with: the public URL (``--public-url``, its path holding the proxy's prefix
+    already) where one is set, so a receiver gets URLs it can fetch; else the root path."""
+    return public_url if public_url else root_path

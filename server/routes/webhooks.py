@@ -117,9 +117,10 @@ def make_sender(
     metrics: Metrics | None,
     *,
     root_path: str = "",
+    public_url: str | None = None,
 ) -> WebhookSender:
     """The sender of a webhook added at run time (now, or before a restart); its events'
-    paths under ``root_path`` (the setting)."""
+    paths under ``root_path`` (the setting), absolute URLs under ``public_url`` where set."""
     about = {
         "filter": record.filter,
         "signed": record.secret is not None,
@@ -135,6 +136,7 @@ def make_sender(
         wanted=event_filter(record.filter),
         about=about,
         root_path=root_path,
+        public_url=public_url,
     )
 
 
@@ -168,6 +170,7 @@ async def add_webhook(body: WebhookIn, request: Request) -> dict[str, Any]:
         state.settings.webhook_timeout_s,
         get_metrics(request),
         root_path=state.settings.root_path,
+        public_url=state.settings.public_url,
     )
     # Counted at once, before the store's write is awaited: calls at the same moment each
     # see the others (a hundred at once were all let past the limit).
