@@ -4,14 +4,17 @@ what is allowed. Against the real app on the real model; no timing is asserted."
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.helpers import CAR_CLIP, file_stream_app
+from tests.helpers import CAR_CLIP, clip_server, file_stream_app
 
 FORGED = "door\n2026-12-02 10:00:00,000 CRITICAL server.auth: admin in"
 
@@ -68,3 +71,41 @@ def test_a_jobs_json_body_is_capped_as_a_settings_body_is(tmp_path: Path) -> Non
             assert "larger than 1024 kB" in refused.text and "multipart" in refused.text
         fits = c.post("/jobs", json={"url": f"file://{CAR_CLIP}", "name": "a" * 200})
         assert fits.status_code == 202, fits.text
+
+
+def _answer_to(port: int, head: bytes, rest: int = 0) -> bytes:
+    """What the server answers ``head`` (then ``rest`` more bytes of one header, in chunks,
+    while it reads them) on a connection of its own."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head)
+        with contextlib.suppress(OSError):  # refused part way: the answer is read below
+            for _ in range(rest // 65536):
+                sock.sendall(b"a" * 65536)
+            sock.sendall(b"\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer and b"connection: close" not in answer.lower():
+                break
+        return answer
+
+
+def test_a_request_head_over_64_kb_is_refused_431_by_the_real_server(tmp_path: Path) -> None:
+    """uvicorn's httptools protocol took a head of any size, on the event loop: a header of
+    400 MB took 285 s and 500 MB of memory, and was answered 200."""
+    with clip_server(tmp_path) as server:
+        get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+        fine = _answer_to(server.port, get + b"Cookie: " + b"c" * 8000 + b"\r\n\r\n")
+        assert fine.startswith(b"HTTP/1.1 200"), fine[:200]
+        for head, rest in (
+            (get + b"X-Big: ", 8 << 20),  # one header, 8 MB
+            (b"GET /healthz?q=" + b"a" * 200_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 0),
+            (get + b"".join(b"X-%d: v\r\n" % i for i in range(20_000)), 0),  # many small
+        ):
+            refused = _answer_to(server.port, head, rest)
+            assert refused.startswith(b"HTTP/1.1 431"), refused[:200]
+            assert b"larger than 64 kB" in refused
+        # A body of any size is the routes' own to limit; the connection after is served.
+        body = httpx.post(f"{server.base_url}/detect", content=b"x" * 200_000)
+        assert body.status_code == 400 and "not a decodable image" in body.text
+        assert httpx.get(f"{server.base_url}/readyz").status_code == 200
