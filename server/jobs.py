@@ -353,13 +353,17 @@ class JobManager:
     async def probe(
         self, target: str, options: dict[str, str], timeout_s: tuple[float, float]
     ) -> dict[str, Any]:
-        """:func:`streams.jobs.probe` in the probes' own threads.
+        """:func:`streams.jobs.probe` in the probes' own threads, a video of frames over
+        ``--max-image-pixels`` refused before a frame of it is decoded.
 
         Raises:
+            FramesTooLarge: its frames have more pixels than ``--max-image-pixels``.
             JobError: as ``probe`` does.
         """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._probes, probe, target, options, timeout_s)
+        return await loop.run_in_executor(
+            self._probes, probe, target, options, timeout_s, self._max_pixels
+        )
 
     def release(self, job_id: str) -> None:
         """Let go of the room :meth:`make_room` held for ``job_id`` (its request failed)."""

@@ -80,6 +80,18 @@ class JobError(RuntimeError):
     """The video cannot be read; the message says why."""
 
 
+class FramesTooLarge(JobError):
+    """The video's frames have more pixels than allowed (``STREAMDET_MAX_IMAGE_PIXELS``)."""
+
+    def __init__(self, width: int, height: int, most: int) -> None:
+        super().__init__(f"frames of {width}x{height} exceed {most} pixels")
+        self.width, self.height, self.most = width, height, most
+
+
+PROBED_STREAMS = 64
+"""Streams of a container whose decoders are bounded by a probe's ``max_pixels``."""
+
+
 @dataclass(frozen=True, slots=True)
 class JobSpec:
     """What a job reads and how.
@@ -177,21 +189,37 @@ class Sampler:
 
 
 def probe(
-    source: str, options: dict[str, str] | None = None, timeout_s: tuple[float, float] = (10.0, 5.0)
+    source: str,
+    options: dict[str, str] | None = None,
+    timeout_s: tuple[float, float] = (10.0, 5.0),
+    max_pixels: int | None = None,
 ) -> dict[str, Any]:
     """Open ``source`` and decode its first frame: ``{"width", "height", "duration_s",
     "fps", "codec"}``.
 
+    With ``max_pixels``, a video whose frames are larger is refused from its codec's
+    parameters, before any frame of it is decoded: a probe of an 8192x8192 H.264 clip of
+    16 kB decoding its first frame took 360 MB of memory (FFmpeg's stream-info probe
+    decodes one frame, the probe another), and the server runs 4 probes at once. Its
+    decoders are bounded by FFmpeg's own ``max_pixels`` too, for a frame larger than its
+    parameters said.
+
     Raises:
+        FramesTooLarge: its frames have more than ``max_pixels`` pixels.
         JobError: not a video FFmpeg can read, no video stream, or no frame decodes.
     """
     import av
 
     try:
-        with av.open(source, options=options or {}, timeout=timeout_s) as container:
+        with _open_bounded(source, options or {}, timeout_s, max_pixels) as container:
             if not container.streams.video:
                 raise JobError("it has no video stream")
             stream = container.streams.video[0]
+            if max_pixels:
+                codec = stream.codec_context
+                if codec.width * codec.height > max_pixels:
+                    raise FramesTooLarge(codec.width, codec.height, max_pixels)
+                codec.options = {"max_pixels": str(max_pixels)}
             duration = _duration(container, stream)
             for frame in _frames(container, stream, None):
                 rate = stream.average_rate
@@ -216,6 +244,24 @@ def probe(
             )
         reason = explain_open_failure("format_whitelist" in (options or {}), _reason(exc))
         raise JobError(f"not a video FFmpeg can read: {reason}{hint}") from None
+
+
+def _open_bounded(
+    source: str, options: dict[str, str], timeout_s: tuple[float, float], max_pixels: int | None
+) -> Any:
+    """``av.open``, the decoders of FFmpeg's stream-info probe (which decodes a frame of each
+    stream) refusing a frame of more than ``max_pixels``. A format whose streams are found
+    only by that probe (MPEG-TS, MPEG-PS) cannot take them (PyAV: ValueError) and is opened
+    as it is: its frames' size is checked before the first frame of the probe's own."""
+    import av
+
+    if max_pixels:
+        bound: Any = [{"max_pixels": str(max_pixels)}] * PROBED_STREAMS  # stub: list[str]
+        try:
+            return av.open(source, options=options, timeout=timeout_s, stream_options=bound)
+        except ValueError:
+            pass
+    return av.open(source, options=options, timeout=timeout_s)
 
 
 def lower_priority(nice: int) -> None:

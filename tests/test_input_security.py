@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.helpers import CAR_CLIP, clip_server, file_stream_app
+from tests.helpers import CAR_CLIP, REPO, clip_server, file_stream_app
 
 FORGED = "door\n2026-12-02 10:00:00,000 CRITICAL server.auth: admin in"
 
@@ -52,6 +54,67 @@ def test_a_video_of_frames_over_the_pixel_limit_is_refused_when_sent(tmp_path: P
             assert "STREAMDET_MAX_IMAGE_PIXELS" in refused.text
         assert c.get("/jobs").json()["jobs"] == []
         assert not any((tmp_path / "data" / "jobs").glob("*/source*"))  # nothing kept
+
+
+@pytest.fixture(scope="module")
+def huge_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two black H.264 frames of 8192x8192 (67 MP, FFmpeg's largest size is about 400 MB):
+    16 kB of file."""
+    import av
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("huge") / "huge.mp4"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=1)
+        stream.width = stream.height = 8192
+        stream.pix_fmt = "yuv420p"
+        black = np.zeros((8192, 8192, 3), np.uint8)
+        for _ in range(2):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(black, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return path
+
+
+PROBE_PEAK = """
+import resource, sys
+import av  # its libraries loaded before the peak is read
+from streams.jobs import FramesTooLarge, probe
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    probe(sys.argv[1], max_pixels=50_000_000)
+except FramesTooLarge as exc:
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(exc.width, exc.height, (after - before) // 1024)
+"""
+
+
+def test_a_video_of_huge_frames_is_refused_before_a_frame_of_it_is_decoded(
+    tmp_path: Path, huge_clip: Path
+) -> None:
+    """The probe decoded the first frame, then the route compared its size: an 8192x8192
+    clip of 16 kB took 360 MB of the probe (FFmpeg's stream-info probe decoded one frame, the
+    probe another), four probes at once 1.7 GB of the server, before the 413."""
+    ran = subprocess.run(
+        [sys.executable, "-c", PROBE_PEAK, str(huge_clip)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    width, height, grown_mb = map(int, ran.stdout.split())
+    assert (width, height) == (8192, 8192)
+    assert grown_mb < 100, f"the probe took {grown_mb} MB: a frame of 8192x8192 was decoded"
+    with TestClient(file_stream_app(tmp_path)) as c:
+        refused = c.post(
+            "/jobs", content=huge_clip.read_bytes(), headers={"content-type": "video/mp4"}
+        )
+        assert refused.status_code == 413, refused.text
+        assert "8192x8192 = 67.1 MP, over the limit of 50.0 MP" in refused.text
+        assert "STREAMDET_MAX_IMAGE_PIXELS" in refused.text
+        fits = c.post("/jobs", json={"url": f"file://{CAR_CLIP}"})
+        assert fits.status_code == 202, fits.text
 
 
 def test_a_jobs_json_body_is_capped_as_a_settings_body_is(tmp_path: Path) -> None:

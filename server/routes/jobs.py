@@ -50,7 +50,7 @@ from server.state import AppState, get_state
 from streams.detect import StreamDetect
 from streams.events import COUNT_KEYS, count_events
 from streams.files import VIDEO_SUFFIXES
-from streams.jobs import JobError
+from streams.jobs import FramesTooLarge, JobError
 from streams.sources import SourceError, open_options, parse_source, redact, upload_options
 
 log = logging.getLogger(__name__)
@@ -342,17 +342,18 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
                 ) from None
         detect = job_in.detect(names, StreamDetect())
         timeout = (state.settings.stream_open_timeout_s, state.settings.stream_read_timeout_s)
+        most = state.settings.max_image_pixels
         try:
+            # Refused from the codec's parameters, before a frame is decoded (a first frame
+            # of 8192x8192 took 360 MB of a probe); a size known only from the first frame
+            # (a header that said none) is checked below.
             video = await jobs.probe(target, options, timeout)
+        except FramesTooLarge as exc:
+            raise HTTPException(413, _too_large(exc.width, exc.height, most)) from None
         except JobError as exc:
             raise HTTPException(415 if "upload" in source else 422, f"video: {exc}") from None
-        pixels, most = video["width"] * video["height"], state.settings.max_image_pixels
-        if pixels > most:  # it was queued, then failed at its first frame
-            raise HTTPException(
-                413,
-                f"video: frames of {video['width']}x{video['height']} = {pixels / 1e6:.1f} MP,"
-                f" over the limit of {most / 1e6:.1f} MP (setting STREAMDET_MAX_IMAGE_PIXELS)",
-            )
+        if video["width"] * video["height"] > most:  # it was queued, then failed at frame 1
+            raise HTTPException(413, _too_large(video["width"], video["height"], most))
         job = Job(
             id=job_id,
             name=job_in.name,
@@ -374,6 +375,13 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
         raise
     response.headers["Location"] = f"{root_of(request.scope)}/jobs/{job_id}"
     return _describe(request, jobs, job, names)  # as GET /jobs/{id} (it had no queue_position)
+
+
+def _too_large(width: int, height: int, most: int) -> str:
+    return (
+        f"video: frames of {width}x{height} = {width * height / 1e6:.1f} MP, over the limit"
+        f" of {most / 1e6:.1f} MP (setting STREAMDET_MAX_IMAGE_PIXELS)"
+    )
 
 
 async def _make_room(jobs: JobManager, incoming: int, max_mb: int, job_id: str) -> None:
