@@ -179,7 +179,7 @@ def _serve(settings: Settings) -> int:
     import uvicorn
 
     from server.app import create_app
-    from server.http_limits import HeadLimitedHttpTools
+    from server.http_limits import head_limited
     from server.routes.ws import going_away, viewers_gone
     from server.runtime import build_pool
 
@@ -247,7 +247,8 @@ def _serve(settings: Settings) -> int:
             log_level=settings.log_level,
             access_log=settings.access_log,
             log_config=None,  # its lines in ours (configure_logging), not its own format
-            http=HeadLimitedHttpTools,  # a head of any size otherwise (server/http_limits.py)
+            # A head of any size, or at any pace, otherwise (server/http_limits.py).
+            http=head_limited(settings.head_timeout_s),
             # Behind a proxy that strips --root-path: the app's URLs carry it again.
             root_path=settings.root_path,
             proxy_headers=True,

@@ -8,15 +8,34 @@ one of 400 MB took 285 s of the loop and 500 MB of memory before it was answered
 head not yet complete are counted, and past the limit the client gets ``431`` and its
 connection is closed, as nginx's ``large_client_header_buffers`` (4 x 8 kB) and Node's 16 kB
 do.
+
+And a head has :data:`HEAD_TIMEOUT_S` (``--head-timeout-s``) to arrive whole: uvicorn has no
+such deadline (its ``timeout_keep_alive`` runs only between requests and is cancelled by any
+byte, ``limit_concurrency`` only caps how many connections such clients hold), so a client
+sending a header byte every few seconds held its connection for ever (a few hundred of them
+hold every file descriptor: slowloris). Past it, a head begun is answered ``408`` and its
+connection closed; a connection that sent nothing is closed without a word (as nginx's
+``client_header_timeout`` does), the client may have opened it ahead of a request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 """The most bytes a request line and its headers may take: browsers send a few kB (cookies
 included), API keys and proxies' ``X-Forwarded-*`` add a few hundred bytes."""
+
+
+HEAD_TIMEOUT_S = 20.0
+"""Seconds a request line and its headers may take to arrive, from the connection's opening
+or the request's first byte (nginx's ``client_header_timeout`` is 60 s, Go's servers
+commonly set ``ReadHeaderTimeout`` to 5-30 s); a body is the routes' own to time."""
 
 
 LINGER_S = 2.0
@@ -24,19 +43,34 @@ LINGER_S = 2.0
 
 
 class HeadLimitedHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol, refusing a head over :data:`MAX_HEAD_BYTES` with 431."""
+    """uvicorn's httptools protocol, refusing a head over :data:`MAX_HEAD_BYTES` with 431
+    and one not complete within :attr:`head_timeout_s` with 408."""
 
+    head_timeout_s = HEAD_TIMEOUT_S
+    """Set by :func:`head_limited` from ``--head-timeout-s``."""
     _head_pending = False
     _head_bytes = 0
     _refused = False
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # the first request's head, from the connection's opening
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         self._head_pending = True
+        if self._head_timer is None:  # a request after the first, from its first byte
+            self._arm()
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._head_pending = False
         self._head_bytes = 0
+        self._disarm()
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
@@ -50,12 +84,47 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
             self._head_pending = False
-            self._refuse()
+            self._disarm()
+            self._refuse(
+                b"431 Request Header Fields Too Large",
+                f"request line and headers larger than {MAX_HEAD_BYTES // 1024} kB",
+            )
 
-    def _refuse(self) -> None:
-        message = f"request line and headers larger than {MAX_HEAD_BYTES // 1024} kB".encode()
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._refused or self.transport.is_closing():
+            return
+        where = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        if not self._head_pending:  # nothing sent: no request to answer
+            log.debug("%s: connection closed, no request within %g s", where, self.head_timeout_s)
+            self.transport.close()
+            return
+        self._head_pending = False
+        log.warning(
+            "%s: request line and headers not received within %g s; answered 408 (setting"
+            " STREAMDET_HEAD_TIMEOUT_S)",
+            where,
+            self.head_timeout_s,
+        )
+        self._refuse(
+            b"408 Request Timeout",
+            f"request line and headers not received within {self.head_timeout_s:g} s"
+            " (setting STREAMDET_HEAD_TIMEOUT_S)",
+        )
+
+    def _refuse(self, status: bytes, text: str) -> None:
+        message = text.encode()
         self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"HTTP/1.1 " + status + b"\r\n"
             b"content-type: text/plain; charset=utf-8\r\n"
             b"content-length: " + str(len(message)).encode("ascii") + b"\r\n"
             b"connection: close\r\n\r\n" + message
@@ -64,3 +133,8 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         # and the client may lose the answer: its bytes are read and dropped a while first.
         self._refused = True
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def head_limited(head_timeout_s: float) -> type[HeadLimitedHttpTools]:
+    """The protocol class for uvicorn's ``http``, heads given ``head_timeout_s`` seconds."""
+    return type("HeadLimitedHttpTools", (HeadLimitedHttpTools,), {"head_timeout_s": head_timeout_s})

@@ -215,6 +215,15 @@ class Settings(BaseSettings):
         " and clients' pools (httpx 5 s), so no request is sent on a connection the server"
         " is closing (uvicorn's own 5 s meets httpx's 5 s: a reset now and then)",
     )
+    head_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        le=3600,
+        description="seconds a request's line and headers may take to arrive (from the"
+        " connection's opening or the request's first byte): past it a begun head is"
+        " answered 408 and the connection closed, one that sent nothing closed (a client"
+        " trickling header bytes held its connection for ever)",
+    )
     gil_switch_ms: float = Field(
         1.0,
         gt=0,

@@ -172,3 +172,40 @@ def test_a_request_head_over_64_kb_is_refused_431_by_the_real_server(tmp_path: P
         body = httpx.post(f"{server.base_url}/detect", content=b"x" * 200_000)
         assert body.status_code == 400 and "not a decodable image" in body.text
         assert httpx.get(f"{server.base_url}/readyz").status_code == 200
+
+
+def test_a_head_sent_slowly_is_answered_408_and_its_connection_closed(tmp_path: Path) -> None:
+    """uvicorn has no deadline for a head (its keep-alive timeout runs between requests and
+    any byte cancels it): a client sending a header byte every 3 s held its connection for
+    ever (40 s tried), a few hundred such clients every file descriptor of the server."""
+    with clip_server(tmp_path, head_timeout_s=2) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=1) as slow:
+            slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            answer = b""
+            for _ in range(120):  # a byte a second at most, up to 2 minutes: bounded
+                try:
+                    chunk = slow.recv(4096)
+                except TimeoutError:
+                    with contextlib.suppress(OSError):
+                        slow.sendall(b"a")
+                    continue
+                if not chunk:
+                    break
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"within 2 s (setting STREAMDET_HEAD_TIMEOUT_S)" in answer
+            assert b"connection: close" in answer
+        # A connection that sends nothing is closed without an answer.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as idle:
+            assert idle.recv(4096) == b""
+        # Between requests the keep-alive timeout (75 s) holds, not the head's deadline.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as kept:
+            for _ in range(2):
+                kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+                kept.settimeout(3)  # past the head's 2 s: still open
+                with pytest.raises(TimeoutError):
+                    kept.recv(4096)
+                kept.settimeout(60)
+        log = (tmp_path / "server.log").read_text()
+        assert "answered 408 (setting STREAMDET_HEAD_TIMEOUT_S)" in log
