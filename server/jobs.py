@@ -55,6 +55,7 @@ from streams.jobs import (
     run_job,
 )
 from streams.sources import upload_options
+from streams.store import private_dir, write_private
 
 log = logging.getLogger(__name__)
 
@@ -554,9 +555,11 @@ class JobManager:
         if job.deleted:  # its directory is going (it would outlive it: see _mark_deleted)
             return
         where = self.directory_of(job.id)
-        where.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
+        private_dir(where)
         tmp = where / (JOB_FILE + ".tmp")
-        tmp.write_text(json.dumps(job.record(self._names)), encoding="utf-8")
+        # Its source URL's password and its callback_url: 0600 (it was 0644, in a 0755 dir).
+        write_private(tmp, json.dumps(job.record(self._names)).encode())
         os.replace(tmp, where / JOB_FILE)
 
     def _load(self) -> list[Job]:
@@ -565,6 +568,7 @@ class JobManager:
         jobs: list[Job] = []
         if not self.directory.is_dir():
             return jobs
+        private_dir(self.directory)  # one an earlier version made readable by everyone
         for where in sorted(self.directory.iterdir()):
             if not where.is_dir() or where.is_symlink():
                 continue

@@ -37,6 +37,7 @@ from streams.clips import remove_parts
 from streams.detect import StreamDetect
 from streams.events import EventLog
 from streams.fanout import ProcessedFrame, host_array
+from streams.store import private_dir, write_private
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 8
@@ -79,7 +80,7 @@ class SnapshotStore:
         self._log = events
         self._metrics = metrics
         self._drawing: dict[int, asyncio.Future[bytes]] = {}
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)  # snapshots of people: this user's only (they were 0644)
         # Made once, at startup (nothing is being drawn yet): a .part left by a crash, or by
         # a write that failed before _write cleaned up after itself, is no snapshot.
         remove_parts(directory)
@@ -248,7 +249,7 @@ def _write(path: Path, data: bytes) -> None:
     no ``.part`` behind: nothing would ever delete it)."""
     part = path.with_suffix(".part")
     try:
-        part.write_bytes(data)
+        write_private(part, data)
         os.replace(part, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streams.store import private_dir, write_private
+
 log = logging.getLogger(__name__)
 
 CLIP_PATH = "/clips/{id}.mp4"
@@ -331,8 +333,9 @@ class ClipRecorder:
             if gop[0].mono <= clip.start:
                 first = i
         packets = [p for gop in list(self._gops)[first:] for p in gop]
-        self.options.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.options.directory)  # clips of people: this user's only (were 0644)
         part = self._part(clip.id)
+        write_private(part, b"")  # FFmpeg opens it later, and keeps its mode
         clip.output = av.open(str(part), "w", format="mp4", options={"movflags": "+faststart"})
         clip.stream = clip.output.add_stream_from_template(stream)
         if stream.codec_context.name == "hevc":
@@ -422,7 +425,7 @@ class ClipRecorder:
             "url": CLIP_PATH.format(id=clip.id),
         }
         sidecar = path.with_suffix(".json")
-        sidecar.with_suffix(".json.part").write_text(json.dumps(info))
+        write_private(sidecar.with_suffix(".json.part"), json.dumps(info).encode())
         sidecar.with_suffix(".json.part").replace(sidecar)
         part.replace(path)  # listed from now on
         return size

@@ -62,6 +62,23 @@ def keep_private(path: Path) -> None:
     os.chmod(path, 0o600)  # one an earlier version made readable by everyone
 
 
+def private_dir(path: Path) -> None:
+    """Make the directory at ``path`` (and its missing parents) enterable by this user only:
+    what it holds (a job's source URL and callback, people's snapshots and clips) was made
+    under the usual umask for every user of the machine to read; an earlier version's is
+    closed too."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """``data`` to a new file at ``path`` (replaced if there), readable by this user only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        os.fchmod(out.fileno(), 0o600)  # one left by an earlier version
+        out.write(data)
+
+
 class StreamStore:
     """Streams in ``<data_dir>/streams.sqlite3``.
 

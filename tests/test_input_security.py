@@ -209,3 +209,32 @@ def test_a_head_sent_slowly_is_answered_408_and_its_connection_closed(tmp_path: 
                 kept.settimeout(60)
         log = (tmp_path / "server.log").read_text()
         assert "answered 408 (setting STREAMDET_HEAD_TIMEOUT_S)" in log
+
+
+def test_a_jobs_record_and_event_media_are_this_users_only(tmp_path: Path) -> None:
+    """``job.json`` (a source URL's password, the callback URL) and the jobs' directories,
+    snapshots and clips of people were made 0644 and 0755: every user of the machine read
+    them."""
+    from server.snapshots import _write
+    from streams.store import private_dir
+
+    with TestClient(file_stream_app(tmp_path)) as c:
+        made = c.post(
+            "/jobs", json={"url": f"file://{CAR_CLIP}", "callback_url": "http://u:pw@127.0.0.1:9/"}
+        )
+        assert made.status_code == 202, made.text
+        uploaded = c.post(
+            "/jobs", content=CAR_CLIP.read_bytes(), headers={"content-type": "video/mp4"}
+        )
+        assert uploaded.status_code == 202, uploaded.text
+        jobs = tmp_path / "data" / "jobs"
+        assert jobs.stat().st_mode & 0o777 == 0o700
+        for job_id in (made.json()["id"], uploaded.json()["id"]):
+            assert (jobs / job_id).stat().st_mode & 0o777 == 0o700
+            assert (jobs / job_id / "job.json").stat().st_mode & 0o777 == 0o600
+    media = tmp_path / "media"
+    media.mkdir(mode=0o755)
+    private_dir(media)  # as the snapshots' and clips' directories are made, an old one too
+    assert media.stat().st_mode & 0o777 == 0o700
+    _write(media / "1.jpg", b"jpeg")
+    assert (media / "1.jpg").stat().st_mode & 0o777 == 0o600

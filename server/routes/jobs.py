@@ -52,6 +52,7 @@ from streams.events import COUNT_KEYS, count_events
 from streams.files import VIDEO_SUFFIXES
 from streams.jobs import FramesTooLarge, JobError
 from streams.sources import SourceError, open_options, parse_source, redact, upload_options
+from streams.store import private_dir
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -239,7 +240,7 @@ async def _receive(
                 " stream (POST /streams)",
             )
         return job_in, {"url": redact(job_in.url)}, spec.target, open_options(spec)
-    await asyncio.to_thread(directory.mkdir, parents=True)
+    await asyncio.to_thread(private_dir, directory)  # 0700: the upload is the caller's
     if ctype == "multipart/form-data":
         parser = MultiPartParser(request.headers, _capped(request, limit), max_files=1)
         try:
