@@ -238,3 +238,38 @@ def test_a_jobs_record_and_event_media_are_this_users_only(tmp_path: Path) -> No
     assert media.stat().st_mode & 0o777 == 0o700
     _write(media / "1.jpg", b"jpeg")
     assert (media / "1.jpg").stat().st_mode & 0o777 == 0o600
+
+
+def test_an_uploads_filename_with_a_control_character_is_refused(tmp_path: Path) -> None:
+    """It was kept as it came (``"a\\r\\nb\\u001b[2J"`` in GET /jobs and job.json), where a
+    job's or a stream's name with one is refused."""
+    video = CAR_CLIP.read_bytes()
+    with TestClient(file_stream_app(tmp_path)) as c:
+        for bad in ("a\r\nb", "ev\x07il.mp4", "x\x1b[2J.mp4", "a\x00b"):
+            raw = c.post(
+                "/jobs",
+                params={"filename": bad},
+                content=video,
+                headers={"content-type": "video/mp4"},
+            )
+            # httpx escapes a filename's control characters (%0D): a client need not.
+            form = c.post(
+                "/jobs",
+                content=b'--b\r\nContent-Disposition: form-data; name="video"; filename="'
+                + bad.encode()
+                + b'"\r\nContent-Type: video/mp4\r\n\r\n'
+                + video
+                + b"\r\n--b--\r\n",
+                headers={"content-type": "multipart/form-data; boundary=b"},
+            )
+            answers = [(raw, "query: filename"), (form, "'video': filename")]
+            if "\n" in bad:  # a line break ends a part's header: the parser refuses it (400)
+                assert form.status_code == 400 and "multipart body" in form.text, form.text
+                answers.pop()
+            for refused, where in answers:
+                assert refused.status_code == 422, refused.text
+                assert where in refused.text and "control characters" in refused.text
+        assert c.get("/jobs").json()["jobs"] == []
+        assert not any((tmp_path / "data" / "jobs").glob("*/source*"))  # nothing kept
+        named = c.post("/jobs", files={"video": ("Türkapp 🔔.mp4", video, "video/mp4")})
+        assert named.status_code == 202 and named.json()["source"]["upload"] == "Türkapp 🔔.mp4"

@@ -50,6 +50,7 @@ from server.state import AppState, get_state
 from streams.detect import StreamDetect
 from streams.events import COUNT_KEYS, count_events
 from streams.files import VIDEO_SUFFIXES
+from streams.geometry import check_text
 from streams.jobs import FramesTooLarge, JobError
 from streams.sources import SourceError, open_options, parse_source, redact, upload_options
 from streams.store import private_dir
@@ -256,6 +257,7 @@ async def _receive(
             if text is not None and not isinstance(text, str):
                 raise HTTPException(422, "multipart field 'settings' must be JSON text, not a file")
             job_in = settings_of(text, "settings")
+            _check_filename(video.filename, "multipart field 'video': filename")
             suffix = Path(video.filename or "").suffix.lower()
             path = directory / f"source{suffix if suffix in VIDEO_SUFFIXES else '.video'}"
             size = await _save_upload(video, path)
@@ -264,6 +266,7 @@ async def _receive(
             await form.close()
     elif ctype in VIDEO_TYPES or ctype.startswith("video/"):
         job_in = settings_of(request.query_params.get("settings"), "settings")
+        _check_filename(request.query_params.get("filename"), "query: filename")
         path = directory / f"source{VIDEO_TYPES.get(ctype, '.video')}"
         size = await _save_body(request, limit, path)
         filename = request.query_params.get("filename") or path.name
@@ -376,6 +379,17 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
         raise
     response.headers["Location"] = f"{root_of(request.scope)}/jobs/{job_id}"
     return _describe(request, jobs, job, names)  # as GET /jobs/{id} (it had no queue_position)
+
+
+def _check_filename(filename: str | None, where: str) -> None:
+    """An upload's name with a control character (a newline, an escape sequence) is refused
+    422, as a job's or a stream's name is: it was kept and shown as it came (GET /jobs,
+    job.json, the log)."""
+    if filename:
+        try:
+            check_text(filename, where)
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
 
 
 def _too_large(width: int, height: int, most: int) -> str:
