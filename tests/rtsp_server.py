@@ -5,11 +5,22 @@ gir1.2-gst-rtsp-server-1.0 (see scripts/system-deps.sh), not the project venv::
 
     /usr/bin/python3 tests/rtsp_server.py --port 8554 --mount cam0=../shared/videos/car.mp4
 
-Each mount serves its clip's H.264 or H.265 as it is (no re-encoding, so a camera costs almost no
-CPU) and loops it forever: the clip's access units are demuxed once into memory and pushed
-through an ``appsrc`` with timestamps that keep growing across loops, so clients see one
-endless live-like stream paced at the clip's own frame rate. Every client gets its own
-pipeline starting at the clip's first (key) frame.
+Each mount serves its clip's H.264, H.265 or MJPEG (an MP4 of ``image/jpeg`` frames, sent as
+RTP/JPEG, payload type 26, as cheap cameras and old encoders do) as it is (no re-encoding, so a
+camera costs almost no CPU) and loops it forever: the clip's access units are demuxed once into
+memory and pushed through an ``appsrc`` with timestamps that keep growing across loops, so
+clients see one endless live-like stream paced at the clip's own frame rate. Every client gets
+its own pipeline starting at the clip's first (key) frame.
+
+Options (besides ``--port``, ``--host`` and the repeatable ``--mount NAME=CLIP.mp4``):
+
+- ``--no-loop``: end each stream after one pass of its clip.
+- ``--no-rate``: state no frame rate, as many real cameras do: the clip's rate is dropped from
+  the ``appsrc`` caps, so the SDP has no ``a=framerate`` (an H.264/H.265 clip's SPS may still
+  carry its timing; an MJPEG stream has nothing else to say it). Frames are still paced at
+  the clip's own rate.
+- ``--session-timeout-s S``: the RTSP session timeout a client must keep alive.
+- ``--auth USER:PASSWORD``: require Basic auth.
 
 Once listening it prints ``READY <port>`` on stdout, so a parent waits on that line.
 """
@@ -43,13 +54,13 @@ class Clip:
     caps: Any
     units: list[AccessUnit]
     period_ns: int  # one loop of the clip
-    codec: str  # h264 or h265
+    codec: str  # h264, h265 or jpeg
 
 
 def clip_codec(path: str) -> str:
-    """``h264`` or ``h265``: the video codec of an MP4 clip (from its demuxed caps)."""
+    """``h264``, ``h265`` or ``jpeg``: the video codec of an MP4 clip (from its demuxed caps)."""
     pipeline = Gst.parse_launch(
-        f'filesrc location="{path}" ! qtdemux ! video/x-h264;video/x-h265 ! '
+        f'filesrc location="{path}" ! qtdemux ! video/x-h264;video/x-h265;image/jpeg ! '
         "appsink name=sink sync=false"
     )
     sink = pipeline.get_by_name("sink")
@@ -57,16 +68,23 @@ def clip_codec(path: str) -> str:
     sample = sink.emit("pull-sample")
     pipeline.set_state(Gst.State.NULL)
     if sample is None:
-        raise RuntimeError(f"{path}: no H.264 or H.265 video found")
-    return str(sample.get_caps().get_structure(0).get_name()).removeprefix("video/x-")
+        raise RuntimeError(f"{path}: no H.264, H.265 or MJPEG video found")
+    name = str(sample.get_caps().get_structure(0).get_name())
+    return "jpeg" if name == "image/jpeg" else name.removeprefix("video/x-")
 
 
 def load_clip(path: str) -> Clip:
-    """Demux a clip's H.264 or H.265 into byte-stream access units held in memory."""
+    """Demux a clip's H.264 or H.265 into byte-stream access units (an MJPEG clip into its
+    JPEG frames) held in memory."""
     codec = clip_codec(path)
+    parse = (
+        "jpegparse"
+        if codec == "jpeg"
+        else f"{codec}parse config-interval=-1 ! "
+        f"video/x-{codec},stream-format=byte-stream,alignment=au"
+    )
     pipeline = Gst.parse_launch(
-        f'filesrc location="{path}" ! qtdemux ! {codec}parse config-interval=-1 ! '
-        f"video/x-{codec},stream-format=byte-stream,alignment=au ! appsink name=sink sync=false"
+        f'filesrc location="{path}" ! qtdemux ! {parse} ! appsink name=sink sync=false'
     )
     sink = pipeline.get_by_name("sink")
     pipeline.set_state(Gst.State.PLAYING)
@@ -100,25 +118,46 @@ def load_clip(path: str) -> Clip:
         u.pts -= first
         u.dts = u.dts - first if u.dts != Gst.CLOCK_TIME_NONE else u.pts
     frame_ns = units[1].dts - units[0].dts if len(units) > 1 else 40_000_000
-    period = max(u.pts for u in units) + (units[-1].duration or frame_ns)
+    # jpegparse leaves a frame's duration unset (CLOCK_TIME_NONE, 2**64 - 1): taken as a
+    # duration it put the second loop ~584 years on, and the stream stopped after one pass.
+    last = units[-1].duration
+    period = max(u.pts for u in units) + (
+        last if last and last != Gst.CLOCK_TIME_NONE else frame_ns
+    )
     return Clip(caps=caps, units=units, period_ns=period, codec=codec)
 
 
+def without_rate(caps: Any) -> Any:
+    """``caps`` with no ``framerate`` field (a camera that states no frame rate)."""
+    stripped = Gst.Caps.new_empty()
+    for i in range(caps.get_size()):
+        structure = caps.get_structure(i).copy()
+        structure.remove_field("framerate")
+        stripped.append_structure(structure)
+    return stripped
+
+
 class LoopingFactory(GstRtspServer.RTSPMediaFactory):  # type: ignore[misc]
-    def __init__(self, clip: Clip, loop: bool) -> None:
+    def __init__(self, clip: Clip, loop: bool, rate: bool = True) -> None:
         super().__init__()
         self.clip = clip
         self.loop = loop
-        self.set_launch(
-            "( appsrc name=src format=time is-live=false max-bytes=2000000 ! "
-            f"{clip.codec}parse ! rtp{clip.codec}pay name=pay0 pt=96 config-interval=1 )"
-        )
+        self.caps = clip.caps if rate else without_rate(clip.caps)
+        if clip.codec == "jpeg":
+            pay = "jpegparse ! rtpjpegpay name=pay0 pt=26"
+        else:
+            # h264parse/h265parse put the rate of the SPS's timing back in the caps, so the
+            # SDP stated it all the same: a camera stating none gets its access units (already
+            # byte-stream, one a buffer) straight to the payloader.
+            parse = f"{clip.codec}parse ! " if rate else ""
+            pay = f"{parse}rtp{clip.codec}pay name=pay0 pt=96 config-interval=1"
+        self.set_launch(f"( appsrc name=src format=time is-live=false max-bytes=2000000 ! {pay} )")
         self.set_shared(False)
         self.connect("media-configure", self._configure)
 
     def _configure(self, _factory: Any, media: Any) -> None:
         src = media.get_element().get_child_by_name("src")
-        src.set_property("caps", self.clip.caps)
+        src.set_property("caps", self.caps)
         state = {"index": 0}
         src.connect("need-data", self._need_data, state)
 
@@ -158,6 +197,11 @@ def main() -> int:
     )
     parser.add_argument("--no-loop", action="store_true", help="end each stream after one pass")
     parser.add_argument(
+        "--no-rate",
+        action="store_true",
+        help="state no frame rate (no a=framerate in the SDP), as many cameras do",
+    )
+    parser.add_argument(
         "--session-timeout-s",
         type=int,
         default=0,
@@ -179,7 +223,7 @@ def main() -> int:
             parser.error(f"--mount wants NAME=CLIP.mp4, got {spec!r}")
         if path not in clips:
             clips[path] = load_clip(path)
-        factory = LoopingFactory(clips[path], not args.no_loop)
+        factory = LoopingFactory(clips[path], not args.no_loop, not args.no_rate)
         if args.auth:
             factory.add_role_from_structure(
                 Gst.Structure.from_string(
