@@ -52,6 +52,9 @@ failed; on the decode thread."""
 Reserve = Callable[[int, float, float, float, int], None]
 """Told ``(clip id, start, end, limit, event id)`` for each event a :class:`ClipPlanner`
 gives a clip (see :meth:`ClipRecorder.reserve`)."""
+PLAUSIBLE_FPS = (0.1, 120.0)
+"""Frame rates a camera may have (0.1: one saving bandwidth, a frame each 10 s); one stated
+outside them is taken for none (see :func:`_step`)."""
 ENDED_KEPT = 256
 """Ids of the clips a recorder ended that it remembers (a late reservation of one is void)."""
 CUT_SHORT = "the server stopped while it was being recorded"
@@ -192,13 +195,29 @@ class ClipPlanner:
 
 
 def _step(stream: Any, packets: list[_Packet]) -> int:
-    """One frame's duration in the stream's time base."""
+    """One frame's duration in the stream's time base: the packets' own (their median
+    timestamp step), else from the stream's stated rate, the packets' arrival or 25 fps.
+
+    A stated rate outside :data:`PLAUSIBLE_FPS` is no frame rate: an RTSP camera that states
+    none (no ``a=framerate``, no timing in its SPS) has FFmpeg guess its 90 kHz clock, 90000
+    fps, which made a clip beginning with one timed packet (its first frame untimed) show
+    that frame for one tick of 90 kHz."""
     known = [p.pts for p in packets if p.pts is not None]
     diffs = sorted(b - a for a, b in itertools.pairwise(known) if b > a)
     if diffs:
         return diffs[len(diffs) // 2]
-    rate = stream.average_rate or stream.guessed_rate or 25
-    return max(1, round(1 / (float(rate) * float(stream.time_base))))
+    gaps = sorted(b.mono - a.mono for a, b in itertools.pairwise(packets))
+    arrival = 1 / gaps[len(gaps) // 2] if gaps and gaps[len(gaps) // 2] > 0 else None
+    low, high = PLAUSIBLE_FPS
+    rate = next(
+        (
+            float(r)
+            for r in (stream.average_rate, stream.guessed_rate, arrival)
+            if r and low <= float(r) <= high
+        ),
+        25.0,
+    )
+    return max(1, round(1 / (rate * float(stream.time_base))))
 
 
 class ClipRecorder:

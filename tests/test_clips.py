@@ -4,6 +4,7 @@ clips decoded back with PyAV; then a real server recording a real RTSP camera.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -28,7 +29,7 @@ from streams.clips import (
 from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
 from streams.reader import ReaderOptions, StreamConfig
-from streams.sources import parse_source
+from streams.sources import open_options, parse_source
 from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server
 
 BASE = 1000.0  # monotonic time of each clip's first packet, in these tests
@@ -612,3 +613,59 @@ async def test_after_a_crash_a_clip_cut_short_says_so_and_no_description_is_left
         )
     assert await index.find(9, 0.1) == tmp_path / "9.mp4"
     assert "unknown" in str(await index.find(8, 0.1))  # described, but never a clip
+
+
+@pytest.fixture(scope="module")
+def untimed_h265_camera(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An H.265 camera with no timing in its SPS stating no frame rate (no a=framerate):
+    FFmpeg knows no rate but its 90 kHz clock's (``guessed_rate`` 90000), and the first
+    packet it hands out has no timestamp."""
+    from tests.rtsp_camera import RtspCamera, camera_clip
+
+    clip = camera_clip(
+        tmp_path_factory.mktemp("untimed") / "h265.mp4",
+        "libx265",
+        frames=25,
+        options={"x265-params": "vui-timing-info=0:hrd=0:keyint=25:bframes=0:log-level=error"},
+    )
+    camera = RtspCamera({"cam": clip}, rate=False).start()
+    yield camera.url("cam")
+    camera.stop()
+
+
+@pytest.mark.rtsp
+@pytest.mark.parametrize(
+    ("arrival_s", "first_s"),
+    [(0.04, 0.04), (0.1, 0.1), (0.0, 0.04)],
+    ids=["arriving-at-25-fps", "arriving-at-10-fps", "arriving-at-once"],
+)
+def test_a_clip_beginning_untimed_takes_no_absurd_rate_for_its_first_frame(
+    tmp_path: Path, untimed_h265_camera: str, arrival_s: float, first_s: float
+) -> None:
+    """A clip that begins with its source's first packets (none timed but one) times the
+    untimed one a frame before the next: that frame's length came from ``average_rate or
+    guessed_rate``, for this camera 90000 fps, so the clip's first frame lasted one tick of
+    90 kHz (a player skips it). A rate outside 0.1-120 fps is now unknown: the frame lasts
+    one interval of the packets' arrival, or of 25 fps where they came at once."""
+    url = untimed_h265_camera
+    done = Done()
+    recorder = ClipRecorder("cam", ClipOptions(tmp_path, pre_s=0.0, post_s=60.0), done)
+    with av.open(url, options=open_options(parse_source(url, None)), timeout=(10, 10)) as camera:
+        stream = camera.streams.video[0]
+        assert stream.average_rate is None and stream.guessed_rate == 90000  # as described
+        for index, packet in enumerate(camera.demux(stream)):
+            if index == 0:
+                assert packet.pts is None  # as described
+            recorder.packet(packet, stream, BASE + index * arrival_s)
+            if index == 0:  # the clip begins at the next packet: the first two its own
+                recorder.request(BASE, 1)
+            if index == 30:
+                break
+        recorder.source_closed("the test is done")  # the clip ends there
+    assert done.calls == [(1, tmp_path / "1.mp4", None)], done.calls
+    frames = clip_frames(tmp_path / "1.mp4")
+    times = [f.time for f in frames]
+    assert times[0] == 0.0 and times[1] == pytest.approx(first_s, abs=0.002), times[:4]
+    assert [b - a for a, b in itertools.pairwise(times[1:])] == pytest.approx(
+        [0.04] * (len(times) - 2), abs=0.002
+    )
