@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fractions
 import http.server
+import itertools
 import os
 import socket
 import threading
@@ -21,6 +23,8 @@ from benchmarks.make_clip import make_clip
 from engines.pool import EnginePool
 from engines.types import ModelInfo
 from loadtest.server import free_port
+from streams.clips import CLIP_PATH, ClipOptions
+from streams.detect import StreamDetect
 from streams.events import EventFilter
 from streams.fanout import ProcessedFrame, Subscriber
 from streams.manager import ManagerOptions, StreamManager
@@ -28,7 +32,7 @@ from streams.reader import ReaderOptions, StreamState
 from streams.sources import Transport, rtsp_answer
 from streams.store import StreamStore
 from tests.helpers import VIDEOS, silent_camera, start_ort_pool
-from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
+from tests.rtsp_camera import BOTTLE, CAR, RtspCamera, camera_clip
 
 pytestmark = pytest.mark.rtsp
 
@@ -145,6 +149,93 @@ async def test_an_h265_camera_is_decoded_and_detected_as_an_h264_one(
     assert stats is not None
     assert stats["state"] == "live" and stats["keyframes_only"], stats
     assert stats["frames_decoded"] < stats["frames_in"], stats
+
+
+PLAIN_CAMERAS = {
+    # name: (frames a second, width x height)
+    "h264-no-rate": (12.5, (768, 432)),
+    "mjpeg": (25.0, (640, 360)),
+    "mjpeg-no-rate": (25.0, (640, 360)),
+}
+
+
+@pytest.fixture(scope="module")
+def plain_cameras(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Cameras as many real ones are, by name (:data:`PLAIN_CAMERAS`): one stating no frame
+    rate (no ``a=framerate``; the car clip's H.264, 12.5 fps), and an MJPEG one (RTP/JPEG,
+    2 s of the car clip at 25 fps, looped) stating its rate or not; the URL of each."""
+    if CAR is None:
+        pytest.fail(f"shared clips missing: {VIDEOS} (set STREAMDET_SHARED_DIR)")
+    mjpeg = camera_clip(tmp_path_factory.mktemp("mjpeg") / "car-mjpeg.mp4", "mjpeg", rate=25)
+    stating = RtspCamera({"mjpeg": mjpeg}).start()
+    silent = RtspCamera({"h264": CAR, "mjpeg": mjpeg}, rate=False).start()
+    yield {
+        "h264-no-rate": silent.url("h264"),
+        "mjpeg": stating.url("mjpeg"),
+        "mjpeg-no-rate": silent.url("mjpeg"),
+    }
+    stating.stop()
+    silent.stop()
+
+
+@pytest.mark.parametrize("camera_name", list(PLAIN_CAMERAS))
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-threads", "decode-processes"])
+async def test_a_camera_stating_no_rate_or_sending_mjpeg_is_live_at_its_rate_and_clipped(
+    pool: EnginePool,
+    plain_cameras: dict[str, str],
+    tmp_path: Path,
+    camera_name: str,
+    decode_processes: int,
+) -> None:
+    """A camera that states no frame rate, and an MJPEG one (which FFmpeg takes for 90000
+    fps, its RTP clock, where the SDP says nothing): each opens at its first try within a
+    2 s open timeout, is live, measures the camera's own rate from its frames, and records
+    an event's clip at that rate, every frame a frame interval long, lasting as long as it
+    was recorded."""
+    rate, size = PLAIN_CAMERAS[camera_name]
+    options = dataclasses.replace(
+        manager_options(decode_processes, open_timeout_s=2),
+        clips=ClipOptions(tmp_path / "clips", pre_s=1.0, post_s=1.0),
+    )
+    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await manager.start()
+    try:
+        info = await manager.add(
+            plain_cameras[camera_name], max_fps=5, detect=StreamDetect(clips=True)
+        )
+        sid = info["id"]
+        sub = manager.subscribe(sid)
+        assert sub is not None
+        frames = [await next_frame(sub, 10) for _ in range(10)]  # 2 s of the camera at 5 fps
+        assert all(f.image.shape[:2] == size[::-1] for f in frames)
+        stats = manager.describe(sid)
+        assert stats is not None
+        assert stats["state"] == "live" and stats["reconnects"] == 0, stats
+        assert stats["last_error"] is None, stats
+        assert (stats["width"], stats["height"]) == size, stats
+        assert 0.7 * rate <= stats["fps_in"] <= 1.3 * rate, stats
+        event = manager.trigger(sid, "doorbell", clip=True)
+        assert event is not None and manager.clips is not None
+        clip_id = int(event["id"])
+        assert event["clip"] == CLIP_PATH.format(id=clip_id), event
+        path = await manager.clips.find(clip_id, 10.0)
+        assert isinstance(path, Path), path
+        [listed] = await manager.clips.listing(sid, 10)
+    finally:
+        await manager.stop(10)
+    with av.open(str(path)) as clip:
+        stream = clip.streams.video[0]
+        times = [frame.time for frame in clip.decode(stream)]
+        assert stream.average_rate is not None
+        assert float(stream.average_rate) == pytest.approx(rate, rel=0.05), stream.average_rate
+    assert times[0] == 0.0 and len(times) > 1, times
+    steps = [b - a for a, b in itertools.pairwise(times)]
+    assert steps == pytest.approx([1 / rate] * len(steps), abs=0.002), steps
+    # From the keyframe at or before 1 s ahead of the event (MJPEG: every frame; the car
+    # clip: one every 4.8 s, the stream's first here) to 1 s after it.
+    seconds = len(times) / rate
+    assert 2.0 - 0.3 <= seconds <= 1 + 4.8 + 1 + 0.5, seconds
+    assert listed["duration_s"] == pytest.approx(seconds - 1 / rate, abs=0.5), (listed, seconds)
 
 
 def slow_clip(source: Path, out: Path, rate: fractions.Fraction, frames: int, gop: int) -> Path:
