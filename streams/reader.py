@@ -165,6 +165,90 @@ class RateMeter:
         return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
 
 
+OUTAGE_SUMMARY_S = 300.0
+"""While a source goes on failing with the same error, a summary this often (its retries
+are at DEBUG)."""
+
+
+class OutageLog:
+    """How a stream's failing source is logged, as Frigate and other daemons do: a WARNING at
+    its first failure and whenever the error says something else, the same error again at
+    DEBUG, a WARNING summary at most every ``summary_s`` (``still failing after N attempts
+    over M min: <error>``), and an INFO once frames come again (``reconnected after N
+    attempts, down M s``). A camera with a wrong password, retried every 30 s, wrote a
+    WARNING and an INFO at each retry: over 5,000 lines a weekend for one dead camera.
+
+    Args:
+        stream_id: named in each line.
+        summary_s: how often a summary is logged while the error stays the same.
+        clock: monotonic seconds (tests inject one).
+    """
+
+    def __init__(
+        self,
+        stream_id: str,
+        summary_s: float = OUTAGE_SUMMARY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stream_id = stream_id
+        self.summary_s = summary_s
+        self.clock = clock
+        self.failures = 0
+        """Failed attempts in a row (0: the source works, or has not failed yet)."""
+        self._since = 0.0
+        self._summarised = 0.0
+        self._error: str | None = None
+
+    @property
+    def failing(self) -> bool:
+        return self.failures > 0
+
+    def failed(self, source: str, error: str) -> None:
+        """An attempt failed: ``source`` (the URL, redacted) gave ``error``."""
+        now = self.clock()
+        self.failures += 1
+        sid = self.stream_id
+        if self.failures == 1:
+            self._since = self._summarised = now
+            log.warning("stream %s: %s: %s", sid, source, error)
+        elif error != self._error:
+            self._summarised = now
+            log.warning("stream %s: %s: %s (failed %d attempts)", sid, source, error, self.failures)
+        else:
+            log.debug("stream %s: %s: %s (failed %d attempts)", sid, source, error, self.failures)
+            if now - self._summarised >= self.summary_s:
+                self._summarised = now
+                log.warning(
+                    "stream %s: still failing after %d attempts over %.0f min: %s",
+                    sid,
+                    self.failures,
+                    (now - self._since) / 60,
+                    error,
+                )
+        self._error = error
+
+    def retrying(self, attempt: int, delay_s: float) -> None:
+        """The next attempt is in ``delay_s``: said at INFO for an outage's first, DEBUG
+        after."""
+        level = logging.INFO if self.failures <= 1 else logging.DEBUG
+        log.log(
+            level, "stream %s: reconnect attempt %d in %.2f s", self.stream_id, attempt, delay_s
+        )
+
+    def recovered(self) -> None:
+        """Frames came: the end of an outage (if there was one) is logged at INFO."""
+        if not self.failures:
+            return
+        log.info(
+            "stream %s: reconnected after %d attempts, down %.1f s",
+            self.stream_id,
+            self.failures,
+            self.clock() - self._since,
+        )
+        self.failures = 0
+        self._error = None
+
+
 class StreamReader:
     """The decode thread of one stream, and its state and counters.
 
@@ -232,6 +316,8 @@ class StreamReader:
         self._last_frame_mono: float | None = None
         self._fps_in = RateMeter()
         self._fps_out = RateMeter()
+        self.outage = OutageLog(config.id)
+        """How its source's failures are logged (its ``clock`` injectable in tests)."""
         self._pacer = FilePacer(options.file_fps)  # across a looped file's passes
         self._opened_at = 0.0  # when the source was last opened (monotonic)
         self._still = False  # it answers one picture an opening (a snapshot URL)
@@ -404,7 +490,7 @@ class StreamReader:
                 self._polling = False
                 error = redact_in(self._explain(exc), self.config.spec.url)
                 self._set_state(StreamState.RECONNECTING, error)
-                log.warning("stream %s: %s: %s", sid, redact(self.config.spec.url), error)
+                self.outage.failed(redact(self.config.spec.url), error)
             else:
                 if self._stop.is_set():
                     break
@@ -424,6 +510,8 @@ class StreamReader:
                     self._set_state(StreamState.STOPPED, FILE_ENDED)
                     return
                 self._set_state(StreamState.RECONNECTING, "source ended")
+                if not got_frames:  # opened, but no frame: a failure as any other
+                    self.outage.failed(redact(self.config.spec.url), "source ended")
             attempt = 1 if got_frames else attempt + 1
             if self._opt.max_attempts and attempt > self._opt.max_attempts:
                 self._set_state(
@@ -436,7 +524,7 @@ class StreamReader:
             delay = backoff_delay(
                 attempt, self._opt.backoff_initial_s, self._opt.backoff_max_s, self._rng
             )
-            log.info("stream %s: reconnect attempt %d in %.2f s", sid, attempt, delay)
+            self.outage.retrying(attempt, delay)
             if self._stop.wait(delay):
                 break
             with self._lock:
@@ -562,6 +650,7 @@ class StreamReader:
                 if not self._got_frames:
                     self._got_frames = True
                     self._set_state(StreamState.LIVE)
+                    self.outage.recovered()
                 pts = frame.time
                 if paced:  # a file: played like the camera it stands for (streams.pacing)
                     wait = self._pacer.due(pts, now, interval) - now

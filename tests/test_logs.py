@@ -4,17 +4,25 @@ a password in a URL), a request id on each request's lines, one format for every
 from __future__ import annotations
 
 import http.server
+import itertools
+import logging
 import re
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import av
+import cv2
 import httpx
 import pytest
 
 from loadtest.server import ServerProcess, free_port
 from server.cli import main
+from streams.decode_procs import DecodeHub
+from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+from streams.sources import parse_source
 from tests.helpers import CAR_CLIP, MODEL_PT, clip_server
 
 KEY = "LogsKey4711full"
@@ -158,3 +166,147 @@ def test_a_secret_given_as_a_flag_is_warned_of_naming_the_variable(
     warned = [r.getMessage() for r in caplog.records if "--api-keys" in r.getMessage()]
     assert len(warned) == 1 and "STREAMDET_API_KEYS" in warned[0], warned
     assert KEY not in caplog.text
+
+
+class SnapshotCamera:
+    """A camera's snapshot URL on 127.0.0.1: ``GET /snapshot`` answers ``status`` (a JPEG at
+    200, else that error)."""
+
+    def __init__(self, jpeg: bytes) -> None:
+        camera = self
+        self.jpeg, self.status = jpeg, 404
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if camera.status != 200:
+                    self.send_error(camera.status)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/jpeg")
+                self.send_header("Content-Length", str(len(camera.jpeg)))
+                self.end_headers()
+                self.wfile.write(camera.jpeg)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/snapshot"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def camera() -> Iterator[SnapshotCamera]:
+    with av.open(str(CAR_CLIP)) as clip:
+        frame = next(clip.decode(video=0)).to_ndarray(format="bgr24")
+    ok, jpeg = cv2.imencode(".jpg", frame)
+    assert ok
+    cam = SnapshotCamera(jpeg.tobytes())
+    yield cam
+    cam.close()
+
+
+FAST = ReaderOptions(open_timeout_s=5, read_timeout_s=5, backoff_initial_s=0.01, backoff_max_s=0.02)
+"""Retries every 10-20 ms: a weekend of a dead camera's retries in seconds."""
+
+
+def _until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _reader_lines(
+    mode: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> list[str]:
+    """``LEVEL message`` of each line ``streams.reader`` logged: here (caplog), or in the
+    decode process (its stderr, which it shares with the tests)."""
+    if mode == "decode-thread":
+        return [
+            f"{r.levelname} {r.getMessage()}" for r in caplog.records if r.name == "streams.reader"
+        ]
+    found = re.findall(r" (\w+) \[decode \d+\] streams\.reader: (.*)", capfd.readouterr().err)
+    return [f"{level} {message}" for level, message in found]
+
+
+@pytest.mark.parametrize("mode", ["decode-thread", "decode-process"])
+def test_a_failing_camera_warns_once_per_error_and_says_when_it_is_back(
+    mode: str,
+    camera: SnapshotCamera,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A camera that kept failing (a wrong password, a snapshot URL answering 404) logged a
+    WARNING and a "reconnect attempt" INFO at every retry: a weekend's flood for one dead
+    camera. Now a WARNING at its first failure and when the error changes, an INFO when it
+    is back; ``reconnects`` and ``last_error`` count and say as before."""
+    caplog.set_level(logging.INFO)  # before the decode process starts: it takes the level
+    config = StreamConfig("door", parse_source(camera.url, None), max_fps=2.0)
+    hub = DecodeHub(1, FAST, 8) if mode == "decode-process" else None
+    if hub is not None:
+        reader: StreamReader = hub.reader(config, lambda sid, item: None, lambda frame: None)
+    else:
+        reader = StreamReader(config, FAST, lambda sid, item: None, lambda frame: None)
+    reader.start()
+    try:
+        _until(lambda: reader.snapshot()["reconnects"] >= 6, "the 404s were not retried")
+        camera.status = 401
+        _until(lambda: "401" in (reader.snapshot()["last_error"] or ""), "no 401 said")
+        now = reader.snapshot()["reconnects"]
+        _until(lambda: reader.snapshot()["reconnects"] >= now + 3, "the 401s were not retried")
+        failed = reader.snapshot()
+        camera.status = 200
+        assert reader.wait_state({StreamState.LIVE}, 30), reader.snapshot()
+        time.sleep(0.5)  # the decode process's last lines reach its stderr
+    finally:
+        reader.stop()
+        assert reader.join(10)
+        if hub is not None:
+            hub.shutdown(10)
+    assert failed["state"] == "reconnecting" and "401" in failed["last_error"], failed
+    lines = _reader_lines(mode, caplog, capfd)
+    warnings = [line for line in lines if line.startswith("WARNING stream door:")]
+    assert len(warnings) == 2, lines  # the 404, then the 401
+    assert "404" in warnings[0] and "401" in warnings[1] and "failed" in warnings[1], warnings
+    retries = [line for line in lines if "reconnect attempt" in line]
+    assert len(retries) == 1, lines  # the outage's first; the others at DEBUG
+    assert re.fullmatch(r"INFO stream door: reconnect attempt 1 in [\d.]+ s", retries[0]), lines
+    back = [line for line in lines if "reconnected after" in line]
+    assert len(back) == 1 and back[0].startswith("INFO stream door: reconnected after"), lines
+    attempts = int(re.findall(r"after (\d+) attempts", back[0])[0])
+    assert attempts >= failed["reconnects"] >= 9, (back, failed)
+
+
+def test_a_camera_failing_for_long_is_summed_up_every_five_minutes(
+    camera: SnapshotCamera, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its repeats at DEBUG, a WARNING ``still failing after N attempts over M min`` at most
+    every 5 minutes says it is still down (a clock injected: 100 s pass at each failure)."""
+    caplog.set_level(logging.INFO)
+    reader = StreamReader(
+        StreamConfig("door", parse_source(camera.url, None)),
+        FAST,
+        lambda sid, item: None,
+        lambda frame: None,
+    )
+    ticks = itertools.count(100, 100)
+    reader.outage.clock = lambda: float(next(ticks))
+    reader.start()
+    try:
+        _until(lambda: reader.outage.failures >= 10, "the 404s were not retried")
+    finally:
+        reader.stop()
+        assert reader.join(10)
+    failures = reader.outage.failures
+    lines = [r.getMessage() for r in caplog.records if r.name == "streams.reader"]
+    summaries = [line for line in lines if "still failing" in line]
+    # Failures at 100, 200, ... s: the first warned, each third one after summed up.
+    assert len(summaries) == (failures - 1) // 3, lines
+    assert summaries[0].startswith("stream door: still failing after 4 attempts over 5 min: ")
+    assert "404" in summaries[0], summaries
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1 + len(summaries)
