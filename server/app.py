@@ -41,7 +41,7 @@ from server.routes import (
     ws,
 )
 from server.routes import webhooks as webhooks_routes
-from server.routes.bodies import JsonBodyLimit
+from server.routes.bodies import DrainUnreadBody, JsonBodyLimit
 from server.routes.webhooks import make_sender
 from server.runtime import build_pool
 from server.settings import Settings
@@ -302,6 +302,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.add_middleware(JsonBodyLimit)  # inside the key check: a stranger gets 401 first
     app.add_middleware(ApiKeyMiddleware, keys=app.state.api_keys)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(DrainUnreadBody)  # outside all that may answer before a body is read
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

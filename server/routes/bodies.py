@@ -9,6 +9,7 @@ digits (CPython's int/str limit). Each was a 500 where a route read JSON itself,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -97,3 +98,78 @@ class JsonBodyLimit:
             return message
 
         await self.app(scope, capped, send)
+
+
+DRAIN_MAX_BYTES = 64 << 20
+"""At most this much of a body left unread by its answer is read and dropped before the
+connection closes (nginx's lingering close reads for up to 30 s; Go's server 256 kB)."""
+DRAIN_MAX_S = 30.0
+"""... for at most this long."""
+DRAIN_IDLE_S = 5.0
+"""... stopping once the sender pauses this long."""
+
+
+def declares_body(scope: MutableMapping[str, Any]) -> bool:
+    """Whether the request says a body follows (a length over 0, or a transfer encoding)."""
+    headers = dict(scope.get("headers") or [])
+    length = headers.get(b"content-length", b"")
+    return (length.isdigit() and int(length) > 0) or b"transfer-encoding" in headers
+
+
+class DrainUnreadBody:
+    """ASGI middleware: an answer given before its request's body was read whole (a 413 from
+    the declared length, a 401, a refusal part way through an upload) is sent, then the rest
+    of the body is read and dropped (``DRAIN_MAX_BYTES``, ``DRAIN_MAX_S``, ``DRAIN_IDLE_S``)
+    before the answer ends, as nginx's lingering close does.
+
+    uvicorn closed such a connection (``Connection: close``, which README's nginx sends) with
+    the body's rest unread: the kernel answers unread data with a reset, and a proxy still
+    sending the body (nginx with ``proxy_request_buffering off``) got the reset in place of
+    the answer and told its client 502. A client that sends ``Expect: 100-continue`` and has
+    sent nothing is not waited for: it sends no body after a final answer.
+    """
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not declares_body(scope):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        waits_for_continue = headers.get(b"expect", b"").lower() == b"100-continue"
+        started = ended = False
+
+        async def tracked() -> MutableMapping[str, Any]:
+            nonlocal started, ended
+            message = await receive()
+            started = True
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                ended = True
+            return message
+
+        async def answering(message: MutableMapping[str, Any]) -> None:
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if not last or ended or (waits_for_continue and not started):
+                await send(message)
+                return
+            await send({**message, "more_body": True})  # the answer whole, then the drain
+            await self._drain(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.app(scope, tracked, answering)
+
+    @staticmethod
+    async def _drain(receive: Receive) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + DRAIN_MAX_S
+        dropped = 0
+        while dropped <= DRAIN_MAX_BYTES and (left := until - loop.time()) > 0:
+            try:
+                async with asyncio.timeout(min(DRAIN_IDLE_S, left)):
+                    message = await receive()
+            except TimeoutError:
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            dropped += len(message.get("body", b""))
