@@ -10,10 +10,12 @@ one whose batch is fixed at that batch, every batch padded up to it. Built engin
 on disk under a key of everything that makes a plan invalid: ONNX hash, TensorRT version,
 GPU, precision, batch range and input sizes.
 
-Each worker owns one execution context. Inputs and outputs are torch tensors whose addresses
-are bound with ``set_tensor_address``; ``execute_async_v3`` runs on the worker's CUDA stream
-(it releases the GIL), and the device layer captures it in a CUDA graph per batch bucket.
-NMS stays outside the engine so its outputs have fixed shapes.
+The workers of a process running one plan on one device share its deserialized engine (one
+copy of the weights on the GPU) and each own one execution context made from it. Inputs and
+outputs are torch tensors whose addresses are bound with ``set_tensor_address``;
+``execute_async_v3`` runs on the worker's CUDA stream (it releases the GIL), and the device
+layer captures it in a CUDA graph per batch bucket. NMS stays outside the engine so its
+outputs have fixed shapes.
 """
 
 from __future__ import annotations
@@ -239,6 +241,61 @@ def _build_lock(path: Path) -> threading.Lock:
         return _BUILD_LOCKS.setdefault(path.resolve(), threading.Lock())
 
 
+class LoadedPlan:
+    """A deserialized engine and its runtime, shared by the workers of this process that run
+    the same plan on the same device: each makes its own execution context from it. One copy
+    of the weights on the GPU, and one deserialization, rather than one a worker (a pool of 4
+    workers held 4); it is freed with the last forward that keeps it.
+
+    TensorRT 10 and 11 let contexts share the engine's optimization profile (8.6 needed the
+    ``PROFILE_SHARING_0806`` preview flag, on by default since 10.0); each context still runs
+    on its own worker's thread and stream alone.
+    """
+
+    def __init__(self, runtime: Any, engine: Any) -> None:
+        self.runtime = runtime
+        self.engine = engine
+        self._lock = threading.Lock()
+
+    def new_context(self) -> Any:
+        """A new execution context (None where its memory could not be allocated), made one
+        at a time."""
+        with self._lock:
+            return self.engine.create_execution_context()
+
+
+_LOADED: weakref.WeakValueDictionary[tuple[str, str, int], LoadedPlan] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def load_plan(trt: Any, plan: Path, device: torch.device) -> LoadedPlan:
+    """The engine in ``plan`` on ``device``: deserialized by the first worker to ask, shared
+    with the others while any keeps it (a plan written anew since is loaded anew).
+
+    Raises:
+        EngineError: TensorRT cannot deserialize it (another version, another GPU, damaged).
+    """
+    key = (str(plan.resolve()), str(device), plan.stat().st_mtime_ns)
+    with _build_lock(plan):
+        loaded = _LOADED.get(key)
+        if loaded is not None:
+            log.info("tensorrt engine %s: shared with a worker that loaded it", plan)
+            return loaded
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        engine = runtime.deserialize_cuda_engine(plan.read_bytes())
+        if engine is None:
+            raise EngineError(
+                f"TensorRT {trt.__version__} cannot load {plan} (see its log above: built by"
+                f" another TensorRT version or for another GPU than {gpu_identity(device)},"
+                " or damaged); delete it and it is rebuilt at the next start"
+                " (or by streamdet export --format engine)"
+            )
+        loaded = LoadedPlan(runtime, engine)
+        _LOADED[key] = loaded
+        return loaded
+
+
 # TensorRT's I/O types and torch's of the same size; FP8/INT4/FP4 never are an engine's I/O here.
 _TORCH_DTYPES = {
     "FLOAT": torch.float32,
@@ -376,16 +433,9 @@ class TrtEngine(GpuDetector):
         info = self._config.model
         self._shapes = model_profile(info, self.max_batch, self.input_size)
         plan = ensure_engine(self._config, device, trt)
-        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        engine = runtime.deserialize_cuda_engine(plan.read_bytes())
-        if engine is None:
-            raise EngineError(
-                f"TensorRT {trt.__version__} cannot load {plan} (see its log above: built by"
-                f" another TensorRT version or for another GPU than {gpu_identity(device)},"
-                " or damaged); delete it and it is rebuilt at the next start"
-                " (or by streamdet export --format engine)"
-            )
-        context = engine.create_execution_context()
+        loaded = load_plan(trt, plan, device)
+        engine = loaded.engine
+        context = loaded.new_context()
         if context is None:  # its activation memory could not be allocated (TensorRT logs it)
             free, total = torch.cuda.mem_get_info(device)
             raise EngineError(
@@ -417,7 +467,7 @@ class TrtEngine(GpuDetector):
             out_dtype,
             device,
             stream=lambda: torch.cuda.current_stream(device).cuda_stream,
-            keep=(engine, runtime, aux),
+            keep=(loaded, aux),
             profile=self._shapes,
         )
         log.info("tensorrt engine: %s on %s (%s in, %s out)", plan, device, in_dtype, out_dtype)

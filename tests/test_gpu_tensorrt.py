@@ -493,3 +493,81 @@ def test_an_engine_that_cannot_run_here_says_why(
     else:
         assert "out of GPU memory? 300 MiB free of 144384 MiB" in message
         assert "--workers" in message
+
+
+class _ServingEngine:
+    """A deserialized YOLOv8n engine: one image input, one output, each context its own."""
+
+    num_aux_streams = 0
+    num_io_tensors = 2
+
+    def __init__(self) -> None:
+        self.contexts: list[_FakeContext] = []
+
+    def create_execution_context(self) -> _FakeContext:
+        self.contexts.append(_FakeContext())
+        return self.contexts[-1]
+
+    def get_tensor_name(self, index: int) -> str:
+        return ("images", "output0")[index]
+
+    def get_tensor_mode(self, name: str) -> str:
+        return "INPUT" if name == "images" else "OUTPUT"
+
+    def get_tensor_dtype(self, name: str) -> str:
+        return "DataType.HALF"
+
+
+def test_workers_share_one_deserialized_engine_each_with_its_own_context(
+    model_info: ModelInfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker deserialized the plan itself: a pool of N workers held N copies of the
+    weights on the GPU. Now the first loads it, the others make their contexts from it, and
+    it is freed with the last; a plan written anew (rebuilt) is loaded anew."""
+    import gc
+    import os
+    import threading
+
+    import engines.tensorrt as trt_mod
+
+    plan = tmp_path / "engines" / "m.engine"
+    plan.parent.mkdir()
+    plan.write_bytes(b"plan")
+    loads: list[_ServingEngine] = []
+
+    def deserialize(self: object, data: bytes) -> _ServingEngine:
+        loads.append(_ServingEngine())
+        return loads[-1]
+
+    trt = _serving_trt(None)
+    trt.Runtime.deserialize_cuda_engine = deserialize
+    trt.TensorIOMode = type("TensorIOMode", (), {"INPUT": "INPUT"})
+    trt.DataType = _data_types()
+    monkeypatch.setattr(trt_mod, "import_tensorrt", lambda: trt)
+    monkeypatch.setattr(trt_mod, "ensure_engine", lambda config, device, trt: plan)
+    config = EngineConfig(model=model_info, imgsz=640, max_batch=8, threads=1)
+    device = torch.device("cuda", 0)
+    forwards: list[Any] = []
+
+    def open_one() -> None:
+        forwards.append(TrtEngine(config)._open(device)[0])
+
+    workers = [threading.Thread(target=open_one) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert len(forwards) == 4 and len(loads) == 1  # one copy for the pool
+    engine = loads[0]
+    assert len(engine.contexts) == 4 and len({id(c) for c in engine.contexts}) == 4
+    assert {id(f._context) for f in forwards} == {id(c) for c in engine.contexts}
+    assert trt_mod.load_plan(trt, plan, torch.device("cuda", 1)).engine is not engine
+    assert len(loads) == 2  # another GPU: its own copy
+    forwards.clear()
+    gc.collect()
+    open_one()  # the last one gone, the engine went with it: loaded again
+    assert len(loads) == 3 and forwards[0]._context in loads[2].contexts
+    plan.write_bytes(b"rebuilt")
+    os.utime(plan, ns=(1, 1))
+    open_one()
+    assert len(loads) == 4  # the plan on disk changed: not the one in memory
