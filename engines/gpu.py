@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -535,6 +536,8 @@ def _cap_candidates(
 # ---- captured forward passes ---------------------------------------------------------------------
 Forward = Callable[[torch.Tensor], torch.Tensor]
 _CAPTURE_LOCK = threading.Lock()
+CAPTURE_RETRY_S = 60.0
+"""A bucket whose graph capture ran out of GPU memory is captured again after this long."""
 
 
 class BucketRunner:
@@ -583,7 +586,7 @@ class BucketRunner:
         if slot.graph is not None and slot.output is not None:
             slot.graph.replay()
             return slot.output
-        if not self._use_graphs:
+        if not self._use_graphs or time.monotonic() < slot.retry_at:
             return self._forward(slot.inputs)
         return self._capture(slot, bucket, shape)
 
@@ -614,7 +617,21 @@ class BucketRunner:
                 torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"),
             ):
                 slot.output = self._forward(slot.inputs)
-        except RuntimeError as exc:  # an uncapturable op: run eagerly from now on
+        except torch.cuda.OutOfMemoryError as exc:
+            # The GPU was full at that moment (other workers' buckets, another process): this
+            # bucket runs eagerly and is captured again later; the others keep their graphs.
+            # (Any failure turned graphs off for every bucket of the worker for good.)
+            slot.retry_at, slot.output = time.monotonic() + CAPTURE_RETRY_S, None
+            log.warning(
+                "CUDA graph capture for batch %d at %dx%d ran out of GPU memory (%s); running"
+                " it eagerly, captured again in %.0f s",
+                bucket,
+                *shape,
+                str(exc).splitlines()[0],
+                CAPTURE_RETRY_S,
+            )
+            return out
+        except RuntimeError as exc:  # an op of the model's that cannot be captured: never will
             log.warning("CUDA graph capture failed (%s); running batch %d eagerly", exc, bucket)
             self._use_graphs = False
             return out
@@ -625,12 +642,14 @@ class BucketRunner:
 
 
 class _Slot:
-    __slots__ = ("graph", "inputs", "output")
+    __slots__ = ("graph", "inputs", "output", "retry_at")
 
     def __init__(self, inputs: torch.Tensor) -> None:
         self.inputs = inputs
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
+        self.retry_at = 0.0
+        """Monotonic time before which it runs eagerly (its capture ran out of memory)."""
 
 
 # ---- the Engine protocol on top of the layer ----------------------------------------------------

@@ -393,3 +393,75 @@ def test_a_fixed_batch_graph_gets_every_batch_padded_to_it(
     for a, b in zip(got, want, strict=True):
         assert a.class_ids.tolist() == b.class_ids.tolist()
         np.testing.assert_allclose(a.boxes, b.boxes, atol=0.05)
+
+
+class _Graph:
+    """``torch.cuda.CUDAGraph``'s part the runner uses: its replays are counted (the output
+    captured stays valid, the inputs unchanged)."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_a_capture_out_of_memory_retries_that_bucket_later_and_spares_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capture that ran out of GPU memory (other buckets, another process) turned graphs off
+    for every bucket of the worker for good. Now that bucket runs eagerly and is captured
+    again after ``CAPTURE_RETRY_S``; only an op that cannot be captured turns graphs off.
+    (Stand-ins for the CUDA graph and its capture; a real capture is in the device check.)"""
+    import contextlib
+    import types
+
+    import engines.gpu as gpu
+
+    now = [1000.0]
+    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    failing: list[BaseException] = []
+    captures: list[_Graph] = []
+    capturing = [False]
+
+    @contextlib.contextmanager
+    def graph(g: _Graph, stream: object, capture_error_mode: str) -> Iterator[None]:
+        captures.append(g)
+        capturing[0] = True
+        try:
+            yield
+            if failing:
+                raise failing.pop()
+        finally:
+            capturing[0] = False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    eager: list[tuple[int, ...]] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not capturing[0]:
+            eager.append(tuple(x.shape))
+        return x.sum(dim=(2, 3))
+
+    ws = DeviceWorkspace(CPU)
+    ws.cuda, ws.stream = True, object()  # type: ignore[assignment]
+    runner = BucketRunner(forward, ws, torch.float32)
+    runner.input_for(1, (32, 32)).fill_(1.0)
+    runner.run(1, (32, 32))
+    assert runner.captured == 1
+    failing.append(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    runner.input_for(8, (32, 32)).fill_(2.0)
+    assert torch.all(runner.run(8, (32, 32)) == 2 * 32 * 32)  # the eager pass's answer
+    assert runner.captured == 1  # batch 8 not captured, batch 1 kept
+    eager.clear()
+    runner.run(8, (32, 32))
+    assert eager == [(8, 3, 32, 32)] and len(captures) == 2  # eagerly until the retry
+    now[0] += gpu.CAPTURE_RETRY_S
+    assert torch.all(runner.run(8, (32, 32)) == 2 * 32 * 32)
+    assert runner.captured == 2  # captured again once the retry came
+    failing.append(RuntimeError("operation not permitted when stream is capturing"))
+    runner.run(4, (32, 32))
+    runner.run(2, (32, 32))
+    assert runner.captured == 2  # an uncapturable op: no capture is tried again
+    assert len(captures) == 4
