@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Annotated
@@ -57,6 +55,7 @@ from starlette.datastructures import Headers
 
 from engines.pool import EnginePool
 from server.metrics import Metrics, get_metrics
+from server.request_ids import request_id
 from server.settings import Settings
 from server.state import get_state
 
@@ -616,31 +615,16 @@ class Ticket:
         return {"Retry-After": str(c.retry_after_s(c.estimate()))}
 
 
-MAX_REQUEST_ID = 64
-"""Characters of a client's ``X-Request-ID`` kept (a UUID is 36, a W3C trace parent 55)."""
-_NOT_ID = re.compile(r"[^A-Za-z0-9._:-]")
-
-
-def client_request_id(sent: str | None) -> str:
-    """The id a call's log lines carry: the client's ``X-Request-ID`` (gRPC: its
-    ``x-request-id`` metadata), any character outside ``A-Za-z0-9._:-`` as ``_`` and at
-    most :data:`MAX_REQUEST_ID` of them; 12 random hex digits where it sent none. It went
-    into the log as sent, of any length (a 300-character id, spaces and quotes that forge a
-    line's fields, in each line of the call)."""
-    kept = _NOT_ID.sub("_", (sent or "").strip()[:MAX_REQUEST_ID])
-    return kept or uuid.uuid4().hex[:12]
-
-
 async def admit(request: Request) -> AsyncIterator[Ticket]:
     """FastAPI dependency: admit the call (or answer 429/503) and release it afterwards."""
     state = get_state(request)
     controller: AdmissionController | None = getattr(request.app.state, "admission", None)
-    request_id = client_request_id(request.headers.get("x-request-id"))
+    rid = request_id(request.headers.get("x-request-id"))
     if controller is None or not state.ready:
         get_metrics(request).refuse_unready(state.shutting_down)
         raise HTTPException(503, "model not loaded yet", headers={"Retry-After": "1"})
     # Its body is still to come: it counts as decoding once the route has read it.
-    ticket = controller.admit(time.monotonic(), request.headers, request_id, body_read=False)
+    ticket = controller.admit(time.monotonic(), request.headers, rid, body_read=False)
     try:
         yield ticket
     finally:

@@ -27,6 +27,7 @@ from server.jobs import JobManager
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
 from server.mqtt_discovery import Discovery
+from server.request_ids import RequestIdFilter, RequestIdMiddleware
 from server.retention import DAY_S, keep_for
 from server.routes import (
     detect,
@@ -102,10 +103,12 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # After uvicorn has set its logging up: keys given as ?access_token= are masked in
         # its request lines (and its WebSocket ones, which it logs as errors' logger does).
+        # And each line said while a request is served begins with its id, as ours do.
         for name in ("uvicorn.access", "uvicorn.error"):
             logger = logging.getLogger(name)
-            if not any(isinstance(f, TokenFilter) for f in logger.filters):
-                logger.addFilter(TokenFilter())
+            for kind in (TokenFilter, RequestIdFilter):
+                if not any(isinstance(f, kind) for f in logger.filters):
+                    logger.addFilter(kind())
         engine_pool = pool if pool is not None else await asyncio.to_thread(build_pool, settings)
         executor = ThreadPoolExecutor(settings.decode_threads, thread_name_prefix="decode")
         state = AppState(settings=settings, pool=engine_pool, decode_executor=executor)
@@ -337,6 +340,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
                 "Inference-Header-Content-Length",
             ],
         )
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer and line carries it
     app.include_router(viewer.router)
     # Before /static, whose mount would take /static/docs/... too.
     app.mount(viewer.DOCS_STATIC_PATH, viewer.docs_files(), name="docs-static")

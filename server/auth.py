@@ -56,7 +56,7 @@ from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from server.admission import client_request_id
+from server.request_ids import request_id
 from server.routes.errors import is_v2_path
 from server.routes.paths import app_path
 
@@ -379,10 +379,10 @@ class ApiKeyMiddleware:
         if failure is None:
             await self.app(scope, receive, send)
             return
-        request_id = client_request_id(conn.headers.get("x-request-id"))
+        rid = request_id(conn.headers.get("x-request-id"))
         log.info(
             "request %s: %s %s refused with %d: %s",
-            request_id,
+            rid,
             scope.get("method", "WEBSOCKET"),
             sent_path(scope),
             failure.status,
@@ -394,7 +394,7 @@ class ApiKeyMiddleware:
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", request_id.encode()),  # the one its log line carries
+            (b"x-request-id", rid.encode()),  # the one its log line carries
         ]
         headers += [(k.lower().encode(), v.encode()) for k, v in failure.headers.items()]
         if scope["type"] == "http":

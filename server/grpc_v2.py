@@ -31,8 +31,9 @@ import numpy as np
 from fastapi import FastAPI, HTTPException
 from starlette.datastructures import Headers
 
-from server.admission import DEADLINE_HEADER, AdmissionController, client_request_id
+from server.admission import DEADLINE_HEADER, AdmissionController
 from server.auth import Access, ApiKeys, bearer_token
+from server.request_ids import client_request_id
 from server.routes.v2_model import (
     EXTENSIONS,
     NP_TYPES,

@@ -86,6 +86,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServerProcess, Pat
                     content=b"not an image",
                 ),
                 "no_key": client.get("/streams"),
+                "health": client.get("/healthz"),
             }.items():
                 (tmp / f"{name}.txt").write_text(
                     f"{call.status_code}\n{call.headers.get('x-request-id', '')}\n{call.text}"
@@ -141,6 +142,28 @@ def test_a_clients_request_id_is_bounded_and_cleaned_and_a_refusal_gets_one(
     assert status == "401" and re.fullmatch(r"[0-9a-f]{12}", refused_id), refused_id
     assert f"request {refused_id}: GET /streams refused with 401" in text
     assert "request -:" not in text
+
+
+def test_uvicorns_request_lines_carry_the_request_id_sent_back(
+    served: tuple[ServerProcess, Path],
+) -> None:
+    """uvicorn's request line had no id, so a call's own lines (``request <id>: rejected
+    image``) could not be matched with it; every answer now says its id (made where the
+    client sent none), which that call's lines all carry."""
+    server, tmp = served
+    text = server.log_text()
+    for name, client_id in (("bad_image", "forged_id__level_ERROR__" + "z" * 40), ("health", None)):
+        status, rid, _ = (tmp / f"{name}.txt").read_text().split("\n", 2)
+        if client_id is None:
+            assert re.fullmatch(r"[0-9a-f]{12}", rid), rid
+        else:
+            assert rid == client_id
+        path = "/detect" if name == "bad_image" else "/healthz"
+        access = [line for line in text.splitlines() if f" {path} HTTP/1.1" in line]
+        line = re.compile(rf"uvicorn\.access: request {rid}: 127\.0\.0\.1:\d+ - \"\w+ {path} ")
+        assert any(line.search(a) for a in access), (rid, access)
+    _, refused_id, _ = (tmp / "no_key.txt").read_text().split("\n", 2)
+    assert f"request {refused_id}: 127.0.0.1" in text  # its refusal's line and its request line
 
 
 def test_uvicorns_lines_have_the_servers_format(served: tuple[ServerProcess, Path]) -> None:
