@@ -42,7 +42,7 @@ from server.routes import (
     ws,
 )
 from server.routes import webhooks as webhooks_routes
-from server.routes.bodies import DrainUnreadBody, JsonBodyLimit
+from server.routes.bodies import JsonBodyLimit, RequestBody
 from server.routes.webhooks import make_sender
 from server.runtime import build_pool
 from server.settings import Settings
@@ -306,7 +306,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.add_middleware(ApiKeyMiddleware, keys=app.state.api_keys)
     # Outside all that may answer before a body is read, inside the metrics: a refusal's time
     # is its answer's, not the drain's.
-    app.add_middleware(DrainUnreadBody)
+    app.add_middleware(RequestBody, idle_s=settings.body_timeout_s)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     if settings.cors_origins:
         app.add_middleware(

@@ -215,6 +215,14 @@ class Settings(BaseSettings):
         " and clients' pools (httpx 5 s), so no request is sent on a connection the server"
         " is closing (uvicorn's own 5 s meets httpx's 5 s: a reset now and then)",
     )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="seconds a request's body may send nothing while the server reads it"
+        " (nginx's client_body_timeout): past it the call is answered 408 and its connection"
+        " closed (a client trickling a body held its call and connection for ever)",
+    )
     head_timeout_s: float = Field(
         20.0,
         gt=0,

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -153,6 +155,18 @@ def _answer_to(port: int, head: bytes, rest: int = 0) -> bytes:
         return answer
 
 
+def _one_answer(sock: socket.socket) -> bytes:
+    """One whole answer of known length (its head and body may come in segments apart)."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += sock.recv(65536)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
 def test_a_request_head_over_64_kb_is_refused_431_by_the_real_server(tmp_path: Path) -> None:
     """uvicorn's httptools protocol took a head of any size, on the event loop: a header of
     400 MB took 285 s and 500 MB of memory, and was answered 200."""
@@ -202,7 +216,7 @@ def test_a_head_sent_slowly_is_answered_408_and_its_connection_closed(tmp_path: 
         with socket.create_connection(("127.0.0.1", server.port), timeout=60) as kept:
             for _ in range(2):
                 kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+                assert _one_answer(kept).startswith(b"HTTP/1.1 200")
                 kept.settimeout(3)  # past the head's 2 s: still open
                 with pytest.raises(TimeoutError):
                     kept.recv(4096)
@@ -304,3 +318,35 @@ def test_a_body_refused_before_it_is_read_is_read_to_its_end_before_the_close(
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 413") and b"100 Continue" not in answer
         assert httpx.get(f"{server.base_url}/readyz").status_code == 200
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    answer = b""
+    with contextlib.suppress(TimeoutError):
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_body_sent_slowly_is_answered_408_and_one_sent_steadily_is_read(
+    tmp_path: Path,
+) -> None:
+    """A body had no deadline: a client that sent a byte now and then held its call (an
+    admission slot on /detect) and connection for ever. Past ``--body-timeout-s`` without a
+    byte it is answered 408 naming the setting and closed; a body that keeps coming is read."""
+    with clip_server(tmp_path, body_timeout_s=2) as server:
+        for path, kind in (("/detect", b"image/jpeg"), ("/streams", b"application/json")):
+            head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: %s\r\nContent-Length: 1000\r\n"
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(head % (path.encode(), kind) + b"\r\n" + b"x" * 10)
+                answer = _read_to_close(sock)  # closed by the server: no timeout here
+            assert answer.startswith(b"HTTP/1.1 408"), (path, answer[:300])
+            assert b"sent nothing for 2 s (setting STREAMDET_BODY_TIMEOUT_S)" in answer
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /detect HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n")
+            for _ in range(3):  # 3 s in all, never 2 s without a byte
+                time.sleep(1)
+                sock.sendall(b"x" * 10)
+            answer = _one_answer(sock)
+        assert answer.startswith(b"HTTP/1.1 400") and b"not a decodable image" in answer, answer
+        assert "POST /detect: the body sent nothing for 2 s; answered 408" in server.log_text()

@@ -160,7 +160,9 @@ def test_uvicorns_request_lines_carry_the_request_id_sent_back(
             assert rid == client_id
         path = "/detect" if name == "bad_image" else "/healthz"
         access = [line for line in text.splitlines() if f" {path} HTTP/1.1" in line]
-        line = re.compile(rf"uvicorn\.access: request {rid}: 127\.0\.0\.1:\d+ - \"\w+ {path} ")
+        line = re.compile(
+            rf"uvicorn\.access: request {rid}: 127\.0\.0\.1:\d+ - \"\w+ {path} HTTP/1\.1\" {status}"
+        )
         assert any(line.search(a) for a in access), (rid, access)
     _, refused_id, _ = (tmp / "no_key.txt").read_text().split("\n", 2)
     assert f"request {refused_id}: 127.0.0.1" in text  # its refusal's line and its request line

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -18,10 +19,13 @@ from typing import Any
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
+from server.request_ids import REQUEST_ID
 from server.routes.paths import app_path
 
 # What json.loads raises for a body it cannot read (JSONDecodeError and UnicodeDecodeError are
 # ValueErrors).
+log = logging.getLogger(__name__)
+
 UNREADABLE = (ValueError, RecursionError)
 
 # FastAPI's answer to a model's body that json.loads raised anything but JSONDecodeError on.
@@ -116,21 +120,33 @@ def declares_body(scope: MutableMapping[str, Any]) -> bool:
     return (length.isdigit() and int(length) > 0) or b"transfer-encoding" in headers
 
 
-class DrainUnreadBody:
-    """ASGI middleware: an answer given before its request's body was read whole (a 413 from
-    the declared length, a 401, a refusal part way through an upload) is sent, then the rest
-    of the body is read and dropped (``DRAIN_MAX_BYTES``, ``DRAIN_MAX_S``, ``DRAIN_IDLE_S``)
-    before the answer ends, as nginx's lingering close does.
+class RequestBody:
+    """ASGI middleware over every request's body: a deadline between its parts while the
+    server reads it, and the rest read and dropped after an answer given before it was read.
 
-    uvicorn closed such a connection (``Connection: close``, which README's nginx sends) with
-    the body's rest unread: the kernel answers unread data with a reset, and a proxy still
-    sending the body (nginx with ``proxy_request_buffering off``) got the reset in place of
-    the answer and told its client 502. A client that sends ``Expect: 100-continue`` and has
-    sent nothing is not waited for: it sends no body after a final answer.
+    **Deadline.** A body that sends nothing for ``idle_s`` while a route waits for it is
+    answered 408 naming ``STREAMDET_BODY_TIMEOUT_S``, its connection closed, as nginx's
+    ``client_body_timeout``: a client sending a byte every few seconds held its call (an
+    admission slot, a decode thread's turn) and its connection for ever.
+
+    **Drain.** An answer given before its request's body was read whole (a 413 from the
+    declared length, a 401, a refusal part way through an upload) is sent, then the rest of
+    the body is read and dropped (``DRAIN_MAX_BYTES``, ``DRAIN_MAX_S``, ``DRAIN_IDLE_S``)
+    before the answer ends, as nginx's lingering close does. uvicorn closed such a
+    connection (``Connection: close``, which README's nginx sends) with the body's rest
+    unread: the kernel answers unread data with a reset, and a proxy still sending the body
+    (nginx with ``proxy_request_buffering off``) got the reset in place of the answer and
+    told its client 502. A client that sends ``Expect: 100-continue`` and has sent nothing
+    is not waited for (it sends no body after a final answer), nor one past its deadline.
+
+    Args:
+        app: the app inside.
+        idle_s: the body's deadline between parts (``STREAMDET_BODY_TIMEOUT_S``).
     """
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, idle_s: float = 60.0) -> None:
         self.app = app
+        self.idle_s = idle_s
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not declares_body(scope):
@@ -138,11 +154,31 @@ class DrainUnreadBody:
             return
         headers = dict(scope.get("headers") or [])
         waits_for_continue = headers.get(b"expect", b"").lower() == b"100-continue"
-        started = ended = False
+        started = ended = late = False
 
         async def tracked() -> MutableMapping[str, Any]:
-            nonlocal started, ended
-            message = await receive()
+            nonlocal started, ended, late
+            if ended:  # the body is in: what comes now is a disconnect, whenever it comes
+                return await receive()
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    message = await receive()
+            except TimeoutError:
+                late = True
+                log.info(
+                    "request %s: %s %s: the body sent nothing for %g s; answered 408 (setting"
+                    " STREAMDET_BODY_TIMEOUT_S)",
+                    REQUEST_ID.get() or "-",
+                    scope["method"],
+                    scope["path"],
+                    self.idle_s,
+                )
+                raise HTTPException(
+                    408,
+                    f"the request's body sent nothing for {self.idle_s:g} s (setting"
+                    " STREAMDET_BODY_TIMEOUT_S)",
+                    headers={"Connection": "close"},
+                ) from None
             started = True
             if message["type"] != "http.request" or not message.get("more_body", False):
                 ended = True
@@ -150,7 +186,7 @@ class DrainUnreadBody:
 
         async def answering(message: MutableMapping[str, Any]) -> None:
             last = message["type"] == "http.response.body" and not message.get("more_body")
-            if not last or ended or (waits_for_continue and not started):
+            if not last or ended or late or (waits_for_continue and not started):
                 await send(message)
                 return
             await send({**message, "more_body": True})  # the answer whole, then the drain
