@@ -303,3 +303,49 @@ def silent_camera() -> socket.socket:
     sock.bind(("127.0.0.1", 0))
     sock.listen(8)
     return sock
+
+
+class SnapshotCamera:
+    """A camera's snapshot URL on 127.0.0.1: ``GET /snapshot`` answers ``jpeg`` while
+    ``status`` is 200 (no file extension, as a camera's CGI answers), else that error;
+    ``requests`` counts the GETs. ``close()`` stops it."""
+
+    def __init__(self, jpeg: bytes, status: int = 200) -> None:
+        import http.server
+        import threading
+
+        camera = self
+        self.jpeg, self.status, self.requests = jpeg, status, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                camera.requests += 1
+                if camera.status != 200:
+                    self.send_error(camera.status)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/jpeg")
+                self.send_header("Content-Length", str(len(camera.jpeg)))
+                self.end_headers()
+                self.wfile.write(camera.jpeg)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/snapshot"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``check`` (every 20 ms) until it holds; fail saying ``what`` after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.02)

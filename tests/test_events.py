@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -59,6 +59,7 @@ from tests.helpers import (
     clip_server,
     decode_jpeg,
     file_stream_app,
+    wait_until,
 )
 
 NAMES = {0: "person", 2: "car"}.get
@@ -815,13 +816,6 @@ def full_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return full
 
 
-def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def test_events_written_while_the_disk_is_full_are_written_once_it_is_not(
     tmp_path: Path, full_disk: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -831,13 +825,13 @@ def test_events_written_while_the_disk_is_full_are_written_once_it_is_not(
     store = EventStore(tmp_path, size=100)
     log = EventLog(100, start_id=1000, store=store)
     log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 1000-1002
-    _until(lambda: len(store.load()[0]) == 3, "the first events were not written")
+    wait_until(lambda: len(store.load()[0]) == 3, "the first events were not written")
     full_disk.set()
     for frame in range(3, 8):  # 1003-1007, written and retried while the disk is full
         log.add("a", "", 2.0, [_crossing(frame)], _name)
         log.save_cursor("webhook x", 1000 + frame)
         time.sleep(0.05)
-    _until(lambda: store.failing, "the writes did not fail")
+    wait_until(lambda: store.failing, "the writes did not fail")
     time.sleep(0.3)  # retried meanwhile
     errors = [
         r for r in caplog.records if r.levelname == "ERROR" and r.name == "streams.event_store"
@@ -846,7 +840,7 @@ def test_events_written_while_the_disk_is_full_are_written_once_it_is_not(
     assert str(tmp_path) in errors[0].getMessage()
     assert len(store.load()[0]) == 3 and store.cursor("webhook x") is None
     full_disk.clear()
-    _until(lambda: len(store.load()[0]) == 8, "what was held was not written")
+    wait_until(lambda: len(store.load()[0]) == 8, "what was held was not written")
     assert [e["id"] for e in store.load()[0]] == list(range(1000, 1008))
     assert store.cursor("webhook x") == 1007 and not store.failing
     assert "writing works again" in caplog.text
@@ -867,7 +861,7 @@ def test_a_disk_full_at_shutdown_loses_events_but_never_their_ids(
     store = EventStore(tmp_path, size=100)
     log = EventLog(100, start_id=1000, store=store)
     log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 1000-1002
-    _until(lambda: len(store.load()[0]) == 3, "the first events were not written")
+    wait_until(lambda: len(store.load()[0]) == 3, "the first events were not written")
     full_disk.set()
     log.add("a", "", 2.0, [_crossing(f) for f in range(3, 7)], _name)  # 1003-1006
     store.close()
@@ -954,7 +948,7 @@ def test_the_ids_of_a_run_that_did_not_close_are_passed_over_not_missed(
     store = EventStore(tmp_path, size=10)
     log = EventLog(10, start_id=100, store=store)
     log.add("a", "", 1.0, [_crossing(f) for f in range(3)], _name)  # 100-102
-    _until(lambda: len(store.load()[0]) == 3, "the events were not written")
+    wait_until(lambda: len(store.load()[0]) == 3, "the events were not written")
     # Killed: the writer stops without closing (its reservation stays).
     store._ops.put(None)
     store._writer.join(5)

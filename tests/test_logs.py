@@ -10,7 +10,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import av
@@ -23,7 +23,7 @@ from server.cli import main
 from streams.decode_procs import DecodeHub
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import parse_source
-from tests.helpers import CAR_CLIP, MODEL_PT, clip_server
+from tests.helpers import CAR_CLIP, MODEL_PT, SnapshotCamera, clip_server, wait_until
 
 KEY = "LogsKey4711full"
 HOOK_TOKEN = "HookTok0815secret"
@@ -193,57 +193,19 @@ def test_a_secret_given_as_a_flag_is_warned_of_naming_the_variable(
     assert KEY not in caplog.text
 
 
-class SnapshotCamera:
-    """A camera's snapshot URL on 127.0.0.1: ``GET /snapshot`` answers ``status`` (a JPEG at
-    200, else that error)."""
-
-    def __init__(self, jpeg: bytes) -> None:
-        camera = self
-        self.jpeg, self.status = jpeg, 404
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if camera.status != 200:
-                    self.send_error(camera.status)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "image/jpeg")
-                self.send_header("Content-Length", str(len(camera.jpeg)))
-                self.end_headers()
-                self.wfile.write(camera.jpeg)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/snapshot"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def camera() -> Iterator[SnapshotCamera]:
     with av.open(str(CAR_CLIP)) as clip:
         frame = next(clip.decode(video=0)).to_ndarray(format="bgr24")
     ok, jpeg = cv2.imencode(".jpg", frame)
     assert ok
-    cam = SnapshotCamera(jpeg.tobytes())
+    cam = SnapshotCamera(jpeg.tobytes(), status=404)
     yield cam
     cam.close()
 
 
 FAST = ReaderOptions(open_timeout_s=5, read_timeout_s=5, backoff_initial_s=0.01, backoff_max_s=0.02)
 """Retries every 10-20 ms: a weekend of a dead camera's retries in seconds."""
-
-
-def _until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def _reader_lines(
@@ -279,11 +241,11 @@ def test_a_failing_camera_warns_once_per_error_and_says_when_it_is_back(
         reader = StreamReader(config, FAST, lambda sid, item: None, lambda frame: None)
     reader.start()
     try:
-        _until(lambda: reader.snapshot()["reconnects"] >= 6, "the 404s were not retried")
+        wait_until(lambda: reader.snapshot()["reconnects"] >= 6, "the 404s were not retried")
         camera.status = 401
-        _until(lambda: "401" in (reader.snapshot()["last_error"] or ""), "no 401 said")
+        wait_until(lambda: "401" in (reader.snapshot()["last_error"] or ""), "no 401 said")
         now = reader.snapshot()["reconnects"]
-        _until(lambda: reader.snapshot()["reconnects"] >= now + 3, "the 401s were not retried")
+        wait_until(lambda: reader.snapshot()["reconnects"] >= now + 3, "the 401s were not retried")
         failed = reader.snapshot()
         camera.status = 200
         assert reader.wait_state({StreamState.LIVE}, 30), reader.snapshot()
@@ -323,7 +285,7 @@ def test_a_camera_failing_for_long_is_summed_up_every_five_minutes(
     reader.outage.clock = lambda: float(next(ticks))
     reader.start()
     try:
-        _until(lambda: reader.outage.failures >= 10, "the 404s were not retried")
+        wait_until(lambda: reader.outage.failures >= 10, "the 404s were not retried")
     finally:
         reader.stop()
         assert reader.join(10)

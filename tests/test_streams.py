@@ -67,6 +67,7 @@ from tests.helpers import (
     CAR_CLIP,
     MESSAGE_KEYS,
     VIDEOS,
+    SnapshotCamera,
     detect_json,
     published_frames,
     silent_camera,
@@ -612,42 +613,6 @@ async def test_a_video_file_over_http_plays_at_its_rate_and_ends_as_a_file(
     assert states == ["live"], states
 
 
-class _SnapshotCamera:
-    """A camera's snapshot URL on loopback: ``GET /snapshot`` answers the bus photo as a
-    JPEG (no file extension, as a camera's CGI answers), or ``404`` while ``down``; it
-    counts the requests."""
-
-    def __init__(self, jpeg: bytes) -> None:
-        import http.server
-
-        camera = self
-        self.jpeg, self.requests, self.down = jpeg, 0, False
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                camera.requests += 1
-                if camera.down:
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "image/jpeg")
-                self.send_header("Content-Length", str(len(camera.jpeg)))
-                self.end_headers()
-                self.wfile.write(camera.jpeg)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/snapshot"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
 async def test_a_snapshot_url_is_polled_at_max_fps_and_stays_live(
     pool: EnginePool, tmp_path: Path, decode_processes: int
@@ -657,7 +622,7 @@ async def test_a_snapshot_url_is_polled_at_max_fps_and_stays_live(
     events (each picture was "source ended", a reconnect's wait and two state events); when
     the URL fails, the stream reconnects as a camera does, and is live again once it
     answers."""
-    camera = _SnapshotCamera((ultralytics_assets() / "bus.jpg").read_bytes())
+    camera = SnapshotCamera((ultralytics_assets() / "bus.jpg").read_bytes())
     try:
         async with started_file_manager(
             pool, tmp_path / "data", decode_processes=decode_processes
@@ -685,9 +650,9 @@ async def test_a_snapshot_url_is_polled_at_max_fps_and_stays_live(
             states = [e["state"] for e in events if e["stream_id"] == sid]
             assert states == ["live"], events
 
-            camera.down = True
+            camera.status = 404
             assert await m.wait_state(sid, {StreamState.RECONNECTING}, 30)
-            camera.down = False
+            camera.status = 200
             assert await m.wait_state(sid, {StreamState.LIVE}, 30)
             await published_frames(m, sid, 1, after=frames[-1].frame)
     finally:

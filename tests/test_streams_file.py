@@ -12,7 +12,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,15 @@ from fastapi.testclient import TestClient
 
 from loadtest.server import ServerProcess
 from server.streams_file import StreamsFileError, read_entries, to_text
-from tests.helpers import BOTTLE_CLIP, CACHE_DIR, CAR_CLIP, MODEL_PT, SHELF, file_stream_app
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
-        time.sleep(0.1)
+from tests.helpers import (
+    BOTTLE_CLIP,
+    CACHE_DIR,
+    CAR_CLIP,
+    MODEL_PT,
+    SHELF,
+    file_stream_app,
+    wait_until,
+)
 
 
 def write(path: Path, data: Any) -> Path:
