@@ -304,10 +304,10 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     # Outermost last: CORS answers preflights and decorates 401s; metrics count refusals.
     app.add_middleware(JsonBodyLimit)  # inside the key check: a stranger gets 401 first
     app.add_middleware(ApiKeyMiddleware, keys=app.state.api_keys)
-    # Outside all that may answer before a body is read, inside the metrics: a refusal's time
-    # is its answer's, not the drain's.
-    app.add_middleware(RequestBody, idle_s=settings.body_timeout_s)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    # Outside all that may answer before a body is read, and the metrics: a refusal's time is
+    # its answer's, not the drain's.
+    app.add_middleware(RequestBody, idle_s=settings.body_timeout_s)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -56,16 +56,20 @@ class RequestIdMiddleware:
         header = (b"x-request-id", rid.encode())
 
         async def answering(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] in _ANSWERS:
                 kept = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
                 message = {**message, "headers": [*kept, header]}
             await send(message)
 
         token = REQUEST_ID.set(rid)
-        try:
-            await self.app(scope, receive, answering)
-        finally:
-            REQUEST_ID.reset(token)
+        await self.app(scope, receive, answering)
+        # Not reset where the app raised: uvicorn logs the error after, in this task (each
+        # request has its own), and its line carries the id too.
+        REQUEST_ID.reset(token)
+
+
+_ANSWERS = ("http.response.start", "websocket.accept", "websocket.http.response.start")
+"""The messages that open an answer, whose headers get the request's id."""
 
 
 class RequestIdFilter(logging.Filter):

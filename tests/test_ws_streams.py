@@ -120,7 +120,12 @@ async def test_control_api_and_websocket(
         assert await close_code(f"{server.ws_url}/ws/streams/nope") == 4404
         assert (await client.get(f"{base}/streams/nope")).status_code == 404
 
-        async with websockets.connect(f"{server.ws_url}/ws/streams/{sid}") as ws:
+        viewer = {"X-Request-ID": "viewer-7"}
+        async with websockets.connect(
+            f"{server.ws_url}/ws/streams/{sid}", additional_headers=viewer
+        ) as ws:
+            assert ws.response is not None
+            assert ws.response.headers["x-request-id"] == "viewer-7"  # the handshake's id
             await ws.recv()
             assert (await client.delete(f"{base}/streams/{sid}")).status_code == 204
             assert await read_until_closed(ws) == 1000

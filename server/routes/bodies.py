@@ -59,9 +59,19 @@ MAX_JSON_BYTES = 1 << 20
 a stream of 64 zones of 64 points each is about 60 kB. Those bodies were read whole and
 parsed before any check (a 200 MB ``POST /webhooks`` took 6 s and its size in memory)."""
 
-UPLOAD_PREFIXES = ("/detect", "/jobs", "/v2")
+UPLOAD_PREFIXES = ("/detect", "/jobs")
 """Routes whose bodies are uploads, each capped by its own setting (STREAMDET_MAX_UPLOAD_MB,
-STREAMDET_MAX_JOB_UPLOAD_MB)."""
+STREAMDET_MAX_JOB_UPLOAD_MB), as KServe v2's infer calls are (:func:`is_upload`)."""
+
+
+def is_upload(path: str) -> bool:
+    """Whether a body sent to ``path`` (within the app) is an upload with a limit of its own:
+    ``UPLOAD_PREFIXES``, and KServe v2's ``.../infer``. (All of ``/v2`` was: a 400 MB
+    ``POST /v2/repository/index`` was read whole, 800 MB of the server's memory.)"""
+    return path.startswith(UPLOAD_PREFIXES) or (
+        path.startswith("/v2/models/") and path.endswith("/infer")
+    )
+
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -70,7 +80,7 @@ App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 class JsonBodyLimit:
     """ASGI middleware: a body sent to a settings route (any POST, PUT or PATCH outside
-    ``UPLOAD_PREFIXES``) is refused with 413 once past ``limit`` bytes, at once where its
+    :func:`is_upload`) is refused with 413 once past ``limit`` bytes, at once where its
     declared length says so, else as it arrives."""
 
     def __init__(self, app: App, limit: int = MAX_JSON_BYTES) -> None:
@@ -82,14 +92,15 @@ class JsonBodyLimit:
         if (
             scope["type"] != "http"
             or scope["method"] not in ("POST", "PUT", "PATCH")
-            or path.startswith(UPLOAD_PREFIXES)
+            or is_upload(path)
         ):
             await self.app(scope, receive, send)
             return
         too_large = f"body larger than {self.limit // 1024} kB: a settings body is JSON of a few kB"
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, send)
+            key = "error" if path == "/v2" or path.startswith("/v2/") else "detail"  # KServe's
+            await JSONResponse({key: too_large}, status_code=413)(scope, receive, send)
             return
         size = 0
 
@@ -111,6 +122,9 @@ DRAIN_MAX_S = 30.0
 """... for at most this long."""
 DRAIN_IDLE_S = 5.0
 """... stopping once the sender pauses this long."""
+
+
+CLOSE = (b"connection", b"close")
 
 
 def declares_body(scope: MutableMapping[str, Any]) -> bool:
@@ -154,17 +168,21 @@ class RequestBody:
             return
         headers = dict(scope.get("headers") or [])
         waits_for_continue = headers.get(b"expect", b"").lower() == b"100-continue"
-        started = ended = late = False
+        started = ended = late = responded = pending = False
 
         async def tracked() -> MutableMapping[str, Any]:
             nonlocal started, ended, late
-            if ended:  # the body is in: what comes now is a disconnect, whenever it comes
+            if ended or responded:  # a disconnect's watch (no 408 can be answered now)
                 return await receive()
+            waiting = asyncio.ensure_future(receive())
             try:
-                async with asyncio.timeout(self.idle_s):
-                    message = await receive()
-            except TimeoutError:
-                late = True
+                done, _ = await asyncio.wait((waiting,), timeout=self.idle_s)
+                late = not done and not responded
+                if not late:  # it came, or an answer began meanwhile (SSE): a watch from now
+                    message = await waiting
+            finally:
+                waiting.cancel()
+            if late:
                 log.info(
                     "request %s: %s %s: the body sent nothing for %g s; answered 408 (setting"
                     " STREAMDET_BODY_TIMEOUT_S)",
@@ -185,15 +203,25 @@ class RequestBody:
             return message
 
         async def answering(message: MutableMapping[str, Any]) -> None:
+            nonlocal responded, pending
+            unsent = waits_for_continue and not started and not ended
+            if message["type"] == "http.response.start":
+                responded = True
+                if unsent:  # it may never send its body: the connection cannot be reused
+                    message = {**message, "headers": [*message.get("headers", []), CLOSE]}
             last = message["type"] == "http.response.body" and not message.get("more_body")
-            if not last or ended or late or (waits_for_continue and not started):
+            if not last or ended or late or unsent:
                 await send(message)
                 return
-            await send({**message, "more_body": True})  # the answer whole, then the drain
-            await self._drain(receive)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # The answer whole now; the body's rest is read once the app (and the metrics
+            # inside, which time the answer, not the drain) has returned.
+            await send({**message, "more_body": True})
+            pending = True
 
         await self.app(scope, tracked, answering)
+        if pending:
+            await self._drain(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     @staticmethod
     async def _drain(receive: Receive) -> None:

@@ -28,4 +28,7 @@ async def wait_unless_gone(request: Request, waiting: Awaitable[object]) -> bool
             task.cancel()
     if work.done() and not work.cancelled():
         work.result()  # the wait's own error, if any, is the caller's (not dropped)
-    return gone.done() and not gone.cancelled()
+    if gone.done() and not gone.cancelled():
+        gone.result()  # the watch's error (a body past its deadline: 408) is not a hang-up
+        return True
+    return False
