@@ -617,7 +617,11 @@ class BucketRunner:
                 torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"),
             ):
                 slot.output = self._forward(slot.inputs)
-        except torch.cuda.OutOfMemoryError as exc:
+        except RuntimeError as exc:
+            if not _out_of_memory(exc):  # an op of the model's that cannot be captured
+                log.warning("CUDA graph capture failed (%s); running batch %d eagerly", exc, bucket)
+                self._use_graphs = False
+                return out
             # The GPU was full at that moment (other workers' buckets, another process): this
             # bucket runs eagerly and is captured again later; the others keep their graphs.
             # (Any failure turned graphs off for every bucket of the worker for good.)
@@ -631,14 +635,24 @@ class BucketRunner:
                 CAPTURE_RETRY_S,
             )
             return out
-        except RuntimeError as exc:  # an op of the model's that cannot be captured: never will
-            log.warning("CUDA graph capture failed (%s); running batch %d eagerly", exc, bucket)
-            self._use_graphs = False
-            return out
         slot.graph = graph
         log.info("captured CUDA graph for batch %d at %dx%d", bucket, *shape)
         graph.replay()
         return slot.output
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised during, is the GPU being out of memory:
+    ending a capture that an allocation failed in can raise an error of its own (the capture
+    invalidated) over the ``OutOfMemoryError``."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, torch.cuda.OutOfMemoryError) or "out of memory" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class _Slot:

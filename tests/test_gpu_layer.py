@@ -460,8 +460,14 @@ def test_a_capture_out_of_memory_retries_that_bucket_later_and_spares_the_others
     now[0] += gpu.CAPTURE_RETRY_S
     assert torch.all(runner.run(8, (32, 32)) == 2 * 32 * 32)
     assert runner.captured == 2  # captured again once the retry came
-    failing.append(RuntimeError("operation not permitted when stream is capturing"))
+    # Ending a capture an allocation failed in raises its own error over the OOM.
+    invalidated = RuntimeError("CUDA error: operation failed due to a previous error (capture)")
+    invalidated.__context__ = torch.cuda.OutOfMemoryError("CUDA out of memory.")
+    failing.append(invalidated)
     runner.run(4, (32, 32))
+    assert runner.captured == 2 and len(captures) == 4  # tried, kept eager for a retry
+    failing.append(RuntimeError("operation not permitted when stream is capturing"))
     runner.run(2, (32, 32))
+    runner.run(16, (32, 32))
     assert runner.captured == 2  # an uncapturable op: no capture is tried again
-    assert len(captures) == 4
+    assert len(captures) == 5
