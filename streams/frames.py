@@ -50,3 +50,32 @@ def keyframes_suffice(gop_s: float | None, max_fps: float | None, reorders: bool
     if not max_fps or gop_s is None or gop_s <= 0 or reorders:
         return False
     return gop_s <= KEYFRAME_SLACK / max_fps
+
+
+def bound_decoder(stream: Any, max_pixels: int) -> None:
+    """Have FFmpeg's decoder of ``stream`` (before its first packet) refuse a frame of more
+    than ``max_pixels`` pixels before allocating it (its ``max_pixels`` option): a video
+    that changes to a huge size part way (an 8192x8192 frame after small ones: an H.264
+    stream may change its size at any keyframe, an MPEG-TS concatenation does) was decoded,
+    hundreds of MB a frame, and only then compared. The refused packet raises
+    ``InvalidDataError``; :func:`refused_size` says whether that was why."""
+    stream.codec_context.options = {
+        **dict(stream.codec_context.options or {}),
+        "max_pixels": str(max_pixels),
+    }
+
+
+def refused_size(stream: Any, max_pixels: int) -> tuple[int, int] | None:
+    """The frame size ``stream``'s decoder stands at where it is over ``max_pixels`` (its
+    last packet refused by :func:`bound_decoder`), else None."""
+    context = stream.codec_context
+    width, height = int(context.width or 0), int(context.height or 0)
+    return (width, height) if width * height > max_pixels else None
+
+
+def too_large_message(width: int, height: int, max_pixels: int) -> str:
+    """What a stream or job whose frames are over the limit says."""
+    return (
+        f"frames of {width}x{height} exceed {max_pixels} pixels (setting"
+        " STREAMDET_MAX_IMAGE_PIXELS)"
+    )

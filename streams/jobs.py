@@ -39,7 +39,13 @@ from engines.types import Detections, Image
 from streams.analytics import Analysed, StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import detections_json
-from streams.frames import decoded_size, frame_rgb
+from streams.frames import (
+    bound_decoder,
+    decoded_size,
+    frame_rgb,
+    refused_size,
+    too_large_message,
+)
 from streams.sources import explain_open_failure
 
 log = logging.getLogger(__name__)
@@ -289,15 +295,26 @@ def _duration(container: Any, stream: Any) -> float | None:
     return None
 
 
-def _frames(container: Any, stream: Any, errors: list[int] | None) -> Iterator[Any]:
-    """Every frame, a packet that does not decode skipped (and counted in ``errors[0]``)."""
+def _frames(
+    container: Any, stream: Any, errors: list[int] | None, max_pixels: int = 0
+) -> Iterator[Any]:
+    """Every frame, a packet that does not decode skipped (and counted in ``errors[0]``);
+    with ``max_pixels``, a frame over it is refused by the decoder (:func:`bound_decoder`).
+
+    Raises:
+        JobError: the frames grew over ``max_pixels`` part way.
+    """
     import av
 
     stream.thread_type = "AUTO"
+    if max_pixels:
+        bound_decoder(stream, max_pixels)
     for packet in container.demux(stream):
         try:
             frames = packet.decode()
         except av.error.InvalidDataError:
+            if max_pixels and (size := refused_size(stream, max_pixels)):
+                raise JobError(too_large_message(*size, max_pixels)) from None
             if errors is not None:
                 errors[0] += 1
             continue
@@ -329,7 +346,7 @@ def sampled_frames(
         sampler = Sampler(spec.fps)
         errors = [0]
         try:
-            for index, frame in enumerate(_frames(container, stream, errors)):
+            for index, frame in enumerate(_frames(container, stream, errors, spec.max_pixels)):
                 stopped()
                 progress.frames_read = index + 1
                 progress.decode_errors = errors[0]
@@ -337,11 +354,8 @@ def sampled_frames(
                 progress.position_s = t
                 if not sampler.keep(t):
                     continue
-                if frame.width * frame.height > spec.max_pixels:
-                    raise JobError(
-                        f"frames of {frame.width}x{frame.height} exceed {spec.max_pixels}"
-                        " pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
-                    )
+                if frame.width * frame.height > spec.max_pixels:  # a decoder without the option
+                    raise JobError(too_large_message(frame.width, frame.height, spec.max_pixels))
                 yield index, t, frame
         except av.error.FFmpegError as exc:
             raise JobError(

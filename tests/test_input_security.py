@@ -119,6 +119,92 @@ def test_a_video_of_huge_frames_is_refused_before_a_frame_of_it_is_decoded(
         assert fits.status_code == 202, fits.text
 
 
+@pytest.fixture(scope="module")
+def growing_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MPEG-TS of ten 320x240 frames, then two black ones of 8192x8192 (67 MP): a video
+    that changes its size part way, as H.264 may at any keyframe. 30 kB."""
+    import av
+    import numpy as np
+
+    folder = tmp_path_factory.mktemp("growing")
+    parts = []
+    for name, side, count in (("small", (320, 240), 10), ("huge", (8192, 8192), 2)):
+        part = folder / f"{name}.ts"
+        with av.open(str(part), "w", format="mpegts") as out:
+            stream = out.add_stream("libx264", rate=10)
+            stream.width, stream.height = side
+            stream.pix_fmt = "yuv420p"
+            frame = np.zeros((side[1], side[0], 3), np.uint8)
+            for _ in range(count):
+                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    out.mux(packet)
+            for packet in stream.encode(None):
+                out.mux(packet)
+        parts.append(part.read_bytes())
+    path = folder / "growing.ts"
+    path.write_bytes(b"".join(parts))
+    return path
+
+
+READ_PEAK = """
+import resource, sys, threading
+import av  # its libraries loaded before the peak is read
+from streams.detect import StreamDetect
+from streams.jobs import JobError, JobProgress, JobSpec, sampled_frames
+from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+from streams.sources import parse_source
+from pathlib import Path
+
+clip = Path(sys.argv[2])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if sys.argv[1] == "job":
+    frames = 0
+    try:
+        for _ in sampled_frames(JobSpec(str(clip), StreamDetect()), JobProgress(), lambda: None):
+            frames += 1
+    except JobError as exc:
+        error = str(exc)
+else:
+    config = StreamConfig("cam", parse_source(f"file://{clip}", clip.parent, loop=False))
+    reader = StreamReader(config, ReaderOptions(), lambda sid, item: None, lambda frame: None)
+    reader.start()
+    reader.wait_state({StreamState.FAILED, StreamState.STOPPED}, 60)
+    reader.stop()
+    reader.join(10)
+    snap = reader.snapshot()
+    frames, error = snap["frames_in"], f"{snap['state']}: {snap['last_error']}"
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) // 1024)
+print(frames)
+print(error)
+"""
+
+
+@pytest.mark.parametrize("reader", ["job", "stream"])
+def test_frames_growing_over_the_limit_part_way_are_refused_by_the_decoder(
+    growing_clip: Path, reader: str
+) -> None:
+    """A video whose frames grow to 8192x8192 after small ones was decoded at that size, a
+    hundred MB and more a frame, and only then compared with --max-image-pixels; FFmpeg's
+    decoder now refuses such a frame before allocating it, and the job or stream says why."""
+    ran = subprocess.run(
+        [sys.executable, "-c", READ_PEAK, reader, str(growing_clip)],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    grown_mb, frames, error = ran.stdout.strip().splitlines()[-3:]
+    assert (
+        "frames of 8192x8192 exceed 50000000 pixels (setting STREAMDET_MAX_IMAGE_PIXELS)" in error
+    )
+    assert int(frames) >= 5, ran.stdout  # the small ones were read
+    assert reader == "job" or error.startswith("failed: "), error
+    # 69 MB (job, frame threads) and 28 MB (stream) here; 332 and 291 MB when decoded.
+    assert int(grown_mb) < 150, f"{grown_mb} MB: a frame of 8192x8192 was decoded"
+
+
 def test_a_jobs_json_body_is_capped_as_a_settings_body_is(tmp_path: Path) -> None:
     """``POST /jobs`` as JSON was read whole, however large (300 MB: 1.2 GB of memory)."""
 
