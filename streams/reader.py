@@ -30,7 +30,14 @@ from engines.yolo import resize
 from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.fanout import ProcessedFrame
-from streams.frames import decoded_size, frame_rgb, keyframes_suffice
+from streams.frames import (
+    bound_decoder,
+    decoded_size,
+    frame_rgb,
+    keyframes_suffice,
+    refused_size,
+    too_large_message,
+)
 from streams.motion import MotionGate, MotionOptions
 from streams.pacing import FilePacer, RateSampler, frame_interval
 from streams.sources import (
@@ -172,10 +179,11 @@ are at DEBUG)."""
 
 class OutageLog:
     """How a stream's failing source is logged, as Frigate and other daemons do: a WARNING at
-    its first failure and whenever the error says something else, the same error again at
+    its first failure and at each error not yet seen in this outage, the same error again at
     DEBUG, a WARNING summary at most every ``summary_s`` (``still failing after N attempts
-    over M min: <error>``), and an INFO once frames come again (``reconnected after N
-    attempts, down M s``). A camera with a wrong password, retried every 30 s, wrote a
+    over M min: <error>``), the first ``reconnect attempt`` at INFO and the rest at DEBUG,
+    and an INFO once frames come again (``reconnected after N attempts, down M s``, timed
+    from the last frame). A camera with a wrong password, retried every 30 s, wrote a
     WARNING and an INFO at each retry: over 5,000 lines a weekend for one dead camera.
 
     Args:
@@ -183,6 +191,9 @@ class OutageLog:
         summary_s: how often a summary is logged while the error stays the same.
         clock: monotonic seconds (tests inject one).
     """
+
+    MAX_ERRORS = 16
+    """Errors remembered in an outage (warned of once each); more are said at DEBUG."""
 
     def __init__(
         self,
@@ -194,59 +205,77 @@ class OutageLog:
         self.summary_s = summary_s
         self.clock = clock
         self.failures = 0
-        """Failed attempts in a row (0: the source works, or has not failed yet)."""
-        self._since = 0.0
-        self._summarised = 0.0
-        self._error: str | None = None
+        """Failed attempts in this outage (0: the source works, or has not failed yet)."""
+        self.attempts = 0
+        """Reconnect attempts in this outage."""
+        self._down = False
+        self._since = self._summarised = 0.0
+        self._errors: set[str] = set()
 
     @property
     def failing(self) -> bool:
         return self.failures > 0
 
+    def lost(self, last_frame: float | None = None) -> None:
+        """The source is gone (it ended, or failed): an outage begins, timed from
+        ``last_frame`` (monotonic) where frames came, else from now. Logs nothing: the
+        state's line, or :meth:`failed`'s, says why."""
+        if not self._down:
+            self._begin(self.clock(), last_frame)
+
+    def _begin(self, now: float, last_frame: float | None = None) -> None:
+        self._down, self._since, self._summarised = True, last_frame or now, now
+
     def failed(self, source: str, error: str) -> None:
         """An attempt failed: ``source`` (the URL, redacted) gave ``error``."""
         now = self.clock()
+        if not self._down:
+            self._begin(now)
         self.failures += 1
         sid = self.stream_id
-        if self.failures == 1:
-            self._since = self._summarised = now
-            log.warning("stream %s: %s: %s", sid, source, error)
-        elif error != self._error:
+        if error not in self._errors and len(self._errors) < self.MAX_ERRORS:
+            self._errors.add(error)
             self._summarised = now
-            log.warning("stream %s: %s: %s (failed %d attempts)", sid, source, error, self.failures)
-        else:
-            log.debug("stream %s: %s: %s (failed %d attempts)", sid, source, error, self.failures)
-            if now - self._summarised >= self.summary_s:
-                self._summarised = now
+            if self.failures == 1:
+                log.warning("stream %s: %s: %s", sid, source, error)
+            else:
                 log.warning(
-                    "stream %s: still failing after %d attempts over %.0f min: %s",
-                    sid,
-                    self.failures,
-                    (now - self._since) / 60,
-                    error,
+                    "stream %s: %s: %s (failed %d attempts)", sid, source, error, self.failures
                 )
-        self._error = error
+            return
+        log.debug("stream %s: %s: %s (failed %d attempts)", sid, source, error, self.failures)
+        if now - self._summarised >= self.summary_s:
+            self._summarised = now
+            log.warning(
+                "stream %s: still failing after %d attempts over %.0f min: %s",
+                sid,
+                self.failures,
+                (now - self._since) / 60,
+                error,
+            )
 
     def retrying(self, attempt: int, delay_s: float) -> None:
         """The next attempt is in ``delay_s``: said at INFO for an outage's first, DEBUG
         after."""
-        level = logging.INFO if self.failures <= 1 else logging.DEBUG
+        self.lost()
+        self.attempts += 1
+        level = logging.INFO if self.attempts == 1 else logging.DEBUG
         log.log(
             level, "stream %s: reconnect attempt %d in %.2f s", self.stream_id, attempt, delay_s
         )
 
     def recovered(self) -> None:
         """Frames came: the end of an outage (if there was one) is logged at INFO."""
-        if not self.failures:
+        if not self._down:
             return
         log.info(
             "stream %s: reconnected after %d attempts, down %.1f s",
             self.stream_id,
-            self.failures,
+            self.attempts,
             self.clock() - self._since,
         )
-        self.failures = 0
-        self._error = None
+        self._down, self.failures, self.attempts = False, 0, 0
+        self._errors.clear()
 
 
 class StreamReader:
@@ -484,12 +513,16 @@ class StreamReader:
             except PoolClosed:
                 break
             except Exception as exc:  # any source failure: a camera may come back
+                if self._stop.is_set():  # removed meanwhile: its open cut short, no failure
+                    break
                 # One that sent frames before it failed starts its backoff afresh: a camera
                 # dropping once a day went on counting attempts, to --reconnect-max-attempts.
                 got_frames = self._got_frames
                 self._polling = False
                 error = redact_in(self._explain(exc), self.config.spec.url)
                 self._set_state(StreamState.RECONNECTING, error)
+                if got_frames:
+                    self.outage.lost(self._last_frame_mono)
                 self.outage.failed(redact(self.config.spec.url), error)
             else:
                 if self._stop.is_set():
@@ -505,12 +538,15 @@ class StreamReader:
                     continue
                 if self._recorded and got_frames:
                     if self.config.spec.loop:
+                        attempt = 0  # played: the next outage's backoff starts afresh
                         continue  # clip ended: start it again at once
                     # Played once, as asked: not reopened as a camera would be.
                     self._set_state(StreamState.STOPPED, FILE_ENDED)
                     return
                 self._set_state(StreamState.RECONNECTING, "source ended")
-                if not got_frames:  # opened, but no frame: a failure as any other
+                if got_frames:  # a camera lost (its state line says so): the outage begins
+                    self.outage.lost(self._last_frame_mono)
+                else:  # opened, but no frame: a failure as any other
                     self.outage.failed(redact(self.config.spec.url), "source ended")
             attempt = 1 if got_frames else attempt + 1
             if self._opt.max_attempts and attempt > self._opt.max_attempts:
@@ -524,6 +560,8 @@ class StreamReader:
             delay = backoff_delay(
                 attempt, self._opt.backoff_initial_s, self._opt.backoff_max_s, self._rng
             )
+            if self._stop.is_set():
+                break
             self.outage.retrying(attempt, delay)
             if self._stop.wait(delay):
                 break
@@ -592,6 +630,7 @@ class StreamReader:
             stream = container.streams.video[0]
             if self._opt.codec_threads:
                 stream.codec_context.thread_count = self._opt.codec_threads
+            bound_decoder(stream, self._opt.max_pixels)
             self._still = not spec.is_file and is_still_image(container.format.name)
             # A video of known length (an MP4 over HTTP, an HLS recording) plays as a file
             # does, at its own rate, and its end is no camera lost: it decoded at 35x real
@@ -643,6 +682,8 @@ class StreamReader:
             try:
                 frames = packet.decode()
             except av.error.InvalidDataError as exc:
+                if size := refused_size(stream, self._opt.max_pixels):
+                    raise FatalSourceError(too_large_message(*size, self._opt.max_pixels)) from None
                 log.debug("stream %s: undecodable packet: %s", self.config.id, exc)
                 continue
             for frame in frames:
@@ -658,10 +699,9 @@ class StreamReader:
                         return self._got_frames
                     now = time.monotonic()
                 self._count_in(now, frame.width, frame.height)
-                if frame.width * frame.height > self._opt.max_pixels:
+                if frame.width * frame.height > self._opt.max_pixels:  # NVDEC's, say
                     raise FatalSourceError(
-                        f"frames of {frame.width}x{frame.height} exceed"
-                        f" {self._opt.max_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)"
+                        too_large_message(frame.width, frame.height, self._opt.max_pixels)
                     )
                 if not sampler.take(now, self.max_fps):
                     with self._lock:

@@ -21,9 +21,16 @@ import pytest
 from loadtest.server import ServerProcess, free_port
 from server.cli import main
 from streams.decode_procs import DecodeHub
-from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+from streams.reader import OutageLog, ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import parse_source
-from tests.helpers import CAR_CLIP, MODEL_PT, SnapshotCamera, clip_server, wait_until
+from tests.helpers import (
+    CAR_CLIP,
+    MODEL_PT,
+    SnapshotCamera,
+    clip_server,
+    silent_camera,
+    wait_until,
+)
 
 KEY = "LogsKey4711full"
 HOOK_TOKEN = "HookTok0815secret"
@@ -297,3 +304,62 @@ def test_a_camera_failing_for_long_is_summed_up_every_five_minutes(
     assert summaries[0].startswith("stream door: still failing after 4 attempts over 5 min: ")
     assert "404" in summaries[0], summaries
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1 + len(summaries)
+
+
+def test_an_outage_after_frames_is_timed_from_the_last_frame_and_its_errors_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A camera lost while live (its stream ended) never began the outage: its first two
+    retries were INFO, its attempts were counted one short and its time from the first failed
+    retry (the read timeout's seconds missing). Errors alternating (A, B, A) warned at each."""
+    caplog.set_level(logging.DEBUG, logger="streams.reader")
+    clock = [100.0]
+    outage = OutageLog("door", clock=lambda: clock[0])
+    outage.lost(last_frame=95.0)  # the last frame 5 s before the loss was seen
+    for error in ("refused", "timed out", "refused", "timed out"):
+        clock[0] += 1
+        outage.retrying(outage.attempts + 1, 1.0)
+        outage.failed("rtsp://cam/1", error)
+    outage.retrying(5, 1.0)
+    clock[0] = 110.0
+    outage.recovered()
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [m for level, m in lines if level == "INFO"] == [
+        "stream door: reconnect attempt 1 in 1.00 s",
+        "stream door: reconnected after 5 attempts, down 15.0 s",
+    ], lines
+    warned = [m for level, m in lines if level == "WARNING"]
+    assert warned == [
+        "stream door: rtsp://cam/1: refused",
+        "stream door: rtsp://cam/1: timed out (failed 2 attempts)",
+    ], lines
+    outage.failed("rtsp://cam/1", "refused")  # the next outage warns afresh
+    assert caplog.records[-1].levelname == "WARNING"
+
+
+def test_a_stream_removed_while_it_opens_logs_no_failure_after(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stopped during an open (a camera that does not answer), the cut-short open was taken
+    for a new error: a WARNING and a retry line after the stream was removed."""
+    caplog.set_level(logging.DEBUG, logger="streams.reader")
+    camera = silent_camera()
+    try:
+        url = f"rtsp://127.0.0.1:{camera.getsockname()[1]}/cam"
+        options = ReaderOptions(open_timeout_s=3, read_timeout_s=3)
+        reader = StreamReader(
+            StreamConfig("door", parse_source(url, None)),
+            options,
+            lambda sid, item: None,
+            lambda frame: None,
+        )
+        reader.start()
+        wait_until(lambda: reader.snapshot()["state"] == "connecting", "it did not open")
+        time.sleep(0.5)  # its open under way, waiting on the camera
+        reader.stop()
+        assert reader.join(20)  # once the open gives up
+    finally:
+        camera.close()
+    assert reader.snapshot()["state"] == "stopped" and reader.snapshot()["last_error"] is None
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not said and not [r for r in caplog.records if "reconnect attempt" in r.getMessage()]
