@@ -537,7 +537,9 @@ def _cap_candidates(
 Forward = Callable[[torch.Tensor], torch.Tensor]
 _CAPTURE_LOCK = threading.Lock()
 CAPTURE_RETRY_S = 60.0
-"""A bucket whose graph capture ran out of GPU memory is captured again after this long."""
+"""A bucket whose graph capture ran out of GPU memory is captured again after this long,
+twice as long after each such failure, up to ``CAPTURE_RETRY_MAX_S``."""
+CAPTURE_RETRY_MAX_S = 1800.0
 
 
 class BucketRunner:
@@ -618,21 +620,30 @@ class BucketRunner:
             ):
                 slot.output = self._forward(slot.inputs)
         except RuntimeError as exc:
-            if not _out_of_memory(exc):  # an op of the model's that cannot be captured
-                log.warning("CUDA graph capture failed (%s); running batch %d eagerly", exc, bucket)
+            if not _out_of_memory(exc):
+                # An op of the model's that cannot be captured, or a capture that could not be
+                # ended (invalidated: an allocation under memory pressure can do it too): on
+                # some torch versions the latter leaves the allocator's pool or capture state
+                # behind, so no capture is tried again on this worker.
+                log.warning(
+                    "CUDA graph capture failed (%s); this worker runs every batch eagerly", exc
+                )
                 self._use_graphs = False
                 return out
             # The GPU was full at that moment (other workers' buckets, another process): this
-            # bucket runs eagerly and is captured again later; the others keep their graphs.
-            # (Any failure turned graphs off for every bucket of the worker for good.)
-            slot.retry_at, slot.output = time.monotonic() + CAPTURE_RETRY_S, None
+            # bucket runs eagerly and is captured again later, waiting twice as long after
+            # each such failure; the others keep their graphs. (Any failure turned graphs off
+            # for every bucket of the worker for good.)
+            slot.failures += 1
+            wait = min(CAPTURE_RETRY_S * 2 ** (slot.failures - 1), CAPTURE_RETRY_MAX_S)
+            slot.retry_at, slot.output = time.monotonic() + wait, None
             log.warning(
                 "CUDA graph capture for batch %d at %dx%d ran out of GPU memory (%s); running"
                 " it eagerly, captured again in %.0f s",
                 bucket,
                 *shape,
                 str(exc).splitlines()[0],
-                CAPTURE_RETRY_S,
+                wait,
             )
             return out
         slot.graph = graph
@@ -642,27 +653,24 @@ class BucketRunner:
 
 
 def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc``, or an error it was raised during, is the GPU being out of memory:
-    ending a capture that an allocation failed in can raise an error of its own (the capture
-    invalidated) over the ``OutOfMemoryError``."""
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            return False
-        if isinstance(seen, torch.cuda.OutOfMemoryError) or "out of memory" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    """Whether a capture failed because the GPU was out of memory, and nothing worse: the
+    capture's own allocation (``OutOfMemoryError``) or instantiation (``CUDA error: out of
+    memory``), raised as it is. Where ending the capture raised over it (invalidated), the
+    allocator may hold the capture's pool or think a capture is still going on (PyTorch
+    issues 159594, 180395, 190348): that is not retried."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
 
 
 class _Slot:
-    __slots__ = ("graph", "inputs", "output", "retry_at")
+    __slots__ = ("failures", "graph", "inputs", "output", "retry_at")
 
     def __init__(self, inputs: torch.Tensor) -> None:
         self.inputs = inputs
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
         self.retry_at = 0.0
+        self.failures = 0
+        """Its captures that ran out of memory (each doubles the wait before the next)."""
         """Monotonic time before which it runs eagerly (its capture ran out of memory)."""
 
 

@@ -20,6 +20,7 @@ outputs have fixed shapes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -175,7 +176,7 @@ def build_engine(trt: Any, onnx_path: Path, shapes: ProfileShapes, out: Path) ->
     Raises:
         EngineError: the ONNX does not parse or the build fails; TensorRT's errors are included.
     """
-    logger = trt.Logger(trt.Logger.WARNING)
+    logger = trt_logger(trt)
     builder = trt.Builder(logger)
     if trt_major(trt.__version__) >= 11:
         network = builder.create_network()  # always strongly typed in 11.x
@@ -264,9 +265,16 @@ class LoadedPlan:
             return self.engine.create_execution_context()
 
 
-_LOADED: weakref.WeakValueDictionary[tuple[str, str, int], LoadedPlan] = (
+_LOADED: weakref.WeakValueDictionary[tuple[str, int, tuple[int, int, int]], LoadedPlan] = (
     weakref.WeakValueDictionary()
 )
+
+
+@functools.cache
+def trt_logger(trt: Any) -> Any:
+    """TensorRT's logger, one for the process: the library keeps a single pointer to it, and
+    every builder and runtime is to use the same one."""
+    return trt.Logger(trt.Logger.WARNING)
 
 
 def load_plan(trt: Any, plan: Path, device: torch.device) -> LoadedPlan:
@@ -276,13 +284,17 @@ def load_plan(trt: Any, plan: Path, device: torch.device) -> LoadedPlan:
     Raises:
         EngineError: TensorRT cannot deserialize it (another version, another GPU, damaged).
     """
-    key = (str(plan.resolve()), str(device), plan.stat().st_mtime_ns)
+    found = plan.stat()  # a plan written anew (os.replace: a new inode) is another plan
+    index = device.index
+    if index is None:  # "cuda" is the current device: the same GPU as "cuda:N"
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    key = (str(plan.resolve()), index, (found.st_ino, found.st_size, found.st_mtime_ns))
     with _build_lock(plan):
         loaded = _LOADED.get(key)
         if loaded is not None:
             log.info("tensorrt engine %s: shared with a worker that loaded it", plan)
             return loaded
-        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        runtime = trt.Runtime(trt_logger(trt))
         engine = runtime.deserialize_cuda_engine(plan.read_bytes())
         if engine is None:
             raise EngineError(

@@ -561,6 +561,7 @@ def test_workers_share_one_deserialized_engine_each_with_its_own_context(
     engine = loads[0]
     assert len(engine.contexts) == 4 and len({id(c) for c in engine.contexts}) == 4
     assert {id(f._context) for f in forwards} == {id(c) for c in engine.contexts}
+    assert trt_mod.load_plan(trt, plan, torch.device("cuda")).engine is engine  # cuda:0
     assert trt_mod.load_plan(trt, plan, torch.device("cuda", 1)).engine is not engine
     assert len(loads) == 2  # another GPU: its own copy
     forwards.clear()
