@@ -5,8 +5,8 @@ it gathers the URL and each header's value piece by piece on the event loop, cop
 has at each piece, so a client sending one header of 60 MB held ``/healthz`` up to 2 s, and
 one of 400 MB took 285 s of the loop and 500 MB of memory before it was answered ``200``.
 (Its h11 protocol stops at 16 kB, but parses every request in Python.) Here the bytes of a
-head not yet complete are counted, and past the limit the client gets ``431`` and its
-connection is closed, as nginx's ``large_client_header_buffers`` (4 x 8 kB) and Node's 16 kB
+head are counted before the parser sees them, and past the limit the client gets ``431`` and
+its connection is closed, as nginx's ``large_client_header_buffers`` (4 x 8 kB) and Node's 16 kB
 do.
 
 And a head has :data:`HEAD_TIMEOUT_S` (``--head-timeout-s``) to arrive whole: uvicorn has no
@@ -50,6 +50,8 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
     """Set by :func:`head_limited` from ``--head-timeout-s``."""
     _head_pending = False
     _head_bytes = 0
+    _awaiting_head = True  # a head is the next thing the client sends (not a body)
+    _tail = b""  # the last bytes of a head's last chunk (its end may span two chunks)
     _refused = False
     _head_timer: asyncio.TimerHandle | None = None
 
@@ -68,27 +70,39 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        self._head_pending = False
-        self._head_bytes = 0
+        self._head_pending = self._awaiting_head = False
         self._disarm()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._awaiting_head, self._head_bytes, self._tail = True, 0, b""
+        super().on_message_complete()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # what it still sends after its 431, read and dropped until the close
-        super().data_received(data)
-        if not self._head_pending or self.transport.is_closing():
-            return
-        # Bytes after a head that completes in this chunk are not counted; a chunk that
-        # leaves a head incomplete is head (a pipelined request's body end at most before it).
-        self._head_bytes += len(data)
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_pending = False
+        if self._awaiting_head and self._head_too_large(data):
+            self._head_pending = self._awaiting_head = False
             self._disarm()
             self._refuse(
                 b"431 Request Header Fields Too Large",
                 f"request line and headers larger than {MAX_HEAD_BYTES // 1024} kB",
             )
+            return  # not parsed: no request runs
+        super().data_received(data)
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Counts the head's bytes in ``data`` (up to its blank line, found across chunks),
+        before the parser sees them: a head that ended in the chunk it was sent in was not
+        counted (one of 200 kB sent in one write was answered 200)."""
+        end = (self._tail + data).find(b"\r\n\r\n")
+        if end < 0:
+            self._head_bytes += len(data)
+            self._tail = (self._tail + data)[-3:]
+        else:
+            self._head_bytes += end + 4 - len(self._tail)
+            self._tail = b""
+        return self._head_bytes > MAX_HEAD_BYTES
 
     def _arm(self) -> None:
         self._disarm()
