@@ -114,13 +114,18 @@ def unusable_dir(path: Path) -> str | None:
     return None
 
 
-def check_streams_file(path: Path, environ: Mapping[str, str]) -> list[str]:
+def check_streams_file(
+    path: Path, environ: Mapping[str, str], names: Mapping[int, str] | None = None
+) -> list[str]:
     """What is wrong with the streams file at ``path``, one line each (empty if nothing):
     its syntax, ids and ``${VAR}``s, and each entry against ``POST /streams``' body model, so a
-    misspelt key fails before the model loads. Class names, which need the model, are checked
-    as the server applies the file."""
+    misspelt key fails before the model loads; with the model's class ``names``, its classes
+    and regions too (an unknown class failed the app's start with a traceback)."""
+    from fastapi import HTTPException
+
     from server.routes.streams import StreamIn
     from server.streams_file import StreamsFileError, read_entries
+    from streams.detect import StreamDetect
 
     try:
         entries = read_entries(path, environ)
@@ -129,7 +134,14 @@ def check_streams_file(path: Path, environ: Mapping[str, str]) -> list[str]:
     problems = []
     for entry in entries:
         try:
-            StreamIn.model_validate(entry)
+            body = StreamIn.model_validate(entry)
+            if names is not None:
+                body.detect(names, StreamDetect())
+        except HTTPException as exc:  # a class the model lacks, a bad region
+            problems.append(
+                f"--streams-file: {path}: stream {entry['id']!r}: {exc.detail}"
+                " (setting STREAMDET_STREAMS_FILE)"
+            )
         except ValidationError as exc:
             for error in exc.errors():
                 field = ".".join(str(p) for p in error["loc"]) or "entry"
@@ -224,6 +236,13 @@ def _serve(settings: Settings) -> int:
     except EngineError as exc:
         log.error("cannot start: %s", exc)
         return 2
+    if settings.streams_file is not None:  # its classes, now that the model says its own
+        problems = check_streams_file(settings.streams_file, os.environ, pool.engine.names)
+        for problem in problems:
+            print(f"streamdet: {problem}", file=sys.stderr)
+        if problems:
+            pool.stop(settings.shutdown_timeout_s)
+            return 2
     app = create_app(settings, pool=pool)
 
     class Server(uvicorn.Server):

@@ -21,6 +21,7 @@ connection closed; a connection that sent nothing is closed without a word (as n
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -136,10 +137,10 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         )
 
     def _refuse(self, status: bytes, text: str) -> None:
-        message = text.encode()
+        message = json.dumps({"detail": text}).encode()  # as every other 4XX of the API
         self.transport.write(
             b"HTTP/1.1 " + status + b"\r\n"
-            b"content-type: text/plain; charset=utf-8\r\n"
+            b"content-type: application/json\r\n"
             b"content-length: " + str(len(message)).encode("ascii") + b"\r\n"
             b"connection: close\r\n\r\n" + message
         )

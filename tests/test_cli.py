@@ -22,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from engines.types import EngineError
+from loadtest.server import free_port
 from server import cli
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO
@@ -475,3 +476,32 @@ def test_a_public_url_that_disagrees_with_the_root_path_is_warned_of(
     assert said == warned, caplog.text
     if warned:
         assert "STREAMDET_PUBLIC_URL" in caplog.text and "STREAMDET_ROOT_PATH" in caplog.text
+
+
+def test_a_streams_files_unknown_class_stops_the_start_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """Class names need the model: an unknown one failed the app's start in its lifespan,
+    uvicorn printing a traceback (exit 3). Checked once the model has loaded, before the
+    port is bound: a line naming the stream and the class, exit 2."""
+    path = tmp_path / "streams.yaml"
+    entry = {"id": "door", "url": "rtsp://camera/1", "classes": ["person", "unicorn"]}
+    path.write_text(yaml.safe_dump({"streams": [entry]}))
+    done = run_cli(
+        "serve",
+        "--model",
+        str(MODEL_PT),
+        "--cache-dir",
+        str(CACHE_DIR),
+        "--streams-file",
+        str(path),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--port",
+        str(free_port()),
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("streamdet:")]
+    assert len(said) == 1 and f"--streams-file: {path}: stream 'door': " in said[0], said
+    assert "unicorn" in said[0] and "STREAMDET_STREAMS_FILE" in said[0], said

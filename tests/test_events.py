@@ -275,6 +275,9 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         state = c.get("/events", params={"type": "stream_state"}).json()["events"][0]
         refused = c.get(f"/events/{state['id']}/thumbnail.jpg")
         assert refused.status_code == 404 and "has no object to cut out" in refused.text
+        # Nor a snapshot: it blamed the snapshots' setting, which keeps none for it.
+        refused = c.get(f"/events/{state['id']}/snapshot.jpg")
+        assert refused.status_code == 404 and "stream_state) has no snapshot" in refused.text
         # An event the log no longer has (or never had): the log's setting, not the
         # snapshots' (it said those were kept for the last 256 frames, the JPEG still there).
         missing = c.get("/events/12345/snapshot.jpg")

@@ -357,6 +357,8 @@ async def _picture(request: Request, event_id: int, *, thumbnail: bool) -> Respo
         event = manager.events.get(event_id)
         if thumbnail and event is not None and "box" not in event:
             why = f"event {event_id} ({event['type']}) has no object to cut out"
+        elif event is not None and "snapshot" not in event:  # a state change has no frame
+            why = f"event {event_id} ({event['type']}) has no snapshot: none was made for it"
         elif event is None:  # it blamed the snapshots' setting where the log's had let it go
             kept = manager.events.capacity
             why = (
