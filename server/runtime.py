@@ -15,7 +15,7 @@ from engines.registry import (
     load_backend,
     prepare_model,
 )
-from engines.types import Engine, ModelInfo
+from engines.types import Engine, EngineError, ModelInfo
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,15 @@ def build_pool(settings: Settings) -> EnginePool:
     """
     factory = load_backend(settings.backend)
     model = prepare_model(settings.model, settings.cache_dir, settings.imgsz)
+    own = default_imgsz(model)
+    if not model.dynamic_hw and "imgsz" in settings.model_fields_set and settings.imgsz != own:
+        # As export refuses it: it was served at its own size, the --imgsz given ignored.
+        raise EngineError(
+            f"--imgsz {settings.imgsz}: model {settings.model} has a fixed"
+            f" {model.imgsz[0]}x{model.imgsz[1]} input, so it runs at {own} only: drop --imgsz"
+            f" (or pass --imgsz {own}; setting STREAMDET_IMGSZ), or export the model again"
+            " with dynamic=True"
+        )
     config = engine_config(settings, model)
     fixed = fixed_batch(model)
     if fixed is not None and config.max_batch < settings.max_batch:

@@ -51,7 +51,7 @@ from engines.export import (
 from engines.model import read_model_info
 from engines.onnxruntime import OrtEngine
 from engines.registry import EngineConfig
-from engines.types import Detections, DetectParams
+from engines.types import Detections, DetectParams, EngineError
 from server.app import create_app
 from server.cli import main
 from server.export_cli import EXIT_BELOW_BAR
@@ -729,6 +729,20 @@ def test_fixed_batch_model_caps_the_pool_batch(
         assert len(results) == 3
     finally:
         pool.stop(5)
+
+
+def test_serve_refuses_another_imgsz_for_a_fixed_size_model(fixed320: Path) -> None:
+    """``serve --imgsz 640`` on a fixed 320x320 ONNX started, served at 320 and said nothing
+    (export refused it): refused naming the model's size, as export does."""
+    from server.runtime import build_pool
+
+    with pytest.raises(EngineError) as info:
+        build_pool(Settings(model=str(fixed320), cache_dir=CACHE_DIR, imgsz=640))
+    message = str(info.value)
+    assert "--imgsz 640" in message and "fixed 320x320 input" in message
+    assert "--imgsz 320" in message and "STREAMDET_IMGSZ" in message
+    pool = build_pool(Settings(model=str(fixed320), cache_dir=CACHE_DIR, imgsz=320))
+    pool.stop(5)  # its own size, given: taken
 
 
 @pytest.fixture(scope="module")
