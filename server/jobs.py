@@ -566,9 +566,9 @@ class JobManager:
         """The kept jobs, oldest first. Deletes what a crash left of deleted jobs and of
         uploads never made into a job (no ``job.json``): at startup nothing is arriving."""
         jobs: list[Job] = []
-        if not self.directory.is_dir():
-            return jobs
-        private_dir(self.directory)  # one an earlier version made readable by everyone
+        # Made here, 0700 (one an earlier version made readable by everyone closed): made as
+        # an upload's parent, before any job was kept, it was 0755.
+        private_dir(self.directory)
         for where in sorted(self.directory.iterdir()):
             if not where.is_dir() or where.is_symlink():
                 continue

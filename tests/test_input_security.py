@@ -321,6 +321,10 @@ def test_a_jobs_record_and_event_media_are_this_users_only(tmp_path: Path) -> No
     from streams.store import private_dir
 
     with TestClient(file_stream_app(tmp_path)) as c:
+        jobs = tmp_path / "data" / "jobs"
+        # Before any job was kept (an upload refused): it was made 0755 as an upload's parent.
+        refused = c.post("/jobs", content=b"not a video", headers={"content-type": "video/mp4"})
+        assert refused.status_code == 415 and jobs.stat().st_mode & 0o777 == 0o700
         made = c.post(
             "/jobs", json={"url": f"file://{CAR_CLIP}", "callback_url": "http://u:pw@127.0.0.1:9/"}
         )
@@ -329,7 +333,6 @@ def test_a_jobs_record_and_event_media_are_this_users_only(tmp_path: Path) -> No
             "/jobs", content=CAR_CLIP.read_bytes(), headers={"content-type": "video/mp4"}
         )
         assert uploaded.status_code == 202, uploaded.text
-        jobs = tmp_path / "data" / "jobs"
         assert jobs.stat().st_mode & 0o777 == 0o700
         for job_id in (made.json()["id"], uploaded.json()["id"]):
             assert (jobs / job_id).stat().st_mode & 0o777 == 0o700
