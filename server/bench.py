@@ -30,6 +30,7 @@ from engines.registry import load_backend, prepare_model, usable_cores
 from engines.types import Image
 from engines.yolo import preprocess, rect_shape
 from loadtest.client import Phase, closed_loop
+from loadtest.frames import shared_dir
 from loadtest.server import ServerError, ServerProcess, free_port
 from server.runtime import engine_config
 from server.settings import Settings
@@ -158,8 +159,10 @@ def engine_ceiling(settings: Settings, frame: Image, seconds: float, rect: bool 
 
 
 def default_videos() -> list[str]:
-    shared = Path(os.environ.get("STREAMDET_SHARED_DIR", "../shared"))
-    return [str(p) for p in sorted((shared / "videos").glob("*.mp4"))]
+    """The shared clips, found as ``streamdet loadtest`` finds them (``STREAMDET_SHARED_DIR``
+    or ``../shared`` beside the repository: it was from the current directory, so a bench run
+    from elsewhere found none)."""
+    return [str(p) for p in sorted((shared_dir() / "videos").glob("*.mp4"))]
 
 
 def run_bench(settings: Settings, args: argparse.Namespace) -> int:

@@ -72,3 +72,16 @@ def test_a_short_bench_keeps_away_from_the_users_data_dir_and_leaves_no_log(
     assert "streamdet: " in done.stdout
     assert not user_data.exists()  # the server's stores were made elsewhere
     assert not list(scratch.glob("streamdet-bench-*"))
+
+
+def test_bench_finds_the_shared_clips_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They were looked up under ``../shared`` from the current directory: run from
+    elsewhere, ``streamdet bench`` found no clip (``streamdet loadtest`` found them)."""
+    from server.bench import default_videos
+
+    monkeypatch.delenv("STREAMDET_SHARED_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    found = default_videos()
+    assert found and all(Path(p).is_file() for p in found), found
