@@ -345,6 +345,7 @@ def sampled_frames(
         rate = float(stream.average_rate) if stream.average_rate else 25.0
         sampler = Sampler(spec.fps)
         errors = [0]
+        first: float | None = None
         try:
             for index, frame in enumerate(_frames(container, stream, errors, spec.max_pixels)):
                 stopped()
@@ -352,6 +353,8 @@ def sampled_frames(
                 progress.decode_errors = errors[0]
                 t = frame.time if frame.time is not None else index / rate
                 progress.position_s = t
+                if first is None:
+                    first = t
                 if not sampler.keep(t):
                     continue
                 if frame.width * frame.height > spec.max_pixels:  # a decoder without the option
@@ -364,6 +367,32 @@ def sampled_frames(
         progress.decode_errors = errors[0]
         if progress.frames_read:  # read to the end of its last frame: a whole video shows 1
             progress.position_s += 1.0 / rate
+        _check_whole(container, stream, first, progress.position_s)
+
+
+ESTIMATED_DURATIONS = ("mpegts", "mpeg")
+"""Formats whose duration FFmpeg estimates (from the bit rate), not reads from an index."""
+
+
+def _check_whole(container: Any, stream: Any, first: float | None, end: float) -> None:
+    """Raise where a video whose index states its length ended well before it: a file cut
+    short (an upload or copy interrupted, a camera's card pulled) read to its cut and was
+    "done", its results half a video's, as if whole.
+
+    Raises:
+        JobError: it ended over a second (and 2 %) before the length its index states.
+    """
+    if stream.duration is None or not stream.time_base or first is None:
+        return
+    if container.format.name in ESTIMATED_DURATIONS:
+        return
+    stated = float(stream.duration * stream.time_base)
+    read = end - first
+    if read < stated - max(1.0, 0.02 * stated):
+        raise JobError(
+            f"the video ends at {end:.2f} s of the {stated:.2f} s its index states: it is cut"
+            " short (truncated or damaged)"
+        )
 
 
 def local_frames(

@@ -788,3 +788,23 @@ def test_a_failed_frame_is_logged_under_the_jobs_id_never_its_urls_password(
     assert all(r.getMessage().startswith("job j0b1d: frame ") for r in failed)
     assert [r.levelno for r in failed] == [logging.WARNING] + [logging.DEBUG] * 39
     assert "Pw4711secret" not in caplog.text and "Tok0815secret" not in caplog.text
+
+
+def test_a_video_cut_short_fails_its_job_with_its_results_so_far(tmp_path: Path) -> None:
+    """The car clip's first 1.4 MB of 2.8 (an upload or copy interrupted): its index says
+    30.16 s, its frames end at 13.6 s, and the job was "done" as if it were whole. It fails
+    saying where the video ends, its frames so far kept."""
+    cut = CAR_CLIP.read_bytes()[:1_400_000]
+    with TestClient(file_stream_app(tmp_path)) as c:
+        created = c.post("/jobs", content=cut, headers={"content-type": "video/mp4"})
+        assert created.status_code == 202, created.text
+        job = c.get(f"/jobs/{created.json()['id']}", params={"wait_s": 60}).json()
+        assert job["state"] == "failed", job
+        assert "ends at 13.6" in job["error"] and "of the 30.16 s its index states" in job["error"]
+        assert "cut short" in job["error"]
+        assert job["progress"]["frames_processed"] > 100, job
+        frames = c.get(f"/jobs/{job['id']}/frames").text.splitlines()
+        assert len(frames) == job["progress"]["frames_processed"]
+        whole = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.5})
+        done = c.get(f"/jobs/{whole.json()['id']}", params={"wait_s": 60}).json()
+        assert done["state"] == "done" and done["error"] is None, done
