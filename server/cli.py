@@ -53,9 +53,14 @@ def warn_secret_flags(args: argparse.Namespace) -> None:
         )
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, named like the setting (``max_batch`` -> ``--max-batch``)."""
+def _add_settings_flags(
+    parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()
+) -> None:
+    """One flag per setting, named like the setting (``max_batch`` -> ``--max-batch``), but
+    those in ``skip`` (settings the command never uses: no flag is better than one ignored)."""
     for name, field in Settings.model_fields.items():
+        if name in skip:
+            continue
         default = "" if field.default_factory else f"; default {field.default}"
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -326,8 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="run the HTTP server")
     _add_settings_flags(serve_p)
     bench_p = sub.add_parser("bench", help="measure /detect goodput against the engine ceiling")
-    _add_settings_flags(bench_p)
-    from server.bench import add_bench_args
+    from server.bench import NOT_BENCHED, add_bench_args
+
+    # Its server runs on a port and data of its own (--log-level is the bench's own too).
+    _add_settings_flags(bench_p, NOT_BENCHED - {"log_level"})
 
     add_bench_args(bench_p)
     from server.export_cli import add_export_parsers

@@ -85,3 +85,19 @@ def test_bench_finds_the_shared_clips_from_any_directory(
     monkeypatch.chdir(tmp_path)
     found = default_videos()
     assert found and all(Path(p).is_file() for p in found), found
+
+
+def test_bench_offers_no_flag_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    """``streamdet bench --help`` listed ``--data-dir`` and ``--streams-file``, which the bench
+    dropped (its server runs on data of its own): they are not offered, and refused."""
+    from server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    shown = capsys.readouterr().out
+    assert "--max-batch" in shown and "--log-level" in shown
+    for flag in ("--data-dir", "--streams-file", "--port "):
+        assert flag not in shown, flag
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "--data-dir", "/tmp/x"])
+    assert refused.value.code == 2 and "--data-dir" in capsys.readouterr().err
