@@ -669,9 +669,9 @@ class _Slot:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
         self.retry_at = 0.0
+        """Monotonic time before which it runs eagerly (its capture ran out of memory)."""
         self.failures = 0
         """Its captures that ran out of memory (each doubles the wait before the next)."""
-        """Monotonic time before which it runs eagerly (its capture ran out of memory)."""
 
 
 # ---- the Engine protocol on top of the layer ----------------------------------------------------

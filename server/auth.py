@@ -57,8 +57,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from server.request_ids import request_id
-from server.routes.errors import is_v2_path
-from server.routes.paths import app_path
+from server.routes.paths import app_path, is_v2_path
 
 log = logging.getLogger(__name__)
 

@@ -555,8 +555,7 @@ class JobManager:
         if job.deleted:  # its directory is going (it would outlive it: see _mark_deleted)
             return
         where = self.directory_of(job.id)
-        private_dir(self.directory)
-        private_dir(where)
+        private_dir(where)  # under jobs/, made 0700 by _load at the start
         tmp = where / (JOB_FILE + ".tmp")
         # Its source URL's password and its callback_url: 0600 (it was 0644, in a 0755 dir).
         write_private(tmp, json.dumps(job.record(self._names)).encode())

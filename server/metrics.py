@@ -46,6 +46,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.pool import EnginePool
+from server.routes.paths import app_path, is_v2_path
 from streams.fanout import ProcessedFrame
 
 log = logging.getLogger(__name__)
@@ -641,9 +642,6 @@ SHUTDOWN_DETAIL = (
 def shutdown_body(scope: Scope) -> bytes:
     """The middleware's answer to a call the shutdown cancelled: under ``/v2`` as KServe's
     errors are (tritonclient reads "error"), elsewhere FastAPI's."""
-    from server.routes.errors import is_v2_path  # the routes import this module
-    from server.routes.paths import app_path
-
     key = "error" if is_v2_path(app_path(scope)) else "detail"
     return json.dumps({key: SHUTDOWN_DETAIL}).encode()
 

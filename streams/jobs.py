@@ -225,7 +225,7 @@ def probe(
                 codec = stream.codec_context
                 if codec.width * codec.height > max_pixels:
                     raise FramesTooLarge(codec.width, codec.height, max_pixels)
-                codec.options = {"max_pixels": str(max_pixels)}
+                bound_decoder(stream, max_pixels)
             duration = _duration(container, stream)
             for frame in _frames(container, stream, None):
                 rate = stream.average_rate

@@ -212,10 +212,6 @@ class OutageLog:
         self._since = self._summarised = 0.0
         self._errors: set[str] = set()
 
-    @property
-    def failing(self) -> bool:
-        return self.failures > 0
-
     def lost(self, last_frame: float | None = None) -> None:
         """The source is gone (it ended, or failed): an outage begins, timed from
         ``last_frame`` (monotonic) where frames came, else from now. Logs nothing: the

@@ -20,7 +20,7 @@ from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
 from server.request_ids import REQUEST_ID
-from server.routes.paths import app_path
+from server.routes.paths import app_path, is_v2_path
 
 # What json.loads raises for a body it cannot read (JSONDecodeError and UnicodeDecodeError are
 # ValueErrors).
@@ -99,7 +99,7 @@ class JsonBodyLimit:
         too_large = f"body larger than {self.limit // 1024} kB: a settings body is JSON of a few kB"
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            key = "error" if path == "/v2" or path.startswith("/v2/") else "detail"  # KServe's
+            key = "error" if is_v2_path(path) else "detail"  # KServe's form under /v2
             await JSONResponse({key: too_large}, status_code=413)(scope, receive, send)
             return
         size = 0

@@ -15,15 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from server.routes.bodies import FASTAPI_PARSE_ERROR, UNREADABLE, why_unreadable
-from server.routes.paths import app_path
-
-V2_PREFIX = "/v2"
-
-
-def is_v2_path(path: str) -> bool:
-    """Whether ``path`` is the KServe v2 protocol's (``/v2`` and below), whose errors answer
-    ``{"error": ...}``: the app's handlers, the key check's refusals and the document alike."""
-    return path == V2_PREFIX or path.startswith(V2_PREFIX + "/")
+from server.routes.paths import app_path, is_v2_path
 
 
 def is_v2(request: Request) -> bool:

@@ -33,7 +33,7 @@ from server.routes.detect import (
     megabytes,
     read_body_capped,
 )
-from server.routes.errors import V2_PREFIX
+from server.routes.paths import V2_PREFIX
 from server.routes.v2_model import (
     EXTENSIONS,
     NP_TYPES,

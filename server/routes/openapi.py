@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from server.auth import is_open
-from server.routes.errors import is_v2_path
+from server.routes.paths import is_v2_path
 
 ERROR = {
     "title": "Error",

@@ -11,6 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+V2_PREFIX = "/v2"
+
+
+def is_v2_path(path: str) -> bool:
+    """Whether ``path`` (within the app) is the KServe v2 protocol's (``/v2`` and below),
+    whose errors answer ``{"error": ...}``: the app's handlers, the key check's refusals, the
+    settings bodies' limit and the document alike."""
+    return path == V2_PREFIX or path.startswith(V2_PREFIX + "/")
+
 
 def app_path(scope: Mapping[str, Any]) -> str:
     """``scope["path"]`` less the root path where it starts with it (Starlette's rule)."""
