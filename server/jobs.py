@@ -34,12 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from engines.batching import WorkItem
 from server.job_video import VIDEO_FILE, AnnotatedVideo
 from server.routes.paths import link_base
-from server.webhooks import label, post_json
+from server.webhooks import http_client, label, post_json
 from streams.detect import StreamDetect
 from streams.jobs import (
     EVENTS_FILE,
@@ -530,7 +528,7 @@ class JobManager:
         ``callback_url``, signed as webhooks are; retried with backoff, then given up."""
         assert job.callback_url is not None and job.callback is not None
         delay = CALLBACK_BACKOFF_S
-        async with httpx.AsyncClient(timeout=self._callback_timeout_s) as client:
+        async with http_client(self._callback_timeout_s) as client:
             for attempt in range(1, CALLBACK_ATTEMPTS + 1):
                 if job.deleted:  # its caller deleted it: nothing left to tell of
                     job.callback["state"] = "cancelled"

@@ -117,6 +117,13 @@ def _masked(segment: str) -> str:
     return segment
 
 
+def http_client(timeout_s: float) -> httpx.AsyncClient:
+    """The client webhooks and job callbacks are POSTed with: it follows no redirect (a
+    ``3xx`` is a failed delivery, ``HTTP 307``), so a receiver's answer cannot send the
+    event, and its signature, to another address."""
+    return httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
+
+
 async def post_json(
     client: httpx.AsyncClient, url: str, payload: object, secret: str | None
 ) -> str | None:
@@ -246,7 +253,7 @@ class WebhookSender:
     async def run(self) -> None:
         """Deliver until the log closes and everything in it was delivered (or cancelled)."""
         backoff = BACKOFF_INITIAL_S
-        async with httpx.AsyncClient(timeout=self._timeout_s) as client:
+        async with http_client(self._timeout_s) as client:
             while True:
                 page = await self._reader.take(BATCH, 60.0)
                 if page is None:

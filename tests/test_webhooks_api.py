@@ -20,10 +20,12 @@ from server.webhooks import (
     NAME_KEY_FILE,
     Webhooks,
     WebhookSender,
+    http_client,
     label,
     load_name_key,
     name,
     name_digest,
+    post_json,
     sign,
 )
 from streams.events import EventLog
@@ -183,3 +185,38 @@ def test_webhook_names_are_keyed_by_the_data_dirs_own_key(tmp_path: Path) -> Non
     candidates = (f"https://example.com/hook?token={n:04d}" for n in range(10_000))
     guesses = {hashlib.sha256(c.encode()).hexdigest()[:8] for c in candidates}
     assert first.rsplit("#", 1)[1] not in guesses  # the unkeyed hash of the right guess was
+
+
+async def test_a_delivery_answered_with_a_redirect_fails_and_is_not_sent_on(
+    receiver: WebhookReceiver,
+) -> None:
+    """A webhook's or callback's receiver answering 307 (which keeps the POST and its body)
+    does not get the event and its signature sent to the address it names: the delivery
+    fails as ``HTTP 307`` (README: where the server connects)."""
+    import http.server
+    import threading
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(307)
+            self.send_header("Location", receiver.url)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+        async with http_client(5.0) as client:
+            error = await post_json(client, url, {"events": [{"id": 1}]}, "secret")
+            assert error == "HTTP 307"
+            # The same client delivers to the receiver itself: it was reachable all along.
+            assert await post_json(client, receiver.url, {"events": [{"id": 2}]}, "s") is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert receiver.events() == [{"id": 2}]
