@@ -27,6 +27,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,11 +241,15 @@ def engine_stages(
 
 
 class BusySampler:
-    """GPU utilisation from NVML, sampled every 50 ms on a thread until stopped."""
+    """GPU utilisation from NVML, sampled every 50 ms on a thread until stopped; ``window``
+    (monotonic seconds, the run's measured interval) limits what :attr:`mean` averages: the
+    samples around it (decode processes starting, streams going live, the warm-up, the
+    shutdown) see an idle GPU and read the busy share low."""
 
     def __init__(self, index: int = 0) -> None:
         self._stop = threading.Event()
-        self.samples: list[int] = []
+        self.samples: list[tuple[float, int]] = []
+        self.window: tuple[float, float] | None = None
         self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
         self._index = index
         self.error = ""
@@ -260,7 +265,8 @@ class BusySampler:
             self.error = f"NVML unavailable: {exc}"
             return
         while not self._stop.wait(0.05):  # a fixed sampling period, not a wait for a condition
-            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+            busy = int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            self.samples.append((time.monotonic(), busy))
 
     def __enter__(self) -> BusySampler:
         self._thread.start()
@@ -271,9 +277,18 @@ class BusySampler:
         self._thread.join()
 
     @property
+    def measured(self) -> list[int]:
+        """The samples inside :attr:`window` (all of them without one)."""
+        if self.window is None:
+            return [busy for _, busy in self.samples]
+        start, end = self.window
+        return [busy for at, busy in self.samples if start <= at <= end]
+
+    @property
     def mean(self) -> float | None:
-        """Mean busy %, or None without samples (JSON has no NaN)."""
-        return round(float(np.mean(self.samples)), 1) if self.samples else None
+        """Mean busy % over :attr:`window`, or None without samples (JSON has no NaN)."""
+        measured = self.measured
+        return round(float(np.mean(measured)), 1) if measured else None
 
 
 @dataclass
@@ -354,8 +369,9 @@ def run_streams(
         t.start()
     stop.wait(warmup_s + seconds)
     stop.set()
+    end = time.monotonic() + 10.0  # one wait for all: 32 stuck decoders took 10 s each
     for t in threads:
-        t.join(10)
+        t.join(max(0.0, end - time.monotonic()))
     return stats
 
 
@@ -607,6 +623,7 @@ def saturate(
             )
     finally:
         pool.batch_observers.remove(tally)
+    busy.window = sat.window
     start, end = sat.window
     # Each batch's time within the window (one that overlaps an edge counts in part).
     overlaps = [(size, e, min(at, end) - max(at - e, start)) for at, size, e in batches]
@@ -622,10 +639,16 @@ def saturate(
     return sat, busy
 
 
-def camera_saturation(pool: EnginePool, clip: Path, args: argparse.Namespace) -> dict[str, Any]:
+def camera_saturation(
+    pool: EnginePool,
+    clip: Path,
+    args: argparse.Namespace,
+    report: Callable[[dict[str, Any]], None],
+) -> None:
     """``--streams`` 1080p cameras (one clip) through decode processes, unpaced, with frames
     decoded at the engine's size (the server's default) and whole (``stream_decode_size`` 0):
-    what decoding small buys where frames are larger than the clips'."""
+    what decoding small buys where frames are larger than the clips'. The figures so far go
+    to ``report`` after each run (a failure of the second keeps the first's)."""
     import av
 
     with av.open(str(clip)) as container:
@@ -640,12 +663,45 @@ def camera_saturation(pool: EnginePool, clip: Path, args: argparse.Namespace) ->
         busy_pct[label] = busy.mean
         pools[label] = sat.pool
         log.info("1080p cameras decoded %s: %s img/s", label, img_s[label])
+        report(
+            {
+                "camera_clip": size,
+                "camera_e2e_img_s_by_decode_size": img_s,
+                "camera_gpu_busy_pct_by_decode_size": busy_pct,
+                "camera_pool_by_decode_size": pools,
+            }
+        )
+
+
+def same_batch_ratio(
+    e2e: float, engine_by_batch: dict[str, float], tally: dict[str, float]
+) -> dict[str, Any]:
+    """End-to-end over engine-only at the measured batch size nearest the unpaced run's mean
+    batch (``tally``: :func:`saturate`'s pool figures); empty without one."""
+    mean = tally.get("mean_batch")
+    if not mean or not engine_by_batch:
+        return {}
+    batch = min(engine_by_batch, key=lambda b: abs(int(b) - mean))
     return {
-        "camera_clip": size,
-        "camera_e2e_img_s_by_decode_size": img_s,
-        "camera_gpu_busy_pct_by_decode_size": busy_pct,
-        "camera_pool_by_decode_size": pools,
+        "e2e_mean_batch": mean,
+        "engine_img_s_at_e2e_batch": {batch: engine_by_batch[batch]},
+        "e2e_over_engine_at_e2e_batch": round(e2e / engine_by_batch[batch], 3),
     }
+
+
+def graphs_captured(pool: EnginePool) -> list[dict[str, Any]]:
+    """Each worker's CUDA graphs: how many are captured and whether it still uses them (a
+    capture that failed leaves a worker eager for good, which the figures would not show)."""
+    workers = []
+    for engine in pool.engines:
+        runner = getattr(engine, "_runner", None)
+        workers.append(
+            {
+                "captured": None if runner is None else runner.captured,
+                "use_graphs": None if runner is None else runner.use_graphs,
+            }
+        )
+    return workers
 
 
 def nvdec_saturation(
@@ -761,9 +817,6 @@ def run(args: argparse.Namespace) -> int:
         figures["pool_by_decode"] = pool_by_decode
         figures["e2e_decode_in"] = decode_in
         save()
-        if args.nvdec_too and args.decode != "cuda":
-            figures.update(nvdec_saturation(pool, clips, args))
-            save()
         paced = run_either(
             pool,
             clips,
@@ -783,9 +836,13 @@ def run(args: argparse.Namespace) -> int:
                 "decode": args.decode,
                 "e2e_img_s": round(e2e, 1),
                 "e2e_over_engine": round(e2e / figures["engine_img_s"], 3),
+                # The issue's "at the same batch size": the engine-only rate at the measured
+                # batch nearest the batches the unpaced run formed (about 8-10 on the H200).
+                **same_batch_ratio(e2e, figures["engine_infer_img_s"], sat.pool),
                 "gpu_busy_pct": busy.mean,
                 "worker_busy_pct": sat.pool.get("worker_busy_pct"),
-                "gpu_busy_note": busy.error or f"{len(busy.samples)} NVML samples while saturated",
+                "gpu_busy_note": busy.error
+                or f"{len(busy.measured)} NVML samples in the measured window",
                 "e2e_offered_fps": round(sat.offered / args.seconds, 1),
                 "fps_per_stream": args.fps,
                 "paced_processed_fps": round(paced.done / args.seconds, 1),
@@ -804,14 +861,25 @@ def run(args: argparse.Namespace) -> int:
             "boxes_match_cpu": figures["boxes_match_cpu"],
         }
         save()
-        # Last: a timeout here (the device call's limit) loses only this phase.
+        figures["graphs_captured_by_worker"] = graphs_captured(pool)
+        save()
+        # Then the phases a timeout (the device call's limit) may cut: each saved as it ends.
         camera = data / CAMERA_CLIP
         if camera.exists() and args.decode == "cpu" and getattr(args, "best_processes", 0):
+
+            def camera_figures(found: dict[str, Any]) -> None:
+                figures.update(found)
+                save()
+
             try:
-                figures.update(camera_saturation(pool, camera, args))
+                camera_saturation(pool, camera, args, camera_figures)
             except RuntimeError as exc:
                 log.error("1080p cameras: %s", exc)
                 figures["camera_error"] = str(exc)
+            save()
+        # NVDEC last: the least proven path (its last run's tests failed or did not finish).
+        if args.nvdec_too and args.decode != "cuda":
+            figures.update(nvdec_saturation(pool, clips, args))
             save()
     finally:
         pool.stop(timeout_s=5)

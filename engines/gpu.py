@@ -578,6 +578,11 @@ class BucketRunner:
         """How many graphs are held now."""
         return sum(1 for s in self._slots.values() if s.graph is not None)
 
+    @property
+    def use_graphs(self) -> bool:
+        """Whether this worker still captures graphs (a failed capture turns them off)."""
+        return self._use_graphs
+
     def input_for(self, bucket: int, shape: tuple[int, int]) -> torch.Tensor:
         """The static input buffer of this bucket and shape (fill it, then :meth:`run`)."""
         return self._slot(bucket, shape).inputs

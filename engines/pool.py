@@ -127,6 +127,11 @@ class EnginePool:
         """The first worker's engine (for names and model metadata)."""
         return self._engines[0]
 
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Every worker's loaded engine (benchmarks read their state)."""
+        return tuple(self._engines)
+
     def stop(self, timeout_s: float) -> None:
         """Stop intake, let workers drain for ``timeout_s``, then fail what is left."""
         self.queue.close()

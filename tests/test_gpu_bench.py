@@ -1,6 +1,6 @@
 """The GPU check's harness, run on the CPU: ``gpu_bench prepare`` then ``gpu_bench run --device
 cpu`` on the shared model and clips, so the one script a device session runs cannot rot
-unnoticed between the sessions that have a GPU (there have been none so far).
+unnoticed between the sessions that have a GPU (few: one so far, 2026-12-01).
 
 The figures themselves mean nothing here (FP32 on two cores); what is checked is that every
 key the GPU report promises is there, that JSON holds no NaN, that the torch engine's boxes
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from benchmarks import gpu_bench, make_clip
 from tests.helpers import CACHE_DIR, MODEL_PT, VIDEOS
@@ -102,3 +104,26 @@ def test_gpu_check_harness_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     by_size = report["camera_e2e_img_s_by_decode_size"]
     assert set(by_size) == {"engine_size", "whole"} and all(v > 0 for v in by_size.values())
     assert set(report["camera_pool_by_decode_size"]) == {"engine_size", "whole"}
+    # The issue's ratio at the same batch size: engine-only at the batch nearest e2e's mean.
+    assert (
+        report["e2e_mean_batch"] == report["pool_by_decode"][report["e2e_decode_in"]]["mean_batch"]
+    )
+    ((batch, rate),) = report["engine_img_s_at_e2e_batch"].items()
+    assert rate == report["engine_infer_img_s"][batch]
+    assert report["e2e_over_engine_at_e2e_batch"] == pytest.approx(
+        report["e2e_img_s"] / rate, abs=0.002
+    )
+    # Whether each worker ran on CUDA graphs (none on the CPU): a failed capture shows here.
+    assert report["graphs_captured_by_worker"] == [{"captured": 0, "use_graphs": False}]
+
+
+def test_gpu_busy_is_the_mean_of_the_samples_inside_the_measured_window() -> None:
+    """Processes starting, streams going live and the shutdown see an idle GPU around the
+    measured window: its samples alone make the busy share."""
+    busy = gpu_bench.BusySampler()
+    busy.samples = [(0.5, 0), (1.0, 80), (1.5, 100), (2.0, 90), (2.5, 0)]
+    assert busy.mean == 54.0
+    busy.window = (1.0, 2.0)
+    assert busy.measured == [80, 100, 90] and busy.mean == 90.0
+    busy.window = (3.0, 4.0)
+    assert busy.mean is None

@@ -180,7 +180,9 @@ def test_a_fixed_batch_graph_runs_every_batch_padded_to_it(
             _assert_match(
                 fixed.infer(frames[:n], [DetectParams()] * n),
                 cuda_engine.infer(frames[:n], [DetectParams()] * n),
-                conf_tol=0.002,
+                # FP16 convolutions are picked per shape, the batch size among them: bucket 8
+                # and bucket 1 or 2 need not agree to the bit (0.002 holds on the CPU, FP32).
+                conf_tol=0.01 if ON_CUDA else 0.002,
             )
     finally:
         fixed.close()
