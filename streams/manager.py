@@ -454,18 +454,21 @@ class StreamManager:
 
     async def _let_go(self, reader: StreamReader, stream_id: str) -> None:
         """Wait for a stopped reader's decode thread to exit, up to ``stop_timeout_s``; but
-        one still opening its source (a camera that accepted the connection and says
-        nothing) is let go after :data:`OPENING_WAIT_S`: FFmpeg's open cannot be interrupted,
-        and DELETE, a disable or a new source waited up to the whole open timeout (10 s).
-        Its thread ends by itself when the open returns, publishing nothing."""
+        one waiting on its source, opening it (a camera that accepted the connection and says
+        nothing) or reading it (a camera that froze while live), is let go after
+        :data:`OPENING_WAIT_S`: FFmpeg's waits cannot be interrupted, and DELETE, a disable
+        or a new source waited up to the whole open or read timeout (10 s, 5 s). Its thread
+        ends by itself when the wait returns, publishing nothing."""
         if not reader.alive:
             return
         if await asyncio.to_thread(reader.join, min(OPENING_WAIT_S, self._opt.stop_timeout_s)):
             return
-        if reader.opening:
+        if reader.waiting_on_source:
+            reader.let_go()
             log.info(
-                "stream %s: let go of its decode thread while it opens its source; it ends"
-                " when the open returns (within STREAMDET_STREAM_OPEN_TIMEOUT_S)",
+                "stream %s: let go of its decode thread while it waits on its source; it ends"
+                " when FFmpeg's wait returns (within STREAMDET_STREAM_OPEN_TIMEOUT_S opening,"
+                " STREAMDET_STREAM_READ_TIMEOUT_S reading)",
                 stream_id,
             )
             return

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,11 @@ NOT_SHOWING = frozenset({StreamState.DISABLED, StreamState.FAILED, StreamState.S
 
 class FatalSourceError(RuntimeError):
     """The source opened but can never work (no video, frames too large): no retry."""
+
+
+class SourceStalled(RuntimeError):
+    """A live source sent nothing for the read timeout (a failure as FFmpeg's own timeout
+    is: the stream reconnects)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +353,9 @@ class StreamReader:
         self._still = False  # it answers one picture an opening (a snapshot URL)
         self._recorded = False  # a recording (a file, or a video file over HTTP), not live
         self._phase = "open"  # what the source is doing: "open" or "read" (for errors)
+        self._awaiting_packet = False  # in FFmpeg's read of the next packet (no stop cuts it)
+        self._released = False  # let go by the server while it waits on FFmpeg (let_go)
+        self._lost = False  # it was live and failed: going live again is a reconnect
         self._got_frames = False  # frames came since the source was last opened
         self._polling = False  # fetching such a picture again, the stream live
         self._frame_no = 0
@@ -402,6 +410,18 @@ class StreamReader:
     def opening(self) -> bool:
         """Whether its thread is in FFmpeg's open of the source (which no stop interrupts)."""
         return self._phase == "open" and self.alive
+
+    @property
+    def waiting_on_source(self) -> bool:
+        """Whether its thread waits in FFmpeg for the source, opening it or reading its next
+        packet: no stop interrupts either; they end within the open or read timeout."""
+        return self.alive and (self._phase == "open" or self._awaiting_packet)
+
+    def let_go(self) -> None:
+        """The server stops waiting for this stopped reader's thread, which ends by itself
+        when FFmpeg's wait returns, publishing nothing; its state lines are no longer logged
+        (a stream added again under its id meanwhile would seem to change state)."""
+        self._released = True
 
     @property
     def frame_no(self) -> int:
@@ -477,7 +497,7 @@ class StreamReader:
         with self._changed:
             self._changed.notify_all()
             previous = self.state
-            if state != previous and self.LOG_STATES:
+            if state != previous and self.LOG_STATES and not self._released:
                 log.info(
                     "stream %s: %s -> %s%s",
                     self.config.id,
@@ -518,6 +538,7 @@ class StreamReader:
                 error = redact_in(self._explain(exc), self.config.spec.url)
                 self._set_state(StreamState.RECONNECTING, error)
                 if got_frames:
+                    self._lost = True
                     self.outage.lost(self._last_frame_mono)
                 self.outage.failed(redact(self.config.spec.url), error)
             else:
@@ -541,6 +562,7 @@ class StreamReader:
                     return
                 self._set_state(StreamState.RECONNECTING, "source ended")
                 if got_frames:  # a camera lost (its state line says so): the outage begins
+                    self._lost = True
                     self.outage.lost(self._last_frame_mono)
                 else:  # opened, but no frame: a failure as any other
                     self.outage.failed(redact(self.config.spec.url), "source ended")
@@ -561,8 +583,6 @@ class StreamReader:
             self.outage.retrying(attempt, delay)
             if self._stop.wait(delay):
                 break
-            with self._lock:
-                self.reconnects += 1
         self._set_state(StreamState.STOPPED)
 
     def _explain(self, exc: Exception) -> str:
@@ -577,7 +597,7 @@ class StreamReader:
         waited = time.monotonic() - self._opened_at
         opening = self._phase == "open"
         limit = self._opt.open_timeout_s if opening else self._opt.read_timeout_s
-        timed_out = isinstance(exc, av.error.ExitError) or (
+        timed_out = isinstance(exc, (av.error.ExitError, SourceStalled)) or (
             isinstance(exc, av.error.InvalidDataError) and opening and waited >= 0.9 * limit
         )
         # FFmpeg says "Invalid data" as much for a port that answers another protocol (and it
@@ -652,7 +672,10 @@ class StreamReader:
         last_key: float | None = None  # when the last keyframe was (seconds of the stream)
         reorders = bool(stream.codec_context.has_b_frames)
         self.keyframes_only = False
-        for packet in container.demux(stream):
+        packets = container.demux(stream)
+        if not paced:  # a live source: a read that waited out the timeout gave a stale packet
+            packets = self._live_packets(packets)
+        for packet in packets:
             if self._stop.is_set():
                 return self._got_frames
             if self.clips is not None:
@@ -686,6 +709,10 @@ class StreamReader:
                 now = time.monotonic()
                 if not self._got_frames:
                     self._got_frames = True
+                    if self._lost:  # reopened after a failure: one reconnect, however many tries
+                        self._lost = False
+                        with self._lock:
+                            self.reconnects += 1
                     self._set_state(StreamState.LIVE)
                     self.outage.recovered()
                 pts = frame.time
@@ -712,6 +739,29 @@ class StreamReader:
                     continue
                 self._deliver(frame, pts, now)
         return self._got_frames
+
+    def _live_packets(self, packets: Iterator[Any]) -> Iterator[Any]:
+        """``packets`` of a live source, each read marked as a wait on it (see
+        :attr:`waiting_on_source`), refused once one took the whole read timeout: FFmpeg's
+        read, cut short at the timeout, hands back the packet its RTP depacketizer held back
+        (waiting for the next one), and PyAV's timer starts again at the next read. A camera
+        that froze was so still "live" for twice the timeout, and its last frame went out
+        stamped as captured 5 s late."""
+        limit = self._opt.read_timeout_s
+        while True:
+            self._awaiting_packet = True
+            asked = time.monotonic()
+            try:
+                packet = next(packets, None)
+            finally:
+                self._awaiting_packet = False
+            if packet is None:
+                return
+            if time.monotonic() - asked >= limit and not self._stop.is_set():
+                raise SourceStalled(
+                    f"no packet for {limit:g} s; dropped the one FFmpeg held back at the timeout"
+                )
+            yield packet
 
     def _deliver(self, frame: Any, pts: float | None, now: float) -> None:
         """Hand a sampled ``av.VideoFrame`` on to the engines (a decode process sends it to
