@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -168,6 +169,14 @@ class StreamAnalytics:
             still,
             detect.stationary_after_s,
         )
+
+    def end(self, frame: int, name_of: Callable[[int], str]) -> list[ZoneEvent]:
+        """The objects still in zones leave them, ``lost``, at ``frame`` (the last): a video
+        job's end, where their entries stayed unpaired. Counted as every exit is."""
+        events = self._zones.end(frame)
+        with self._lock:
+            self._zone_moves.update((e.zone, e.kind, name_of(e.class_id)) for e in events)
+        return events
 
     def snapshot(self, showing: bool = True) -> dict[str, Any]:
         """The counts, as ``GET /streams/{id}`` shows them: ``detections`` and ``objects`` by

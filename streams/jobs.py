@@ -446,6 +446,7 @@ def run_job(
     directory.mkdir(parents=True, exist_ok=True)
     analytics = StreamAnalytics()
     pending: deque[_Sampled] = deque()
+    last: _Sampled | None = None
     progress.started_mono = time.monotonic()
 
     def stopped() -> None:
@@ -485,13 +486,21 @@ def run_job(
                         request_id=f"job:{job_id}:{index}",
                     )
                 )
-                pending.append(_Sampled(index, t, image, result, source))
+                pending.append(last := _Sampled(index, t, image, result, source))
                 while len(pending) >= inflight:
                     _write(frames_out, events_out, finish(pending.popleft()))
         except PoolClosed:
             raise JobCancelled(interrupted=True) from None
         while pending:
             _write(frames_out, events_out, finish(pending.popleft()))
+        if last is not None:  # what is still in a zone at the video's end leaves it, lost
+            ended = [
+                {**e.to_json(name_of), "pts": round(last.pts, 4)}
+                for e in analytics.end(last.index, name_of)
+            ]
+            progress.events += len(ended)
+            for event in ended:
+                events_out.write(_dumps(event) + "\n")
     counts = analytics.snapshot()
     for last_frame in ("objects", "stationary"):  # meaningless for a whole video
         counts.pop(last_frame, None)

@@ -35,6 +35,8 @@ from streams.geometry import (
 )
 
 MAX_LINES = 16
+MIN_LINE_LENGTH = 0.001
+"""The shortest line, in the picture's size (0.64 px at 640 px)."""
 Direction = Literal["in", "out"]
 
 
@@ -48,7 +50,8 @@ class Line:
     """A named counting line from ``a`` to ``b``, points in [0, 1] of the frame.
 
     Raises:
-        ValueError: an empty or over-long name, a point outside [0, 1], or ``a == b``.
+        ValueError: an empty or over-long name, a point outside [0, 1], or ``a`` and ``b``
+            under :data:`MIN_LINE_LENGTH` apart.
     """
 
     name: str
@@ -63,6 +66,11 @@ class Line:
             check_point(point, f"lines: {self.name!r}")
         if self.a == self.b:
             raise ValueError(f"lines: {self.name!r}: its two points are the same")
+        if math.hypot(self.b[0] - self.a[0], self.b[1] - self.a[1]) < MIN_LINE_LENGTH:
+            raise ValueError(
+                f"lines: {self.name!r}: its points are under {MIN_LINE_LENGTH:g} of the"
+                " picture apart (under a pixel): nothing would cross it"
+            )
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Line:
@@ -173,6 +181,11 @@ class LineCounter:
             class_id = int(detections.class_ids[i])
             band = BAND * tall[i]
             for line in lines:
+                if line.classes and detections.name_of(class_id) not in line.classes:
+                    # Called another class this frame: on neither side (as zones count it),
+                    # so a car the model calls a cell phone as it crosses is counted when it
+                    # is a car again beyond the line (its side was taken and the crossing lost).
+                    continue
                 distance = line.distance(point)
                 key = (track_id, line.name)
                 before = self._sides.get(key)
@@ -181,8 +194,6 @@ class LineCounter:
                 side = 1 if distance >= 0 else -1
                 self._sides[key] = (side, point)
                 if before is None or before[0] == side:
-                    continue
-                if line.classes and detections.name_of(class_id) not in line.classes:
                     continue
                 direction = line.crossing(before[1], point)
                 if direction is not None:

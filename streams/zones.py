@@ -199,6 +199,11 @@ class _Stay:
     entered: bool = False
     loitered: bool = False
 
+    @property
+    def dwell(self) -> float:
+        """Seconds from its first frame inside to its last."""
+        return round(self.last_in - self.since, 3)
+
 
 class ZoneCounter:
     """Which tracked objects are in which zone. Not thread-safe: its stream calls it in frame
@@ -209,6 +214,18 @@ class ZoneCounter:
 
     def clear(self) -> None:
         self._stays.clear()
+
+    def end(self, frame: int) -> list[ZoneEvent]:
+        """Every object in a zone leaves it, ``lost``, at ``frame``: its tracks end (tracking
+        turned off, a video job's end). Each entry gets its exit: they stayed unpaired."""
+        events = [
+            ZoneEvent(zone, "exit", track_id, stay.class_id, frame, stay.dwell, lost=True)
+            for zone, stays in self._stays.items()
+            for track_id, stay in stays.items()
+            if stay.entered
+        ]
+        self._stays.clear()
+        return events
 
     def update(
         self,
@@ -226,10 +243,9 @@ class ZoneCounter:
         members: list[list[str]] = [[] for _ in range(n)]
         occupancy: dict[str, Counter[int]] = {}
         ids = None if detections.track_ids is None else detections.track_ids.tolist()
-        if ids is None:
-            self._stays.clear()
+        # Tracking turned off: the objects in zones leave them (they stayed entered, unpaired).
+        events: list[ZoneEvent] = self.end(frame) if ids is None else []
         dwell: list[dict[str, float]] | None = None if ids is None else [{} for _ in range(n)]
-        events: list[ZoneEvent] = []
         alive = set(live)
         classes = detections.class_ids.tolist()
         # One step per object: a second box of another class on it is not a second one.
@@ -358,5 +374,4 @@ class ZoneCounter:
 
     @staticmethod
     def _exit(zone: Zone, track_id: int, stay: _Stay, frame: int, *, lost: bool) -> ZoneEvent:
-        dwell = round(stay.last_in - stay.since, 3)
-        return ZoneEvent(zone.name, "exit", track_id, stay.class_id, frame, dwell, lost)
+        return ZoneEvent(zone.name, "exit", track_id, stay.class_id, frame, stay.dwell, lost)

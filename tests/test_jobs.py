@@ -445,6 +445,32 @@ def test_streamdet_analyze_runs_a_job_without_a_server(tmp_path: Path) -> None:
         assert "Value error" not in bad.stderr  # pydantic's prefix
 
 
+def test_objects_still_in_a_zone_when_the_video_ends_leave_it(tmp_path: Path) -> None:
+    """Bottles on the shelf at the clip's last frame entered the zone and never left it (27
+    entries, 23 exits): at a job's end they exit, ``lost``, at the last frame."""
+    streamdet = Path(sys.executable).parent / "streamdet"
+    whole = {"name": "all", "points": [[0, 0], [1, 0], [1, 1], [0, 1]]}
+    settings = json.dumps({"track": True, "fps": 5, "zones": [whole]})
+    out = tmp_path / "shelf"
+    common = ["--model", str(MODEL_PT), "--cache-dir", str(CACHE_DIR), "--settings", settings]
+    run = subprocess.run(
+        [streamdet, "analyze", str(BOTTLE_CLIP), *common, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    moves = json.loads(run.stdout)["counts"]["zones"]["all"]
+    assert sum(moves["entered"].values()) == sum(moves["exited"].values()) > 0, moves
+    events = [json.loads(line) for line in (out / "events.ndjson").read_text().splitlines()]
+    last = max(e["frame"] for e in events)
+    at_end = [e for e in events if e["frame"] == last]
+    assert at_end and all(e["type"] == "zone_exit" and e["lost"] for e in at_end), at_end
+    frames = [json.loads(line) for line in (out / "frames.ndjson").read_text().splitlines()]
+    assert last == frames[-1]["frame"]  # the video's last frame read
+
+
 def test_a_job_calls_back_when_it_ends_signed_and_retried(tmp_path: Path) -> None:
     receiver = WebhookReceiver(refuse=1)  # the first try fails: the callback is retried
     try:

@@ -245,6 +245,56 @@ def test_zones_and_lines_with_classes_count_only_those() -> None:
         parse_zones([{"name": "z", "points": [list(p) for p in BOTTOM.points], "classes": "car"}])
 
 
+def test_a_line_for_cars_counts_a_car_the_model_calls_otherwise_as_it_crosses() -> None:
+    """The real clip's first car is called a cell phone in the frames it crosses the line in:
+    a line for cars took its side then and never counted it. Frames of another class are on
+    neither side, as zones count them: the car beyond the line is counted (a truck here)."""
+    analytics = StreamAnalytics()
+    cars = Line("gate", (0.0, 0.5), (1.0, 0.5), classes=("car",))
+    settings = StreamDetect(track=True, lines=(cars,))
+    crossings = []
+    path = [(600 - 20 * k, 2 if k < 4 or k > 7 else 7) for k in range(11)]  # car, truck, car
+    for k, (y, cls) in enumerate(path):  # up the picture, across y=500 while called a truck
+        done = analytics.process(dets([[300, y - 100, 400, y]], [cls]), settings, 0.1 * k, k)
+        crossings += [e.to_json(done.detections.name_of) for e in done.events]
+    assert [(c["line"], c["direction"], c["class_name"]) for c in crossings] == [
+        ("gate", "out", "car")
+    ]
+    assert analytics.snapshot()["crossings"] == {"gate": {"in": {}, "out": {"car": 1}}}
+
+
+def test_objects_in_zones_leave_them_when_tracking_is_turned_off_or_the_video_ends() -> None:
+    """An entry always gets its exit: turning ``track`` off dropped the stays without one
+    (entered stayed ahead of exited for good), and so did a video job's end."""
+    analytics = StreamAnalytics()
+    tracked = StreamDetect(track=True, zones=(LEFT,))
+    kinds: list[tuple[str, int, bool]] = []
+
+    def step(k: int, settings: StreamDetect) -> None:
+        done = analytics.process(dets([[100, 300, 200, 400]]), settings, 0.1 * k, k)
+        kinds.extend((e.kind, e.frame, e.lost) for e in done.events if hasattr(e, "lost"))
+
+    for k in range(4):
+        step(k, tracked)
+    step(4, StreamDetect(zones=(LEFT,)))  # PATCH {"track": false}
+    for k in range(5, 9):
+        step(k, tracked)
+    assert kinds == [("enter", 2, False), ("exit", 4, True), ("enter", 7, False)]
+    ended = analytics.end(9, lambda c: "car")
+    assert [(e.zone, e.kind, e.frame, e.lost, e.dwell_s) for e in ended] == [
+        ("left", "exit", 9, True, 0.3)
+    ]
+    moves = analytics.snapshot()["zones"]["left"]
+    assert moves["entered"] == {"car": 2} and moves["exited"] == {"car": 2}, moves
+    assert analytics.end(10, str) == []  # nobody left inside
+
+
+def test_a_line_under_a_pixel_long_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"under 0\.001 of the picture apart"):
+        Line.parse({"name": "dot", "points": [[0.5, 0.5], [0.5, 0.5000000001]]})
+    assert Line.parse({"name": "short", "points": [[0.5, 0.5], [0.5, 0.502]]}).name == "short"
+
+
 def test_shape_classes_are_checked_and_kept_by_name(tmp_path: Path) -> None:
     zone = {**SHELF, "classes": ["bottle", 41]}  # 41: cup
     with TestClient(file_stream_app(tmp_path)) as c:
