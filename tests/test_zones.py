@@ -272,7 +272,7 @@ def test_objects_in_zones_leave_them_when_tracking_is_turned_off_or_the_video_en
 
     def step(k: int, settings: StreamDetect) -> None:
         done = analytics.process(dets([[100, 300, 200, 400]]), settings, 0.1 * k, k)
-        kinds.extend((e.kind, e.frame, e.lost) for e in done.events if hasattr(e, "lost"))
+        kinds.extend((e.kind, e.frame, e.lost) for e in done.events if isinstance(e, ZoneEvent))
 
     for k in range(4):
         step(k, tracked)
