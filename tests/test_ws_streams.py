@@ -20,6 +20,7 @@ import pytest
 import websockets
 
 from loadtest.server import ServerProcess, free_port
+from server.transport import MAX_UNSENT_BYTES
 from tests.helpers import BOTTLE_CLIP, CACHE_DIR, MESSAGE_KEYS, MODEL_PT, clip_server
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera
 
@@ -174,7 +175,7 @@ viewer's socket buffers in seconds."""
 STALLING_VIEW = "frames=jpeg&max_fps=60&quality=95"
 
 
-def stalled_viewer(port: int, sid: str) -> socket.socket:
+def stalled_viewer(port: int, sid: str, view: str = STALLING_VIEW) -> socket.socket:
     """A WebSocket viewer of ``sid`` that never reads: its tiny receive buffer closes its
     TCP window at once, and the server's buffers fill behind it."""
     sock = socket.socket()
@@ -183,7 +184,7 @@ def stalled_viewer(port: int, sid: str) -> socket.socket:
     sock.connect(("127.0.0.1", port))
     key = base64.b64encode(os.urandom(16)).decode()
     request = (
-        f"GET /ws/streams/{sid}?{STALLING_VIEW} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        f"GET /ws/streams/{sid}?{view} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
         f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
     )
     sock.sendall(request.encode())
@@ -257,6 +258,26 @@ def test_a_stalled_viewer_holds_up_neither_its_streams_removal_nor_the_shutdown(
     assert log.count("not reading when its stream closed") == 2, log
     assert log.count("(setting STREAMDET_WS_SEND_TIMEOUT_S)") == 2, log
     assert "shutdown complete" in log
+
+
+def test_a_stalled_viewer_loses_old_messages_in_its_queue_not_in_the_servers_socket(
+    tmp_path: Path,
+) -> None:
+    """A viewer that stops reading with its window closed: the server's socket took what the
+    stream sent it (it grows to a few MB: after 30 s at 10 fps, 331 messages were waiting,
+    the oldest 30 s old, none counted dropped). Now the connection holds at most
+    MAX_UNSENT_BYTES unsent in the socket and as much in the event loop's buffer, the sends
+    wait beyond it, and the viewer's queue drops old messages, counted."""
+    with (
+        clip_server(tmp_path, ws_send_timeout_s=600) as server,
+        httpx.Client(base_url=server.base_url, timeout=30) as c,
+    ):
+        sid = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        with stalled_viewer(server.port, sid, view="") as sock:
+            wait_stalled(server.port, sock)
+            held = unsent_bytes(server.port, sock.getsockname()[1])
+            assert held is not None and held <= 2 * MAX_UNSENT_BYTES, held
+            wait_until("dropping", lambda: c.get(f"/streams/{sid}").json()["viewer_drops"] > 10)
 
 
 def stalled_mjpeg_client(port: int, sid: str) -> socket.socket:

@@ -38,7 +38,7 @@ from server.render import line_label, render_jpeg, zone_label
 from server.routes.paths import root_of
 from server.routes.streams import get_manager
 from server.state import get_state
-from server.transport import CLOSE_GRACE_S, abort_later
+from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
 from streams.detect import StreamDetect
 from streams.fanout import Closed, ProcessedFrame
 from streams.manager import StreamManager
@@ -395,6 +395,8 @@ class TimedStream(StreamingResponse):
         self._why = ""
 
     async def stream_response(self, send: Send) -> None:
+        hold_little_unsent(send)  # a stalled client's backlog: dropped parts, not the socket
+
         async def timed(message: Message) -> None:
             sending = asyncio.ensure_future(send(message))
             closing = asyncio.ensure_future(self._closed())

@@ -2,7 +2,9 @@
 
 Close codes: ``4404`` unknown stream id, ``1000`` the stream was removed, ``1001`` the
 server is shutting down. Each viewer reads from its own bounded queue (setting
-``STREAMDET_WS_QUEUE_SIZE``): a slow viewer loses old messages, never slows the stream. A
+``STREAMDET_WS_QUEUE_SIZE``): a slow viewer loses old messages, never slows the stream; its
+connection holds little not yet sent (``server.transport.hold_little_unsent``), so the queue,
+not the socket's buffers, is where a stalled viewer's backlog waits. A
 viewer that stops reading altogether (its socket's buffers full, every send waiting) is
 dropped, its connection aborted, once a send has waited ``STREAMDET_WS_SEND_TIMEOUT_S``, and
 at once when its stream is removed or the server shuts down: a send without a limit waited
@@ -24,7 +26,7 @@ from starlette.websockets import WebSocketDisconnect
 from server.routes.viewer import WS_BAD_OPTION, JpegFrames
 from server.settings import Settings
 from server.state import get_state
-from server.transport import CLOSE_GRACE_S, abort_later
+from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
 from streams.fanout import WS_GOING_AWAY, Closed, ProcessedFrame, Subscriber
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
         return
     log.info("stream %s: viewer connected (%s)", stream_id, websocket.client)
     timeout_s = state.settings.ws_send_timeout_s
+    hold_little_unsent(websocket._send)  # a stalled viewer's backlog: its queue, not the socket
     sender = asyncio.create_task(_send(websocket, sub, jpeg, timeout_s))
     receiver = asyncio.create_task(_receive_until_gone(websocket))
     closed = asyncio.create_task(sub.wait_closed())
