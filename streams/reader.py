@@ -227,11 +227,14 @@ class OutageLog:
     def _begin(self, now: float, last_frame: float | None = None) -> None:
         self._down, self._since, self._summarised = True, last_frame or now, now
 
-    def failed(self, source: str, error: str) -> None:
-        """An attempt failed: ``source`` (the URL, redacted) gave ``error``."""
+    def failed(self, source: str, error: str, attempt_s: float = 0.0) -> None:
+        """An attempt failed: ``source`` (the URL, redacted) gave ``error``; it began
+        ``attempt_s`` ago, and so did an outage it begins (a camera down from the start was
+        "down 4.0 s", timed from its first failure at the open timeout, when it had been
+        16 s)."""
         now = self.clock()
         if not self._down:
-            self._begin(now)
+            self._begin(now - attempt_s)
         self.failures += 1
         sid = self.stream_id
         if error not in self._errors and len(self._errors) < self.MAX_ERRORS:
@@ -540,7 +543,7 @@ class StreamReader:
                 if got_frames:
                     self._lost = True
                     self.outage.lost(self._last_frame_mono)
-                self.outage.failed(redact(self.config.spec.url), error)
+                self.outage.failed(redact(self.config.spec.url), error, self._attempt_s())
             else:
                 if self._stop.is_set():
                     break
@@ -565,7 +568,9 @@ class StreamReader:
                     self._lost = True
                     self.outage.lost(self._last_frame_mono)
                 else:  # opened, but no frame: a failure as any other
-                    self.outage.failed(redact(self.config.spec.url), "source ended")
+                    self.outage.failed(
+                        redact(self.config.spec.url), "source ended", self._attempt_s()
+                    )
             attempt = 1 if got_frames else attempt + 1
             if self._opt.max_attempts and attempt > self._opt.max_attempts:
                 self._set_state(
@@ -584,6 +589,10 @@ class StreamReader:
             if self._stop.wait(delay):
                 break
         self._set_state(StreamState.STOPPED)
+
+    def _attempt_s(self) -> float:
+        """Seconds since the current (failed) attempt began opening the source (0: none)."""
+        return time.monotonic() - self._opened_at if self._opened_at else 0.0
 
     def _explain(self, exc: Exception) -> str:
         """What a source failure says in ``last_error``: FFmpeg's own words, or, where it

@@ -339,6 +339,25 @@ def test_an_outage_after_frames_is_timed_from_the_last_frame_and_its_errors_warn
     assert caplog.records[-1].levelname == "WARNING"
 
 
+def test_a_camera_down_from_the_start_is_down_from_its_first_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its outage began at its first failure, the open timeout after the attempt began: a
+    camera live 16 s after it was added said "down 4.0 s"."""
+    caplog.set_level(logging.INFO, logger="streams.reader")
+    clock = [110.0]
+    outage = OutageLog("door", clock=lambda: clock[0])
+    outage.failed("rtsp://cam/1", "no answer within 10 s", attempt_s=10.0)  # began at 100
+    outage.retrying(1, 1.0)
+    clock[0] = 116.0
+    outage.failed("rtsp://cam/1", "no answer within 10 s", attempt_s=5.0)  # no new outage
+    clock[0] = 120.0
+    outage.recovered()
+    assert caplog.records[-1].getMessage() == (
+        "stream door: reconnected after 1 attempts, down 20.0 s"
+    )
+
+
 def test_a_stream_removed_while_it_opens_logs_no_failure_after(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
