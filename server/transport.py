@@ -21,9 +21,10 @@ MAX_WRAPPERS = 64
 
 
 MAX_UNSENT_BYTES = 16 * 1024
-"""What a viewer's connection may hold not yet sent, in the system's socket buffer
-(``TCP_NOTSENT_LOWAT``) and again in the event loop's, before its sends wait: bytes sent and
-not yet acknowledged do not count, so a fast link far away is not slowed."""
+"""About what a viewer's connection may hold not yet sent, in the system's socket buffer
+(``TCP_NOTSENT_LOWAT``) and again in the event loop's, before its sends wait (the message
+being written goes in whole): bytes sent and not yet acknowledged do not count, so a fast
+link far away is not slowed."""
 
 
 class Transport(Protocol):

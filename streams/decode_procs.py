@@ -750,8 +750,9 @@ class RemoteReader(StreamReader):
         return self._started and not self._exited.is_set()
 
     @property
-    def opening(self) -> bool:
-        """Never let go of early: its process says when it has closed the stream."""
+    def waiting_on_source(self) -> bool:
+        """Never let go of early: its process says when it has closed the stream (its last
+        counts come with that; a reader let go of lost them)."""
         return False
 
     @property

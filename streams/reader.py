@@ -410,11 +410,6 @@ class StreamReader:
         return not self._thread.is_alive()
 
     @property
-    def opening(self) -> bool:
-        """Whether its thread is in FFmpeg's open of the source (which no stop interrupts)."""
-        return self._phase == "open" and self.alive
-
-    @property
     def waiting_on_source(self) -> bool:
         """Whether its thread waits in FFmpeg for the source, opening it or reading its next
         packet: no stop interrupts either; they end within the open or read timeout."""
@@ -537,16 +532,19 @@ class StreamReader:
                 # One that sent frames before it failed starts its backoff afresh: a camera
                 # dropping once a day went on counting attempts, to --reconnect-max-attempts.
                 got_frames = self._got_frames
+                was_live = got_frames or self._polling  # a snapshot URL is live between fetches
                 self._polling = False
                 error = redact_in(self._explain(exc), self.config.spec.url)
                 self._set_state(StreamState.RECONNECTING, error)
-                if got_frames:
+                if was_live:
                     self._lost = True
+                if got_frames:
                     self.outage.lost(self._last_frame_mono)
                 self.outage.failed(redact(self.config.spec.url), error, self._attempt_s())
             else:
                 if self._stop.is_set():
                     break
+                was_polling = self._polling
                 self._polling = got_frames and self._still
                 if self._polling:
                     # A snapshot URL: one picture a fetch, and the stream stays live between
@@ -564,8 +562,9 @@ class StreamReader:
                     self._set_state(StreamState.STOPPED, FILE_ENDED)
                     return
                 self._set_state(StreamState.RECONNECTING, "source ended")
-                if got_frames:  # a camera lost (its state line says so): the outage begins
+                if got_frames or was_polling:
                     self._lost = True
+                if got_frames:  # a camera lost (its state line says so): the outage begins
                     self.outage.lost(self._last_frame_mono)
                 else:  # opened, but no frame: a failure as any other
                     self.outage.failed(

@@ -655,6 +655,8 @@ async def test_a_snapshot_url_is_polled_at_max_fps_and_stays_live(
             camera.status = 200
             assert await m.wait_state(sid, {StreamState.LIVE}, 30)
             await published_frames(m, sid, 1, after=frames[-1].frame)
+            back = m.describe(sid)  # live between fetches, so its return is a reconnect
+            assert back is not None and back["reconnects"] == 1, back
     finally:
         camera.close()
 
