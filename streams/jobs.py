@@ -474,33 +474,58 @@ def run_job(
         (directory / FRAMES_FILE).open("w", encoding="utf-8", buffering=1) as frames_out,
         (directory / EVENTS_FILE).open("w", encoding="utf-8", buffering=1) as events_out,
     ):
+        # A frame's line is written once it is done, but for one that may be the video's
+        # last (none read after it yet): its line waits for the next frame to be read, or
+        # carries the exits of what was still in a zone at the video's end (as events.ndjson
+        # has them).
+        held: tuple[dict[str, Any], list[str]] | None = None
+
+        def flush() -> None:
+            nonlocal held
+            if held is not None:
+                _write(frames_out, events_out, held)
+                held = None
+
+        def done(lines: tuple[dict[str, Any], list[str]]) -> None:
+            nonlocal held
+            flush()
+            if pending:
+                _write(frames_out, events_out, lines)
+            else:
+                held = lines
+
         try:
-            for index, t, image, source in decoded:
-                result: Future[WorkResult] = Future()
-                submit(
-                    WorkItem(
-                        image,
-                        spec.detect.engine_params,
-                        deadline=time.monotonic() + BACKGROUND_DEADLINE_S,
-                        on_done=result.set_result,
-                        request_id=f"job:{job_id}:{index}",
+            try:
+                for index, t, image, source in decoded:
+                    flush()  # not the last frame
+                    result: Future[WorkResult] = Future()
+                    submit(
+                        WorkItem(
+                            image,
+                            spec.detect.engine_params,
+                            deadline=time.monotonic() + BACKGROUND_DEADLINE_S,
+                            on_done=result.set_result,
+                            request_id=f"job:{job_id}:{index}",
+                        )
                     )
-                )
-                pending.append(last := _Sampled(index, t, image, result, source))
-                while len(pending) >= inflight:
-                    _write(frames_out, events_out, finish(pending.popleft()))
-        except PoolClosed:
-            raise JobCancelled(interrupted=True) from None
-        while pending:
-            _write(frames_out, events_out, finish(pending.popleft()))
-        if last is not None:  # what is still in a zone at the video's end leaves it, lost
-            ended = [
-                {**e.to_json(name_of), "pts": round(last.pts, 4)}
-                for e in analytics.end(last.index, name_of)
-            ]
-            progress.events += len(ended)
-            for event in ended:
-                events_out.write(_dumps(event) + "\n")
+                    pending.append(last := _Sampled(index, t, image, result, source))
+                    while len(pending) >= inflight:
+                        done(finish(pending.popleft()))
+            except PoolClosed:
+                raise JobCancelled(interrupted=True) from None
+            while pending:
+                done(finish(pending.popleft()))
+            if last is not None and held is not None:  # what is still in a zone leaves it, lost
+                ended = [
+                    {**e.to_json(name_of), "pts": round(last.pts, 4)}
+                    for e in analytics.end(last.index, name_of)
+                ]
+                if ended:
+                    progress.events += len(ended)
+                    held[0].setdefault("events", []).extend(ended)
+                    held[1].extend(_dumps(event) for event in ended)
+        finally:  # a job cut short keeps every frame it finished
+            flush()
     counts = analytics.snapshot()
     for last_frame in ("objects", "stationary"):  # meaningless for a whole video
         counts.pop(last_frame, None)
@@ -519,9 +544,9 @@ def _finish(
     progress: JobProgress,
     stopped: Callable[[], None],
     sink: FrameSink | None,
-) -> tuple[str, list[str]]:
+) -> tuple[dict[str, Any], list[str]]:
     """Wait for a frame's result and take it through the analytics, in frame order; returns
-    its line of ``frames.ndjson`` and its lines of ``events.ndjson``."""
+    its line of ``frames.ndjson`` (to be written) and its lines of ``events.ndjson``."""
     while True:
         stopped()
         try:
@@ -563,12 +588,12 @@ def _finish(
         if sink is not None:
             sink.write(sampled.image, done.detections, sampled.pts, analytics.snapshot())
     progress.events += len(events)
-    return _dumps(line), events
+    return line, events
 
 
-def _write(frames_out: TextIO, events_out: TextIO, lines: tuple[str, list[str]]) -> None:
+def _write(frames_out: TextIO, events_out: TextIO, lines: tuple[dict[str, Any], list[str]]) -> None:
     frame_line, events = lines
-    frames_out.write(frame_line + "\n")
+    frames_out.write(_dumps(frame_line) + "\n")
     for event in events:
         events_out.write(event + "\n")
 

@@ -447,7 +447,8 @@ def test_streamdet_analyze_runs_a_job_without_a_server(tmp_path: Path) -> None:
 
 def test_objects_still_in_a_zone_when_the_video_ends_leave_it(tmp_path: Path) -> None:
     """Bottles on the shelf at the clip's last frame entered the zone and never left it (27
-    entries, 23 exits): at a job's end they exit, ``lost``, at the last frame."""
+    entries, 23 exits): at a job's end they exit, ``lost``, at the last frame, in its line of
+    ``frames.ndjson`` as in ``events.ndjson``."""
     streamdet = Path(sys.executable).parent / "streamdet"
     whole = {"name": "all", "points": [[0, 0], [1, 0], [1, 1], [0, 1]]}
     settings = json.dumps({"track": True, "fps": 5, "zones": [whole]})
@@ -469,6 +470,11 @@ def test_objects_still_in_a_zone_when_the_video_ends_leave_it(tmp_path: Path) ->
     assert at_end and all(e["type"] == "zone_exit" and e["lost"] for e in at_end), at_end
     frames = [json.loads(line) for line in (out / "frames.ndjson").read_text().splitlines()]
     assert last == frames[-1]["frame"]  # the video's last frame read
+    # Its line carries them too: the frames' events are the events file's, line for line.
+    assert [e for e in frames[-1].get("events", []) if e["lost"]] == [
+        e for e in at_end if e["lost"]
+    ]
+    assert [e for f in frames for e in f.get("events", [])] == events
 
 
 def test_a_job_calls_back_when_it_ends_signed_and_retried(tmp_path: Path) -> None:
