@@ -262,6 +262,8 @@ class LiveUser(User):
         text = message if isinstance(message, str) else message.decode()
         try:
             frame = json.loads(text)
+            if isinstance(frame, dict) and "type" in frame:
+                return  # a stream_state event, not a frame
             latency_ms = (received - float(frame["captured_at"])) * 1000.0
         except (ValueError, KeyError, TypeError) as exc:
             self._fire((time.perf_counter() - start) * 1000, len(text), exc)

@@ -22,6 +22,7 @@ from streams.track import STATIONARY_S
 
 WS_NORMAL = 1000
 WS_GOING_AWAY = 1001
+STATES_OPTION = "states"
 MAX_CARRIED = 1024
 """Events kept for a viewer that is not reading; the oldest go beyond this (a viewer that far
 behind is stalled; the counts in ``GET /streams/{id}`` and ``GET /events`` stay whole)."""
@@ -141,6 +142,18 @@ class ProcessedFrame:
 
 
 @dataclass(frozen=True, slots=True)
+class StateMessage:
+    """A stream's state change (its ``stream_state`` event as logged, ``type`` and all), sent
+    between its frames to the viewers that asked (``?states=true``): a camera that drops
+    stops the frames, and this says why. A frame's message has no ``type``."""
+
+    text: str
+
+    def json_text(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True, slots=True)
 class Closed:
     """End of a subscription: the WebSocket close code and reason to send."""
 
@@ -162,9 +175,15 @@ class Subscriber:
             raise ValueError("maxsize must be >= 1 (setting STREAMDET_WS_QUEUE_SIZE)")
         self.stream_id = stream_id
         self.options = options or {}
+        # ``?states=true``: the stream's state changes too (a viewer that knows only frames
+        # asked for none).
+        self.wants_states = self.options.get(STATES_OPTION) in ("true", "1")
         self.dropped = 0
         self.closed: Closed | None = None
-        self._queue: asyncio.Queue[ProcessedFrame | Closed] = asyncio.Queue(maxsize)
+        self._queue: asyncio.Queue[ProcessedFrame | StateMessage | Closed] = asyncio.Queue(maxsize)
+        # State changes pushed out of a full queue: sent before what is still in it (all
+        # newer), never dropped (one a change: few).
+        self._states: list[StateMessage] = []
         # Events of frames this viewer will not get, handed on with the next one: a viewer
         # may miss pictures, never an event.
         self._carried: list[StreamEvent] = []
@@ -173,8 +192,9 @@ class Subscriber:
         # viewer that stopped reading holds up (the Closed in the queue would never be read).
         self._ended = asyncio.Event()
 
-    def offer(self, frame: ProcessedFrame) -> None:
-        """Queue ``frame``, dropping the oldest waiting one if the queue is full."""
+    def offer(self, frame: ProcessedFrame | StateMessage) -> None:
+        """Queue ``frame`` (or a state change), dropping the oldest waiting frame if the
+        queue is full."""
         if self.closed is not None:
             return
         self._put(frame)
@@ -186,6 +206,7 @@ class Subscriber:
         self.closed = Closed(code, reason)
         while not self._queue.empty():  # a closing viewer needs no backlog
             self._queue.get_nowait()
+        self._states.clear()
         self._queue.put_nowait(self.closed)
         self._ended.set()
 
@@ -193,12 +214,15 @@ class Subscriber:
         """Wait until the subscription is closed (stream removed, server going away)."""
         await self._ended.wait()
 
-    def _put(self, item: ProcessedFrame | Closed) -> None:
+    def _put(self, item: ProcessedFrame | StateMessage | Closed) -> None:
         if self._queue.full():
             old = self._queue.get_nowait()
-            if isinstance(old, ProcessedFrame):
-                self.carry(old)
-            self.dropped += 1
+            if isinstance(old, StateMessage):
+                self._states.append(old)
+            else:
+                if isinstance(old, ProcessedFrame):
+                    self.carry(old)
+                self.dropped += 1
         self._queue.put_nowait(item)
 
     def carry(self, skipped: ProcessedFrame) -> None:
@@ -208,9 +232,11 @@ class Subscriber:
             self.dropped_events += len(self._carried) - MAX_CARRIED
             del self._carried[:-MAX_CARRIED]
 
-    async def get(self) -> ProcessedFrame | Closed:
-        """The next frame (with the events of frames skipped before it), or
+    async def get(self) -> ProcessedFrame | StateMessage | Closed:
+        """The next frame (with the events of frames skipped before it) or state change, or
         :class:`Closed` once the subscription ended."""
+        if self._states and self.closed is None:
+            return self._states.pop(0)
         item = await self._queue.get()
         if isinstance(item, ProcessedFrame) and self._carried:
             item, self._carried = item.with_events(self._carried), []

@@ -29,7 +29,7 @@ from streams.decode_child import SLOTS
 from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
-from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, Subscriber
+from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, StateMessage, Subscriber
 from streams.jobs import FrameSource
 from streams.outbox import Outbox
 from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
@@ -443,7 +443,7 @@ class StreamManager:
             # In the stream's frame numbers, as its other events and frames (frames_in
             # counted every frame the camera sent, those max_fps skipped too).
             disabled = StateEvent(was.value, StreamState.DISABLED.value, None, old.frame_no)
-            self.events.add(record.id, record.name, time.time(), [disabled], str)
+            self._state_changed(record.id, record.name, time.time(), disabled)
             self._launch(record, None, carry=old)
             return
         try:
@@ -641,7 +641,17 @@ class StreamManager:
         record = self._records.get(stream_id)
         if record is None or self._tokens.get(stream_id) is not token:
             return  # removed, or reopened on a new source, meanwhile
-        self.events.add(stream_id, record.name, at, [event], str)
+        self._state_changed(stream_id, record.name, at, event)
+
+    def _state_changed(self, stream_id: str, name: str, at: float, event: StateEvent) -> None:
+        """Log a stream's state change, and send it to the viewers that asked for them: they
+        see why its frames stopped, or that they come again. (A removed stream's viewers are
+        closed, 1000 "stream removed", instead.)"""
+        for logged in self.events.add(stream_id, name, at, [event], str):
+            message = StateMessage(json.dumps(logged, separators=(",", ":")))
+            for sub in self._subs.get(stream_id, ()):
+                if sub.wants_states:
+                    sub.offer(message)
 
     def _reader_of(self, frame: ProcessedFrame, token: object) -> StreamReader | None:
         """The reader of ``frame`` if it is still the one that read it (``token``); None for

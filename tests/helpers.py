@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from loadtest.server import ServerProcess
-    from streams.fanout import ProcessedFrame
+    from streams.fanout import ProcessedFrame, Subscriber
     from streams.manager import StreamManager
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,20 +252,33 @@ async def published_frames(
     manager: StreamManager, stream_id: str, n: int, after: int = 0
 ) -> list[ProcessedFrame]:
     """The next ``n`` frames ``manager`` publishes of a stream, numbered above ``after``."""
-    from streams.fanout import ProcessedFrame
 
     sub = manager.subscribe(stream_id)
     assert sub is not None
     frames: list[ProcessedFrame] = []
     try:
         while len(frames) < n:
-            item = await asyncio.wait_for(sub.get(), 60)
-            assert isinstance(item, ProcessedFrame), item
+            item = await next_frame(sub, 60)
             if item.frame > after:
                 frames.append(item)
     finally:
         manager.unsubscribe(sub)
     return frames
+
+
+async def next_frame(
+    sub: Subscriber, timeout_s: float = 30, states: list[dict[str, Any]] | None = None
+) -> ProcessedFrame:
+    """The next frame ``sub`` gets, its stream's state changes before it put in ``states``
+    (a viewer is sent them between frames)."""
+    from streams.fanout import ProcessedFrame, StateMessage
+
+    async with asyncio.timeout(timeout_s):
+        while isinstance(item := await sub.get(), StateMessage):
+            if states is not None:
+                states.append(json.loads(item.text))
+    assert isinstance(item, ProcessedFrame), f"subscription closed: {item}"
+    return item
 
 
 @contextlib.asynccontextmanager

@@ -34,6 +34,7 @@ from tests.helpers import (
     MODEL_TS,
     VIDEOS,
     match_reference,
+    next_frame,
     ultralytics_assets,
 )
 
@@ -252,13 +253,11 @@ def test_live_stream_decodes_on_nvdec_into_the_torch_engine(model: Path, tmp_pat
             frames: list[ProcessedFrame] = []
             while len(frames) < 10:
                 try:
-                    item = await asyncio.wait_for(sub.get(), 30)
+                    frames.append(await next_frame(sub, 30))
                 except TimeoutError:  # say where the stream stands, not just that it timed out
                     raise AssertionError(
                         f"{len(frames)} frames in 30 s: {manager.describe(info['id'])}"
                     ) from None
-                assert isinstance(item, ProcessedFrame), item
-                frames.append(item)
             return frames, (manager.describe(info["id"]) or {}).get("decode", "")
         finally:
             await manager.stop(10)

@@ -32,7 +32,7 @@ from loadtest.server import free_port
 from server.metrics import Metrics
 from server.routes.streams import metric_samples
 from streams.detect import Roi, StreamDetect
-from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, Subscriber
+from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, StateMessage, Subscriber
 from streams.frames import keyframes_suffice
 from streams.jobs import JobError, probe
 from streams.lines import Crossing
@@ -69,6 +69,7 @@ from tests.helpers import (
     VIDEOS,
     SnapshotCamera,
     detect_json,
+    next_frame,
     published_frames,
     silent_camera,
     ultralytics_assets,
@@ -288,6 +289,21 @@ async def test_slow_subscriber_keeps_only_the_newest_messages() -> None:
     assert [f.frame for f in got if isinstance(f, ProcessedFrame)] == [8, 9, 10]
 
 
+async def test_a_state_change_pushed_out_of_a_slow_viewers_queue_is_still_sent_first() -> None:
+    sub = Subscriber("s1", maxsize=3)
+    sub.offer(_frame(1))
+    sub.offer(StateMessage('{"type":"stream_state","state":"reconnecting"}'))
+    for n in range(2, 8):
+        sub.offer(_frame(n))
+    assert sub.dropped == 4  # frames only: the state change is kept
+    got = [await sub.get() for _ in range(4)]
+    assert isinstance(got[0], StateMessage) and "reconnecting" in got[0].text
+    assert [f.frame for f in got[1:] if isinstance(f, ProcessedFrame)] == [5, 6, 7]
+    sub.offer(StateMessage('{"type":"stream_state","state":"live"}'))
+    sub.close(1000, "stream removed")  # a closing viewer needs no backlog
+    assert await sub.get() == Closed(1000, "stream removed")
+
+
 async def test_events_of_frames_a_viewer_loses_come_with_the_next_frame() -> None:
     sub = Subscriber("s1", maxsize=3)
     for n in range(1, 11):
@@ -439,9 +455,7 @@ async def test_file_stream_is_sampled_at_max_fps_and_published(
     assert sub is not None
     frames = []
     for _ in range(4):
-        item = await asyncio.wait_for(sub.get(), 60)
-        assert isinstance(item, ProcessedFrame)
-        frames.append(item)
+        frames.append(await next_frame(sub, 60))
     assert all(f.image.shape == (360, 640, 3) for f in frames)
     assert sum(len(f.detections) for f in frames) > 0  # the clip shows bottles
     assert [f.frame for f in frames] == sorted(f.frame for f in frames)

@@ -27,12 +27,12 @@ from loadtest.server import free_port
 from streams.clips import CLIP_PATH, ClipOptions
 from streams.detect import StreamDetect
 from streams.events import EventFilter
-from streams.fanout import ProcessedFrame, Subscriber
+from streams.fanout import ProcessedFrame
 from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
 from streams.sources import Transport, rtsp_answer
 from streams.store import StreamStore
-from tests.helpers import VIDEOS, silent_camera, start_ort_pool
+from tests.helpers import VIDEOS, next_frame, silent_camera, start_ort_pool
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera, camera_clip
 
 pytestmark = pytest.mark.rtsp
@@ -85,12 +85,6 @@ async def manager(
     await m.start()
     yield m
     await m.stop(10)
-
-
-async def next_frame(sub: Subscriber, timeout_s: float = 30) -> ProcessedFrame:
-    item = await asyncio.wait_for(sub.get(), timeout_s)
-    assert isinstance(item, ProcessedFrame), f"subscription closed: {item}"
-    return item
 
 
 async def test_detections_arrive_with_capture_time_and_latency(
@@ -318,9 +312,10 @@ async def test_camera_killed_and_restarted_reconnects_by_itself(
     try:
         info = await manager.add(cam.url("car"))
         sid = info["id"]
-        sub = manager.subscribe(sid)
+        sub = manager.subscribe(sid, {"states": "true"})
         assert sub is not None
-        before = await next_frame(sub)
+        seen: list[dict[str, Any]] = []  # state changes its viewers are sent
+        before = await next_frame(sub, states=seen)
         cam.kill()
         assert await manager.wait_state(sid, {StreamState.RECONNECTING}, 30)
         lost = manager.describe(sid)
@@ -328,7 +323,7 @@ async def test_camera_killed_and_restarted_reconnects_by_itself(
         cam = RtspCamera({"car": CAR}, port=cam.port).start()  # same camera comes back
         assert await manager.wait_state(sid, {StreamState.LIVE}, 60)
         while True:  # skip frames published before the plug was pulled
-            after = await next_frame(sub)
+            after = await next_frame(sub, states=seen)
             if after.frame > before.frame and after.captured_at > before.captured_at + 0.5:
                 break
         stats = manager.describe(sid)
@@ -345,6 +340,9 @@ async def test_camera_killed_and_restarted_reconnects_by_itself(
         assert changes[-1] == ("reconnecting", "live"), changes
         lost_at = page.events[1]
         assert lost_at["error"] and lost_at["frame"] >= before.frame, lost_at
+        # A viewer is told between the frames, with the events as logged.
+        assert page.events[1] in seen and page.events[-1] in seen, (seen, page.events)
+        assert seen.index(page.events[1]) < seen.index(page.events[-1])
     finally:
         cam.stop()
 
@@ -659,8 +657,8 @@ async def test_a_camera_frozen_while_live_is_removed_at_once_and_sends_no_stale_
             ), stats["last_error"]
             published = []
             with contextlib.suppress(TimeoutError):
-                while isinstance(item := await asyncio.wait_for(sub.get(), 0.2), ProcessedFrame):
-                    published.append(item)
+                while True:
+                    published.append(await next_frame(sub, 0.2))
         finally:
             cam.proc.send_signal(signal.SIGCONT)
         assert removed_s < 2, removed_s  # the read's timeout is 4 s

@@ -5,6 +5,7 @@ survives a server restart, and that a viewer that stops reading is dropped."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -65,6 +66,19 @@ async def first_message_with_detections(url: str, limit: int = 250) -> dict[str,
     pytest.fail(f"no detections in {limit} messages from {url}")
 
 
+async def state_messages(ws: websockets.ClientConnection, until: str) -> list[dict[str, Any]]:
+    """The state changes ``ws`` is sent up to one to ``until``, skipping frames (60 s at
+    most)."""
+    changes: list[dict[str, Any]] = []
+    async with asyncio.timeout(60):
+        while not changes or changes[-1]["state"] != until:
+            message: dict[str, Any] = json.loads(await ws.recv())
+            if "type" in message:
+                assert message["type"] == "stream_state" and "detections" not in message
+                changes.append(message)
+    return changes
+
+
 async def read_until_closed(ws: websockets.ClientConnection) -> int | None:
     """Read until the server closes; the close code it sent."""
     try:
@@ -120,6 +134,32 @@ async def test_control_api_and_websocket(
 
         assert await close_code(f"{server.ws_url}/ws/streams/nope") == 4404
         assert (await client.get(f"{base}/streams/nope")).status_code == 404
+
+        # ?states=true: told why the frames stop (disabled here, a camera lost alike) and that
+        # they come again, with the events as GET /events logs them; a viewer that did not
+        # ask gets frames only.
+        stream_ws = f"{server.ws_url}/ws/streams/{sid}"
+        async with (
+            websockets.connect(f"{stream_ws}?states=true") as told,
+            websockets.connect(stream_ws) as plain,
+        ):
+            await told.recv()
+            await plain.recv()
+            off = await client.patch(f"{base}/streams/{sid}", json={"enabled": False})
+            assert off.status_code == 200 and off.json()["state"] == "disabled", off.text
+            on = await client.patch(f"{base}/streams/{sid}", json={"enabled": True})
+            assert on.status_code == 200, on.text
+            changes = await state_messages(told, until="live")
+            assert (changes[0]["previous"], changes[0]["state"]) == ("live", "disabled"), changes
+            logged = (
+                await client.get(
+                    f"{base}/events", params={"type": "stream_state", "stream_id": sid}
+                )
+            ).json()["events"]
+            assert all(c in logged for c in changes), (changes, logged)
+            for _ in range(5):  # frames again, and never a state change for this one
+                assert "detections" in json.loads(await asyncio.wait_for(plain.recv(), 30))
+        assert await close_code(f"{stream_ws}?states=maybe") == 4400
 
         viewer = {"X-Request-ID": "viewer-7"}
         async with websockets.connect(

@@ -40,7 +40,7 @@ from server.routes.streams import get_manager
 from server.state import get_state
 from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
 from streams.detect import StreamDetect
-from streams.fanout import Closed, ProcessedFrame
+from streams.fanout import Closed, ProcessedFrame, StateMessage
 from streams.manager import StreamManager
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -346,6 +346,8 @@ async def mjpeg(
                 item = await sub.get()
                 if isinstance(item, Closed):
                     return
+                if isinstance(item, StateMessage):  # a picture stream has no place for it
+                    continue
                 if not pace.due(item, newer_waiting=sub.qsize() > 0):
                     continue
                 # The counts drawn are read again for each frame, on the event loop.

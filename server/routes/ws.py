@@ -1,4 +1,6 @@
-"""``WS /ws/streams/{id}``: one JSON message per processed frame of a stream (DESIGN §4).
+"""``WS /ws/streams/{id}``: one JSON message per processed frame of a stream (DESIGN §4),
+and, with ``?states=true``, the stream's ``stream_state`` events (a camera lost, back live,
+failed) between them.
 
 Close codes: ``4404`` unknown stream id, ``1000`` the stream was removed, ``1001`` the
 server is shutting down. Each viewer reads from its own bounded queue (setting
@@ -27,7 +29,14 @@ from server.routes.viewer import WS_BAD_OPTION, JpegFrames
 from server.settings import Settings
 from server.state import get_state
 from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
-from streams.fanout import WS_GOING_AWAY, Closed, ProcessedFrame, Subscriber
+from streams.fanout import (
+    STATES_OPTION,
+    WS_GOING_AWAY,
+    Closed,
+    ProcessedFrame,
+    StateMessage,
+    Subscriber,
+)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -48,6 +57,8 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
     options = dict(list(websocket.query_params.items())[:MAX_OPTIONS])
     try:  # ?frames=jpeg: the viewer page also wants each frame's picture (server/routes/viewer.py)
         jpeg = JpegFrames.from_options(options)
+        if options.get(STATES_OPTION, "false") not in ("true", "false", "1", "0"):
+            raise ValueError(f"states={options[STATES_OPTION][:20]!r}: expected true or false")
     except ValueError as exc:
         await websocket.close(WS_BAD_OPTION, str(exc)[:120])
         return
@@ -125,7 +136,9 @@ async def _send(
             if isinstance(item, Closed):
                 await websocket.close(item.code, item.reason)
                 return
-            if jpeg is None:
+            if isinstance(item, StateMessage):
+                await websocket.send_text(item.json_text())
+            elif jpeg is None:
                 await _send_frame(websocket, item, sub)
             elif jpeg.due(item, newer_waiting=sub.qsize() > 0):
                 await jpeg.send(websocket, item)
