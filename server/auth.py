@@ -72,8 +72,10 @@ OPEN_PREFIXES = ("/static/",)
 calls and WebSockets still need a key: ``/docs`` has an Authorize button for it
 (:func:`with_bearer_scheme`); ``/redoc`` only reads the open schema."""
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-READONLY_WRITES = frozenset({("POST", "/detect")})
-"""Non-safe calls a read-only key may still make: running detection changes nothing."""
+READONLY_WRITES = frozenset({("POST", "/detect"), ("POST", "/v2/repository/index")})
+"""Non-safe calls a read-only key may still make: running detection changes nothing, and
+KServe's repository index is a read sent as a POST (``tritonclient``'s
+``get_model_repository_index``)."""
 WS_POLICY_VIOLATION = 1008
 
 

@@ -14,7 +14,9 @@ import re
 from starlette.responses import FileResponse
 from starlette.types import Receive, Scope, Send
 
-_SPEC = re.compile(r"\s*(?:(\d+)-(\d*)|-(\d+))\s*")
+# Positions of at most 18 digits (an exabyte): one of thousands of digits made ``int`` raise
+# (Python's 4300-digit limit), a 500; such a header is unusable, so ignored.
+_SPEC = re.compile(r"\s*(?:(\d{1,18})-(\d{0,18})|-(\d{1,18}))\s*")
 
 
 def usable_range(value: str) -> bool:

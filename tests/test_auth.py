@@ -193,14 +193,18 @@ def test_readonly_key_reads_and_detects_but_cannot_change_streams(http: httpx.Cl
     assert http.get("/events").status_code == 401
     resp = http.post("/detect", content=bus(), headers={**ro, "content-type": "image/jpeg"})
     assert resp.status_code == 200
+    # tritonclient's get_model_repository_index() reads with a POST (it was 403).
+    index = http.post("/v2/repository/index", headers=ro, json={})
+    assert index.status_code == 200 and index.json()[0]["state"] == "READY", index.text
     for method, path in [
+        ("POST", "/v2/repository/models/yolov8n/load"),
         ("POST", "/streams"),
         ("PATCH", "/streams/abc"),
         ("DELETE", "/streams/abc"),
     ]:
         resp = http.request(method, path, headers=ro, json={"url": "rtsp://127.0.0.1:1/x"})
         assert resp.status_code == 403, resp.text
-        assert "read-only" in resp.json()["detail"]
+        assert "read-only" in resp.json()["error" if path.startswith("/v2") else "detail"]
         assert "www-authenticate" not in resp.headers
 
 

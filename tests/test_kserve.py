@@ -295,6 +295,9 @@ def test_malformed_v2_requests_are_400s_naming_what_is_wrong(server: ServerProce
         url = f"/v2/models/{MODEL}/infer"
         odd = c.post(url, content=b"{}", headers={b"inference-header-content-length": b"\xb2"})
         assert odd.status_code == 400 and "not a length" in odd.json()["error"]
+        long = c.post(url, content=b"{}", headers={"inference-header-content-length": "9" * 5000})
+        assert long.status_code == 400 and "not a length" in long.json()["error"]  # was a 500
+        assert len(long.text) < 300
         for body, words in (
             (
                 {"inputs": [{**encoded, "parameters": "binary_data_size"}]},

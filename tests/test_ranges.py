@@ -27,6 +27,10 @@ from server.ranges import RangedFile, usable_range
         ("bytes=", False),
         ("bytes", False),
         ("bytes=0-1,x", False),
+        ("bytes=0-" + "9" * 5000, False),  # int() raised: a 500
+        ("bytes=" + "9" * 5000 + "-", False),
+        ("bytes=-" + "9" * 5000, False),
+        ("bytes=0-" + "9" * 18, True),
     ],
 )
 def test_usable_ranges(value: str, usable: bool) -> None:

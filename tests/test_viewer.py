@@ -188,7 +188,7 @@ def test_playground_draws_boxes_for_bus(
     pg.goto(server.base_url + "/")
     expect(pg.locator("#server-status")).to_have_text("connected")
     pg.set_input_files("#pick", bus)
-    pg.wait_for_function("() => window.streamdet.drawn['pg-canvas'] !== undefined")
+    wait_for_playground(pg)
     expect(pg.locator("#pg-list li")).to_have_count(len(expected))
     drawn = pg.evaluate("() => window.streamdet.drawn['pg-canvas'].shapes")
     assert sorted(s["label"].split()[0] for s in drawn) == sorted(d["class_name"] for d in expected)
@@ -310,6 +310,17 @@ def add_stream_in_page(pg: Page, url: str, name: str, **fields: str | bool) -> s
     stream_id = row.get_attribute("data-id")
     assert stream_id
     return stream_id
+
+
+def wait_for_playground(pg: Page) -> None:
+    """Waits until the /detect playground drew its picture; fails with the page's error where
+    it showed one instead (a CI run timed out here once, saying nothing of why)."""
+    pg.wait_for_function(
+        "() => window.streamdet.drawn['pg-canvas'] !== undefined"
+        " || document.querySelector('#errors [data-key=\"playground\"]') !== null"
+    )
+    error = pg.locator('#errors [data-key="playground"]')
+    assert error.count() == 0, error.first.text_content()
 
 
 def wait_for_boxes(pg: Page, canvas_id: str, after_frame: int = -1) -> int:
@@ -771,7 +782,7 @@ def test_api_key_is_asked_for_and_kept_for_the_session(
         expect(pg.locator("#model-name")).to_contain_text("onnxruntime")
         expect(dialog).to_be_hidden()
         pg.set_input_files("#pick", ultralytics_assets() / "bus.jpg")
-        pg.wait_for_function("() => window.streamdet.drawn['pg-canvas'] !== undefined")
+        wait_for_playground(pg)
         assert_boxes_on_canvas(pg, "pg-canvas")
         pg.screenshot(path=artifacts / "viewer-key-accepted.png", full_page=True)
         assert errors.errors == []

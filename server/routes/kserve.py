@@ -241,9 +241,10 @@ def _split(body: bytes, header: str | None) -> tuple[dict[str, Any], bytes]:
     """The request's JSON and the binary data after it."""
     size = len(body)
     if header is not None:
-        if not (header.isascii() and header.isdigit()) or int(header) > size:
+        if not (header.isascii() and header.isdigit() and len(header) <= 18) or int(header) > size:
             raise HTTPException(
-                400, f"{HEADER_LENGTH}: {header!r} is not a length within the {size}-byte body"
+                400,
+                f"{HEADER_LENGTH}: {header[:40]!r} is not a length within the {size}-byte body",
             )
         size = int(header)
     try:
