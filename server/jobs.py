@@ -308,11 +308,13 @@ class JobManager:
         return self.directory / job_id
 
     async def make_room(self, incoming: int = 0, job_id: str | None = None) -> None:
-        """Delete the oldest finished jobs until a new one fits: one more job, and
-        ``incoming`` more bytes (its video, uploaded). With ``job_id``, the room is held for
-        that job until it is added or released (:meth:`release`): requests that come at once each
-        count the others' (they were all let through, past ``--max-jobs`` and
-        ``--jobs-max-mb``, while their uploads and probes ran).
+        """Check that a new job fits: one more job, and ``incoming`` more bytes (its video,
+        uploaded), once the oldest finished jobs are deleted, which :meth:`add` does when the
+        job is accepted (a request refused later, not a video, deleted nothing). With
+        ``job_id``, the room is held for that job until it is added or released
+        (:meth:`release`): requests that come at once each count the others' (they were all
+        let through, past ``--max-jobs`` and ``--jobs-max-mb``, while their uploads and
+        probes ran).
 
         Raises:
             JobLimitError: every kept job is waiting or running.
@@ -327,27 +329,43 @@ class JobManager:
                 f"a video of {incoming / MB:.1f} MB is more than the {self._max_bytes / MB:.0f}"
                 " MB every job together may keep (setting STREAMDET_JOBS_MAX_MB)"
             )
-
-        def others() -> tuple[int, int]:  # jobs and bytes, kept or held for other requests
-            held = [b for key, b in self._held.items() if key != job_id]
-            return len(self._jobs) + len(held), self.bytes_used() + sum(held)
-
-        while (taken := others())[0] >= self._max_jobs or taken[1] + incoming > self._max_bytes:
-            oldest = next((j for j in self._jobs.values() if j.state in FINISHED), None)
-            if oldest is None:
-                if taken[0] >= self._max_jobs:
-                    raise JobLimitError(
-                        f"{taken[0]} video jobs are already waiting or running"
-                        " (setting STREAMDET_MAX_JOBS)"
-                    )
-                more = f"another {incoming / MB:.1f} MB would pass" if incoming else "the most,"
-                raise JobStorageError(
-                    f"jobs waiting or running keep {taken[1] / MB:.1f} MB: {more}"
-                    f" {self._max_bytes / MB:.0f} MB (setting STREAMDET_JOBS_MAX_MB)"
-                )
-            await self.delete(oldest.id)
+        jobs, used = self._taken(job_id)
+        for oldest in self._finished_oldest_first():
+            if jobs < self._max_jobs and used + incoming <= self._max_bytes:
+                break
+            jobs, used = jobs - 1, used - oldest.bytes
+        if jobs >= self._max_jobs:
+            raise JobLimitError(
+                f"{jobs} video jobs are already waiting or running (setting STREAMDET_MAX_JOBS)"
+            )
+        if used + incoming > self._max_bytes:
+            more = f"another {incoming / MB:.1f} MB would pass" if incoming else "the most,"
+            raise JobStorageError(
+                f"jobs waiting or running keep {used / MB:.1f} MB: {more}"
+                f" {self._max_bytes / MB:.0f} MB (setting STREAMDET_JOBS_MAX_MB)"
+            )
         if job_id is not None:
             self._held[job_id] = incoming
+
+    def _taken(self, job_id: str | None) -> tuple[int, int]:
+        """Jobs and bytes kept, or held for requests other than ``job_id``'s."""
+        held = [b for key, b in self._held.items() if key != job_id]
+        return len(self._jobs) + len(held), self.bytes_used() + sum(held)
+
+    def _finished_oldest_first(self) -> list[Job]:
+        return [j for j in self._jobs.values() if j.state in FINISHED]
+
+    async def _evict_for(self, job_id: str) -> None:
+        """Delete the oldest finished jobs until the room :meth:`make_room` found for
+        ``job_id`` is free (as many as it counted, unless jobs ended or went meanwhile)."""
+        incoming = self._held.get(job_id, 0)
+        while (taken := self._taken(job_id))[0] >= self._max_jobs or (
+            taken[1] + incoming > self._max_bytes
+        ):
+            oldest = next(iter(self._finished_oldest_first()), None)
+            if oldest is None:
+                return  # a running job grew meanwhile: this one goes over, once
+            await self.delete(oldest.id)
 
     async def probe(
         self, target: str, options: dict[str, str], timeout_s: tuple[float, float]
@@ -374,9 +392,11 @@ class JobManager:
         return sum(job.bytes for job in self._jobs.values())
 
     async def add(self, job: Job) -> Job:
-        """Keep ``job`` and queue it."""
+        """Keep ``job`` and queue it, deleting the oldest finished jobs where it needs their
+        room (:meth:`make_room`)."""
         if self._closed:
             raise JobsClosed("the server is shutting down")
+        await self._evict_for(job.id)  # accepted: the finished jobs it needs room of go
         job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
         self._jobs[job.id] = job
         self._held.pop(job.id, None)  # counted as itself from now on

@@ -520,6 +520,15 @@ def test_jobs_keep_their_files_under_the_size_they_may_take(tmp_path: Path) -> N
         first = c.post("/jobs", files=car, data={"settings": '{"fps": 0.5}'}).json()
         done = c.get(f"/jobs/{first['id']}", params={"wait_s": 60}).json()
         assert done["state"] == "done" and done["bytes"] > CAR_CLIP.stat().st_size
+        # An upload that would need its room but is refused (not a video) deletes nothing
+        # (the finished job went before its probe refused it), nor does a refused request.
+        garbage = b"\x00" * CAR_CLIP.stat().st_size
+        refused = c.post("/jobs", content=garbage, headers={"content-type": "video/mp4"})
+        assert refused.status_code == 415, refused.text
+        assert (
+            c.post("/jobs", content=b"x", headers={"content-type": "text/plain"}).status_code == 415
+        )
+        assert [j["id"] for j in c.get("/jobs").json()["jobs"]] == [first["id"]]
         # A second car clip does not fit beside the first: the oldest finished job goes.
         second = c.post("/jobs", files=car)  # every frame: it runs a while
         assert second.status_code == 202
