@@ -161,6 +161,9 @@ class StreamManager:
         # Messages (frames) dropped for each stream's viewers that have left; with those of
         # the viewers still attached, GET /streams/{id}'s ``viewer_drops`` and /metrics.
         self._viewer_drops: dict[str, int] = {}
+        # Each stream's last state change as sent to viewers (its state, the message), for a
+        # viewer asking for them that comes while the stream is down.
+        self._last_state: dict[str, tuple[str, StateMessage]] = {}
         self._latest: dict[str, ProcessedFrame] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         # Frames from engine workers waiting for the loop (see _publish_threadsafe).
@@ -330,20 +333,34 @@ class StreamManager:
         reader = self._readers.get(stream_id)
         return None if reader is None else reader.detect
 
-    async def update(self, stream_id: str, changes: StreamChanges) -> dict[str, Any] | None:
+    async def update(
+        self,
+        stream_id: str,
+        changes: StreamChanges | Callable[[StreamDetect], StreamChanges],
+    ) -> dict[str, Any] | None:
         """Apply ``changes`` from the stream's next frame on, without reopening its source,
         and persist them; returns its description, None if unknown. A stream that could not
-        start because its stored settings no longer fit the model starts now."""
+        start because its stored settings no longer fit the model starts now.
+
+        ``changes`` may be made from what the stream detects now, in its turn: calls that
+        change one stream at once each build on the one before (two PATCHes built theirs
+        from the same settings, and the second undid the first's)."""
         async with self._held(stream_id):
             return await self._update(stream_id, changes)
 
-    async def _update(self, stream_id: str, changes: StreamChanges) -> dict[str, Any] | None:
+    async def _update(
+        self,
+        stream_id: str,
+        changes: StreamChanges | Callable[[StreamDetect], StreamChanges],
+    ) -> dict[str, Any] | None:
         if self._closing:  # its readers are stopped (an MQTT command during shutdown)
             raise ManagerClosed("server shutting down")
         record = self._records.get(stream_id)
         if record is None:
             return None
         reader = self._readers[stream_id]
+        if callable(changes):
+            changes = changes(reader.detect)
         detect = changes.get("detect")
         was_enabled = record.enabled
         record = dataclasses.replace(
@@ -441,9 +458,11 @@ class StreamManager:
         self._latest.pop(record.id, None)
         if not record.enabled:
             # In the stream's frame numbers, as its other events and frames (frames_in
-            # counted every frame the camera sent, those max_fps skipped too).
-            disabled = StateEvent(was.value, StreamState.DISABLED.value, None, old.frame_no)
-            self._state_changed(record.id, record.name, time.time(), disabled)
+            # counted every frame the camera sent, those max_fps skipped too); a disabled
+            # stream given a new source stays disabled: no change to tell.
+            if was is not StreamState.DISABLED:
+                disabled = StateEvent(was.value, StreamState.DISABLED.value, None, old.frame_no)
+                self._state_changed(record.id, record.name, time.time(), disabled)
             self._launch(record, None, carry=old)
             return
         try:
@@ -500,6 +519,7 @@ class StreamManager:
         for sub in self._subs.pop(stream_id, set()):
             sub.close(WS_NORMAL, "stream removed")
         self._viewer_drops.pop(stream_id, None)
+        self._last_state.pop(stream_id, None)
         self._latest.pop(stream_id, None)
         await asyncio.to_thread(self._store.remove, stream_id)
         await self._let_go(reader, stream_id)
@@ -559,6 +579,14 @@ class StreamManager:
             return None
         sub = Subscriber(stream_id, self._opt.ws_queue_size, options)
         self._subs.setdefault(stream_id, set()).add(sub)
+        last = self._last_state.get(stream_id)
+        reader = self._readers.get(stream_id)
+        if sub.wants_states and last is not None and reader is not None:
+            # Down, disabled, failed or played to its end when the viewer came: it is told
+            # why no frames come (the change that made it so), where that is still so.
+            state, message = last
+            if state == reader.state.value and reader.state is not StreamState.LIVE:
+                sub.offer(message)
         return sub
 
     def unsubscribe(self, sub: Subscriber) -> None:
@@ -649,6 +677,7 @@ class StreamManager:
         closed, 1000 "stream removed", instead.)"""
         for logged in self.events.add(stream_id, name, at, [event], str):
             message = StateMessage(json.dumps(logged, separators=(",", ":")))
+            self._last_state[stream_id] = (event.state, message)
             for sub in self._subs.get(stream_id, ()):
                 if sub.wants_states:
                     sub.offer(message)

@@ -106,6 +106,36 @@ def test_webhooks_added_at_once_keep_to_the_most(tmp_path: Path) -> None:
         assert store.cursor(f"webhook {added[1]}") is not None
 
 
+def test_patches_of_one_stream_at_once_each_keep_what_they_changed(tmp_path: Path) -> None:
+    """Eight PATCHes at once, each changing one setting: all eight stay (each built its
+    settings from what the stream had when it was sent, and the last undid the others')."""
+    changes = [
+        {"conf": 0.3},
+        {"iou": 0.5},
+        {"max_det": 50},
+        {"classes": "car"},
+        {"track": True},
+        {"lines": [{"name": "gate", "points": [[0, 0.5], [1, 0.5]]}], "track": True},
+        {"roi": [[0, 0], [1, 0], [1, 1], [0, 1]]},
+        {"name": "renamed"},
+    ]
+    with TestClient(file_stream_app(tmp_path)) as c:
+        added = c.post("/streams", json={"url": f"file://{CAR_CLIP}", "id": "cam"})
+        assert added.status_code == 201, added.text
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda body: c.patch("/streams/cam", json=body), changes))
+        assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+        for stream in (c.get("/streams/cam").json(), c.get("/streams").json()["streams"][0]):
+            detect = stream["detect"]
+            assert (detect["conf"], detect["iou"], detect["max_det"]) == (0.3, 0.5, 50), detect
+            assert detect["classes"] == ["car"] and detect["track"] is True, detect
+            assert [line["name"] for line in detect["lines"]] == ["gate"], detect
+            assert detect["roi"] and stream["name"] == "renamed", stream
+    with TestClient(file_stream_app(tmp_path)) as c:  # as stored
+        detect = c.get("/streams/cam").json()["detect"]
+        assert (detect["conf"], detect["iou"], detect["max_det"]) == (0.3, 0.5, 50), detect
+
+
 def test_a_deleted_jobs_callback_is_not_sent_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -147,10 +147,18 @@ async def test_control_api_and_websocket(
             await plain.recv()
             off = await client.patch(f"{base}/streams/{sid}", json={"enabled": False})
             assert off.status_code == 200 and off.json()["state"] == "disabled", off.text
+            # A viewer that comes while it is down is told why at once (it got nothing).
+            async with websockets.connect(f"{stream_ws}?states=true") as late:
+                first = json.loads(await asyncio.wait_for(late.recv(), 10))
+                assert (first["type"], first["state"]) == ("stream_state", "disabled"), first
+            # A disabled stream given a new source stays disabled: no "disabled" again.
+            moved = {"url": camera.url("car") + "?x=1", "name": "car", "enabled": False}
+            assert (await client.put(f"{base}/streams/{sid}", json=moved)).status_code == 200
             on = await client.patch(f"{base}/streams/{sid}", json={"enabled": True})
             assert on.status_code == 200, on.text
             changes = await state_messages(told, until="live")
             assert (changes[0]["previous"], changes[0]["state"]) == ("live", "disabled"), changes
+            assert [c["state"] for c in changes].count("disabled") == 1, changes
             logged = (
                 await client.get(
                     f"{base}/events", params={"type": "stream_state", "stream_id": sid}
@@ -160,6 +168,8 @@ async def test_control_api_and_websocket(
             for _ in range(5):  # frames again, and never a state change for this one
                 assert "detections" in json.loads(await asyncio.wait_for(plain.recv(), 30))
         assert await close_code(f"{stream_ws}?states=maybe") == 4400
+        many = "&".join(f"p{n}=1" for n in range(16))
+        assert await close_code(f"{stream_ws}?{many}&states=true") == 4400  # states was ignored
 
         viewer = {"X-Request-ID": "viewer-7"}
         async with websockets.connect(

@@ -548,9 +548,8 @@ async def update_stream(stream_id: str, body: StreamPatch, request: Request) -> 
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
     if body.model_fields_set != {"enabled"}:  # a file's stream may be paused, as any other
         check_changeable(request, stream_id)
-    info = await manager.update(
-        stream_id, body.changes(get_state(request).pool.engine.names, current)
-    )
+    names = get_state(request).pool.engine.names
+    info = await manager.update(stream_id, lambda now: body.changes(names, now))
     if info is None:  # removed meanwhile
         raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
     return info

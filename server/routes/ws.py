@@ -54,8 +54,10 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
     if manager is None or state.shutting_down:
         await websocket.close(WS_GOING_AWAY, "server shutting down")
         return
-    options = dict(list(websocket.query_params.items())[:MAX_OPTIONS])
+    options = dict(websocket.query_params.items())
     try:  # ?frames=jpeg: the viewer page also wants each frame's picture (server/routes/viewer.py)
+        if len(options) > MAX_OPTIONS:  # those past it were ignored, a bad states= too
+            raise ValueError(f"{len(options)} query options: at most {MAX_OPTIONS}")
         jpeg = JpegFrames.from_options(options)
         if options.get(STATES_OPTION, "false") not in ("true", "false", "1", "0"):
             raise ValueError(f"states={options[STATES_OPTION][:20]!r}: expected true or false")
