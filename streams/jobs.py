@@ -513,6 +513,10 @@ def run_job(
                         done(finish(pending.popleft()))
             except PoolClosed:
                 raise JobCancelled(interrupted=True) from None
+            except JobError:  # the video failed part way: the frames sent to run are kept
+                while pending:
+                    done(finish(pending.popleft()))
+                raise
             while pending:
                 done(finish(pending.popleft()))
             if last is not None and held is not None:  # what is still in a zone leaves it, lost

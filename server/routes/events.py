@@ -23,8 +23,6 @@ on, the video around it (``/clips/{id}.mp4``) are served here too.
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 import itertools
 import json
 import time
@@ -35,6 +33,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
+from server.csv_cells import csv_text
 from server.ranges import RangedFile
 from server.routes.detect import parse_classes
 from server.routes.longpoll import wait_unless_gone
@@ -273,12 +272,9 @@ def counts_answer(
     """Counted rows as JSON (``interval_s``, ``by``, what ``about`` says, ``counts``) or, for
     ``output`` csv, as CSV (``about`` in ``X-`` headers)."""
     if output == "csv":
-        text = io.StringIO()
-        writer = csv.DictWriter(text, ["start", "end", *members, "count"], lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
+        text = csv_text(["start", "end", *members, "count"], rows)
         headers = {"X-Complete": str(about["complete"]).lower()} if "complete" in about else {}
-        return Response(text.getvalue(), media_type="text/csv", headers=headers)
+        return Response(text, media_type="text/csv", headers=headers)
     return {"interval_s": interval_s, "by": members, **about, "counts": rows}
 
 

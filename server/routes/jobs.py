@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
-import io
 import json
 import logging
 import shutil
@@ -28,6 +26,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from server.csv_cells import csv_text
 from server.jobs import (
     EVENTS_FILE,
     FRAMES_FILE,
@@ -465,7 +464,7 @@ FRAME_COLUMNS = [
 ]  # fmt: skip
 EVENT_COLUMNS = [
     "frame", "pts", "type", "line", "zone", "direction", "class_name", "track_id",
-    "confidence", "x1", "y1", "x2", "y2", "dwell_s",
+    "confidence", "x1", "y1", "x2", "y2", "dwell_s", "lost",
 ]  # fmt: skip
 
 
@@ -553,12 +552,8 @@ async def _results(
         columns, rows = (
             (FRAME_COLUMNS, _frame_rows) if name == FRAMES_FILE else (EVENT_COLUMNS, _event_rows)
         )
-        text = io.StringIO()
-        writer = csv.DictWriter(text, columns, lineterminator="\n", extrasaction="ignore")
-        writer.writeheader()
-        for raw in _whole_lines(path, 0).splitlines():  # a running job: those written
-            writer.writerows(rows(json.loads(raw)))
-        return text.getvalue()
+        lines = _whole_lines(path, 0).splitlines()  # a running job: those written
+        return csv_text(columns, (row for raw in lines for row in rows(json.loads(raw))))
 
     if output == "csv":
         headers["Content-Disposition"] = f'attachment; filename="{job.id}-{name[:-7]}.csv"'
