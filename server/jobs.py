@@ -52,7 +52,7 @@ from streams.jobs import (
     probe,
     run_job,
 )
-from streams.sources import upload_options
+from streams.sources import SourceError, check_unmoved, upload_options
 from streams.store import private_dir, write_private
 
 log = logging.getLogger(__name__)
@@ -487,6 +487,11 @@ class JobManager:
             path = self.directory_of(job.id) / VIDEO_FILE
             sink = AnnotatedVideo(path, job.detect, job.fps, job.video)
         try:
+            if str(job.source.get("url", "")).startswith("file:"):
+                try:  # checked when it was sent; queued since
+                    await asyncio.to_thread(check_unmoved, Path(job.target))
+                except SourceError as exc:
+                    raise JobError(str(exc)) from None
             job.counts = await asyncio.get_running_loop().run_in_executor(
                 self._executor,
                 functools.partial(

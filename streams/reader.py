@@ -43,8 +43,10 @@ from streams.pacing import FilePacer, RateSampler, frame_interval
 from streams.sources import (
     RTSP_PROBE_S,
     SNAPSHOT_FPS,
+    SourceError,
     SourceSpec,
     backoff_delay,
+    check_unmoved,
     explain_open_failure,
     explain_rtsp_answer,
     is_still_image,
@@ -641,6 +643,11 @@ class StreamReader:
         self._opened_at = time.monotonic()
         self._phase = "open"
         self._got_frames = False
+        if spec.path is not None:
+            try:
+                check_unmoved(spec.path)
+            except SourceError as exc:
+                raise FatalSourceError(str(exc)) from None
         container = av.open(
             spec.target,
             options=open_options(spec),

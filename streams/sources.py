@@ -161,6 +161,26 @@ def _allowed_file(netloc: str, raw_path: str, allowed_dir: Path | None) -> Path:
     return resolved
 
 
+def check_unmoved(path: Path) -> None:
+    """Check that a ``file`` source's path, resolved when it was checked (so free of links),
+    still is: a directory on it replaced by a link since (one to a directory outside the
+    allowed one) would have FFmpeg open what is there. Called before each open (a file's
+    every loop, a queued job's run).
+
+    Raises:
+        SourceError: the path now passes through a link, or cannot be resolved.
+    """
+    try:
+        now = path.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise SourceError(f"file {path}: {exc}") from None
+    if now != path:
+        raise SourceError(
+            f"file {path}: a link now stands on its path, which was checked without one;"
+            " refused (files are read from under STREAMDET_ALLOWED_FILE_DIR only)"
+        )
+
+
 SECRET_WORDS = frozenset(
     [
         "pass",

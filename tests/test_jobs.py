@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from benchmarks.events_bench import WebhookReceiver
+from benchmarks.make_clip import make_clip
 from engines.batching import DeadlineExceeded, WorkItem, WorkResult
 from engines.types import DetectParams, Engine, ModelInfo
 from engines.yolo import resize
@@ -852,3 +854,27 @@ def test_a_video_cut_short_fails_its_job_with_its_results_so_far(tmp_path: Path)
         whole = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.5})
         done = c.get(f"/jobs/{whole.json()['id']}", params={"wait_s": 60}).json()
         assert done["state"] == "done" and done["error"] is None, done
+
+
+def test_a_queued_jobs_file_whose_directory_became_a_link_out_is_not_read(
+    tmp_path: Path,
+) -> None:
+    """A ``file://`` job is checked when sent and read when its turn comes: a directory on
+    its path swapped for a link to one outside meanwhile made it read the file there."""
+    allowed, outside = tmp_path / "videos", tmp_path / "private"
+    (allowed / "sub").mkdir(parents=True)
+    outside.mkdir()
+    shutil.copy(CAR_CLIP, allowed / "long.mp4")
+    make_clip(CAR_CLIP, allowed / "sub" / "a.mp4", width=320, height=240, fps=25, gop=25, frames=10)
+    make_clip(CAR_CLIP, outside / "a.mp4", width=384, height=216, fps=25, gop=25, frames=10)
+    app = file_stream_app(tmp_path, allowed_file_dir=allowed, job_concurrency=1)
+    with TestClient(app) as c:
+        first = c.post("/jobs", json={"url": f"file://{allowed}/long.mp4"}).json()["id"]
+        queued = c.post("/jobs", json={"url": f"file://{allowed}/sub/a.mp4"})
+        assert queued.status_code == 202 and queued.json()["state"] == "queued", queued.text
+        (allowed / "sub").rename(allowed / "old")
+        (allowed / "sub").symlink_to(outside)
+        assert c.delete(f"/jobs/{first}").status_code == 204
+        job = c.get(f"/jobs/{queued.json()['id']}", params={"wait_s": 60}).json()
+        assert job["state"] == "failed" and "a link now stands on its path" in job["error"], job
+        assert job["progress"]["frames_read"] == 0, job

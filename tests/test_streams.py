@@ -55,6 +55,7 @@ from streams.sources import (
     FILE_FORMAT_REFUSED,
     SourceError,
     backoff_delay,
+    check_unmoved,
     open_options,
     parse_source,
     redact,
@@ -176,6 +177,40 @@ async def test_a_list_of_files_under_the_allowed_dir_reaches_no_video_outside_it
             await asyncio.sleep(0.1)
     assert FILE_FORMAT_REFUSED in stats["last_error"], stats
     assert stats["frames_in"] == 0
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_directory_swapped_for_a_link_out_after_the_check_is_not_played(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A looping file checked when added, then its directory swapped for a link to one
+    outside: its next loop played the file outside (it was checked once, then reopened by
+    path at each loop and reconnect). Now it fails, saying so; a job queued alike fails."""
+    allowed, outside = tmp_path / "videos", tmp_path / "private"
+    (allowed / "sub").mkdir(parents=True)
+    outside.mkdir()
+    make_clip(CAR_CLIP, allowed / "sub" / "a.mp4", width=320, height=240, fps=25, gop=25, frames=10)
+    make_clip(CAR_CLIP, outside / "a.mp4", width=384, height=216, fps=25, gop=25, frames=10)
+    checked = parse_source(f"file://{allowed}/sub/a.mp4", allowed)
+    assert checked.path is not None
+    check_unmoved(checked.path)
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=allowed, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{allowed}/sub/a.mp4", loop=True)
+        [frame] = await published_frames(m, info["id"], 1)
+        assert frame.image.shape[:2] == (240, 320)
+        (allowed / "sub").rename(allowed / "old")
+        (allowed / "sub").symlink_to(outside)
+        with pytest.raises(SourceError, match="a link now stands on its path"):
+            check_unmoved(checked.path)
+        deadline = time.monotonic() + 30
+        while (stats := m.describe(info["id"]) or {}).get("state") != "failed":
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.1)
+        assert "a link now stands on its path" in stats["last_error"], stats
+        latest = m.latest(info["id"])
+        assert latest is None or latest.image.shape[:2] == (240, 320)  # never the one outside
 
 
 def test_ffmpeg_options_pin_protocols_and_transport() -> None:
