@@ -161,7 +161,7 @@ def parse_deadline_ms(headers: Headers) -> float | None:
     if not math.isfinite(value) or value <= 0:
         raise HTTPException(
             400,
-            f"X-Request-Deadline-Ms must be a positive number of milliseconds, got {raw!r}",
+            f"X-Request-Deadline-Ms must be a positive number of milliseconds, got {raw[:40]!r}",
         )
     return value
 

@@ -309,9 +309,11 @@ def check_connection(conn: HTTPConnection, keys: ApiKeys) -> AuthFailure | None:
 
 
 def sent_path(scope: Scope) -> str:
-    """The request's path as the client sent it, for logs (``raw_path``, else ``path``)."""
+    """The request's path as the client sent it, for logs (``raw_path``, else ``path``), a
+    key in it (``;access_token=``) masked."""
     raw = scope.get("raw_path")
-    return raw.decode("latin-1") if isinstance(raw, bytes) and raw else str(scope["path"])
+    path = raw.decode("latin-1") if isinstance(raw, bytes) and raw else str(scope["path"])
+    return TokenFilter.masked(path)
 
 
 def get_api_keys(conn: HTTPConnection) -> ApiKeys:
@@ -340,23 +342,28 @@ class TokenFilter(logging.Filter):
 
     # A query's parameters, its name as sent: ``access%5Ftoken=`` is ``access_token`` too
     # (the server decodes the name, and took the key; the log showed it in clear).
-    _PARAM = re.compile(r"([?&])([^=&?\s\"']+)=([^&\s\"']*)")
+    # Any spelling of it too (``ACCESS_TOKEN``, ``access-token``, ``;access_token=``): the
+    # server refuses those, but the key in them was logged in clear all the same.
+    _PARAM = re.compile(r"([?&;])([^=&?;\s\"']+)=([^&;\s\"']*)")
+    _NAME = re.compile(r"\s*access\W?_?token\W*", re.IGNORECASE)
 
-    @staticmethod
-    def _mask(match: re.Match[str]) -> str:
+    @classmethod
+    def _mask(cls, match: re.Match[str]) -> str:
         lead, name, value = match.groups()
-        if value and unquote_plus(name) == "access_token":
+        if value and cls._NAME.fullmatch(unquote_plus(name)):
             return f"{lead}{name}=***"
         return match.group(0)
+
+    @classmethod
+    def masked(cls, text: str) -> str:
+        """``text`` with the values of its ``access_token`` parameters ``***``."""
+        return cls._PARAM.sub(cls._mask, text) if "=" in text else text
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple) and any(
             isinstance(a, str) and "=" in a for a in record.args
         ):
-            record.args = tuple(
-                self._PARAM.sub(self._mask, a) if isinstance(a, str) and "=" in a else a
-                for a in record.args
-            )
+            record.args = tuple(self.masked(a) if isinstance(a, str) else a for a in record.args)
         return True
 
 

@@ -34,10 +34,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from contextlib import closing
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from streams.store import keep_private
 
 log = logging.getLogger(__name__)
 
@@ -196,11 +198,12 @@ class _IdMarks:
         self.path = path
         self._fd: int | None = None
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             log.warning("event store %s: cannot open it (%s)", path, exc)
             return
         try:
+            os.fchmod(fd, 0o600)  # one an earlier version made readable by everyone
             if os.fstat(fd).st_size < _MARKS.size:
                 os.pwrite(fd, bytes(_MARKS.size), 0)
                 os.fsync(fd)
@@ -251,6 +254,12 @@ class EventStore:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.path = data_dir / "events.sqlite3"
         self.size = size
+        # What happened where, manual events' data and sources' errors: this user's only
+        # (it was 0644 under the usual umask, beside the 0600 stream and webhook stores).
+        keep_private(self.path)
+        for journal in ("-wal", "-shm"):  # an earlier version's (SQLite gives new ones the
+            with suppress(FileNotFoundError):  # database's mode)
+                os.chmod(f"{self.path}{journal}", 0o600)
         with closing(self._connect()) as db:
             with db:
                 db.execute("PRAGMA journal_mode=WAL")

@@ -205,14 +205,47 @@ SECRET_WORDS = frozenset(
 (``?user=admin&pwd=...``, Foscam's and others' CGI) or a token (``?token=...``) there."""
 
 
+SECRET_STEMS = ("pass", "pwd", "token", "secret", "auth", "credential", "apikey", "api_key")
+"""Parts of names that carry a secret wherever they stand in one (``passw``, ``userPass``,
+``x-auth-token``); :data:`SECRET_WORDS` are matched as whole words (``key`` but not
+``keyframe``)."""
+
+
 def _is_secret(name: str) -> bool:
     words = unquote(name).lower()
-    return words in SECRET_WORDS or any(w in SECRET_WORDS for w in re.split(r"[^a-z0-9]+", words))
+    return (
+        words in SECRET_WORDS
+        or any(w in SECRET_WORDS for w in re.split(r"[^a-z0-9]+", words))
+        or any(stem in words for stem in SECRET_STEMS)
+    )
+
+
+_PATH_PARAM = re.compile(r";([^;=/]+)=([^;/]*)")
+"""A path parameter, ``;name=value`` (``/cam;password=.../stream``)."""
+
+
+def _masked_pairs(text: str, sep: str) -> str:
+    """``name=value`` pairs joined by ``sep`` with the values of secret names ``***``."""
+    pairs = [p.partition("=") for p in text.split(sep)]
+    return sep.join(f"{k}={'***' if _is_secret(k) else v}" if eq else k for k, eq, v in pairs)
+
+
+def _secret_values(parts: Any) -> list[str]:
+    """The secrets in a split URL: its password, or a user part that has none (a token sent
+    as the user name), and the values of secret query and path parameters."""
+    found = [unquote(parts.password or parts.username or "")]
+    pairs = [p.partition("=") for p in parts.query.split("&")]
+    pairs += [(m[1], "=", m[2]) for m in _PATH_PARAM.finditer(parts.path)]
+    for key, eq, value in pairs:
+        if eq and _is_secret(key):
+            found += [value, unquote(value)]
+    return found
 
 
 def redact(url: str) -> str:
-    """``url`` with any password, in its user part or its query (:data:`SECRET_WORDS`),
-    replaced by ``***`` (for logs and the API)."""
+    """``url`` with any secret replaced by ``***`` (for logs and the API): its password, or a
+    user part that has none (a token given as the user name), and the values of query and
+    path (``;password=``) parameters named as secrets (:func:`_is_secret`)."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -221,10 +254,13 @@ def redact(url: str) -> str:
         user = parts.username or ""
         host = parts.netloc.rpartition("@")[2]
         parts = parts._replace(netloc=f"{user}:***@{host}")
+    elif "@" in parts.netloc:
+        parts = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}")
+    if ";" in parts.path:
+        path = _PATH_PARAM.sub(lambda m: f";{m[1]}=***" if _is_secret(m[1]) else m[0], parts.path)
+        parts = parts._replace(path=path)
     if parts.query:
-        pairs = [p.partition("=") for p in parts.query.split("&")]
-        query = "&".join(f"{k}={'***' if _is_secret(k) else v}" if eq else k for k, eq, v in pairs)
-        parts = parts._replace(query=query)
+        parts = parts._replace(query=_masked_pairs(parts.query, "&"))
     return parts.geturl()
 
 
@@ -238,11 +274,7 @@ def redact_in(text: str, url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return text
-    secrets = [unquote(parts.password or "")]
-    for pair in parts.query.split("&"):
-        key, eq, value = pair.partition("=")
-        if eq and _is_secret(key):
-            secrets += [value, unquote(value)]
+    secrets = _secret_values(parts)
     for secret in sorted(set(secrets), key=len, reverse=True):
         if len(secret) >= 4:
             text = text.replace(secret, "***")

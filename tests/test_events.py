@@ -170,6 +170,27 @@ def test_event_filters_find_an_audits_events() -> None:
     assert full.kept_since == 10.0  # event 1 (captured at 10.0) left it; 2 is the oldest
 
 
+def test_the_event_log_is_readable_by_the_servers_user_only(tmp_path: Path) -> None:
+    """It holds manual events' data and sources' errors: 0600, its journal and id marks too
+    (they were 0644, and an earlier version's are closed at start)."""
+    for old in ("events.sqlite3", "events.ids"):
+        (tmp_path / old).touch(mode=0o644)
+        (tmp_path / old).chmod(0o644)
+    (tmp_path / "events.sqlite3").unlink()  # a fresh database, the marks file left as was
+    store = EventStore(tmp_path, size=3)
+    log = EventLog(size=3, start_id=1, store=store)
+    log.add("a", "door", 1.0, [_crossing(1)], _name)
+    log.save_cursor("webhook http://x/", 1)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "events.sqlite3-wal").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    store.close()
+    assert {"events.sqlite3", "events.sqlite3-wal", "events.ids"} <= set(modes), modes
+    assert set(modes.values()) == {0o600}, modes
+
+
 def test_the_event_log_and_delivery_cursors_survive_a_restart(tmp_path: Path) -> None:
     store = EventStore(tmp_path, size=3)
     log = EventLog(size=3, start_id=100, store=store)

@@ -225,6 +225,19 @@ def test_ffmpeg_options_pin_protocols_and_transport() -> None:
 
 
 def test_passwords_are_redacted() -> None:
+    # A token given as the user name, a path parameter, a name with a secret's stem in it.
+    assert redact("http://TOKENONLYUSER4@cam:1/a.mp4") == "http://***@cam:1/a.mp4"
+    assert redact("http://cam/c;password=Secret6x/a.mp4") == "http://cam/c;password=***/a.mp4"
+    assert redact("http://cam/a.mp4?user=admin&passw=S7&keyframe=1") == (
+        "http://cam/a.mp4?user=admin&passw=***&keyframe=1"
+    )
+    for url, secret in (
+        ("http://TOKENONLYUSER4@cam:1/a.mp4", "TOKENONLYUSER4"),
+        ("http://cam/c;password=Secret6x/a.mp4", "Secret6x"),
+        ("http://cam/a.mp4?userPass=Secret7x", "Secret7x"),
+    ):
+        said = redact_in(f"401 on {url} ({secret} refused)", url)
+        assert secret not in said and "***" in said, said
     assert redact("rtsp://admin:hunter2@cam:554/x") == "rtsp://admin:***@cam:554/x"
     assert redact("rtsp://cam/x") == "rtsp://cam/x"
     # In the query, as cameras' CGI URLs and tokened streams carry them (they were shown).

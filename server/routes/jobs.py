@@ -149,7 +149,7 @@ def _jobs(state: AppState) -> JobManager:
 def _job(state: AppState, job_id: str) -> Job:
     job = _jobs(state).get(job_id)
     if job is None:
-        raise HTTPException(404, f"no job {job_id!r}")
+        raise HTTPException(404, f"no job {job_id[:64]!r}")
     return job
 
 
@@ -653,5 +653,5 @@ async def delete_job(request: Request, job_id: str) -> Response:
     """Cancel a job that waits or runs, and delete it with its video and results."""
     state = get_state(request)
     if not await _jobs(state).delete(job_id):
-        raise HTTPException(404, f"no job {job_id!r}")
+        raise HTTPException(404, f"no job {job_id[:64]!r}")
     return Response(status_code=204)

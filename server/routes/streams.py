@@ -468,7 +468,7 @@ async def put_stream(
     if re.fullmatch(STREAM_ID, stream_id) is None:
         raise HTTPException(422, f"stream id {stream_id[:80]!r}: letters, digits, _ and -, 1-64")
     if body.id is not None and body.id != stream_id:
-        raise HTTPException(422, f"id: {body.id!r} in the body, {stream_id!r} in the path")
+        raise HTTPException(422, f"id: {body.id!r} in the body, {stream_id[:64]!r} in the path")
     manager = get_manager(request)
     check_changeable(request, stream_id)
     detect = body.detect(get_state(request).pool.engine.names, StreamDetect())
@@ -533,7 +533,7 @@ async def list_streams(
 async def get_stream(stream_id: str, request: Request) -> dict[str, Any]:
     info = get_manager(request).describe(stream_id)
     if info is None:
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     return info
 
 
@@ -545,13 +545,13 @@ async def update_stream(stream_id: str, body: StreamPatch, request: Request) -> 
     manager = get_manager(request)
     current = manager.detect(stream_id)
     if current is None:
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     if body.model_fields_set != {"enabled"}:  # a file's stream may be paused, as any other
         check_changeable(request, stream_id)
     names = get_state(request).pool.engine.names
     info = await manager.update(stream_id, lambda now: body.changes(names, now))
     if info is None:  # removed meanwhile
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     return info
 
 
@@ -563,7 +563,7 @@ async def create_event(stream_id: str, body: EventIn, request: Request) -> dict[
     manager = get_manager(request)
     detect = manager.detect(stream_id)
     if detect is None:
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     if body.clip and not detect.clips:
         raise HTTPException(
             409,
@@ -572,7 +572,7 @@ async def create_event(stream_id: str, body: EventIn, request: Request) -> dict[
         )
     event = manager.trigger(stream_id, body.label, body.data, clip=body.clip is not False)
     if event is None:  # removed meanwhile
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     return served_event(event, root_of(request.scope))
 
 
@@ -580,7 +580,7 @@ async def create_event(stream_id: str, body: EventIn, request: Request) -> dict[
 async def delete_stream(stream_id: str, request: Request) -> Response:
     check_changeable(request, stream_id)
     if not await get_manager(request).remove(stream_id):
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     return Response(status_code=204)
 
 

@@ -265,7 +265,7 @@ async def latest_jpeg(
     manager = get_manager(request)
     info = manager.describe(stream_id)
     if info is None:
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     frame = manager.latest(stream_id)
     if frame is None:
         raise HTTPException(
@@ -337,7 +337,7 @@ async def mjpeg(
     info = manager.describe(stream_id)
     sub = None if info is None else manager.subscribe(stream_id, {"mjpeg": "1"})
     if info is None or sub is None:
-        raise HTTPException(404, f"no stream {stream_id!r}; list streams with GET /streams")
+        raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     pace = JpegFrames(max_fps=max_fps, max_width=max_width, quality=quality)
 
     async def parts() -> AsyncIterator[bytes]:

@@ -195,7 +195,7 @@ async def get_webhook(webhook_id: str, request: Request) -> dict[str, Any]:
     webhooks, _ = _webhooks(request)
     sender = webhooks.find(webhook_id)
     if sender is None:
-        raise HTTPException(404, f"no webhook {webhook_id!r}; list them with GET /webhooks")
+        raise HTTPException(404, f"no webhook {webhook_id[:64]!r}; list them with GET /webhooks")
     return sender.describe()
 
 
@@ -206,7 +206,7 @@ async def delete_webhook(webhook_id: str, request: Request) -> Response:
     if not await webhooks.remove(webhook_id):
         raise HTTPException(
             404,
-            f"no webhook {webhook_id!r} (those of the webhooks setting are changed there);"
+            f"no webhook {webhook_id[:64]!r} (those of the webhooks setting are changed there);"
             " list them with GET /webhooks",
         )
     await asyncio.to_thread(store.remove, webhook_id)
