@@ -573,6 +573,8 @@ class DecodeHub:
                 return
             if reader is None or reader.stopping:
                 ring.free(slot)
+                if reader is not None:  # counted in above: it ends as a drop (its heir's)
+                    reader.count_drop()
                 return
             image, copied = ring.frame(slot)
             reader.remote_frame(image, pts, decoded_mono, ring.source, copied=copied)
@@ -792,10 +794,22 @@ class RemoteReader(StreamReader):
 
     def remote_counts(self, deltas: dict[str, int], latest: tuple[Any, ...] | None) -> None:
         """The process's increments of its counters, and (``latest``: its timer's reports,
-        not a frame's) its size, rate and last frame's time."""
+        not a frame's) its size, rate and last frame's time. Those that come once the stream
+        went on in another reader (:meth:`carry_over`) are added to its counters."""
         with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
+            heir = self._heir
+            if heir is None:
+                for name, delta in deltas.items():
+                    setattr(self, name, getattr(self, name) + delta)
+        if heir is not None:
+            if isinstance(heir, RemoteReader):
+                heir.remote_counts(deltas, None)
+            else:
+                with heir._lock:
+                    for name, delta in deltas.items():
+                        setattr(heir, name, getattr(heir, name) + delta)
+            return
+        with self._lock:
             if latest is None:
                 return
             self._remote_at = time.monotonic()

@@ -451,7 +451,8 @@ class StreamManager:
         still hands over are not published."""
         was = old.state  # before it stops (a disabled event said "previous": "stopped")
         old.stop()
-        self._pool.queue.discard(record.id)
+        if self._pool.queue.discard(record.id) is not None:
+            old.count_drop()  # its frame waiting for the engine: never run
         await self._let_go(old, record.id)
         if self._closing:
             return  # the manager is stopping its readers: a new one would run on

@@ -340,6 +340,7 @@ class StreamReader:
         self._motion = MotionGate(options.motion)
         self.reconnects = 0
         self.failed = 0
+        self._heir: StreamReader | None = None  # the reader this one's counts went on in
         # Results come back on engine worker threads, possibly out of order (two workers, one
         # stream): this lock puts them through the analytics and out one at a time, in order.
         self._result_lock = threading.Lock()
@@ -390,6 +391,9 @@ class StreamReader:
             self.motion_skipped, self.reconnects = old.motion_skipped, old.reconnects
             self.copied, self.publish_drops = old.copied, old.publish_drops
             self.last_latency_ms = old.last_latency_ms
+            # Its frames still in flight end in this reader's counters from now on (they
+            # ended in the old one's, thrown away: frames_in outgrew what they add up to).
+            old._heir = self
         with old._result_lock:
             self._frame_no = max(old._frame_no, old._last_result_frame)
             self._last_result_frame = old._last_result_frame
@@ -838,14 +842,24 @@ class StreamReader:
     def count_drop(self) -> None:
         """A frame of this stream was dropped, not processed: replaced by a newer one before
         the engine took it, past its deadline, or finished after a newer one."""
-        with self._lock:
-            self.drops += 1
+        self._count("drops")
 
     def count_publish_drop(self) -> None:
         """A processed frame of this stream (counted in ``processed``) was dropped on its way
         to the event loop, which fell behind (:mod:`streams.outbox`): not a drop as well."""
+        self._count("publish_drops")
+
+    def _count(self, counter: str) -> None:
+        """One more of ``counter``, in the reader that carries this one's counts on where the
+        stream went on in another (:meth:`carry_over`)."""
         with self._lock:
-            self.publish_drops += 1
+            heir = self._heir
+            if heir is None:
+                setattr(self, counter, getattr(self, counter) + 1)
+                if counter == "processed":
+                    self._fps_out.tick(time.monotonic())
+                return
+        heir._count(counter)
 
     def _on_done(self, pending: _Pending, result: WorkResult) -> None:
         """Engine worker thread: count, then publish."""
@@ -853,8 +867,7 @@ class StreamReader:
             if isinstance(result.error, DeadlineExceeded):
                 self.count_drop()
             elif not isinstance(result.error, PoolClosed):
-                with self._lock:
-                    self.failed += 1
+                self._count("failed")
                 log.warning(
                     "stream %s: frame %d failed: %s", self.config.id, pending.frame_no, result.error
                 )
@@ -870,9 +883,7 @@ class StreamReader:
             done = self._analytics.process(
                 detections, pending.detect, pending.decoded_mono, pending.frame_no
             )
-            with self._lock:
-                self.processed += 1
-                self._fps_out.tick(time.monotonic())
+            self._count("processed")
             if self._stop.is_set():
                 return
             self._publish(

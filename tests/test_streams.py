@@ -213,6 +213,41 @@ async def test_a_directory_swapped_for_a_link_out_after_the_check_is_not_played(
         assert latest is None or latest.image.shape[:2] == (240, 320)  # never the one outside
 
 
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_every_frame_taken_in_is_counted_once_across_disables_and_new_sources(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """Frames in flight when a stream is disabled or given a new source ended in the old
+    reader's counters, thrown away, and its frame waiting for the engine in none: after 8
+    disables 16 frames of frames_in were in no counter, for good."""
+    async with started_file_manager(
+        pool, tmp_path / "data", decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{CAR_CLIP}", loop=True)
+        sid = info["id"]
+        for n in range(8):
+            await published_frames(m, sid, 2)
+            if n % 2:
+                await m.update(sid, {"enabled": False})
+                await m.update(sid, {"enabled": True})
+            else:  # a new source (the other clip, then back)
+                clip = BOTTLE_CLIP if n % 4 == 0 else CAR_CLIP
+                await m.put(sid, f"file://{clip}", detect=StreamDetect())
+        await published_frames(m, sid, 2)
+        await m.update(sid, {"enabled": False})
+        deadline = time.monotonic() + 20
+        while True:  # what was in flight ends
+            stats = m.describe(sid) or {}
+            ended = sum(
+                stats[k]
+                for k in ("frames_processed", "drops", "skipped", "motion_skipped", "frames_failed")
+            )
+            if ended == stats["frames_in"] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert stats["frames_in"] >= 18 and ended == stats["frames_in"], stats
+
+
 def test_ffmpeg_options_pin_protocols_and_transport() -> None:
     udp = open_options(parse_source("rtsp://cam/x", None, transport="udp"))
     assert udp["rtsp_transport"] == "udp"
