@@ -338,6 +338,9 @@ def test_a_camera_with_clips_on_serves_each_events_clip_and_snapshot_across_a_re
             assert snapshot.status_code == 200
             assert clip.status_code == 200, clip.text
             assert clip.headers["content-type"] == "video/mp4"
+            head = c.head(crossing["clip"])  # players ask first (it was 405)
+            assert head.status_code == 200 and head.headers["content-type"] == "video/mp4"
+            assert int(head.headers["content-length"]) == len(clip.content) and not head.content
             part = c.get(crossing["clip"], headers={"Range": "bytes=0-99"})
             assert part.status_code == 206 and part.content == clip.content[:100]
             resp = c.patch(f"/streams/{sid}", json={"clips": False})

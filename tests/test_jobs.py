@@ -278,6 +278,9 @@ def test_a_job_counts_a_videos_crossings_while_a_live_stream_goes_on(tmp_path: P
         assert done["counts"]["tracked"]["car"] >= 2
         # The frames drawn into an MP4: one picture per processed frame, at its own time.
         video = c.get(done["video_url"])
+        head = c.head(done["video_url"])  # a player's or a download tool's first call (405)
+        assert head.status_code == 200 and head.content == b"", head
+        assert head.headers["content-length"] == video.headers["content-length"]
         assert video.status_code == 200 and video.headers["content-type"] == "video/mp4"
         drawn = _decoded(video.content)
         assert len(drawn) == 121 and drawn[0][1].shape == (432, 768, 3)
@@ -349,6 +352,19 @@ def test_bad_jobs_get_clear_errors_and_a_full_server_refuses_more(tmp_path: Path
                 "unicorn",
             ),
             ({"files": {"video": video}, "data": {"settings": '{"fps": 0}'}}, 422, "fps"),
+            (  # it was 400 "Too many files" from the parser, before the field was looked at
+                {"files": {"video": video, "settings": ("s.json", b"{}", "application/json")}},
+                422,
+                "'settings' must be JSON text, not a file",
+            ),
+            (  # 413 as the same JSON as a body is (it was 400)
+                {
+                    "files": {"video": ("v.mp4", b"x", "video/mp4")},
+                    "data": {"settings": " " * (1 << 20) + "{}"},
+                },
+                413,
+                "exceeded maximum size",
+            ),
             ({"json": {"url": "rtsp://camera/stream"}}, 422, "a live camera is a stream"),
             ({"json": {"url": "file:///etc/passwd"}}, 422, "outside the allowed directory"),
             ({"json": {"fps": 1}}, 422, "give the video's url, or upload it"),

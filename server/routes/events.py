@@ -398,6 +398,8 @@ async def delete_clip(clip_id: int, request: Request) -> Response:
     return Response(status_code=204)
 
 
+# HEAD too: players and download tools ask a video's length and type first (it was 405).
+@router.head("/clips/{clip_id}.mp4", include_in_schema=False)
 @router.get(
     "/clips/{clip_id}.mp4",
     response_class=FileResponse,

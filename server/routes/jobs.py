@@ -242,11 +242,16 @@ async def _receive(
         return job_in, {"url": redact(job_in.url)}, spec.target, open_options(spec)
     await asyncio.to_thread(private_dir, directory)  # 0700: the upload is the caller's
     if ctype == "multipart/form-data":
-        parser = MultiPartParser(request.headers, _capped(request, limit), max_files=1)
+        # Two files: a settings field sent as a file is refused below saying so.
+        parser = MultiPartParser(request.headers, _capped(request, limit), max_files=2)
         try:
             form = await parser.parse()
         except MultiPartException as exc:
-            raise HTTPException(400, f"multipart body: {exc.message}") from None
+            # A part over its size is too large, as the same JSON as a body is (413); too
+            # many parts is a form that is not the one asked for (422); the rest is malformed.
+            status = 413 if "maximum size" in exc.message else 400
+            status = 422 if exc.message.startswith("Too many") else status
+            raise HTTPException(status, f"multipart body: {exc.message}") from None
         try:
             video = form.get("video")
             if not isinstance(video, UploadFile):
@@ -624,6 +629,8 @@ async def job_counts(
     return counts_answer(rows, members, interval_s, output, {"state": str(job.state)})
 
 
+# HEAD too: players and download tools ask a video's length and type first (it was 405).
+@router.head("/jobs/{job_id}/video.mp4", include_in_schema=False)
 @router.get(
     "/jobs/{job_id}/video.mp4",
     response_class=FileResponse,
