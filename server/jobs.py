@@ -552,9 +552,14 @@ class JobManager:
         """POST ``{"job": ...}`` (as ``GET /jobs/{id}`` gives it) to the job's
         ``callback_url``, signed as webhooks are; retried with backoff, then given up."""
         assert job.callback_url is not None and job.callback is not None
-        delay = CALLBACK_BACKOFF_S
+        # Tries made before a restart count (each is saved): a callback the server stopped
+        # during went on with 6 more, 8 in all.
+        first = int(job.callback.get("attempts") or 0) + 1
+        delay = CALLBACK_BACKOFF_S * 2 ** (first - 1)
+        if first > CALLBACK_ATTEMPTS:
+            job.callback["state"] = "failed"
         async with http_client(self._callback_timeout_s) as client:
-            for attempt in range(1, CALLBACK_ATTEMPTS + 1):
+            for attempt in range(first, CALLBACK_ATTEMPTS + 1):
                 if job.deleted:  # its caller deleted it: nothing left to tell of
                     job.callback["state"] = "cancelled"
                     break
@@ -568,6 +573,8 @@ class JobManager:
                 if attempt == CALLBACK_ATTEMPTS:
                     job.callback["state"] = "failed"
                     break
+                if not job.deleted:
+                    await asyncio.to_thread(self._save, job)
                 await asyncio.sleep(delay)
                 delay *= 2
         if not job.deleted:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from server import jobs as server_jobs
 from server.routes.webhooks import MAX_WEBHOOKS
 from server.state import AppState
 from tests.helpers import BOTTLE_CLIP, CAR_CLIP, file_stream_app
@@ -164,6 +165,41 @@ def test_a_deleted_jobs_callback_is_not_sent_again(
         tried = len(calls)
         time.sleep(4.0)  # the 2nd and 3rd tries would have come (1 s, then 2 s)
         assert len(calls) == tried, (tried, len(calls))
+
+
+def test_a_callback_retried_across_a_restart_is_tried_six_times_in_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its tries are saved as they are made: a server stopped after two went on with six
+    more after its restart (eight in all, where the README says six)."""
+    calls: list[float] = []
+    second = threading.Event()
+
+    def receiver(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        if len(calls) == 2:
+            second.set()
+        return httpx.Response(500)
+
+    real_client = httpx.AsyncClient
+
+    def client(**kwargs: Any) -> httpx.AsyncClient:
+        return real_client(transport=httpx.MockTransport(receiver), **kwargs)
+
+    monkeypatch.setattr(httpx, "AsyncClient", client)
+    with TestClient(file_stream_app(tmp_path)) as c:
+        body = {"url": f"file://{BOTTLE_CLIP}", "fps": 0.25, "callback_url": "http://x/cb"}
+        job_id = c.post("/jobs", json=body).json()["id"]
+        assert second.wait(60)  # the third would come 2 s later: the server stops first
+    assert len(calls) == 2
+    monkeypatch.setattr(server_jobs, "CALLBACK_BACKOFF_S", 0.05)
+    with TestClient(file_stream_app(tmp_path)) as c:
+        deadline = time.monotonic() + 30
+        while (job := c.get(f"/jobs/{job_id}").json())["callback"]["state"] == "pending":
+            assert time.monotonic() < deadline, job
+            time.sleep(0.1)
+    assert job["callback"]["state"] == "failed" and job["callback"]["attempts"] == 6, job
+    assert len(calls) == 6
 
 
 def _call(
