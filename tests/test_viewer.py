@@ -384,11 +384,15 @@ def test_live_stream_boxes_errors_grid_and_reconnect(
     expect(pg.locator("#event-list li.stream_state .event-text").first).to_contain_text(
         "was disabled"
     )
+    # No frames come: the tile shows no rate (it showed the last one for the whole outage).
+    tile_fps = pg.locator(f'figure[data-stream-id="{car}"] .tile-fps')
+    expect(tile_fps).to_have_text("")
     drawn_before = pg.evaluate(f"() => window.streamdet.drawn['{tile}'].frame")
     car_row.locator("button.toggle").click()
     expect(car_row.locator("td.state")).to_have_text("live")
     expect(car_row.locator("button.toggle")).to_have_text("Disable")
     wait_for_boxes(pg, tile, after_frame=drawn_before)
+    expect(tile_fps).to_contain_text("fps shown")
 
     # A class the model lacks: the server's 422 is shown, nothing is added.
     dead_url = f"rtsp://127.0.0.1:{free_port()}/nothing"

@@ -415,6 +415,13 @@ class Tile {
     const badge = $(".tile-state", this.element);
     badge.textContent = stream.state ?? "?";
     badge.dataset.state = stream.state ?? "";
+    // The rate shown is the frames drawn in the last 3 s: with none coming (the camera lost,
+    // the stream disabled) it said the rate from before for as long as the outage lasted.
+    const lastShown = this.shownAt[this.shownAt.length - 1];
+    if (stream.state !== "live" || (lastShown !== undefined && performance.now() - lastShown > 3000)) {
+      this.shownAt = [];
+      $(".tile-fps", this.element).textContent = stream.state === "live" ? "0.0 fps shown" : "";
+    }
     this.streamError = streamProblem(stream);
     this.renderError();
     const region = stream.detect?.roi ?? null;
