@@ -244,3 +244,9 @@ class Subscriber:
 
     def qsize(self) -> int:
         return self._queue.qsize()
+
+    def frames_waiting(self) -> bool:
+        """Whether a frame waits behind the one being sent (a state change is no newer
+        picture: taken for one, a viewer's last frame before a loss was skipped, and its
+        events waited for a frame that might never come)."""
+        return any(isinstance(item, ProcessedFrame) for item in self._queue._queue)  # type: ignore[attr-defined]

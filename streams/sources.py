@@ -205,18 +205,28 @@ SECRET_WORDS = frozenset(
 (``?user=admin&pwd=...``, Foscam's and others' CGI) or a token (``?token=...``) there."""
 
 
-SECRET_STEMS = ("pass", "pwd", "token", "secret", "auth", "credential", "apikey", "api_key")
-"""Parts of names that carry a secret wherever they stand in one (``passw``, ``userPass``,
-``x-auth-token``); :data:`SECRET_WORDS` are matched as whole words (``key`` but not
-``keyframe``)."""
+_SECRET_STEMS = ("pass", "pwd", "token", "secret", "credential")
+"""How a word of a name that carries a secret begins or ends (``passw``, ``userpass``,
+``usertoken``, ``clientsecret``); :data:`SECRET_WORDS` are whole words (``key`` but not
+``keyframe``), and no word is searched inside (``author`` is no secret)."""
+NOT_SECRET_WORDS = frozenset({"bypass", "passthrough", "passive", "compass", "tokens"})
+"""Words that begin or end like a secret's name and are none (a YAML export masked them)."""
+
+
+def _words(name: str) -> list[str]:
+    """A parameter's name in lower-case words: split at punctuation and at a capital after a
+    lower-case letter (``userPass``: user, pass)."""
+    spaced = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", unquote(name))
+    return [w for w in re.split(r"[^a-z0-9]+", spaced.lower()) if w]
 
 
 def _is_secret(name: str) -> bool:
-    words = unquote(name).lower()
-    return (
-        words in SECRET_WORDS
-        or any(w in SECRET_WORDS for w in re.split(r"[^a-z0-9]+", words))
-        or any(stem in words for stem in SECRET_STEMS)
+    words = _words(name)
+    if "".join(words) in SECRET_WORDS or any(w in SECRET_WORDS for w in words):
+        return True
+    return any(
+        w not in NOT_SECRET_WORDS and (w.startswith(_SECRET_STEMS) or w.endswith(_SECRET_STEMS))
+        for w in words
     )
 
 
@@ -233,7 +243,10 @@ def _masked_pairs(text: str, sep: str) -> str:
 def _secret_values(parts: Any) -> list[str]:
     """The secrets in a split URL: its password, or a user part that has none (a token sent
     as the user name), and the values of secret query and path parameters."""
-    found = [unquote(parts.password or parts.username or "")]
+    found = [unquote(parts.password or "")]
+    user = unquote(parts.username or "")
+    if parts.password is None and len(user) >= 8:  # a token as the user name, not "camera"
+        found.append(user)
     pairs = [p.partition("=") for p in parts.query.split("&")]
     pairs += [(m[1], "=", m[2]) for m in _PATH_PARAM.finditer(parts.path)]
     for key, eq, value in pairs:

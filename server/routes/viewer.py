@@ -348,7 +348,7 @@ async def mjpeg(
                     return
                 if isinstance(item, StateMessage):  # a picture stream has no place for it
                     continue
-                if not pace.due(item, newer_waiting=sub.qsize() > 0):
+                if not pace.due(item, newer_waiting=sub.frames_waiting()):
                     continue
                 # The counts drawn are read again for each frame, on the event loop.
                 now = manager.describe(stream_id) or info

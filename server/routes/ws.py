@@ -142,7 +142,7 @@ async def _send(
                 await websocket.send_text(item.json_text())
             elif jpeg is None:
                 await _send_frame(websocket, item, sub)
-            elif jpeg.due(item, newer_waiting=sub.qsize() > 0):
+            elif jpeg.due(item, newer_waiting=sub.frames_waiting()):
                 await jpeg.send(websocket, item)
             else:
                 sub.carry(item)
