@@ -47,7 +47,7 @@ def add_analyze_args(parser: argparse.ArgumentParser) -> None:
 def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
     from server.cli import unusable_dir
     from server.routes.jobs import settings_of
-    from streams.jobs import JobError, probe
+    from streams.jobs import FramesTooLarge, JobError, probe
 
     source = str(args.video)
     out: Path = args.out or Path(f"{Path(source).name}.streamdet")
@@ -68,8 +68,14 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        video = probe(source)
+    try:  # frames over the pixel limit refused here, from the codec's parameters (exit 2)
+        video = probe(source, max_pixels=settings.max_image_pixels)
+    except FramesTooLarge as exc:
+        print(
+            f"streamdet analyze: {source}: {exc} (setting STREAMDET_MAX_IMAGE_PIXELS)",
+            file=sys.stderr,
+        )
+        return 2
     except JobError as exc:
         print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
         return 2

@@ -452,6 +452,10 @@ def test_streamdet_analyze_runs_a_job_without_a_server(tmp_path: Path) -> None:
         ([str(tmp_path / "shelf" / "job.json")], "not a video FFmpeg can read"),
         ([str(BOTTLE_CLIP), "--settings", '{"motion": true}'], "motion: a live stream's setting"),
         ([str(BOTTLE_CLIP), "--settings", '{"classes": "unicorn"}'], "unicorn"),
+        (  # refused before it is read, naming the setting (exit 1, "Invalid argument")
+            [str(BOTTLE_CLIP), "--max-image-pixels", "10000"],
+            "exceed 10000 pixels (setting STREAMDET_MAX_IMAGE_PIXELS)",
+        ),
     ):
         bad = subprocess.run(
             [streamdet, "analyze", *args, *common, "--out", str(tmp_path / "bad")],
