@@ -187,11 +187,23 @@ class WebhookSender:
         self.name = name(url)
         self.id = webhook_id
         self.about = about or {"filter": {}, "signed": secret is not None, "created_at": None}
-        # Its cursor is kept under the URL as it was always named (unmasked: on the server's
-        # own disk), so a restart carries on where it was.
+        # Its cursor is kept under its URL (unmasked: on the server's own disk), so a restart
+        # carries on where it was; where the label leaves out a query or credentials, the
+        # whole URL's SHA-256 tells it apart (two hooks differing only in ?token= shared one
+        # row: the one behind lost its events at the restart).
         plain = label(url, masked=False)
-        sink = f"webhook {plain}" if webhook_id is None else f"webhook {webhook_id}"
+        legacy = f"webhook {plain}"  # how such a hook's row was named before
+        whole = hashlib.sha256(url.encode()).hexdigest()[:16]
+        sink = legacy if plain == url else f"{legacy} #{whole}"
+        sink = sink if webhook_id is None else f"webhook {webhook_id}"
+        store = events.store
+        taken = None
+        if webhook_id is None and sink != legacy and store is not None:
+            taken = store.cursor(legacy) if store.cursor(sink) is None else None
         self._reader = LogReader(sink, events, self._count, wanted)
+        if taken is not None:  # carried on from the row it had before
+            self._reader.cursor = min(taken, events.last_id)
+            events.save_cursor(sink, self._reader.cursor)
         self._secret = secret
         self._timeout_s = timeout_s
         self._metrics = metrics

@@ -494,6 +494,7 @@ class LogReader:
         self.log = events
         self.wanted = wanted
         self.cursor = events.saved_cursor(sink)
+        self._save_at = 0.0  # when a cursor moved past unwanted events may be saved next
         self.sent = self.missed = 0
         self._count = count
 
@@ -523,7 +524,13 @@ class LogReader:
                 page.missed,
             )
         if page.missed or not page.events:
-            self.cursor = page.events[0]["id"] - 1 if page.events else page.next
+            moved = page.events[0]["id"] - 1 if page.events else page.next
+            if moved != self.cursor and time.monotonic() >= self._save_at:
+                # Past events its filter passes over: kept (at most once a second), or after
+                # a restart those that left the log meanwhile were counted as missed.
+                self._save_at = time.monotonic() + 1.0
+                self.log.save_cursor(self.sink, moved)
+            self.cursor = moved
         return page
 
     async def take(self, limit: int, wait_s: float) -> EventPage | None:

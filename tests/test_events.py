@@ -170,6 +170,55 @@ def test_event_filters_find_an_audits_events() -> None:
     assert full.kept_since == 10.0  # event 1 (captured at 10.0) left it; 2 is the oldest
 
 
+def test_webhooks_differing_only_in_their_query_keep_cursors_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """Two setting webhooks whose URLs differ only in ``?t=`` kept one cursor row (their
+    label's): the one behind lost its events at the restart. A row of that old name is
+    carried on from; a filtered sink's cursor moved past events it does not want is kept
+    (after a restart those that left the log were counted as missed)."""
+    first = EventStore(tmp_path, size=5)
+    EventLog(size=5, start_id=1, store=first).add(
+        "a", "", 1.0, [_crossing(f) for f in range(1, 4)], _name
+    )  # 1-3
+    first.save_cursor("webhook http://127.0.0.1:9/hook", 1)  # an older version's row
+    first.close()
+    store = EventStore(tmp_path, size=5)
+    log = EventLog(size=5, store=store)
+    behind = WebhookSender("http://127.0.0.1:9/hook?t=b", log, None, timeout_s=5)
+    ahead = WebhookSender("http://127.0.0.1:9/hook?t=c", log, None, timeout_s=5)
+    assert behind._reader.sink != ahead._reader.sink
+    assert behind._reader.cursor == 1  # carried on from the old row
+    ahead._reader.delivered(3, 3)
+    filtered = WebhookSender(
+        "http://127.0.0.1:9/other",
+        log,
+        None,
+        timeout_s=5,
+        wanted=EventFilter(streams=frozenset({"b"})),
+    )
+    log.add("a", "", 2.0, [_crossing(f) for f in range(4, 10)], _name)  # 4-9, none for "b"
+    assert filtered._reader.next_page(10).events == []
+    store.close()
+    reopened = EventStore(tmp_path, size=5)
+    again = EventLog(size=5, store=reopened)
+    assert (
+        WebhookSender("http://127.0.0.1:9/hook?t=b", again, None, timeout_s=5)._reader.cursor == 1
+    )
+    assert (
+        WebhookSender("http://127.0.0.1:9/hook?t=c", again, None, timeout_s=5)._reader.cursor == 3
+    )
+    kept = WebhookSender(
+        "http://127.0.0.1:9/other",
+        again,
+        None,
+        timeout_s=5,
+        wanted=EventFilter(streams=frozenset({"b"})),
+    )
+    assert kept._reader.cursor == 9 and kept._reader.next_page(10).missed == 0
+    reopened.close()
+
+
 def test_the_event_log_is_readable_by_the_servers_user_only(tmp_path: Path) -> None:
     """It holds manual events' data and sources' errors: 0600, its journal and id marks too
     (they were 0644, and an earlier version's are closed at start)."""
@@ -1005,6 +1054,6 @@ def test_names_a_spreadsheet_would_run_as_formulas_are_written_as_text(tmp_path:
         made = c.post("/streams/cam/events", json={"label": formula, "clip": False})
         assert made.status_code == 201, made.text
         assert made.json()["label"] == formula  # kept as given; only the CSV cell is quoted
-        table = c.get("/events/counts", params={"by": "label", "format": "csv"})
+        table = c.get("/events/counts", params={"by": "label", "type": "manual", "format": "csv"})
         rows = list(csv.DictReader(io.StringIO(table.text)))
         assert [r["label"] for r in rows] == ["'" + formula], table.text
