@@ -305,7 +305,7 @@ class StreamManager:
         if self._closing:  # stopped meanwhile: what it stops would not include this one
             await asyncio.to_thread(self._store.remove, sid)
             raise ManagerClosed("server shutting down")
-        self._launch(record, spec)
+        self._launch(record, spec, added=True)
         log.info("stream %s: added %s", sid, redact(wanted.url))
         return self._describe(record)
 
@@ -469,7 +469,7 @@ class StreamManager:
         try:
             self._launch(record, self._spec(record), carry=old)
         except SourceError as exc:
-            self._launch(record, None, error=str(exc), carry=old)
+            self._launch(record, None, error=str(exc), carry=old, previous=was)
         log.info("stream %s: opened on %s", record.id, redact(record.url))
 
     async def _let_go(self, reader: StreamReader, stream_id: str) -> None:
@@ -787,10 +787,15 @@ class StreamManager:
         error: str = "",
         *,
         carry: StreamReader | None = None,
+        added: bool = False,
+        previous: StreamState = StreamState.CONNECTING,
     ) -> None:
         """Make and start the stream's reader for ``record`` (failed with ``error`` where
         ``spec`` is None; not started where the stream is disabled), going on from ``carry``
-        (:meth:`StreamReader.carry_over`) where given."""
+        (:meth:`StreamReader.carry_over`) where given. A stream that fails here, or one
+        ``added`` disabled, logs that state change as its decode thread's are logged (no
+        channel heard of it: MQTT's state topic kept "live" for a source gone at a
+        restart); ``previous``: its state before (a relaunched stream's, before it stopped)."""
         placeholder = SourceSpec(record.url, "invalid")
         self._bad_detect.discard(record.id)
         try:
@@ -826,15 +831,22 @@ class StreamManager:
                 on_state=on_state,
                 clips=None if self.clips is None else self.clips.recorder(record.id),
             )
+        was = previous
         if carry is not None:
             reader.carry_over(carry)
         self._records[record.id] = record
         self._readers[record.id] = reader
         if not record.enabled:
             reader.state = StreamState.DISABLED  # not started: no thread, camera closed
+            if added:
+                disabled = StateEvent(was.value, StreamState.DISABLED.value, None, 0)
+                self._state_changed(record.id, record.name, time.time(), disabled)
             return
         if spec is None:
             reader.state = StreamState.FAILED
             reader.last_error = error
+            if was is not StreamState.FAILED:
+                failed = StateEvent(was.value, StreamState.FAILED.value, error, reader.frame_no)
+                self._state_changed(record.id, record.name, time.time(), failed)
             return
         reader.start()

@@ -9,6 +9,7 @@ import functools
 import json
 import random
 import re
+import shutil
 import sqlite3
 import threading
 import time
@@ -32,6 +33,7 @@ from loadtest.server import free_port
 from server.metrics import Metrics
 from server.routes.streams import metric_samples
 from streams.detect import Roi, StreamDetect
+from streams.events import EventFilter
 from streams.fanout import MAX_CARRIED, Closed, ProcessedFrame, StateMessage, Subscriber
 from streams.frames import keyframes_suffice
 from streams.jobs import JobError, probe
@@ -246,6 +248,37 @@ async def test_every_frame_taken_in_is_counted_once_across_disables_and_new_sour
                 break
             await asyncio.sleep(0.2)
         assert stats["frames_in"] >= 18 and ended == stats["frames_in"], stats
+
+
+async def test_a_stream_added_disabled_or_failing_at_its_start_says_so_on_every_channel(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """A stream added disabled, or whose file is gone when the server starts again, logged no
+    state event: no webhook, MQTT state or ``?states=true`` viewer heard of it (MQTT's state
+    topic kept "live")."""
+    allowed = tmp_path / "videos"
+    allowed.mkdir()
+    shutil.copy(CAR_CLIP, allowed / "c.mp4")
+    states = EventFilter(types=frozenset({"stream_state"}))
+    async with started_file_manager(pool, tmp_path / "data", allowed_dir=allowed) as m:
+        off = await m.add(f"file://{allowed}/c.mp4", enabled=False, stream_id="off")
+        assert off["state"] == "disabled"
+        on = await m.add(f"file://{allowed}/c.mp4", stream_id="on")
+        await published_frames(m, on["id"], 1)
+        changes = [
+            (e["stream_id"], e["previous"], e["state"]) for e in m.events.read(0, 9, states).events
+        ]
+        assert ("off", "connecting", "disabled") in changes, changes
+        late = m.subscribe("off", {"states": "true"})
+        assert late is not None and late.qsize() == 1  # told why no frames come
+    (allowed / "c.mp4").unlink()
+    async with started_file_manager(pool, tmp_path / "data", allowed_dir=allowed) as m:
+        stats = m.describe("on") or {}
+        assert stats["state"] == "failed" and "does not exist" in stats["last_error"], stats
+        [failed] = [e for e in m.events.read(0, 9, states).events if e["stream_id"] == "on"]
+        assert (failed["state"], failed["error"]) == ("failed", stats["last_error"]), failed
+        assert (m.describe("off") or {})["state"] == "disabled"  # no event at each start
+        assert all(e["stream_id"] != "off" for e in m.events.read(0, 9, states).events)
 
 
 def test_ffmpeg_options_pin_protocols_and_transport() -> None:
