@@ -59,6 +59,9 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
                 ({"url": receiver.url, "filter": {"classes": ["unicorn"]}}, "'unicorn'"),
                 ({"url": receiver.url, "filter": {"colour": "red"}}, "colour"),
                 ({"url": receiver.url, "sekret": "x"}, "sekret"),
+                # Kept as no criterion, it was sent every event.
+                ({"url": receiver.url, "filter": {"type": []}}, "filter.type: empty"),
+                ({"url": receiver.url, "filter": {"zone": " , "}}, "filter.zone: empty"),
             ):
                 refused = c.post("/webhooks", json=body)
                 assert refused.status_code == 422 and words in refused.text, refused.text

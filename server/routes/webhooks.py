@@ -76,6 +76,15 @@ def filter_spec(body: WebhookFilterIn | None, class_names: Mapping[int, str]) ->
     """
     if body is None:
         return {}
+    for key in ("stream_id", "type", "classes", "zone", "line"):
+        raw = getattr(body, key)
+        if raw is not None and not any(str(item).strip(" ,") for item in _items(raw)):
+            # It was kept as no criterion: the webhook was sent every event.
+            raise HTTPException(
+                422,
+                f"filter.{key}: empty, which would pass no event; leave it out to pass every"
+                " one",
+            )
 
     def listed(raw: Names) -> list[str] | None:
         text = raw if isinstance(raw, str) or raw is None else ",".join(raw)
@@ -92,6 +101,10 @@ def filter_spec(body: WebhookFilterIn | None, class_names: Mapping[int, str]) ->
         "line": listed(body.line),
     }
     return {key: value for key, value in spec.items() if value is not None}
+
+
+def _items(raw: str | list[str] | list[str | int]) -> list[str | int]:
+    return [raw] if isinstance(raw, str) else list(raw)
 
 
 def event_filter(spec: Mapping[str, Any]) -> EventFilter:
