@@ -185,37 +185,24 @@ def test_webhooks_differing_only_in_their_query_keep_cursors_of_their_own(
     first.close()
     store = EventStore(tmp_path, size=5)
     log = EventLog(size=5, store=store)
-    behind = WebhookSender("http://127.0.0.1:9/hook?t=b", log, None, timeout_s=5)
-    ahead = WebhookSender("http://127.0.0.1:9/hook?t=c", log, None, timeout_s=5)
-    assert behind._reader.sink != ahead._reader.sink
-    assert behind._reader.cursor == 1  # carried on from the old row
-    ahead._reader.delivered(3, 3)
-    filtered = WebhookSender(
-        "http://127.0.0.1:9/other",
-        log,
-        None,
-        timeout_s=5,
-        wanted=EventFilter(streams=frozenset({"b"})),
-    )
+    only_b = EventFilter(streams=frozenset({"b"}))
+
+    def reader(url: str, log: EventLog, wanted: EventFilter = EVERY_EVENT) -> LogReader:
+        return WebhookSender(f"http://127.0.0.1:9/{url}", log, None, 5, wanted=wanted)._reader
+
+    behind, ahead = reader("hook?t=b", log), reader("hook?t=c", log)
+    assert behind.sink != ahead.sink
+    assert behind.cursor == 1  # carried on from the old row
+    ahead.delivered(3, 3)
+    filtered = reader("other", log, only_b)
     log.add("a", "", 2.0, [_crossing(f) for f in range(4, 10)], _name)  # 4-9, none for "b"
-    assert filtered._reader.next_page(10).events == []
+    assert filtered.next_page(10).events == []
     store.close()
     reopened = EventStore(tmp_path, size=5)
     again = EventLog(size=5, store=reopened)
-    assert (
-        WebhookSender("http://127.0.0.1:9/hook?t=b", again, None, timeout_s=5)._reader.cursor == 1
-    )
-    assert (
-        WebhookSender("http://127.0.0.1:9/hook?t=c", again, None, timeout_s=5)._reader.cursor == 3
-    )
-    kept = WebhookSender(
-        "http://127.0.0.1:9/other",
-        again,
-        None,
-        timeout_s=5,
-        wanted=EventFilter(streams=frozenset({"b"})),
-    )
-    assert kept._reader.cursor == 9 and kept._reader.next_page(10).missed == 0
+    assert reader("hook?t=b", again).cursor == 1 and reader("hook?t=c", again).cursor == 3
+    kept = reader("other", again, only_b)
+    assert kept.cursor == 9 and kept.next_page(10).missed == 0
     reopened.close()
 
 

@@ -82,8 +82,7 @@ def filter_spec(body: WebhookFilterIn | None, class_names: Mapping[int, str]) ->
             # It was kept as no criterion: the webhook was sent every event.
             raise HTTPException(
                 422,
-                f"filter.{key}: empty, which would pass no event; leave it out to pass every"
-                " one",
+                f"filter.{key}: empty, which would pass no event; leave it out to pass every one",
             )
 
     def listed(raw: Names) -> list[str] | None:
