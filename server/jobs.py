@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from asyncio import FIRST_COMPLETED
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -352,8 +352,8 @@ class JobManager:
         held = [b for key, b in self._held.items() if key != job_id]
         return len(self._jobs) + len(held), self.bytes_used() + sum(held)
 
-    def _finished_oldest_first(self) -> list[Job]:
-        return [j for j in self._jobs.values() if j.state in FINISHED]
+    def _finished_oldest_first(self) -> Iterator[Job]:
+        return (j for j in self._jobs.values() if j.state in FINISHED)
 
     async def _evict_for(self, job_id: str) -> None:
         """Delete the oldest finished jobs until the room :meth:`make_room` found for
@@ -362,7 +362,7 @@ class JobManager:
         while (taken := self._taken(job_id))[0] >= self._max_jobs or (
             taken[1] + incoming > self._max_bytes
         ):
-            oldest = next(iter(self._finished_oldest_first()), None)
+            oldest = next(self._finished_oldest_first(), None)
             if oldest is None:
                 return  # a running job grew meanwhile: this one goes over, once
             await self.delete(oldest.id)

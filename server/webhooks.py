@@ -193,13 +193,15 @@ class WebhookSender:
         # row: the one behind lost its events at the restart).
         plain = label(url, masked=False)
         legacy = f"webhook {plain}"  # how such a hook's row was named before
-        whole = hashlib.sha256(url.encode()).hexdigest()[:16]
-        sink = legacy if plain == url else f"{legacy} #{whole}"
-        sink = sink if webhook_id is None else f"webhook {webhook_id}"
-        store = events.store
         taken = None
-        if webhook_id is None and sink != legacy and store is not None:
-            taken = store.cursor(legacy) if store.cursor(sink) is None else None
+        if webhook_id is not None:
+            sink = f"webhook {webhook_id}"
+        elif plain == url:
+            sink = legacy
+        else:
+            sink = f"{legacy} #{hashlib.sha256(url.encode()).hexdigest()[:16]}"
+            if events.store is not None and events.store.cursor(sink) is None:
+                taken = events.store.cursor(legacy)
         self._reader = LogReader(sink, events, self._count, wanted)
         if taken is not None:  # carried on from the row it had before
             self._reader.cursor = min(taken, events.last_id)

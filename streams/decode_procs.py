@@ -796,22 +796,9 @@ class RemoteReader(StreamReader):
         """The process's increments of its counters, and (``latest``: its timer's reports,
         not a frame's) its size, rate and last frame's time. Those that come once the stream
         went on in another reader (:meth:`carry_over`) are added to its counters."""
-        with self._lock:
-            heir = self._heir
-            if heir is None:
-                for name, delta in deltas.items():
-                    setattr(self, name, getattr(self, name) + delta)
-        if heir is not None:
-            if isinstance(heir, RemoteReader):
-                heir.remote_counts(deltas, None)
-            else:
-                with heir._lock:
-                    for name, delta in deltas.items():
-                        setattr(heir, name, getattr(heir, name) + delta)
+        if not self._add_counts(deltas) or latest is None:
             return
         with self._lock:
-            if latest is None:
-                return
             self._remote_at = time.monotonic()
             (
                 self.width,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,6 +141,19 @@ class ProcessedFrame:
         return self._json
 
 
+def wants_states(options: Mapping[str, str]) -> bool:
+    """Whether a viewer asked for its stream's state changes too (``?states=true``; one that
+    knows only frames asked for none).
+
+    Raises:
+        ValueError: ``states`` is neither true nor false (nor 1 or 0); the message says so.
+    """
+    value = options.get(STATES_OPTION, "false")
+    if value not in ("true", "false", "1", "0"):
+        raise ValueError(f"{STATES_OPTION}={value[:20]!r}: expected true or false")
+    return value in ("true", "1")
+
+
 @dataclass(frozen=True, slots=True)
 class StateMessage:
     """A stream's state change (its ``stream_state`` event as logged, ``type`` and all), sent
@@ -175,9 +188,7 @@ class Subscriber:
             raise ValueError("maxsize must be >= 1 (setting STREAMDET_WS_QUEUE_SIZE)")
         self.stream_id = stream_id
         self.options = options or {}
-        # ``?states=true``: the stream's state changes too (a viewer that knows only frames
-        # asked for none).
-        self.wants_states = self.options.get(STATES_OPTION) in ("true", "1")
+        self.wants_states = wants_states(self.options)
         self.dropped = 0
         self.closed: Closed | None = None
         self._queue: asyncio.Queue[ProcessedFrame | StateMessage | Closed] = asyncio.Queue(maxsize)

@@ -458,13 +458,7 @@ class StreamManager:
             return  # the manager is stopping its readers: a new one would run on
         self._latest.pop(record.id, None)
         if not record.enabled:
-            # In the stream's frame numbers, as its other events and frames (frames_in
-            # counted every frame the camera sent, those max_fps skipped too); a disabled
-            # stream given a new source stays disabled: no change to tell.
-            if was is not StreamState.DISABLED:
-                disabled = StateEvent(was.value, StreamState.DISABLED.value, None, old.frame_no)
-                self._state_changed(record.id, record.name, time.time(), disabled)
-            self._launch(record, None, carry=old)
+            self._launch(record, None, carry=old, previous=was)
             return
         try:
             self._launch(record, self._spec(record), carry=old)
@@ -795,7 +789,8 @@ class StreamManager:
         (:meth:`StreamReader.carry_over`) where given. A stream that fails here, or one
         ``added`` disabled, logs that state change as its decode thread's are logged (no
         channel heard of it: MQTT's state topic kept "live" for a source gone at a
-        restart); ``previous``: its state before (a relaunched stream's, before it stopped)."""
+        restart), and so does one disabled here (``carry``: it was running); ``previous``:
+        its state before (a relaunched stream's, before it stopped)."""
         placeholder = SourceSpec(record.url, "invalid")
         self._bad_detect.discard(record.id)
         try:
@@ -831,22 +826,24 @@ class StreamManager:
                 on_state=on_state,
                 clips=None if self.clips is None else self.clips.recorder(record.id),
             )
-        was = previous
         if carry is not None:
             reader.carry_over(carry)
         self._records[record.id] = record
         self._readers[record.id] = reader
+        # In the stream's frame numbers, as its other events and frames (frames_in counted
+        # every frame the camera sent, those max_fps skipped too). Not at each start of a
+        # stream kept disabled, nor for a disabled one given a new source: no change to tell.
         if not record.enabled:
             reader.state = StreamState.DISABLED  # not started: no thread, camera closed
-            if added:
-                disabled = StateEvent(was.value, StreamState.DISABLED.value, None, 0)
+            if (added or carry is not None) and previous is not StreamState.DISABLED:
+                disabled = StateEvent(previous.value, reader.state.value, None, reader.frame_no)
                 self._state_changed(record.id, record.name, time.time(), disabled)
             return
         if spec is None:
             reader.state = StreamState.FAILED
             reader.last_error = error
-            if was is not StreamState.FAILED:
-                failed = StateEvent(was.value, StreamState.FAILED.value, error, reader.frame_no)
+            if previous is not StreamState.FAILED:
+                failed = StateEvent(previous.value, reader.state.value, error, reader.frame_no)
                 self._state_changed(record.id, record.name, time.time(), failed)
             return
         reader.start()

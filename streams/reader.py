@@ -850,16 +850,22 @@ class StreamReader:
         self._count("publish_drops")
 
     def _count(self, counter: str) -> None:
-        """One more of ``counter``, in the reader that carries this one's counts on where the
-        stream went on in another (:meth:`carry_over`)."""
+        """One more of ``counter`` (see :meth:`_add_counts`)."""
+        self._add_counts({counter: 1})
+
+    def _add_counts(self, deltas: dict[str, int]) -> bool:
+        """Add ``deltas`` to these counters or, where the stream went on in another reader
+        (:meth:`carry_over`), to that one's; whether they were added here."""
         with self._lock:
             heir = self._heir
             if heir is None:
-                setattr(self, counter, getattr(self, counter) + 1)
-                if counter == "processed":
+                for name, delta in deltas.items():
+                    setattr(self, name, getattr(self, name) + delta)
+                if "processed" in deltas:
                     self._fps_out.tick(time.monotonic())
-                return
-        heir._count(counter)
+                return True
+        heir._add_counts(deltas)
+        return False
 
     def _on_done(self, pending: _Pending, result: WorkResult) -> None:
         """Engine worker thread: count, then publish."""

@@ -234,10 +234,10 @@ _PATH_PARAM = re.compile(r";([^;=/]+)=([^;/]*)")
 """A path parameter, ``;name=value`` (``/cam;password=.../stream``)."""
 
 
-def _masked_pairs(text: str, sep: str) -> str:
-    """``name=value`` pairs joined by ``sep`` with the values of secret names ``***``."""
-    pairs = [p.partition("=") for p in text.split(sep)]
-    return sep.join(f"{k}={'***' if _is_secret(k) else v}" if eq else k for k, eq, v in pairs)
+def _masked_query(query: str) -> str:
+    """A URL's query with the values of secret names ``***``."""
+    pairs = [p.partition("=") for p in query.split("&")]
+    return "&".join(f"{k}={'***' if _is_secret(k) else v}" if eq else k for k, eq, v in pairs)
 
 
 def _secret_values(parts: Any) -> list[str]:
@@ -273,7 +273,7 @@ def redact(url: str) -> str:
         path = _PATH_PARAM.sub(lambda m: f";{m[1]}=***" if _is_secret(m[1]) else m[0], parts.path)
         parts = parts._replace(path=path)
     if parts.query:
-        parts = parts._replace(query=_masked_pairs(parts.query, "&"))
+        parts = parts._replace(query=_masked_query(parts.query))
     return parts.geturl()
 
 

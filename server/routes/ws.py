@@ -30,12 +30,12 @@ from server.settings import Settings
 from server.state import get_state
 from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
 from streams.fanout import (
-    STATES_OPTION,
     WS_GOING_AWAY,
     Closed,
     ProcessedFrame,
     StateMessage,
     Subscriber,
+    wants_states,
 )
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,7 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
         if len(options) > MAX_OPTIONS:  # those past it were ignored, a bad states= too
             raise ValueError(f"{len(options)} query options: at most {MAX_OPTIONS}")
         jpeg = JpegFrames.from_options(options)
-        if options.get(STATES_OPTION, "false") not in ("true", "false", "1", "0"):
-            raise ValueError(f"states={options[STATES_OPTION][:20]!r}: expected true or false")
+        wants_states(options)
     except ValueError as exc:
         await websocket.close(WS_BAD_OPTION, str(exc)[:120])
         return
