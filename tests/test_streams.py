@@ -908,7 +908,11 @@ async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
     every_s = await file_manager.add(f"file://{CAR_CLIP}", max_fps=1.0)
     bottles = await file_manager.add(f"file://{BOTTLE_CLIP}", max_fps=0.1)
     frames = await published_frames(file_manager, slow["id"], 3)
-    assert [round(f.pts or 0, 2) for f in frames] == [0.0, 4.8, 9.6]  # its keyframes
+    pts = [round(f.pts or 0, 2) for f in frames]
+    # Its keyframes, one after another; under load the first (0.0) may be out before the
+    # subscription, which the other two adds keep waiting.
+    assert pts in ([0.0, 4.8, 9.6], [4.8, 9.6, 14.4]), pts
+    sampled = round(pts[-1] / 4.8) + 1  # the keyframes up to the last one seen
     # Whole pictures, the very ones a decoder fed every frame gives.
     with av.open(str(CAR_CLIP)) as clip:
         every = {round(f.time, 2): f.to_ndarray(format="rgb24") for f in clip.decode(video=0)}
@@ -917,8 +921,8 @@ async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
     stats = {s["id"]: s for s in file_manager.list()}
     assert stats[slow["id"]]["keyframes_only"] is True
     decoded, came = stats[slow["id"]]["frames_decoded"], stats[slow["id"]]["frames_in"]
-    assert came >= 180 and decoded <= 60 + 3, (decoded, came)  # the first group, then keys
-    assert stats[slow["id"]]["skipped"] == came - 3  # the others counted as sampled out
+    assert came >= 180 and decoded <= 60 + sampled, (decoded, came)  # the first group, then keys
+    assert stats[slow["id"]]["skipped"] == came - sampled  # the others counted as sampled out
     for other in (every_s, bottles):
         assert stats[other["id"]]["keyframes_only"] is False
         assert stats[other["id"]]["frames_decoded"] == stats[other["id"]]["frames_in"] > 0
