@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -79,7 +80,7 @@ def class_ids(tokens: Iterable[str | int], names: Mapping[int, str]) -> frozense
         text = str(token).strip()
         if not text:
             continue
-        if text.lstrip("-").isdigit():
+        if re.fullmatch(r"-?[0-9]+", text):  # ASCII digits ("²".isdigit() is true)
             cid = int(text)
             if cid not in names:
                 raise ValueError(

@@ -154,13 +154,17 @@ def _iou(
     return np.asarray(inter / (area_a + area_b - inter + 1e-9), np.float64)
 
 
-def nms(boxes: npt.NDArray[np.float32], scores: npt.NDArray[np.float32], iou: float) -> list[int]:
-    """Greedy non-maximum suppression; ``scores`` sorted descending. Returns kept indices."""
+def nms(
+    boxes: npt.NDArray[np.float32], scores: npt.NDArray[np.float32], iou: float, limit: int
+) -> list[int]:
+    """Greedy non-maximum suppression; ``scores`` sorted descending. Returns the first
+    ``limit`` kept indices: the loop stops there (``conf=0`` keeps 8,400 candidates at 640,
+    and running all of them made one image cost 0.3 to 0.6 s where ``max_det`` keeps 300)."""
     x1, y1, x2, y2 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
     areas = (x2 - x1).clip(0) * (y2 - y1).clip(0)
     order = np.arange(scores.shape[0])
     keep: list[int] = []
-    while order.size:
+    while order.size and len(keep) < limit:
         i = int(order[0])
         keep.append(i)
         rest = order[1:]
@@ -197,8 +201,8 @@ def postprocess_one(
     boxes = np.empty_like(xywh)
     boxes[:, :2] = xywh[:, :2] - xywh[:, 2:] / 2
     boxes[:, 2:] = xywh[:, :2] + xywh[:, 2:] / 2
-    keep = nms(boxes + class_ids[:, None].astype(np.float32) * MAX_WH, scores, params.iou)
-    keep = keep[: params.max_det]
+    shifted = boxes + class_ids[:, None].astype(np.float32) * MAX_WH  # classes never overlap
+    keep = nms(shifted, scores, params.iou, params.max_det)
     boxes, scores, class_ids = boxes[keep], scores[keep], class_ids[keep]
     boxes[:, [0, 2]] = ((boxes[:, [0, 2]] - meta.pad_x) / meta.gain).clip(0, meta.width)
     boxes[:, [1, 3]] = ((boxes[:, [1, 3]] - meta.pad_y) / meta.gain).clip(0, meta.height)

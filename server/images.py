@@ -7,7 +7,7 @@ import io
 
 import numpy as np
 from PIL import Image as PILImage
-from PIL import ImageFile, ImageOps, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+from PIL import ImageFile, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
 from engines.types import Image
 from streams.frames import decoded_size
@@ -73,6 +73,30 @@ nvImageCodec refuses over 256 for the same reason (the Cure53 report on libjpeg-
 
 EXIF_ORIENTATION = 0x0112
 """The EXIF tag saying how a picture is turned; values 5 to 8 swap its width and height."""
+
+_UPRIGHT = {
+    2: PILImage.Transpose.FLIP_LEFT_RIGHT,
+    3: PILImage.Transpose.ROTATE_180,
+    4: PILImage.Transpose.FLIP_TOP_BOTTOM,
+    5: PILImage.Transpose.TRANSPOSE,
+    6: PILImage.Transpose.ROTATE_270,
+    7: PILImage.Transpose.TRANSVERSE,
+    8: PILImage.Transpose.ROTATE_90,
+}
+"""What turns a picture of each EXIF orientation upright (as ``ImageOps.exif_transpose``)."""
+
+
+def _orientation(img: PILImage.Image) -> int:
+    """The picture's EXIF orientation; 1 (as stored) where its EXIF cannot be read.
+
+    Not ``ImageOps.exif_transpose``: it also writes the EXIF back without the tag, and a tag
+    of an unexpected type (a signed width) made that raise ``struct.error``: a 500 for a phone
+    photo whose pixels are fine and whose EXIF the engine never reads."""
+    try:
+        value = img.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # any EXIF Pillow cannot parse: the pixels as they are
+        return 1
+    return value if isinstance(value, int) else 1
 
 
 def _opened(
@@ -143,9 +167,10 @@ def decode_upload(data: bytes, max_pixels: int, max_side: int = 0) -> tuple[Imag
     opened, fmt, (width, height) = _opened(data, max_pixels, max_side)
     img: PILImage.Image = opened
     try:
-        swapped = img.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
+        orientation = _orientation(img)
         img.load()
-        img = ImageOps.exif_transpose(img) or img
+        if (upright := _UPRIGHT.get(orientation)) is not None:
+            img = img.transpose(upright)
         if img.mode.startswith("I"):  # 16-bit grey PNG ("I;16", or "I" from older Pillow)
             grey = (np.asarray(img).astype(np.uint32) >> 8).clip(0, 255).astype(np.uint8)
             rgb_array = np.ascontiguousarray(np.repeat(grey[..., None], 3, axis=2))
@@ -153,5 +178,5 @@ def decode_upload(data: bytes, max_pixels: int, max_side: int = 0) -> tuple[Imag
             rgb_array = np.asarray(img.convert("RGB"), dtype=np.uint8)
     except (OSError, ValueError, SyntaxError) as exc:
         raise ImageError(400, f"truncated or corrupt {fmt} image: {exc}") from None
-    size = (height, width) if swapped else (width, height)
+    size = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
     return np.ascontiguousarray(rgb_array), size

@@ -204,7 +204,7 @@ def test_wrong_multipart_field_is_422(client: TestClient) -> None:
     assert "'image'" in resp.json()["detail"] and "file" in resp.json()["detail"]
     resp = client.post("/detect", files={"image": (None, "not a file")})
     assert resp.status_code == 422
-    assert "must be a file" in resp.json()["detail"]
+    assert "send it as a file part" in resp.json()["detail"]
     two = [("image", ("a.jpg", bus_bytes(), "image/jpeg")), ("image", ("b.jpg", b"x", "x/y"))]
     resp = client.post("/detect", files=two)  # the last one was answered for, the first lost
     assert resp.status_code == 422
@@ -279,6 +279,8 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         for bad, expected in (
             ({"classes": ["bottle", "unicorn"]}, "unknown class name 'unicorn'"),
             ({"classes": "0,99"}, "unknown class id 99"),
+            ({"classes": "\u00b2"}, "classes: unknown class name '\u00b2'"),  # not an int()
+            ({"classes": "--5"}, "classes: unknown class name '--5'"),
             ({"conf": 1.5}, "conf"),
             ({"max_det": 0}, "max_det"),
             ({"clases": ["bottle"]}, "clases"),  # misspelt: refused, not ignored

@@ -4,10 +4,12 @@ smaller by libjpeg itself, their size as sent kept for the boxes, EXIF turns inc
 from __future__ import annotations
 
 import io
+import struct
 
 import numpy as np
 import pytest
 from PIL import Image as PILImage
+from PIL import ImageOps
 
 from server.images import (
     EXIF_ORIENTATION,
@@ -59,6 +61,42 @@ def test_a_turned_jpeg_is_decoded_smaller_and_gives_its_turned_size() -> None:
     image, size = decode_upload(_jpeg(4000, 3000, orientation=6), 50_000_000, 640)
     assert size == (3000, 4000) and image.shape == (1000, 750, 3)
     assert decode_upload(_jpeg(4000, 3000, orientation=3), 50_000_000, 640)[1] == (4000, 3000)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_each_exif_orientation_is_turned_as_pillow_turns_it(fmt: str) -> None:
+    for orientation in range(1, 9):
+        data = _jpeg(64, 48, orientation=orientation, fmt=fmt)
+        image, size = decode_upload(data, 50_000_000)
+        with PILImage.open(io.BytesIO(data)) as opened:
+            want = np.asarray(ImageOps.exif_transpose(opened).convert("RGB"))
+        assert np.array_equal(image, want), orientation
+        assert size == (want.shape[1], want.shape[0]), orientation
+
+
+def _exif_with(entries: list[tuple[int, int, bytes]]) -> bytes:
+    """Raw EXIF (one little-endian IFD) of ``(tag, type, 4-byte value)`` entries."""
+    body = b"".join(struct.pack("<HHI", tag, kind, 1) + value for tag, kind, value in entries)
+    return b"Exif\0\0II*\0" + struct.pack("<IH", 8, len(entries)) + body + b"\0\0\0\0"
+
+
+def test_a_turned_photo_whose_exif_pillow_cannot_write_back_is_turned() -> None:
+    """An ImageWidth tag stored as a negative SSHORT beside orientation 6: Pillow reads it,
+    and ``exif_transpose``'s writing it back raised ``struct.error`` (a bare 500)."""
+    pixels = np.zeros((48, 64, 3), np.uint8)
+    pixels[:24, :32] = (220, 30, 30)
+    exif = _exif_with([(0x0100, 8, struct.pack("<h", -5) + b"\0\0"), (0x0112, 3, b"\x06\0\0\0")])
+    for fmt in ("JPEG", "PNG"):
+        out = io.BytesIO()
+        PILImage.fromarray(pixels).save(out, format=fmt, exif=exif)
+        image, size = decode_upload(out.getvalue(), 50_000_000)
+        assert size == (48, 64) and image.shape == (64, 48, 3), fmt
+        assert image[10, 40, 0] > 180 and image[50, 10, 0] < 30  # red now top-right
+    # EXIF that cannot be read at all: the pixels as stored.
+    out = io.BytesIO()
+    PILImage.fromarray(pixels).save(out, format="JPEG", exif=b"Exif\0\0II*\0\xff\xff\xff\x7f")
+    with pytest.warns(UserWarning, match="Corrupt EXIF"):  # Pillow's, on reading it
+        assert decode_upload(out.getvalue(), 50_000_000)[1] == (64, 48)
 
 
 def test_a_16_bit_grey_png_is_decoded_as_opencv_reads_it() -> None:

@@ -150,9 +150,14 @@ def test_v2_errors_say_what_is_wrong_in_the_protocols_form(
     )
     floats = triton.InferInput("images", [1, 4, 4, 3], "FP32")
     floats.set_data_from_numpy(np.zeros((1, 4, 4, 3), np.float32))
+    second_bad = triton.InferInput("image_bytes", [2], "BYTES")
+    second_bad.set_data_from_numpy(
+        np.array([(ultralytics_assets() / "bus.jpg").read_bytes(), b"\xff\xd8\xff"], np.object_)
+    )
     cases: list[tuple[str, Any, dict[str, Any], str]] = [
         ("other", [good], {}, "unknown model 'other'; this server serves 'yolov8n'"),
         (MODEL, [encoded], {}, "input 'image_bytes': "),
+        (MODEL, [second_bad], {}, "input 'image_bytes': element 1 of 2: "),  # which one
         (MODEL, [good], {"parameters": {"classes": "unicorn"}}, "unicorn"),
         (MODEL, [good], {"parameters": {"conf": 2}}, "parameter 'conf'"),
         (MODEL, [floats], {}, "input 'images': UINT8 [N, H, W, 3], not FP32"),

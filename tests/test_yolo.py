@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
+from engines import yolo
 from engines.types import DetectParams
 from engines.yolo import (
     LetterboxMeta,
@@ -70,9 +73,31 @@ def test_nms_matches_torchvision_semantics() -> None:
     boxes = np.concatenate([xy, xy + wh], axis=1)
     scores = np.sort(rng.uniform(0, 1, 300).astype(np.float32))[::-1].copy()
     for iou in (0.3, 0.5, 0.7):
-        ours = nms(boxes, scores, iou)
+        ours = nms(boxes, scores, iou, limit=len(boxes))
         theirs = TorchNMS.nms(torch.from_numpy(boxes), torch.from_numpy(scores), iou)
         assert ours == theirs.tolist()
+        # Stopped at a limit (max_det), it keeps the same first boxes.
+        assert nms(boxes, scores, iou, limit=5) == theirs.tolist()[:5]
+
+
+def test_nms_stops_at_max_det_where_nothing_is_suppressed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``conf=0``: every anchor a candidate; with ``iou=1`` none suppresses another, and NMS
+    stops at ``max_det`` (it kept all 8,400 candidates before, then cut: 0.3 to 0.6 s an
+    image)."""
+    pred = np.zeros((4 + 2, 8400), np.float32)
+    pred[:4] = [[320.0], [320.0], [40.0], [40.0]]  # one box, 8,400 times
+    pred[4] = np.linspace(0.9, 0.1, 8400, dtype=np.float32)
+    meta = LetterboxMeta(width=640, height=640, gain=1.0, pad_x=0.0, pad_y=0.0)
+    kept: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> list[int]:
+        kept.extend(result := nms(*args, **kwargs))
+        return result
+
+    monkeypatch.setattr(yolo, "nms", counted)
+    det = postprocess_one(pred, meta, DetectParams(conf=0.0, iou=1.0, max_det=7), {0: "a", 1: "b"})
+    assert len(det.scores) == 7 and det.scores[0] == pytest.approx(0.9)
+    assert len(kept) == 7  # NMS itself kept no more
 
 
 def test_postprocess_maps_boxes_back_and_is_class_aware() -> None:

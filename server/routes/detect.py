@@ -88,7 +88,11 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
                 got = ", ".join(sorted(form.keys())) or "none"
                 raise HTTPException(422, f"multipart form needs a file field 'image' (got: {got})")
             if not isinstance(field, UploadFile):
-                raise HTTPException(422, "multipart field 'image' must be a file, not a text value")
+                raise HTTPException(
+                    422,
+                    "multipart field 'image' came as a text value: send it as a file part, with"
+                    ' a filename in its Content-Disposition (curl -F "image=@photo.jpg")',
+                )
             return await field.read()
         finally:
             await form.close()

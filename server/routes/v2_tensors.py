@@ -65,6 +65,13 @@ def bytes_elements(raw: bytes, name: str) -> list[bytes]:
     return items
 
 
+def _of_element(exc: ImageError, index: int, count: int) -> ImageError:
+    """``exc`` naming the batch element it is about (from 0, as the tensor's first axis)."""
+    if count == 1:
+        return exc
+    return ImageError(exc.status_code, f"element {index} of {count}: {exc.message}")
+
+
 async def request_images(
     state: AppState, request: dict[str, Any], binary: bytes, loop: asyncio.AbstractEventLoop
 ) -> list[tuple[Image, tuple[int, int]]]:
@@ -99,10 +106,22 @@ async def request_images(
         check_count(len(items), state)
         decode = state.decode_executor
         limit, side = state.settings.max_image_pixels, state.pool.engine.input_size
+
+        def decoded(index: int, item: bytes) -> tuple[Image, tuple[int, int]]:
+            try:
+                return decode_upload(item, limit, side)
+            except ImageError as exc:
+                raise _of_element(exc, index, len(items)) from None
+
         try:
             # From their headers first: a few kB of PNGs decode to gigabytes (24 of 19 MP
             # took 2 GB and 18 s of the decode threads, then the call was refused anyway).
-            total = sum(decoded_pixels(item, limit, side) for item in items)
+            total = 0
+            for index, item in enumerate(items):
+                try:
+                    total += decoded_pixels(item, limit, side)
+                except ImageError as exc:
+                    raise _of_element(exc, index, len(items)) from None
             if total > CALL_PIXELS * limit:
                 raise HTTPException(
                     413,
@@ -114,8 +133,8 @@ async def request_images(
             return list(
                 await asyncio.gather(
                     *(
-                        loop.run_in_executor(decode, decode_upload, item, limit, side)
-                        for item in items
+                        loop.run_in_executor(decode, decoded, index, item)
+                        for index, item in enumerate(items)
                     )
                 )
             )
