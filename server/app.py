@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import logging
 import os
@@ -51,6 +50,7 @@ from server.state import AppState
 from server.streams_file import StreamsFileError
 from server.webhook_store import WebhookStore
 from server.webhooks import Webhooks, WebhookSender, load_name_key
+from streams.storage import DATA_DIR_HINT, storage_failure
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +63,6 @@ async def client_went_away(request: Request, exc: Exception) -> Response:
     return Response(status_code=400)
 
 
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-SQLITE_STORAGE_WORDS = ("full", "readonly", "disk i/o")
-
-
-def storage_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says the data directory cannot be written: a full disk, a quota, a
-    read-only mount (an ``OSError``, or SQLite's words for them)."""
-    if isinstance(exc, sqlite3.OperationalError):
-        return any(word in str(exc).lower() for word in SQLITE_STORAGE_WORDS)
-    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
-
-
 async def storage_full(request: Request, exc: Exception) -> Response:
     """A call that had to write to a data directory that cannot take it: ``507`` saying so
     and naming the setting (it was a bare 500 and a traceback, on every write route); any
@@ -84,10 +72,7 @@ async def storage_full(request: Request, exc: Exception) -> Response:
     log.error(
         "%s %s: cannot write to the data directory: %s", request.method, request.url.path, exc
     )
-    detail = (
-        f"the server cannot store this: {exc} (free space in, or fix the permissions of,"
-        " the data directory: setting STREAMDET_DATA_DIR)"
-    )
+    detail = f"the server cannot store this: {exc} ({DATA_DIR_HINT})"
     key = "error" if errors.is_v2(request) else "detail"
     return JSONResponse({key: detail}, status_code=507)
 

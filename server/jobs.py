@@ -53,6 +53,7 @@ from streams.jobs import (
     run_job,
 )
 from streams.sources import SourceError, check_unmoved, upload_options
+from streams.storage import DATA_DIR_HINT, storage_failure
 from streams.store import private_dir, write_private
 
 log = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ class JobManager:
                 if job.state is JobState.RUNNING and not job.deleted:
                     job.state, job.started_at = JobState.QUEUED, None
                     job.crashed_runs = max(0, job.crashed_runs - 1)
-                    await asyncio.to_thread(self._save, job)
+                    await self._save_logged(job)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._probes.shutdown(wait=False, cancel_futures=True)
 
@@ -398,9 +399,11 @@ class JobManager:
             raise JobsClosed("the server is shutting down")
         await self._evict_for(job.id)  # accepted: the finished jobs it needs room of go
         job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
+        # Stored before it is kept: a save refused (a full disk: 507) left a job listed as
+        # queued that never ran, and held its place under --max-jobs until deleted.
+        await asyncio.to_thread(self._save, job)
         self._jobs[job.id] = job
         self._held.pop(job.id, None)  # counted as itself from now on
-        await asyncio.to_thread(self._save, job)
         self._queue.put_nowait(job.id)
         log.info("job %s: queued (%s)", job.id, job.source)
         return job
@@ -467,12 +470,17 @@ class JobManager:
             job = self._jobs.get(job_id)
             if job is None or job.state is not JobState.QUEUED or job.deleted:
                 continue
-            await self._run(job)
+            try:
+                await self._run(job)
+            except Exception:  # a bug must cost this job, never the queue behind it
+                log.exception("job %s: the runner failed on it", job.id)
+                if not job.finished.is_set():  # it did not get to its end
+                    self._end(job, JobState.FAILED, "internal error: see the server's log")
 
     async def _run(self, job: Job) -> None:
         job.state, job.started_at, job.progress = JobState.RUNNING, time.time(), JobProgress()
         job.crashed_runs += 1  # kept so until the run ends: a crash leaves it counted
-        await asyncio.to_thread(self._save, job)
+        await self._save_logged(job)
         log.info("job %s: running", job.id)
         spec = JobSpec(
             job.target,
@@ -515,22 +523,26 @@ class JobManager:
             if exc.interrupted and not job.deleted:
                 job.state, job.started_at = JobState.QUEUED, None
                 job.crashed_runs -= 1  # the server stopped it: not the job's doing
-                await asyncio.to_thread(self._save, job)
+                await self._save_logged(job)
                 log.info("job %s: interrupted; it runs again at the next start", job.id)
                 return
             ended, error = JobState.CANCELLED, None
         except JobError as exc:
             ended, error = JobState.FAILED, str(exc)
         except Exception as exc:  # a bug must cost this job, not the runner
-            log.exception("job %s: failed", job.id)
-            ended, error = JobState.FAILED, f"internal error: {exc!r}"
+            if storage_failure(exc):
+                log.error("job %s: cannot write its results: %s", job.id, exc)
+                ended, error = JobState.FAILED, f"cannot write its results: {exc} ({DATA_DIR_HINT})"
+            else:
+                log.exception("job %s: failed", job.id)
+                ended, error = JobState.FAILED, f"internal error: {exc!r}"
         if not job.deleted:
             job.bytes = await asyncio.to_thread(_size, self.directory_of(job.id))
         self._end(job, ended, error)
         if job.deleted:  # before its run ended, or while its files were measured
             await asyncio.to_thread(shutil.rmtree, self.directory_of(job.id), True)
             return
-        await asyncio.to_thread(self._save, job)
+        await self._save_logged(job)
         if job.callback_url is not None:
             self._call_back(job)
         p = job.progress
@@ -574,13 +586,24 @@ class JobManager:
                     job.callback["state"] = "failed"
                     break
                 if not job.deleted:
-                    await asyncio.to_thread(self._save, job)
+                    await self._save_logged(job)
                 await asyncio.sleep(delay)
                 delay *= 2
         if not job.deleted:
-            await asyncio.to_thread(self._save, job)
+            await self._save_logged(job)
 
     # ---- files ---------------------------------------------------------------------------
+    async def _save_logged(self, job: Job) -> None:
+        """:meth:`_save` where the runner goes on whatever the disk says: a full disk raised
+        out of the runner, and every later job stayed queued for ever. What is on disk may
+        then lag what the API says until a later save (at a restart: a job that was running
+        runs again)."""
+        try:
+            await asyncio.to_thread(self._save, job)
+        except Exception as exc:
+            hint = f" ({DATA_DIR_HINT})" if storage_failure(exc) else ""
+            log.error("job %s: cannot save its state: %s%s", job.id, exc, hint)
+
     def _save(self, job: Job) -> None:
         if job.deleted:  # its directory is going (it would outlive it: see _mark_deleted)
             return

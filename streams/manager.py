@@ -500,9 +500,12 @@ class StreamManager:
             return await self._remove(stream_id)
 
     async def _remove(self, stream_id: str) -> bool:
-        record = self._records.pop(stream_id, None)
-        if record is None:
+        if stream_id not in self._records:
             return False
+        # From the store first: a removal it refuses (a full disk: 507) changes nothing. It
+        # was stopped, told to every sink as removed, and back at the next start.
+        await asyncio.to_thread(self._store.remove, stream_id)
+        record = self._records.pop(stream_id)
         self._tokens.pop(stream_id, None)
         reader = self._readers.pop(stream_id)
         was = reader.state
@@ -516,7 +519,6 @@ class StreamManager:
         self._viewer_drops.pop(stream_id, None)
         self._last_state.pop(stream_id, None)
         self._latest.pop(stream_id, None)
-        await asyncio.to_thread(self._store.remove, stream_id)
         await self._let_go(reader, stream_id)
         log.info("stream %s: removed", stream_id)
         return True

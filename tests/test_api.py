@@ -495,3 +495,31 @@ def test_a_data_dir_that_cannot_be_written_is_507_naming_the_setting(
     assert resp.status_code == 507, resp.text
     assert "STREAMDET_DATA_DIR" in resp.json()["detail"]
     assert client.get("/streams").json()["streams"] == []
+
+
+def test_a_removal_the_data_dir_refuses_changes_nothing(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DELETE`` of a stream or a webhook answered 507 had already stopped and forgotten it
+    (and told every sink the stream was removed); it came back at the next start."""
+    state = client.app.state.streamdet  # type: ignore[attr-defined]
+    sid = client.post("/streams", json={"url": "rtsp://camera.invalid/a", "enabled": False})
+    sid = sid.json()["id"]
+    hook = client.post("/webhooks", json={"url": "http://127.0.0.1:9/hook"}).json()["id"]
+    logged = state.streams.events.last_id
+
+    def full(*_: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with monkeypatch.context() as m:
+        m.setattr(state.streams._store, "remove", full)
+        m.setattr(state.webhook_store, "remove", full)
+        for path in (f"/streams/{sid}", f"/webhooks/{hook}"):
+            resp = client.delete(path)
+            assert resp.status_code == 507 and "STREAMDET_DATA_DIR" in resp.text, path
+        assert [s["id"] for s in client.get("/streams").json()["streams"]] == [sid]
+        assert client.get(f"/webhooks/{hook}").status_code == 200
+        assert state.streams.events.last_id == logged  # no "removed" told
+    assert client.delete(f"/streams/{sid}").status_code == 204
+    assert client.delete(f"/webhooks/{hook}").status_code == 204
+    assert client.get("/streams").json()["streams"] == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import errno
 import io
 import itertools
 import json
@@ -404,6 +405,39 @@ def test_bad_jobs_get_clear_errors_and_a_full_server_refuses_more(tmp_path: Path
         again = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25})
         assert again.status_code == 202
         assert [j["id"] for j in c.get("/jobs").json()["jobs"]] == [again.json()["id"]]
+
+
+def test_a_full_disk_neither_keeps_a_refused_job_nor_stops_the_jobs_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk: a job refused 507 was kept listed as queued (it never ran, and held a
+    place under --max-jobs); a job whose run could not be saved raised out of the runner,
+    and every later job stayed queued for ever."""
+    full: set[JobState] = set()
+    save = JobManager._save
+
+    def saved(self: JobManager, job: Job) -> None:
+        if job.state in full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        save(self, job)
+
+    monkeypatch.setattr(JobManager, "_save", saved)
+    with TestClient(file_stream_app(tmp_path)) as c:
+        full.add(JobState.QUEUED)
+        refused = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25})
+        assert refused.status_code == 507 and "STREAMDET_DATA_DIR" in refused.text
+        assert c.get("/jobs").json() == {"jobs": []}
+        full.clear()
+        full.update({JobState.RUNNING, JobState.DONE})  # its run's saves fail
+        unsaved = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25}).json()
+        job = c.get(f"/jobs/{unsaved['id']}", params={"wait_s": 60}).json()
+        assert job["state"] == "done", job  # what the API says; the disk could not keep it
+        full.clear()
+        after = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25}).json()
+        job = c.get(f"/jobs/{after['id']}", params={"wait_s": 60}).json()
+        assert job["state"] == "done", job  # the runner went on
+    unsaved_logs = [r.getMessage() for r in caplog.records if unsaved["id"] in r.getMessage()]
+    assert any("cannot save its state" in m and "STREAMDET_DATA_DIR" in m for m in unsaved_logs)
 
 
 def test_a_job_interrupted_by_a_restart_runs_again_from_the_start(tmp_path: Path) -> None:

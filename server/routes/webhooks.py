@@ -215,11 +215,16 @@ async def get_webhook(webhook_id: str, request: Request) -> dict[str, Any]:
 async def delete_webhook(webhook_id: str, request: Request) -> Response:
     """Stop sending to a webhook added at run time and forget it."""
     webhooks, store = _webhooks(request)
-    if not await webhooks.remove(webhook_id):
-        raise HTTPException(
-            404,
-            f"no webhook {webhook_id[:64]!r} (those of the webhooks setting are changed there);"
-            " list them with GET /webhooks",
-        )
+    unknown = HTTPException(
+        404,
+        f"no webhook {webhook_id[:64]!r} (those of the webhooks setting are changed there);"
+        " list them with GET /webhooks",
+    )
+    if webhooks.find(webhook_id) is None:
+        raise unknown
+    # From the store first: a removal it refuses (a full disk: 507) changes nothing. It was
+    # stopped, and back at the next start.
     await asyncio.to_thread(store.remove, webhook_id)
+    if not await webhooks.remove(webhook_id):
+        raise unknown  # another DELETE of it came first
     return Response(status_code=204)
