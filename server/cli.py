@@ -104,14 +104,21 @@ def _warn_unknown_env() -> None:
         log.warning("environment variable %s is not a setting and is ignored%s", variable, hint)
 
 
+WRITE_CHECK_BYTES = 256 * 1024
+"""What the data directory's check writes: about what the stores write as they open."""
+
+
 def unusable_dir(path: Path) -> str | None:
     """Why ``path`` cannot be a directory this process writes into (it is made if missing),
     or None if it can. Checked before the model loads: the stores opened later failed with
-    a raw traceback naming no setting."""
+    a raw traceback naming no setting. Some data is written and synced: a full disk creates
+    an empty file all the same (the event store's first write then failed the start)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path, prefix=".streamdet-write-check-"):
-            pass
+        with tempfile.TemporaryFile(dir=path, prefix=".streamdet-write-check-") as probe:
+            probe.write(bytes(WRITE_CHECK_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
     except FileExistsError:  # mkdir's word for "a file is there"
         return "a file, not a directory"
     except OSError as exc:

@@ -270,6 +270,11 @@ class EventStore:
                     _close_emptied_run(db)
             except sqlite3.Error as exc:  # tried again by resume() and the writer
                 log.warning("event store %s: cannot close the emptied run (%s)", self.path, exc)
+            try:
+                with db:
+                    self._prune(db)
+            except sqlite3.Error as exc:  # pruned by the writer, after PRUNE_EVERY events
+                log.warning("event store %s: cannot delete old events (%s)", self.path, exc)
         self._marks = _IdMarks(data_dir / "events.ids")
         self._renew_at: int | None = None  # the id past which a reservation is renewed
         self.failing = False
@@ -280,6 +285,16 @@ class EventStore:
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=10.0)
+
+    def _prune(self, db: sqlite3.Connection) -> None:
+        """Delete the events past the last ``size``: by the writer every ``PRUNE_EVERY``
+        events, and at each start (a server restarted more often than that never pruned: the
+        file grew by every event, with ``--event-log-size 5``)."""
+        db.execute(
+            "DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC LIMIT 1"
+            " OFFSET ?)",
+            (self.size,),
+        )
 
     # ---- reads, at start -----------------------------------------------------------------
     def load(self) -> tuple[list[dict[str, Any]], int | None]:
@@ -471,11 +486,7 @@ class EventStore:
                         written += pending.write(db)
                         if written >= PRUNE_EVERY:
                             written = 0
-                            db.execute(
-                                "DELETE FROM events WHERE id <= (SELECT id FROM events"
-                                " ORDER BY id DESC LIMIT 1 OFFSET ?)",
-                                (self.size,),
-                            )
+                            self._prune(db)
                 except sqlite3.Error as exc:  # a full disk must not stop the server
                     self._failed(db, pending, exc, first=failed_at is None, at_close=done)
                     if failed_at is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -302,6 +303,44 @@ def test_a_data_dir_that_cannot_be_written_stops_serve(
         sys.setswitchinterval(before)
         data.chmod(0o700)
     assert "Permission denied (setting STREAMDET_DATA_DIR)" in capsys.readouterr().err
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real filesystem with no space left: a 1 MiB tmpfs, filled (needs mount rights)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with contextlib.suppress(OSError), (where / "filler").open("wb") as filler:
+            while True:
+                filler.write(bytes(64 * 1024))
+                filler.flush()
+        (where / "data").mkdir()  # a directory still fits (tmpfs counts pages, not inodes)
+        yield where / "data"
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.usefixtures("no_model")
+def test_a_data_dir_on_a_full_disk_stops_serve_naming_the_setting(
+    full_disk: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty file fits on a full disk: the check passed, the model loaded, and the event
+    store's first write failed the start with a traceback naming no setting."""
+    before = sys.getswitchinterval()
+    try:
+        assert cli.serve(Settings(data_dir=full_disk)) == 2
+    finally:
+        sys.setswitchinterval(before)
+    assert "No space left on device (setting STREAMDET_DATA_DIR)" in capsys.readouterr().err
 
 
 def test_analyze_and_export_name_an_out_that_cannot_be_made(

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
+from contextlib import closing
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -243,6 +244,35 @@ def test_the_event_log_and_delivery_cursors_survive_a_restart(tmp_path: Path) ->
     assert [e["id"] for e in again.add("a", "", 2.0, [_crossing(9)], _name)] == [105]
     reopened.close()
     assert EventLog(size=3).read(0, 1).events == []  # without a store: in memory only
+
+
+def test_a_restart_deletes_the_stored_events_past_the_log_size(tmp_path: Path) -> None:
+    """Old events were deleted once 500 had been written in one run: a server restarted more
+    often than that kept every event on disk, whatever ``--event-log-size`` said."""
+
+    def stored() -> int:
+        with closing(sqlite3.connect(tmp_path / "events.sqlite3")) as db:
+            (count,) = db.execute("SELECT COUNT(*) FROM events").fetchone()
+        return int(count)
+
+    for run in range(3):
+        store = EventStore(tmp_path, size=5)
+        assert stored() == min(run, 1) * 5, run
+        log = EventLog(size=5, start_id=1, store=store)
+        for frame in range(20):  # one write each (events waiting together: the last 5)
+            log.add("a", "", 1.0, [_crossing(frame)], _name)
+            deadline = time.monotonic() + 10
+            while stored() < min(run, 1) * 5 + frame + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        store.close()
+        assert stored() == min(run, 1) * 5 + 20  # what this run wrote, and the 5 kept
+    reopened = EventStore(tmp_path, size=5)
+    assert stored() == 5
+    assert [e["id"] for e in EventLog(size=5, store=reopened).read(0, 10).events] == list(
+        range(56, 61)
+    )
+    reopened.close()
 
 
 async def test_waiting_readers_wake_on_a_new_event_and_on_close() -> None:
