@@ -83,6 +83,10 @@ class ClipOptions:
     def path(self, clip_id: int) -> Path:
         return self.directory / f"{clip_id}.mp4"
 
+    def parts(self, clip_id: int) -> tuple[Path, Path]:
+        """The clip and its sidecar while they are written (neither listed nor pruned)."""
+        return self.directory / f"{clip_id}.mp4.part", self.directory / f"{clip_id}.json.part"
+
 
 @dataclass(frozen=True, slots=True)
 class _Packet:
@@ -409,8 +413,7 @@ class ClipRecorder:
         except Exception as exc:
             # A full disk, an I/O error, something in the way: the clip fails (said so and
             # counted) and leaves nothing behind, rather than stay "being written" forever.
-            sidecar = path.with_suffix(".json")
-            for leftover in (part, sidecar.with_suffix(".json.part"), sidecar):
+            for leftover in (*self.options.parts(clip.id), path.with_suffix(".json")):
                 with contextlib.suppress(OSError):
                     if leftover.is_file():
                         leftover.unlink()
@@ -443,9 +446,9 @@ class ClipRecorder:
             "events": events,
             "url": CLIP_PATH.format(id=clip.id),
         }
-        sidecar = path.with_suffix(".json")
-        write_private(sidecar.with_suffix(".json.part"), json.dumps(info).encode())
-        sidecar.with_suffix(".json.part").replace(sidecar)
+        sidecar_part = self.options.parts(clip.id)[1]
+        write_private(sidecar_part, json.dumps(info).encode())
+        sidecar_part.replace(path.with_suffix(".json"))
         part.replace(path)  # listed from now on
         return size
 
@@ -457,7 +460,7 @@ class ClipRecorder:
             self._on_done(clip_id, None, error)
 
     def _part(self, clip_id: int) -> Path:
-        return self.options.directory / f"{clip_id}.mp4.part"
+        return self.options.parts(clip_id)[0]
 
     def _prune(self) -> None:
         prune_clips(self.options.directory, self.options.max_bytes)

@@ -822,14 +822,17 @@ class RemoteReader(StreamReader):
             self._on_clip_done(clip_id, path, error)
 
     def remote_lost(self, why: str) -> None:
-        """Its process died: the clips it was making fail (said so), the next event starts a
-        new one."""
+        """Its process died: the clips it was making fail (said so) and what it had written
+        of them is deleted (it stayed until the next start, outside --event-clips-max-mb);
+        the next event starts a new clip."""
         if self._planner is None:
             return
         self._planner.forget()
         with self._lock:
             lost, self._clips_open = self._clips_open, set()
         for clip_id in sorted(lost):
+            for part in self._planner.options.parts(clip_id):
+                part.unlink(missing_ok=True)
             self.remote_clip_done(clip_id, None, f"{why} while it was being made")
 
     def remote_exited(self) -> None:

@@ -253,12 +253,17 @@ def test_clips_are_written_in_the_process_and_fail_with_why_when_it_dies(
         requests = reader.clip_requests
         assert requests is not None
         assert requests.request(time.monotonic(), 7) == 7
-        time.sleep(0.5)  # being written: 60 s to go
+        part = clips.parts(7)[0]
+        deadline = time.monotonic() + 20
+        while not part.exists():  # being written from its first keyframe: 60 s to go
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         (pid,) = hub.pids()
         os.kill(pid, signal.SIGKILL)
         assert reader.wait_state({StreamState.RECONNECTING}, 30)
         assert done and done[0][:2] == (7, None), done
         assert f"exited with code {-signal.SIGKILL} while it was being made" in str(done[0][2])
+        assert not part.exists()  # it stayed until the next start, counted by no limit
         assert reader.wait_state({StreamState.LIVE}, 30)
         kept.wait_for(len(kept.items) + 3)
         assert requests.request(time.monotonic(), 8) == 8  # a new clip, in the new process
