@@ -753,9 +753,12 @@ class RemoteReader(StreamReader):
 
     @property
     def waiting_on_source(self) -> bool:
-        """Never let go of early: its process says when it has closed the stream (its last
-        counts come with that; a reader let go of lost them)."""
-        return False
+        """Whether it still runs in its process after the server's short wait: all but
+        always in FFmpeg's open of a silent camera or read of a frozen one, which no close
+        interrupts. Let go of as a thread is (DELETE, a disable or a new source waited up to
+        the whole open or read timeout); its process's late messages still reach it under
+        its own key, and its late counts go on in the stream's next reader (its heir)."""
+        return self.alive
 
     @property
     def stopping(self) -> bool:

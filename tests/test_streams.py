@@ -1208,17 +1208,20 @@ def test_bad_regions_are_refused_with_the_reason(raw: list[list[object]], messag
         Roi.parse(raw)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
 async def test_a_stream_still_opening_its_source_is_removed_or_replaced_at_once(
-    pool: EnginePool, tmp_path: Path
+    pool: EnginePool, tmp_path: Path, decode_processes: int
 ) -> None:
     """A camera that accepted the connection and says nothing holds FFmpeg's open (which no
     stop interrupts) for the whole open timeout: removing the stream, disabling it or giving
     it a new source answered only then (10 s by default); now in well under a second, the
-    thread left to end by itself when the open returns."""
+    thread left to end by itself when the open returns (in a decode process too)."""
     silent = silent_camera()
     url = f"rtsp://127.0.0.1:{silent.getsockname()[1]}/cam"
     try:
-        async with started_file_manager(pool, tmp_path / "data", open_timeout_s=8) as m:
+        async with started_file_manager(
+            pool, tmp_path / "data", decode_processes=decode_processes, open_timeout_s=8
+        ) as m:
             gone = await m.add(url)
             off = await m.add(url)
             await asyncio.sleep(0.5)  # both in their open
