@@ -91,6 +91,8 @@ class StreamSample:
         reconnects: times the source was reopened after a failure.
         frames_failed: frames the engine failed on (each also logged).
         motion_skipped: frames not inferred because nothing moved (streams with motion on).
+        skipped: frames left out by the stream's ``max_fps`` (where only keyframes are
+            decoded, the others too): with the counts above, every frame received.
         detections: detections since the stream was added, by class name.
         objects: detections in the last processed frame, by class name.
         tracked: objects counted once each by the stream's tracker, by class name.
@@ -117,6 +119,7 @@ class StreamSample:
     reconnects: int
     frames_failed: int = 0
     motion_skipped: int = 0
+    skipped: int = 0
     frames_decoded: int = 0
     frames_copied: int = 0
     publish_drops: int = 0
@@ -266,7 +269,9 @@ class _ScrapeCollector(Collector):
         counters = {
             "frames_received": CounterMetricFamily(
                 "streamdet_stream_frames_received",
-                "Frames decoded from the source",
+                "Frames the source sent (decoded or not: see"
+                " streamdet_stream_frames_decoded_total); each ends processed, dropped,"
+                " skipped, motion-skipped or failed",
                 labels=["stream"],
             ),
             "frames_processed": CounterMetricFamily(
@@ -276,7 +281,8 @@ class _ScrapeCollector(Collector):
             ),
             "frames_dropped": CounterMetricFamily(
                 "streamdet_stream_frames_dropped",
-                "Frames replaced by a newer one before the engine took them",
+                "Frames that were not run or published: replaced by a newer one before the"
+                " engine took them, past their deadline, or answered after a newer frame",
                 labels=["stream"],
             ),
             "publish_dropped": CounterMetricFamily(
@@ -288,6 +294,11 @@ class _ScrapeCollector(Collector):
             "reconnects": CounterMetricFamily(
                 "streamdet_stream_reconnects",
                 "Times the source was reopened after a failure",
+                labels=["stream"],
+            ),
+            "frames_skipped": CounterMetricFamily(
+                "streamdet_stream_frames_skipped",
+                "Frames left out by the stream's max_fps (never sent to the engine)",
                 labels=["stream"],
             ),
             "frames_failed": CounterMetricFamily(
@@ -382,6 +393,7 @@ class _ScrapeCollector(Collector):
             counters["reconnects"].add_metric([s.stream_id], s.reconnects)
             counters["frames_failed"].add_metric([s.stream_id], s.frames_failed)
             counters["motion_skipped"].add_metric([s.stream_id], s.motion_skipped)
+            counters["frames_skipped"].add_metric([s.stream_id], s.skipped)
             counters["frames_decoded"].add_metric([s.stream_id], s.frames_decoded)
             counters["frames_copied"].add_metric([s.stream_id], s.frames_copied)
             counters["viewer_drops"].add_metric([s.stream_id], s.viewer_drops)

@@ -609,6 +609,18 @@ def _counted_twice(stats: dict[str, Any]) -> str | None:
     return None
 
 
+def _exported(manager: StreamManager, stream_id: str) -> dict[str, float]:
+    """The stream's samples as ``/metrics`` gives them, by name."""
+    metrics = Metrics()
+    metrics.set_stream_source(functools.partial(metric_samples, manager))
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.labels.get("stream") == stream_id
+    }
+
+
 async def test_a_held_up_event_loop_costs_a_stream_its_oldest_frames_not_memory(
     file_manager: StreamManager, pool: EnginePool
 ) -> None:
@@ -643,14 +655,7 @@ async def test_a_held_up_event_loop_costs_a_stream_its_oldest_frames_not_memory(
     sampler.join()
     after = file_manager.describe(sid)
     assert after is not None
-    metrics = Metrics()
-    metrics.set_stream_source(functools.partial(metric_samples, file_manager))
-    exported = {
-        s.name: s.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for s in family.samples
-        if s.labels.get("stream") == sid
-    }
+    exported = _exported(file_manager, sid)
     detected = after["frames_processed"] - before["frames_processed"]
     assert detected > OUTBOX_PER_STREAM, detected  # the engine went on meanwhile
     assert max(depths) == OUTBOX_PER_STREAM
@@ -923,6 +928,14 @@ async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
     decoded, came = stats[slow["id"]]["frames_decoded"], stats[slow["id"]]["frames_in"]
     assert came >= 180 and decoded <= 60 + sampled, (decoded, came)  # the first group, then keys
     assert stats[slow["id"]]["skipped"] == came - sampled  # the others counted as sampled out
+    # /metrics accounts for every frame received too (it had no skipped series: 95 % of a
+    # max_fps stream's frames were in none of its counters).
+    exported = _exported(file_manager, slow["id"])
+    ended = sum(
+        exported[f"streamdet_stream_frames_{kind}_total"]
+        for kind in ("processed", "dropped", "skipped", "motion_skipped", "failed")
+    )
+    assert 0 <= exported["streamdet_stream_frames_received_total"] - ended <= 2, exported
     for other in (every_s, bottles):
         assert stats[other["id"]]["keyframes_only"] is False
         assert stats[other["id"]]["frames_decoded"] == stats[other["id"]]["frames_in"] > 0

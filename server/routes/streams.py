@@ -710,6 +710,7 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
             reconnects=info["reconnects"],
             frames_failed=info["frames_failed"],
             motion_skipped=info["motion_skipped"],
+            skipped=info["skipped"],
             frames_decoded=info["frames_decoded"],
             frames_copied=info["frames_copied"],
             viewers=info["subscribers"],
