@@ -127,28 +127,46 @@ def unusable_dir(path: Path) -> str | None:
 
 
 def check_streams_file(
-    path: Path, environ: Mapping[str, str], names: Mapping[int, str] | None = None
+    path: Path,
+    environ: Mapping[str, str],
+    names: Mapping[int, str] | None = None,
+    settings: Settings | None = None,
 ) -> list[str]:
     """What is wrong with the streams file at ``path``, one line each (empty if nothing):
     its syntax, ids and ``${VAR}``s, and each entry against ``POST /streams``' body model, so a
-    misspelt key fails before the model loads; with the model's class ``names``, its classes
-    and regions too (an unknown class failed the app's start with a traceback)."""
+    misspelt key fails before the model loads; with ``settings``, its sources (a file outside
+    ``--allowed-file-dir``, a bad port or scheme) and its count against ``--max-streams``; with
+    the model's class ``names``, its classes and regions too (each failed the app's start
+    with a traceback)."""
     from fastapi import HTTPException
 
     from server.routes.streams import StreamIn
     from server.streams_file import StreamsFileError, read_entries
     from streams.detect import StreamDetect
+    from streams.sources import SourceError, parse_source
 
     try:
         entries = read_entries(path, environ)
     except StreamsFileError as exc:
         return [f"cannot start: {exc}"]
     problems = []
+    if settings is not None and len(entries) > settings.max_streams:
+        problems.append(
+            f"--streams-file: {path}: {len(entries)} streams, over the limit"
+            f" {settings.max_streams} (setting STREAMDET_MAX_STREAMS)"
+        )
     for entry in entries:
         try:
             body = StreamIn.model_validate(entry)
+            if settings is not None:
+                parse_source(body.url, settings.allowed_file_dir, body.transport, body.loop)
             if names is not None:
                 body.detect(names, StreamDetect())
+        except SourceError as exc:  # its message masks the URL's secrets
+            problems.append(
+                f"--streams-file: {path}: stream {entry['id']!r}: url: {exc}"
+                " (setting STREAMDET_STREAMS_FILE)"
+            )
         except HTTPException as exc:  # a class the model lacks, a bad region
             problems.append(
                 f"--streams-file: {path}: stream {entry['id']!r}: {exc.detail}"
@@ -213,7 +231,7 @@ def _serve(settings: Settings) -> int:
     if mismatch is not None:  # a warning: an outer proxy may add a prefix of its own
         log.warning("%s", mismatch)
     if settings.streams_file is not None:  # before the model loads: a typo fails at once
-        problems = check_streams_file(settings.streams_file, os.environ)
+        problems = check_streams_file(settings.streams_file, os.environ, settings=settings)
         for problem in problems:
             print(f"streamdet: {problem}", file=sys.stderr)
         if problems:

@@ -45,9 +45,13 @@ def read_entries(path: Path, environ: Mapping[str, str]) -> list[dict[str, Any]]
     """
     where = f"streams file {path} (setting STREAMDET_STREAMS_FILE)"
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except OSError as exc:
         raise StreamsFileError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # UTF-16 from an editor, a binary file
+        raise StreamsFileError(
+            f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
     except yaml.YAMLError as exc:
         raise StreamsFileError(f"{where}: not YAML: {exc}") from None
     if isinstance(data, dict) and set(data) == {"streams"}:
@@ -60,6 +64,10 @@ def read_entries(path: Path, environ: Mapping[str, str]) -> list[dict[str, Any]]
     entries = []
     for number, entry in enumerate(data, 1):
         sid = entry.get("id")
+        if isinstance(sid, (int, float)) and not isinstance(sid, bool):
+            raise StreamsFileError(
+                f'{where}: stream {number}: its id {sid} is a number; quote it (id: "{sid}")'
+            )
         if not isinstance(sid, str) or not sid:
             raise StreamsFileError(f"{where}: stream {number}: give it an id (e.g. front_door)")
         if sid in seen:
@@ -69,14 +77,49 @@ def read_entries(path: Path, environ: Mapping[str, str]) -> list[dict[str, Any]]
     return entries
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: the last one won, so
+    a second ``streams:`` block dropped the first's cameras without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+# In a URL's user or password part these end it early: a password with "@" or "#" gave
+# another host, and showed what came after the character in every error and listing.
+_USERINFO_ENDS = {c: f"%{ord(c):02X}" for c in "@/?#[] "}
+
+
+def _in_userinfo(text: str, start: int, end: int) -> bool:
+    """Whether ``text[start:end]`` lies in a URL's ``user:password@`` part."""
+    scheme = text.find("://")
+    if scheme < 0 or start < scheme + 3:
+        return False
+    authority = re.match(r"[^/?#]*", text[scheme + 3 :])
+    at = text.rfind("@", scheme + 3, scheme + 3 + (authority.end() if authority else 0))
+    return end <= at
+
+
 def _substitute(value: Any, environ: Mapping[str, str], where: str) -> Any:
-    """``value`` with ``${NAME}`` in its texts replaced from ``environ``."""
+    """``value`` with ``${NAME}`` in its texts replaced from ``environ``; in a URL's user or
+    password part, with the characters that would end that part percent-encoded (``%`` is
+    kept: a value already encoded stays as it was)."""
     if isinstance(value, str):
 
         def variable(match: re.Match[str]) -> str:
             name = match.group(1)
             if name not in environ:
                 raise StreamsFileError(f"{where}: the environment variable {name} is not set")
+            if _in_userinfo(value, match.start(), match.end()):
+                return "".join(_USERINFO_ENDS.get(c, c) for c in environ[name])
             return environ[name]
 
         return _VARIABLE.sub(variable, value)

@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 
 from loadtest.server import ServerProcess
 from server.streams_file import StreamsFileError, read_entries, to_text
+from streams.sources import redact
 from tests.helpers import (
     BOTTLE_CLIP,
     CACHE_DIR,
@@ -53,12 +54,36 @@ def test_the_streams_file_is_read_with_its_variables_and_checked(tmp_path: Path)
         ("twice.yaml", [{"id": "a", "url": "x"}, {"id": "a", "url": "y"}], "'a' is used twice"),
         ("scalar.yaml", "just text", "expected a list of streams"),
         ("broken.yaml", "streams: [unclosed", "not YAML"),
+        # The last of a key given twice won: a second streams: block dropped the first's.
+        ("dup.yaml", "streams:\n- {id: a, url: x}\nstreams:\n- {id: b, url: y}\n", "'streams'"),
+        ("dupkey.yaml", "- {id: a, url: x, max_fps: 1, max_fps: 2}\n", "'max_fps' is given twice"),
+        ("number.yaml", "- {id: 7, url: x}\n", 'its id 7 is a number; quote it (id: "7")'),
     ):
         with pytest.raises(StreamsFileError, match="STREAMDET_STREAMS_FILE") as error:
             read_entries(write(tmp_path / name, text), {"PASSWORD": "x"})
         assert words in str(error.value) and name in str(error.value), str(error.value)
     with pytest.raises(StreamsFileError, match="cannot read it"):
         read_entries(tmp_path / "missing.yaml", env)
+    # UTF-16, as an editor may save it: said so (it was a UnicodeDecodeError's traceback).
+    (tmp_path / "utf16.yaml").write_text("- {id: a, url: x}\n", encoding="utf-16")
+    with pytest.raises(StreamsFileError, match="not UTF-8 text"):
+        read_entries(tmp_path / "utf16.yaml", env)
+
+
+def test_a_variable_in_a_urls_password_is_encoded_where_it_would_end_it(tmp_path: Path) -> None:
+    """``${PW}`` holding "@" or "#" gave another host, and showed the password's tail in
+    every listing and error; in the user or password part those characters are encoded
+    (FFmpeg decodes them), elsewhere the value goes in as it is."""
+    env = {"PW": "Secr@t#tail/99%41", "URL": "rtsp://a:b@c/d", "HOST": "10.0.0.5"}
+    listed = [
+        {"id": "a", "url": "rtsp://${PW}:${PW}@${HOST}/s?k=${PW}"},
+        {"id": "b", "url": "${URL}"},
+    ]
+    first, second = read_entries(write(tmp_path / "a.yaml", listed), env)
+    encoded = "Secr%40t%23tail%2F99%41"  # "%" kept: a value already encoded stays so
+    assert first["url"] == f"rtsp://{encoded}:{encoded}@10.0.0.5/s?k=Secr@t#tail/99%41"
+    assert second["url"] == "rtsp://a:b@c/d"
+    assert redact(first["url"]).startswith(f"rtsp://{encoded}:***@10.0.0.5/s")  # the host kept
 
 
 def test_streams_with_ids_are_put_replaced_and_reopened_keeping_their_viewers(
@@ -229,6 +254,38 @@ def test_streamdet_serve_refuses_a_broken_streams_file_before_loading_the_model(
     )
     assert done.returncode == 2, done.stderr
     assert "cannot start" in done.stderr and "stream 1: give it an id" in done.stderr
+    # Sources that could never open, and more streams than allowed: each said in a line
+    # (the model loaded, then the start failed with a traceback and exit 3).
+    entries = [
+        {"id": "port", "url": "rtsp://127.0.0.1:99999/s"},
+        {"id": "scheme", "url": "rtspx://camera/s"},
+        {"id": "outside", "url": "file:///etc/passwd"},
+    ]
+    path = write(tmp_path / "streams.yaml", entries)
+    done = subprocess.run(
+        [
+            *serve,
+            "--streams-file",
+            str(path),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--allowed-file-dir",
+            str(tmp_path),
+            "--max-streams",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 4 and "Traceback" not in done.stderr, done.stderr
+    assert "3 streams, over the limit 2 (setting STREAMDET_MAX_STREAMS)" in lines[0]
+    assert "stream 'port': url: malformed url: Port out of range" in lines[1]
+    assert "stream 'scheme': url: scheme 'rtspx' is not allowed" in lines[2]
+    assert "stream 'outside': url: file /etc/passwd is outside the allowed directory" in lines[3]
 
 
 def test_sighup_applies_a_changed_streams_file_and_keeps_the_streams_on_a_broken_one(
