@@ -208,6 +208,12 @@ class AdmissionController:
         self.running = 0
         """Admitted calls queued in the pool or running there (decoded, not yet released)."""
         self.decode_ewma_s = 0.0
+        # The fastest one-image decode and one-image batch seen: what a call alone on an idle
+        # server takes at best. The averages above are measured under load too, and only
+        # admitted calls move them: after a burst, every call with a deadline was refused
+        # 504 "deadline too short" (or 429) on an idle server, for good.
+        self.decode_floor_s = math.inf
+        self.single_floor_s = math.inf
         self._shed_score = 0.0
         self._shed_at = time.monotonic()
         self.item_mean_s = 0.0
@@ -286,6 +292,8 @@ class AdmissionController:
         delays the estimate by a batch.
         """
         item = elapsed_s / max(1, size)
+        if size == 1:
+            self.single_floor_s = min(self.single_floor_s, elapsed_s)
         if self.item_mean_s == 0.0:
             self.item_mean_s = item
             return
@@ -340,6 +348,16 @@ class AdmissionController:
             decode_s=self.decode_ewma_s,
             decode_threads=self.settings.decode_threads,
         )
+
+    def best_alone_s(self, more: int = 0) -> float:
+        """What a call alone on an idle pool takes at best: :meth:`alone`, brought down to
+        the fastest one-image decode and batch seen (the averages may be a burst's)."""
+        alone = self.alone(more).finish_s
+        one = self.alone().finish_s
+        floor = self.decode_floor_s + self.single_floor_s
+        if math.isinf(alone) or math.isinf(floor) or one <= 0 or floor >= one:
+            return alone
+        return alone * floor / one
 
     def retry_after_s(self, estimate: Estimate) -> int:
         """Seconds a refused client should wait: until the queue ahead clears, or longer
@@ -473,6 +491,8 @@ class Ticket:
         if now + finish_s <= self.arrived + planned_s:
             return
         uncorrected_s = estimate.finish_s * min(1.0, self.controller.correction)
+        if estimate.idle:  # at best what a call alone takes (the averages may be a burst's)
+            uncorrected_s = min(uncorrected_s, self.controller.best_alone_s(more))
         # Only a call of one image probes: one of several does not calibrate (decoded), so
         # it would measure nothing and be counted as a probe all the same.
         if (
@@ -515,7 +535,7 @@ class Ticket:
         if not self.from_client:
             return  # the server's deadline: an idle pool runs the call whatever it takes
         c = self.controller
-        alone_s = c.alone(more).finish_s * min(1.0, c.correction)
+        alone_s = c.best_alone_s(more) * min(1.0, c.correction)
         deadline_s = self.deadline - self.arrived
         if c.item_s <= 0 or math.isinf(alone_s) or alone_s <= deadline_s:
             return
@@ -551,6 +571,8 @@ class Ticket:
         c = self.controller
         self._stop_decoding()
         c.decode_ewma_s += (DECODE_ALPHA if c.decode_ewma_s else 1.0) * (seconds - c.decode_ewma_s)
+        if images == 1:
+            c.decode_floor_s = min(c.decode_floor_s, seconds)
         # Decoding is done: only the queue and this call's own images are left. A call of
         # several images does not calibrate the model of one (one call of 30 took it to its
         # cap, x4, and every /detect after it was refused for a while).

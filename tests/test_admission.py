@@ -561,3 +561,35 @@ def test_after_a_burst_a_probe_measures_the_server_again_and_overload_still_refu
     for _ in range(5):
         assert ask(controller, 0.3) == "refused"
     assert probes(metrics) == before
+
+
+def test_after_a_burst_a_client_deadline_call_on_an_idle_server_is_run_again() -> None:
+    """A burst measured decodes and batches slow (40 clients on 2 cores): every later call
+    with a 300 ms deadline was refused 504 "deadline too short" on an idle server, for good:
+    only admitted calls move the averages. The fastest one-image decode and batch seen say
+    what a call alone takes at best; it is let through (a probe) and measures again."""
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=8)
+    controller = AdmissionController(pool, Settings(), Metrics())
+    pool._observe(1, 0.05)  # idle: 50 ms an image, decoded in 20 ms
+    first = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "300"}), "a")
+    first.decoded(0.02)
+    first.release()
+    for _ in range(200):  # the burst's figures
+        pool._observe(4, 1.6)
+        controller.decode_ewma_s += 0.1 * (0.5 - controller.decode_ewma_s)
+    assert controller.alone().finish_s > 0.3  # the averages alone: refused for good
+    ticket = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "300"}), "b")
+    ticket.decoded(0.02)  # run, not refused
+    assert ticket.probe
+    ticket.release()
+    with pytest.raises(HTTPException) as short:  # shorter than the best seen: still 504
+        controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "40"}), "c")
+    assert short.value.status_code == 504

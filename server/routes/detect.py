@@ -7,8 +7,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from starlette.datastructures import UploadFile
@@ -61,6 +61,17 @@ def megabytes(limit: int) -> str:
     """``limit`` bytes as the setting gave them in MB (``0.1``, ``3.5``: not ``0.0999994`` or,
     rounded whole, ``4``)."""
     return f"{round(limit / 2**20, 3):g}"
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def timed(function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> tuple[R, float]:
+    """``function(*args)`` and the seconds it took (in the thread that ran it)."""
+    started = time.monotonic()
+    result = function(*args, **kwargs)
+    return result, time.monotonic() - started
 
 
 async def read_body_capped(request: Request, limit: int) -> bytes:
@@ -274,23 +285,23 @@ async def detect(
     pre_start = time.monotonic()
     data = await read_image_bytes(request, settings.max_upload_bytes)
     ticket.body_read()  # decoding now: ahead of calls that arrive after this
-    decode_start = time.monotonic()
     loop = asyncio.get_running_loop()
     # A large JPEG is decoded smaller by libjpeg where only detections are wanted (the engine
     # shrinks it to its input size anyway); drawn, it keeps its own size.
     max_side = engine.input_size if output == "json" else 0
     try:
-        image, source = await loop.run_in_executor(
-            state.decode_executor, decode_upload, data, settings.max_image_pixels, max_side
+        (image, source), decode_s = await loop.run_in_executor(
+            state.decode_executor, timed, decode_upload, data, settings.max_image_pixels, max_side
         )
     except ImageError as exc:
         log.info("request %s: rejected image: %s", request_id, exc.message)
         raise HTTPException(exc.status_code, exc.message) from None
     decoded_at = time.monotonic()
     preprocess_s = decoded_at - pre_start
-    # The decode alone: the upload's time is the client's link, not work ahead of others (one
-    # slow upload took the decode estimate to seconds, refusing client deadlines for good).
-    ticket.decoded(decoded_at - decode_start)  # admission checks the deadline again: 429
+    # The decode alone: the upload's time is the client's link, and the wait for a decode
+    # thread is the load's, not the work of one call (one slow upload took the decode
+    # estimate to seconds, refusing client deadlines for good).
+    ticket.decoded(decode_s)  # admission checks the deadline again: 429
     (result,) = await run_admitted(state, ticket, [image], params, request)
     assert result.detections is not None  # run_admitted answered every error
     det = result.detections.rescaled(*source)  # in the image's own pixels
