@@ -56,11 +56,14 @@ log = logging.getLogger(__name__)
 
 
 async def client_went_away(request: Request, exc: Exception) -> Response:
-    """A client that went away while sending its body (an upload cut off): logged as such,
+    """A client that went away before its body was read (an upload cut off, or a client that
+    gave up while its call waited to be read): logged as such,
     not as "Exception in ASGI application" with a traceback; what the route had made of the
     request is cleaned up by the route itself. The answer goes nowhere."""
-    log.info("%s %s: the client went away during its upload", request.method, request.url.path)
-    return Response(status_code=400)
+    log.info(
+        "%s %s: the client went away before its call was read", request.method, request.url.path
+    )
+    return Response(status_code=499)  # as /metrics counts any call whose client left (was 400)
 
 
 async def storage_full(request: Request, exc: Exception) -> Response:

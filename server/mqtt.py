@@ -120,6 +120,13 @@ def check_mqtt_url(url: str) -> str:
             " (setting STREAMDET_MQTT_URL)"
         )
     where = f"{parts.scheme}://{parts.hostname}"  # no password in the message
+    if "@" in url[url.index(parts.netloc) + len(parts.netloc) :]:
+        # A "/", "?" or "#" in the password ended the host part early: its start was shown
+        # as the port, or its end as a path.
+        raise ValueError(
+            "mqtt_url: its user or password holds '/', '?' or '#', which end that part of a"
+            " URL: percent-encode them (%2F, %3F, %23) (setting STREAMDET_MQTT_URL)"
+        )
     try:
         port = parts.port
     except ValueError:
@@ -130,12 +137,20 @@ def check_mqtt_url(url: str) -> str:
             f"mqtt_url: port {given!r} of {where} is not a number from 1 to 65535 (setting"
             " STREAMDET_MQTT_URL)"
         )
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        extra = url[url.index(parts.netloc) + len(parts.netloc) :]
+    extras = [
+        name
+        for name, there in (
+            ("a path", parts.path not in ("", "/")),
+            ("a query", parts.query),
+            ("a fragment", parts.fragment),
+        )
+        if there
+    ]
+    if extras:  # named, not shown: a query may hold a token
         raise ValueError(
-            f"mqtt_url: {where} has a path or query ({extra[:80]!r}), which MQTT has no use"
-            " for: mqtt://[user:password@]host[:port]; the topics are set by"
-            " STREAMDET_MQTT_TOPIC (setting STREAMDET_MQTT_URL)"
+            f"mqtt_url: {where} has {' and '.join(extras)}, which MQTT has no use for:"
+            " mqtt://[user:password@]host[:port]; the topics are set by STREAMDET_MQTT_TOPIC"
+            " (setting STREAMDET_MQTT_URL)"
         )
     return url
 

@@ -300,12 +300,15 @@ def test_mqtt_settings_are_checked() -> None:
         "mqtt://broker:0",
         "mqtt://broker/cams",
         "mqtt://broker?topic=cams",
+        "mqtt://u:p@broker/?token=secret",  # the query was shown, its token in clear
+        "mqtt://u:pass/secret@broker",  # the password's start was shown as the port
+        "mqtt://u:secret#x@broker",
     ):
         with pytest.raises(ValueError, match="STREAMDET_MQTT_URL"):
             Settings(mqtt_url=url)
         with pytest.raises(ValueError, match="STREAMDET_MQTT_URL") as refused:
             check_mqtt_url(url)
-        assert "secret" not in str(refused.value)
+        assert "secret" not in str(refused.value) and "'pass'" not in str(refused.value), url
     assert Settings(mqtt_url="mqtt://broker:1884/").mqtt_url == "mqtt://broker:1884/"
     # One form of the prefixes everywhere: the publisher stripped slashes, Home Assistant's
     # availability, state and command topics had them.
