@@ -10,6 +10,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -523,3 +524,42 @@ def test_a_removal_the_data_dir_refuses_changes_nothing(
     assert client.delete(f"/streams/{sid}").status_code == 204
     assert client.delete(f"/webhooks/{hook}").status_code == 204
     assert client.get("/streams").json()["streams"] == []
+
+
+def test_a_v2_json_request_is_parsed_off_the_event_loop(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 MB of JSON (20 kB gzipped, sent with a read-only key) held the event loop about a
+    second a call: every viewer and /healthz waited. It is inflated, parsed and converted in
+    a decode thread, and a flat ``data`` of the wrong length is refused before converting."""
+    import gzip
+    import threading
+
+    from server.routes import kserve, v2_tensors
+
+    threads: list[str] = []
+    split, uint8 = kserve._split, v2_tensors._uint8
+
+    def spied_split(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return split(*args)
+
+    def spied_uint8(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return uint8(*args)
+
+    monkeypatch.setattr(kserve, "_split", spied_split)
+    monkeypatch.setattr(v2_tensors, "_uint8", spied_uint8)
+    tensor = {"name": "images", "datatype": "UINT8", "shape": [1, 32, 32, 3]}
+    body = json.dumps({"inputs": [{**tensor, "data": [0] * (32 * 32 * 3)}]}).encode()
+    resp = client.post(
+        "/v2/models/yolov8n/infer",
+        content=gzip.compress(body),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
+    assert resp.status_code == 200, resp.text
+    assert len(threads) == 2 and all(t.startswith("decode") for t in threads), threads
+    long = json.dumps({"inputs": [{**tensor, "data": [0] * 100_000}]}).encode()
+    resp = client.post("/v2/models/yolov8n/infer", content=long)
+    assert resp.status_code == 400 and "100000 values for shape" in resp.json()["error"]
+    assert len(threads) == 3  # parsed; never converted

@@ -18,6 +18,7 @@ Each image runs through the same admission control, interactive lane and deadlin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import zlib
@@ -256,6 +257,13 @@ def _split(body: bytes, header: str | None) -> tuple[dict[str, Any], bytes]:
     return request, body[size:]
 
 
+def _parsed(
+    body: bytes, encoding: str | None, header: str | None, limit: int
+) -> tuple[dict[str, Any], bytes]:
+    """The request's JSON and binary data, from its body as sent."""
+    return _split(_inflated(body, encoding, limit), header)
+
+
 def _response(
     request: dict[str, Any],
     model: str,
@@ -330,8 +338,16 @@ async def infer(
         limit = state.settings.max_upload_bytes
         body = await read_body_capped(request, limit)
         ticket.body_read()  # decoding now: ahead of calls that arrive after this
-        body = _inflated(body, request.headers.get("content-encoding"), limit)
-        inference, binary = _split(body, request.headers.get(HEADER_LENGTH))
+        # Inflated and parsed in a decode thread: 20 MB of JSON (20 kB gzipped) held the event
+        # loop, every stream's viewers and /healthz for about a second a call.
+        inference, binary = await asyncio.get_running_loop().run_in_executor(
+            state.decode_executor,
+            _parsed,
+            body,
+            request.headers.get("content-encoding"),
+            request.headers.get(HEADER_LENGTH),
+            limit,
+        )
         results, found, chosen = await run_infer(state, ticket, inference, binary, request)
     except Exception:
         stats.failed(started_ns)
