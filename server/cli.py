@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import logging
 import math
 import os
@@ -199,21 +200,28 @@ def serve(settings: Settings) -> int:
             signal.signal(signal.SIGHUP, previous_hup)
 
 
-def port_taken(host: str, port: int) -> str | None:
+HOST_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT})
+"""Bind errors that are the host's (an address this machine lacks), not the port's."""
+
+
+def port_taken(host: str, port: int) -> tuple[bool, str] | None:
     """Why ``host:port`` cannot be listened on (another server holds it, an address this
-    machine lacks), or None. Bound as uvicorn binds (``SO_REUSEADDR``: a port left in
-    TIME_WAIT is free); a listener, with or without ``SO_REUSEPORT``, refuses it."""
+    machine lacks), and whether the host is at fault (not the port); None if it can. Bound as
+    uvicorn binds (``SO_REUSEADDR``: a port left in TIME_WAIT is free); a listener, with or
+    without ``SO_REUSEPORT``, refuses it."""
+    if not host:
+        return True, "no host given"
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
-        return f"cannot resolve the host: {exc}"
+        return True, f"cannot resolve the host: {exc}"
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(address)
         except OSError as exc:
-            return f"cannot listen there: {exc.strerror or exc}"
+            return exc.errno in HOST_ERRNOS, f"cannot listen there: {exc.strerror or exc}"
     return None
 
 
@@ -236,13 +244,15 @@ def _serve(settings: Settings) -> int:
             print(f"streamdet: {problem}", file=sys.stderr)
         if problems:
             return 2
-    unusable = unusable_dir(settings.data_dir)
-    if unusable is not None:
-        print(
-            f"streamdet: --data-dir: {settings.data_dir}: {unusable} (setting STREAMDET_DATA_DIR)",
-            file=sys.stderr,
-        )
-        return 2
+    for flag, directory in (("data-dir", settings.data_dir), ("cache-dir", settings.cache_dir)):
+        unusable = unusable_dir(directory)  # the cache's: a traceback once the model loaded
+        if unusable is not None:
+            setting = flag.replace("-", "_").upper()
+            print(
+                f"streamdet: --{flag}: {directory}: {unusable} (setting STREAMDET_{setting})",
+                file=sys.stderr,
+            )
+            return 2
     if settings.grpc_port:  # before the model loads: a missing extra fails at once
         from server.grpc_v2 import GrpcUnavailable, grpc_modules
 
@@ -251,12 +261,21 @@ def _serve(settings: Settings) -> int:
         except GrpcUnavailable as exc:
             log.error("cannot start: %s", exc)
             return 2
+    if settings.grpc_port and settings.grpc_port == settings.port:  # the model loaded, then
+        print(
+            f"streamdet: --grpc-port: {settings.port} is --port's too; give gRPC a port of its"
+            " own (setting STREAMDET_GRPC_PORT)",
+            file=sys.stderr,
+        )
+        return 2
     for flag, port in (("port", settings.port), ("grpc-port", settings.grpc_port)):
         taken = port_taken(settings.host, port) if port else None
         if taken is not None:  # before the model loads (and the cameras open): at once
-            setting = flag.replace("-", "_").upper()
+            host_fault, why = taken
+            named = "host" if host_fault else flag  # it named the port for a host it lacks
+            setting = named.replace("-", "_").upper()
             print(
-                f"streamdet: --{flag}: {settings.host}:{port}: {taken} (setting"
+                f"streamdet: --{named}: {settings.host}:{port}: {why} (setting"
                 f" STREAMDET_{setting})",
                 file=sys.stderr,
             )

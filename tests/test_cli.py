@@ -305,6 +305,34 @@ def test_a_data_dir_that_cannot_be_written_stops_serve(
     assert "Permission denied (setting STREAMDET_DATA_DIR)" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("no_model")
+def test_a_host_a_shared_port_or_a_cache_dir_that_cannot_work_stops_serve_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each named what is wrong before the model loads: a host this machine lacks was blamed
+    on --port; --grpc-port equal to --port, and a cache directory that is a file, failed with
+    a traceback once the model had loaded."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    port = free_port()
+    data = tmp_path / "data"
+    cases = [
+        (Settings(data_dir=data, host="10.255.255.1", port=port), "--host: 10.255.255.1"),
+        (Settings(data_dir=data, host="not_a_host!", port=port), "cannot resolve the host"),
+        (Settings(data_dir=data, port=port, grpc_port=port), f"--grpc-port: {port} is --port's"),
+        (Settings(data_dir=data, cache_dir=blocker, port=port), "--cache-dir: "),
+    ]
+    before = sys.getswitchinterval()
+    try:
+        for settings, words in cases:
+            assert cli.serve(settings) == 2, words
+            err = capsys.readouterr().err
+            assert words in err, err
+            assert "(setting STREAMDET_" in err and "--port:" not in err, err
+    finally:
+        sys.setswitchinterval(before)
+
+
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A real filesystem with no space left: a 1 MiB tmpfs, filled (needs mount rights)."""
