@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -519,6 +520,41 @@ class Settings(BaseSettings):
             raise ValueError("an empty key: every key must have characters")
         return value
 
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxies(cls, value: str) -> str:
+        # A typo ("127.0.0.1/8", "a;b") was kept as text: no proxy was trusted, without a word.
+        for item in (i.strip() for i in value.split(",")):
+            if not item or item == "*" or item.startswith("unix:"):
+                continue
+            try:
+                ipaddress.ip_network(item)  # an address is a network of one
+            except ValueError as exc:
+                raise ValueError(
+                    f"{item[:60]!r}: {exc}; give comma-separated addresses or networks"
+                    " (127.0.0.1, 10.0.0.0/8), or * (setting STREAMDET_FORWARDED_ALLOW_IPS)"
+                ) from None
+        return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        # A browser sends its Origin as scheme://host[:port], nothing after: one given with a
+        # path or a trailing "/" matched no call, and no CORS header was sent.
+        for origin in value:
+            parts = urlsplit(origin)
+            if origin != "*" and (
+                parts.scheme not in ("http", "https")
+                or not parts.netloc
+                or origin != f"{parts.scheme}://{parts.netloc}"
+            ):
+                raise ValueError(
+                    f"{origin[:80]!r} is not an origin: scheme://host[:port], no path or"
+                    " trailing '/' (e.g. https://app.example.com), or * (setting"
+                    " STREAMDET_CORS_ORIGINS)"
+                )
+        return value
+
     @field_validator("allowed_file_dir", "streams_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
@@ -568,6 +604,17 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _backend_batch(self) -> Settings:
+        if self.backend == "onnxruntime" and self.device != "cpu":
+            raise ValueError(  # it ran on the CPU without a word
+                f"device {self.device!r} is for the GPU backends: the onnxruntime engine runs"
+                " on the CPU; pick --backend torch or tensorrt, or leave --device cpu (setting"
+                " STREAMDET_DEVICE)"
+            )
+        if both := sorted(set(self.api_keys) & set(self.api_keys_readonly)):
+            raise ValueError(  # it had full access: a key moved to the read-only list kept it
+                f"{len(both)} key(s) in both api_keys and api_keys_readonly: give each key one"
+                " kind of access (setting STREAMDET_API_KEYS_READONLY)"
+            )
         if self.decode == "cuda" and (
             self.backend == "onnxruntime" or not self.device.startswith("cuda")
         ):

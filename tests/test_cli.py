@@ -518,6 +518,29 @@ def test_a_public_url_that_is_no_base_url_is_refused_naming_the_setting(
     assert "secret" not in err  # a password given in it is not printed back
 
 
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        # Each was taken without a word: the CPU engine ran, no proxy was trusted, no CORS
+        # header was sent, a key meant to be read-only kept full access.
+        (["--device", "cuda:0"], "device 'cuda:0' is for the GPU backends"),
+        (["--forwarded-allow-ips", "127.0.0.1/8"], "has host bits set"),
+        (["--forwarded-allow-ips", "127.0.0.1;10.0.0.1"], "does not appear to be an IPv4"),
+        (["--cors-origins", "https://app.example.com/"], "is not an origin"),
+        (["--api-keys", "k1,k2", "--api-keys-readonly", "k2"], "1 key(s) in both"),
+    ],
+)
+def test_settings_that_would_silently_do_nothing_are_refused_naming_them(
+    flags: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert why in err and "(setting STREAMDET_" in err and "Traceback" not in err, err
+    assert "k2" not in err  # keys are not printed back
+    taken = Settings(forwarded_allow_ips="127.0.0.0/8, ::1,", cors_origins="https://a.example:8443")
+    assert taken.cors_origins == ["https://a.example:8443"]
+
+
 def test_a_public_url_loses_its_final_slash_and_empty_is_unset() -> None:
     assert Settings(public_url="https://cams.example.com/streamdet/").public_url == (
         "https://cams.example.com/streamdet"
