@@ -192,6 +192,15 @@ class StreamManager:
         """Re-open every persisted stream."""
         self._loop = asyncio.get_running_loop()
         for record in await asyncio.to_thread(self._store.load):
+            if len(self._records) >= self._opt.max_streams:
+                # Kept, not opened: a lower limit set since they were added opened them all.
+                error = (
+                    f"not opened: more streams are stored than the limit {self._opt.max_streams}"
+                    " (setting STREAMDET_MAX_STREAMS): raise it, or delete streams"
+                )
+                log.error("stream %s: %s", record.id, error)
+                self._launch(record, None, error=error)
+                continue
             try:
                 spec = self._spec(record)
             except SourceError as exc:

@@ -1253,3 +1253,30 @@ async def test_a_stream_still_opening_its_source_is_removed_or_replaced_at_once(
         silent.close()
     assert removed_s < 2 and disabled_s < 2, (removed_s, disabled_s)
     assert replaced_s < 10, replaced_s
+
+
+async def test_streams_stored_past_a_lowered_limit_are_kept_not_opened(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Restarted with a lower --max-streams than it has streams: every stored stream was
+    opened. Those past the limit are kept, failed, saying why and which setting."""
+    options = ManagerOptions(
+        reader=ReaderOptions(open_timeout_s=5, read_timeout_s=5), allowed_file_dir=VIDEOS[0].parent
+    )
+    manager = StreamManager(pool, StreamStore(tmp_path / "data"), options)
+    await manager.start()
+    try:
+        ids = [(await manager.add(f"file://{CAR_CLIP}", max_fps=1.0))["id"] for _ in range(3)]
+    finally:
+        await manager.stop(5.0)
+    lowered = dataclasses.replace(options, max_streams=2)
+    again = StreamManager(pool, StreamStore(tmp_path / "data"), lowered)
+    await again.start()
+    try:
+        states = {s["id"]: s for s in again.list()}
+        assert set(states) == set(ids)  # kept
+        assert await again.wait_state(ids[0], {StreamState.LIVE}, 30)
+        assert states[ids[2]]["state"] == StreamState.FAILED
+        assert "limit 2 (setting STREAMDET_MAX_STREAMS)" in states[ids[2]]["last_error"]
+    finally:
+        await again.stop(5.0)
