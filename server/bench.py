@@ -15,12 +15,14 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +39,29 @@ from server.settings import Settings
 from streams.files import encode_jpeg, sample_video_frames
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` above 0 (``--frames 0`` ran 1 frame a clip)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0 or math.isinf(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a number above 0")
+        return value
+
+    return parse
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--videos", nargs="+", default=None, help="clips to take frames from")
-    parser.add_argument("--frames", type=int, default=40, help="frames sampled per clip")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
-    parser.add_argument("--seconds", type=float, default=20.0, help="load time per server")
-    parser.add_argument("--warmup-seconds", type=float, default=3.0)
+    parser.add_argument("--frames", type=_positive(int), default=40, help="frames per clip")
+    parser.add_argument("--clients", type=_positive(int), default=8, help="concurrent clients")
+    parser.add_argument(
+        "--seconds", type=_positive(float), default=20.0, help="load time per server"
+    )
+    parser.add_argument("--warmup-seconds", type=_positive(float), default=3.0)
     parser.add_argument("--skip-seed", action="store_true", help="skip the seed design")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
 

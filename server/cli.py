@@ -105,6 +105,27 @@ def _warn_unknown_env() -> None:
         log.warning("environment variable %s is not a setting and is ignored%s", variable, hint)
 
 
+ANALYZED = frozenset(
+    {
+        "model",
+        "backend",
+        "device",
+        "imgsz",
+        "max_batch",
+        "max_wait_ms",
+        "workers",
+        "threads_per_worker",
+        "cache_dir",
+        "max_queue",
+        "max_image_pixels",
+        "stream_decode_size",
+        "job_inflight",
+        "shutdown_timeout_s",
+        "log_level",
+    }
+)
+"""The settings ``streamdet analyze`` uses (the engine's, and a job's decode)."""
+
 WRITE_CHECK_BYTES = 256 * 1024
 """What the data directory's check writes: about what the stores write as they open."""
 
@@ -387,7 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     analyze_p = sub.add_parser(
         "analyze", help="read a recorded video through the model (a video job, no server)"
     )
-    _add_settings_flags(analyze_p)
+    # Only the settings a job without a server uses: the others were listed and ignored
+    # (--streams-file, --webhooks: exit 0), and --port 99999 refused all the same.
+    _add_settings_flags(analyze_p, frozenset(Settings.model_fields) - ANALYZED)
     from server.analyze_cli import add_analyze_args
 
     add_analyze_args(analyze_p)
@@ -430,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "analyze":
         from server.analyze_cli import run_analyze
 
+        _warn_unknown_env()
         return run_analyze(settings, args)
     from server.bench import run_bench
 

@@ -601,3 +601,23 @@ def test_a_streams_files_unknown_class_stops_the_start_without_a_traceback(
     said = [line for line in done.stderr.splitlines() if line.startswith("streamdet:")]
     assert len(said) == 1 and f"--streams-file: {path}: stream 'door': " in said[0], said
     assert "unicorn" in said[0] and "STREAMDET_STREAMS_FILE" in said[0], said
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "--frames", "0"],  # it ran one frame a clip
+        ["bench", "--clients", "-3"],
+        ["bench", "--seconds", "nan"],
+        ["analyze", "clip.mp4", "--port", "99999"],  # a server's setting: no such flag here
+        ["analyze", "clip.mp4", "--streams-file", "/nonexistent.yaml"],  # was ignored: exit 0
+    ],
+)
+def test_a_commands_flags_are_its_own_and_checked(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli.main(args)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "give a number above 0" in err or "unrecognized arguments" in err, err
