@@ -291,7 +291,12 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         app.openapi = lambda: with_bearer_scheme(schema_of())  # type: ignore[method-assign]
     # Outermost last: CORS answers preflights and decorates 401s; metrics count refusals.
     app.add_middleware(JsonBodyLimit)  # inside the key check: a stranger gets 401 first
-    app.add_middleware(ApiKeyMiddleware, keys=app.state.api_keys)
+    app.add_middleware(
+        ApiKeyMiddleware,
+        keys=app.state.api_keys,
+        origins=settings.cors_origins,
+        public_url=settings.public_url,
+    )
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     # Outside all that may answer before a body is read, and the metrics: a refusal's time is
     # its answer's, not the drain's.

@@ -44,11 +44,11 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_plus, urlsplit
 
 from starlette.datastructures import Headers, QueryParams
 from starlette.requests import HTTPConnection
@@ -367,23 +367,68 @@ class TokenFilter(logging.Filter):
         return True
 
 
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_site(
+    conn: HTTPConnection, origins: Sequence[str], public_url: str | None
+) -> AuthFailure | None:
+    """Without keys, a WebSocket handshake or a call that changes something sent by a page of
+    another site (its ``Origin``): 403. A page anywhere could otherwise watch the cameras and
+    post jobs through the operator's browser (a multipart POST needs no CORS preflight).
+    Allowed: this server's own pages (``Origin`` naming the ``Host`` it was reached at, or
+    ``X-Forwarded-Host``, or ``--public-url``), the origins of ``--cors-origins``, and
+    clients that send no ``Origin`` (scripts, curl, Triton's clients)."""
+    scope = conn.scope
+    if scope["type"] == "http" and scope["method"] in SAFE_METHODS:
+        return None
+    origin = conn.headers.get("origin")
+    if origin is None or "*" in origins or origin in origins:
+        return None
+    parts = urlsplit(origin)
+    own = {conn.headers.get("host"), conn.headers.get("x-forwarded-host")}
+    if public_url is not None:
+        own.add(urlsplit(public_url).netloc)
+    if parts.scheme in ("http", "https") and parts.netloc and parts.netloc in own:
+        return None
+    return AuthFailure(
+        403,
+        f"a call from the page of another site ({origin[:100]!r}) is refused: without API keys"
+        " only this server's own pages may make it; allow that origin with"
+        " STREAMDET_CORS_ORIGINS, or set keys (STREAMDET_API_KEYS)",
+        presented=False,
+    )
+
+
 class ApiKeyMiddleware:
-    """Applies :func:`authorize` to every HTTP request and WebSocket handshake.
+    """Applies :func:`authorize` to every HTTP request and WebSocket handshake; without keys,
+    :func:`cross_site`.
 
     A refused WebSocket gets a plain HTTP 401/403 when the server supports the ASGI
     ``websocket.http.response`` extension (uvicorn does), otherwise a close with code 1008.
     """
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: ApiKeys,
+        origins: Sequence[str] = (),
+        public_url: str | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
+        self.origins = tuple(origins)
+        self.public_url = public_url
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or not self.keys.enabled:
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         conn = HTTPConnection(scope)
-        failure = check_connection(conn, self.keys)
+        if self.keys.enabled:
+            failure = check_connection(conn, self.keys)
+        else:
+            failure = cross_site(conn, self.origins, self.public_url)
         if failure is None:
             await self.app(scope, receive, send)
             return

@@ -350,3 +350,38 @@ def test_cors_lets_a_browser_put_a_stream(http: httpx.Client) -> None:
     )
     assert preflight.status_code == 200, preflight.text
     assert "PUT" in preflight.headers["access-control-allow-methods"]
+
+
+def test_without_keys_a_page_of_another_site_cannot_watch_or_change_anything(
+    tmp_path: Path,
+) -> None:
+    """Keys off (the default): any web page the operator opened could watch a camera over a
+    WebSocket and post a job (a multipart POST needs no preflight) through their browser.
+    A call that changes something, or a WebSocket, whose Origin is another site's is 403;
+    this server's own pages, the --cors-origins ones and clients sending no Origin go on."""
+    from starlette.testclient import TestClient, WebSocketDenialResponse
+
+    from tests.helpers import CAR_CLIP, file_stream_app
+
+    evil = {"origin": "https://evil.example"}
+    video = {"video": ("car.mp4", CAR_CLIP.read_bytes()[:1000], "video/mp4")}
+    with TestClient(file_stream_app(tmp_path)) as c:
+        sid = c.post("/streams", json={"url": f"file://{CAR_CLIP}", "enabled": False}).json()["id"]
+        refused = c.post("/jobs", files=video, headers=evil)
+        assert refused.status_code == 403, refused.text
+        assert "STREAMDET_CORS_ORIGINS" in refused.json()["detail"]
+        assert c.get("/jobs").json() == {"jobs": []}
+        with (
+            pytest.raises(WebSocketDenialResponse) as denied,
+            c.websocket_connect(f"/ws/streams/{sid}", headers=evil),
+        ):
+            pass
+        assert denied.value.status_code == 403
+        assert c.get("/streams", headers=evil).status_code == 200  # a read: CORS's to guard
+        own = {"origin": "http://testserver"}  # this server's page (TestClient's Host)
+        with c.websocket_connect(f"/ws/streams/{sid}", headers=own):
+            pass
+        assert c.delete(f"/streams/{sid}", headers=own).status_code == 204
+    allowed = file_stream_app(tmp_path, cors_origins=["https://evil.example"])
+    with TestClient(allowed) as c:
+        assert c.post("/jobs", files=video, headers=evil).status_code != 403
