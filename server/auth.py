@@ -370,6 +370,19 @@ class TokenFilter(logging.Filter):
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
+def _site(url: str) -> tuple[str, int] | None:
+    """``url``'s host (lower case) and port (80 or 443 where it names none); None if it has
+    neither (an Origin of ``null``, a malformed one)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+    if not parts.hostname or port is None:
+        return None
+    return parts.hostname.lower(), port
+
+
 def cross_site(
     conn: HTTPConnection, origins: Sequence[str], public_url: str | None
 ) -> AuthFailure | None:
@@ -385,11 +398,19 @@ def cross_site(
     origin = conn.headers.get("origin")
     if origin is None or "*" in origins or origin in origins:
         return None
-    parts = urlsplit(origin)
-    own = {conn.headers.get("host"), conn.headers.get("x-forwarded-host")}
+    came = _site(origin)
+    forwarded = conn.headers.get("x-forwarded-host", "").split(",")[0].strip()
+    # A Host without a port is either default one: behind a proxy the scheme seen here may
+    # not be the browser's (TLS ended at the proxy).
+    own = {
+        _site(f"{scheme}://{host}")
+        for host in (conn.headers.get("host"), forwarded)
+        if host
+        for scheme in ("http", "https")
+    }
     if public_url is not None:
-        own.add(urlsplit(public_url).netloc)
-    if parts.scheme in ("http", "https") and parts.netloc and parts.netloc in own:
+        own.add(_site(public_url))
+    if came is not None and came in own:
         return None
     return AuthFailure(
         403,

@@ -130,6 +130,15 @@ WRITE_CHECK_BYTES = 256 * 1024
 """What the data directory's check writes: about what the stores write as they open."""
 
 
+def file_in_the_way(path: Path) -> str | None:
+    """Why ``path`` can never be a directory (it, or the first of its parents that exists, is
+    a file), or None."""
+    for where in (path, *path.parents):
+        if where.exists():
+            return None if where.is_dir() else f"{where} is a file, not a directory"
+    return None
+
+
 def unusable_dir(path: Path) -> str | None:
     """Why ``path`` cannot be a directory this process writes into (it is made if missing),
     or None if it can. Checked before the model loads: the stores opened later failed with
@@ -265,10 +274,15 @@ def _serve(settings: Settings) -> int:
             print(f"streamdet: {problem}", file=sys.stderr)
         if problems:
             return 2
-    for flag, directory in (("data-dir", settings.data_dir), ("cache-dir", settings.cache_dir)):
-        unusable = unusable_dir(directory)  # the cache's: a traceback once the model loaded
+    # The cache is only checked for a file in its way (a traceback once the model loaded): a
+    # read-only one filled ahead (an image's) serves an .onnx or a cached export as it is.
+    for flag, unusable in (
+        ("data-dir", unusable_dir(settings.data_dir)),
+        ("cache-dir", file_in_the_way(settings.cache_dir)),
+    ):
         if unusable is not None:
             setting = flag.replace("-", "_").upper()
+            directory = getattr(settings, setting.lower())
             print(
                 f"streamdet: --{flag}: {directory}: {unusable} (setting STREAMDET_{setting})",
                 file=sys.stderr,

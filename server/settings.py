@@ -524,8 +524,14 @@ class Settings(BaseSettings):
     @classmethod
     def _proxies(cls, value: str) -> str:
         # A typo ("127.0.0.1/8", "a;b") was kept as text: no proxy was trusted, without a word.
-        for item in (i.strip() for i in value.split(",")):
-            if not item or item == "*" or item.startswith("unix:"):
+        items = [i.strip() for i in value.split(",") if i.strip()]
+        if "*" in items and len(items) > 1:  # uvicorn trusts any only for "*" alone
+            raise ValueError(
+                f"{value[:60]!r}: * trusts every proxy only on its own; give * alone, or the"
+                " proxies' addresses (setting STREAMDET_FORWARDED_ALLOW_IPS)"
+            )
+        for item in items:
+            if item.startswith(("unix:", "/")):  # a Unix socket's path: taken as it is
                 continue
             try:
                 ipaddress.ip_network(item)  # an address is a network of one

@@ -84,13 +84,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == MERGE_TAG:  # "<<: *base": its keys may be given again here
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                twice = key in seen
+                seen.add(key)
+            except TypeError:  # a list or mapping as a key: the loader says so below
+                continue
+            if twice:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is given twice", key_node.start_mark
                 )
-            seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 # In a URL's user or password part these end it early: a password with "@" or "#" gave

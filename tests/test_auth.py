@@ -385,3 +385,33 @@ def test_without_keys_a_page_of_another_site_cannot_watch_or_change_anything(
     allowed = file_stream_app(tmp_path, cors_origins=["https://evil.example"])
     with TestClient(allowed) as c:
         assert c.post("/jobs", files=video, headers=evil).status_code != 403
+
+
+@pytest.mark.parametrize(
+    ("headers", "public_url", "own"),
+    [
+        ({"host": "127.0.0.1:8000"}, "https://cams.example.com:443/streamdet", True),
+        ({"host": "127.0.0.1:8000", "x-forwarded-host": "cams.example.com, inner"}, None, True),
+        ({"host": "CAMS.example.com"}, None, True),  # TLS ended at a proxy passing Host
+        ({"host": "cams.example.com:8443"}, None, False),  # another port: another origin
+        ({"host": "evil.example.org"}, None, False),
+    ],
+)
+def test_the_servers_own_pages_are_told_by_host_and_port_not_by_text(
+    headers: dict[str, str], public_url: str | None, own: bool
+) -> None:
+    """An Origin naming the server without its default port (the browser's form), or a
+    proxy chain's X-Forwarded-Host list, was refused as another site's."""
+    from starlette.requests import HTTPConnection
+
+    from server.auth import cross_site
+
+    sent = {"origin": "https://cams.example.com", **headers}
+    scope = {
+        "type": "websocket",
+        "scheme": "ws",
+        "path": "/ws/streams/a",
+        "query_string": b"",
+        "headers": [(k.encode(), v.encode()) for k, v in sent.items()],
+    }
+    assert (cross_site(HTTPConnection(scope), (), public_url) is None) is own

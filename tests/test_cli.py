@@ -320,7 +320,7 @@ def test_a_host_a_shared_port_or_a_cache_dir_that_cannot_work_stops_serve_naming
         (Settings(data_dir=data, host="10.255.255.1", port=port), "--host: 10.255.255.1"),
         (Settings(data_dir=data, host="not_a_host!", port=port), "cannot resolve the host"),
         (Settings(data_dir=data, port=port, grpc_port=port), f"--grpc-port: {port} is --port's"),
-        (Settings(data_dir=data, cache_dir=blocker, port=port), "--cache-dir: "),
+        (Settings(data_dir=data, cache_dir=blocker / "sub", port=port), "is a file, not a"),
     ]
     before = sys.getswitchinterval()
     try:
@@ -528,6 +528,7 @@ def test_a_public_url_that_is_no_base_url_is_refused_naming_the_setting(
         (["--forwarded-allow-ips", "127.0.0.1;10.0.0.1"], "does not appear to be an IPv4"),
         (["--cors-origins", "https://app.example.com/"], "is not an origin"),
         (["--api-keys", "k1,k2", "--api-keys-readonly", "k2"], "1 key(s) in both"),
+        (["--forwarded-allow-ips", "10.0.0.1, *"], "* trusts every proxy only on its own"),
     ],
 )
 def test_settings_that_would_silently_do_nothing_are_refused_naming_them(

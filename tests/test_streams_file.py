@@ -64,6 +64,14 @@ def test_the_streams_file_is_read_with_its_variables_and_checked(tmp_path: Path)
         assert words in str(error.value) and name in str(error.value), str(error.value)
     with pytest.raises(StreamsFileError, match="cannot read it"):
         read_entries(tmp_path / "missing.yaml", env)
+    # YAML's merge keys still work, an entry giving again what it merged included.
+    merged = "- &base {id: front, url: rtsp://a/1, max_fps: 5}\n- <<: *base\n  id: back\n"
+    assert [e["id"] for e in read_entries(write(tmp_path / "merge.yaml", merged), env)] == [
+        "front",
+        "back",
+    ]
+    with pytest.raises(StreamsFileError, match=r"(?s)not YAML: .*unhashable"):  # no TypeError
+        read_entries(write(tmp_path / "odd.yaml", "- id: a\n  ? [a, b]\n  : x\n"), env)
     # UTF-16, as an editor may save it: said so (it was a UnicodeDecodeError's traceback).
     (tmp_path / "utf16.yaml").write_text("- {id: a, url: x}\n", encoding="utf-16")
     with pytest.raises(StreamsFileError, match="not UTF-8 text"):
