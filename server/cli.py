@@ -276,13 +276,12 @@ def _serve(settings: Settings) -> int:
             return 2
     # The cache is only checked for a file in its way (a traceback once the model loaded): a
     # read-only one filled ahead (an image's) serves an .onnx or a cached export as it is.
-    for flag, unusable in (
-        ("data-dir", unusable_dir(settings.data_dir)),
-        ("cache-dir", file_in_the_way(settings.cache_dir)),
+    for flag, directory, unusable in (
+        ("data-dir", settings.data_dir, unusable_dir(settings.data_dir)),
+        ("cache-dir", settings.cache_dir, file_in_the_way(settings.cache_dir)),
     ):
         if unusable is not None:
             setting = flag.replace("-", "_").upper()
-            directory = getattr(settings, setting.lower())
             print(
                 f"streamdet: --{flag}: {directory}: {unusable} (setting STREAMDET_{setting})",
                 file=sys.stderr,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -65,6 +65,9 @@ def bytes_elements(raw: bytes, name: str) -> list[bytes]:
     return items
 
 
+T = TypeVar("T")
+
+
 def _uint8(data: Any) -> npt.NDArray[np.uint8]:
     """A JSON tensor's ``data`` as flat UINT8 values."""
     return np.asarray(data, np.uint8).reshape(-1)
@@ -112,21 +115,17 @@ async def request_images(
         decode = state.decode_executor
         limit, side = state.settings.max_image_pixels, state.pool.engine.input_size
 
-        def decoded(index: int, item: bytes) -> tuple[Image, tuple[int, int]]:
+        def element(index: int, read: Callable[[bytes, int, int], T]) -> T:
+            """``read`` of the ``index``-th image, its error naming that element."""
             try:
-                return decode_upload(item, limit, side)
+                return read(items[index], limit, side)
             except ImageError as exc:
                 raise _of_element(exc, index, len(items)) from None
 
         try:
             # From their headers first: a few kB of PNGs decode to gigabytes (24 of 19 MP
             # took 2 GB and 18 s of the decode threads, then the call was refused anyway).
-            total = 0
-            for index, item in enumerate(items):
-                try:
-                    total += decoded_pixels(item, limit, side)
-                except ImageError as exc:
-                    raise _of_element(exc, index, len(items)) from None
+            total = sum(element(index, decoded_pixels) for index in range(len(items)))
             if total > CALL_PIXELS * limit:
                 raise HTTPException(
                     413,
@@ -138,8 +137,8 @@ async def request_images(
             return list(
                 await asyncio.gather(
                     *(
-                        loop.run_in_executor(decode, decoded, index, item)
-                        for index, item in enumerate(items)
+                        loop.run_in_executor(decode, element, index, decode_upload)
+                        for index in range(len(items))
                     )
                 )
             )
