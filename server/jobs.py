@@ -575,9 +575,13 @@ class JobManager:
                 if job.deleted:  # its caller deleted it: nothing left to tell of
                     job.callback["state"] = "cancelled"
                     break
+                # Counted and saved before it is made: a server stopped while the call was
+                # out (its answer not yet saved) made it again after its restart, 7 in all.
+                job.callback["attempts"] = attempt
+                await self._save_logged(job)
                 payload = {"job": job.to_json(self._names, self._base)}
                 error = await post_json(client, job.callback_url, payload, self._callback_secret)
-                job.callback.update(attempts=attempt, last_error=error)
+                job.callback["last_error"] = error
                 if error is None:
                     job.callback["state"] = "sent"
                     break
