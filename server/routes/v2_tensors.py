@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -19,7 +18,7 @@ from engines.batching import WorkResult
 from engines.types import Detections, DetectParams, Image
 from server.admission import Ticket
 from server.images import ImageError, decode_upload, decoded_pixels
-from server.routes.detect import check_queue_room, parse_classes, run_admitted
+from server.routes.detect import check_queue_room, parse_classes, run_admitted, timed
 from server.routes.v2_model import OUTPUTS, UNSUPPORTED
 from server.state import AppState
 
@@ -82,9 +81,11 @@ def _of_element(exc: ImageError, index: int, count: int) -> ImageError:
 
 async def request_images(
     state: AppState, request: dict[str, Any], binary: bytes, loop: asyncio.AbstractEventLoop
-) -> list[tuple[Image, tuple[int, int]]]:
+) -> tuple[list[tuple[Image, tuple[int, int]]], float]:
     """The request's images, each with its width and height as sent (a large JPEG is decoded
-    smaller for the engine: :func:`server.images.decode_upload`)."""
+    smaller for the engine: :func:`server.images.decode_upload`), and the seconds their
+    decoding took in a decode thread (the longest image's; a wait for a free decode thread
+    not counted, as :func:`server.routes.detect.timed` does for ``/detect``)."""
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise HTTPException(
@@ -134,14 +135,13 @@ async def request_images(
                     f" ({CALL_PIXELS} x setting STREAMDET_MAX_IMAGE_PIXELS; large JPEGs count"
                     " at the size they are decoded to)",
                 )
-            return list(
-                await asyncio.gather(
-                    *(
-                        loop.run_in_executor(decode, element, index, decode_upload)
-                        for index in range(len(items))
-                    )
+            decoded = await asyncio.gather(
+                *(
+                    loop.run_in_executor(decode, timed, element, index, decode_upload)
+                    for index in range(len(items))
                 )
             )
+            return [image for image, _ in decoded], max(seconds for _, seconds in decoded)
         except ImageError as exc:
             raise HTTPException(exc.status_code, f"input 'image_bytes': {exc.message}") from None
     if name == "images":
@@ -155,6 +155,7 @@ async def request_images(
                 f"input 'images': {width}x{height} images; at most"
                 f" {state.settings.max_image_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)",
             )
+        seconds = 0.0  # nothing to decode
         if binary_given:
             raw = tensor_bytes(tensor, name, binary)
             pixels = np.frombuffer(raw, np.uint8)
@@ -169,7 +170,9 @@ async def request_images(
                         f"input 'images': {given} values for shape {shape} ({expected} expected)",
                     )
             try:  # in a decode thread: 10 million values took 2 s
-                pixels = await loop.run_in_executor(state.decode_executor, _uint8, data)
+                pixels, seconds = await loop.run_in_executor(
+                    state.decode_executor, timed, _uint8, data
+                )
             except (TypeError, ValueError, OverflowError) as exc:
                 raise HTTPException(400, f"input 'images': data is not UINT8: {exc}") from None
         if pixels.size != n * height * width * 3:
@@ -179,7 +182,7 @@ async def request_images(
                 f" ({n * height * width * 3} expected)",
             )
         batch = pixels.reshape(n, height, width, 3)
-        return [(np.ascontiguousarray(batch[i]), (width, height)) for i in range(n)]
+        return [(np.ascontiguousarray(batch[i]), (width, height)) for i in range(n)], seconds
     raise HTTPException(
         400, f"unknown input {name!r}: give 'image_bytes' (BYTES) or 'images' (UINT8)"
     )
@@ -341,8 +344,7 @@ async def run_infer(
     if (timeout_ms := request_timeout_ms(inference)) is not None:
         ticket.tighten(timeout_ms, TIMEOUT_SOURCE)
     chosen = chosen_outputs(inference)
-    started = time.monotonic()
-    images = await request_images(state, inference, binary, asyncio.get_running_loop())
-    ticket.decoded(time.monotonic() - started, len(images))  # admission checks it again
+    images, seconds = await request_images(state, inference, binary, asyncio.get_running_loop())
+    ticket.decoded(seconds, len(images))  # admission checks it again
     results = await run_admitted(state, ticket, [im for im, _ in images], params, request)
     return results, rescaled_to_sent(results, images), chosen
