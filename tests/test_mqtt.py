@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import getpass
 import json
 import logging
 import re
@@ -34,7 +35,7 @@ from server.mqtt import (
     safe_url,
     zone_counts,
 )
-from server.mqtt_discovery import Discovery, level, zone_keys
+from server.mqtt_discovery import Discovery, level, object_id, zone_keys
 from server.settings import Settings
 from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent
@@ -45,6 +46,12 @@ from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server, decode_jpeg
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on loopback ``port``."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 class Broker:
     """``mosquitto -p PORT`` (loopback only), started and stopped on demand."""
 
@@ -52,16 +59,30 @@ class Broker:
         self.port = free_port()
         self._log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
+        self._config: Path | None = None
+
+    def keep_sessions(self, directory: Path) -> None:
+        """From the next start on, keep its clients' sessions in ``directory`` across its
+        restarts, and queue for a client away what its subscriptions match (QoS 0 too)."""
+        directory.mkdir(exist_ok=True)
+        self._config = directory / "mosquitto.conf"
+        self._config.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+            f"persistence_location {directory}/\nqueue_qos0_messages true\nmax_queued_messages 0\n"
+            # Run as root, it would switch to the user "mosquitto", who may not write there.
+            f"user {getpass.getuser()}\n"
+        )
 
     def start(self) -> None:
         command = [MOSQUITTO, "-p", str(self.port), "-v"]
+        if self._config is not None:
+            command = [MOSQUITTO, "-c", str(self._config), "-v"]
         with self._log_path.open("ab") as log:  # the broker writes to its own copy
             self._proc = subprocess.Popen(command, stdout=log, stderr=log)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
+            if listening(self.port):
+                return
             time.sleep(0.05)
         raise RuntimeError(f"mosquitto did not listen on {self.port}")
 
@@ -73,17 +94,33 @@ class Broker:
 
 class Listener:
     """A subscriber of ``streamdet/#`` and ``homeassistant/#`` (discovery): every message with
-    its topic and retain flag."""
+    its topic and retain flag; subscribed once it is made. With ``session``, that client id's
+    session is kept by the broker (:meth:`Broker.keep_sessions`): what was published while it
+    was away comes when it is back."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, session: str | None = None) -> None:
         self.messages: list[tuple[str, str, bool]] = []
         self.payloads: dict[str, list[bytes]] = {}  # as sent (JPEGs are not text)
         self._lock = threading.Lock()
-        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"test-{id(self)}")
+        subscribed = threading.Event()
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=session or f"test-{id(self)}",
+            clean_session=session is None,
+        )
         self._client.on_message = self._on_message
+        self._client.on_subscribe = lambda *_: subscribed.set()
+
+        def on_connect(client: mqtt.Client, userdata: object, flags: Any, *_: object) -> None:
+            if flags.session_present:  # subscribed already; its messages come as they are
+                subscribed.set()
+            else:
+                client.subscribe([("streamdet/#", 1), ("homeassistant/#", 1)])
+
+        self._client.on_connect = on_connect
         self._client.connect("127.0.0.1", port)
-        self._client.subscribe([("streamdet/#", 1), ("homeassistant/#", 1)])
         self._client.loop_start()
+        assert subscribed.wait(10), f"not subscribed to the broker on {port} in 10 s"
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         with self._lock:
@@ -135,6 +172,13 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
     tmp_path: Path, broker: Broker
 ) -> None:
     car = CAR_CLIP
+    # A listener's session, kept while the broker is down and the listener away: all the
+    # server publishes once the broker is up waits for it (subscribed after the broker's
+    # start, it missed what the server sent if the server reconnected first).
+    broker.keep_sessions(tmp_path / "broker")
+    broker.start()
+    Listener(broker.port, session="test-events").close()
+    broker.stop()
     server = clip_server(tmp_path, mqtt_url=f"mqtt://127.0.0.1:{broker.port}")
     with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
         gate = GATE
@@ -154,7 +198,7 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
         assert early, "no event in 90 s"
         assert "streamdet_mqtt_connected 0.0" in c.get("/metrics").text
         broker.start()
-        listener = Listener(broker.port)
+        listener = Listener(broker.port, session="test-events")
         try:
             # It reconnects by itself and publishes from the first event on, on both topics.
             shared = listener.wait_for("streamdet/events", len(early), 30)
@@ -220,9 +264,12 @@ def test_events_logged_while_the_broker_was_down_are_published_once_it_is_up(
                 assert time.monotonic() < deadline, listener.on(renamed)[-1]
                 time.sleep(0.1)
             for class_name in newest:
-                config_topic = f"homeassistant/camera/{device}/thumbnail_{class_name}/config"
+                # An entity's id has no space ("cell phone": thumbnail_cell_phone).
+                config_topic = (
+                    f"homeassistant/camera/{device}/thumbnail_{object_id(class_name)}/config"
+                )
                 camera = json.loads(listener.wait_for(config_topic, 1, 10)[-1])
-                assert camera["topic"] == f"streamdet/{sid}/{class_name}/thumbnail"
+                assert camera["topic"] == f"streamdet/{sid}/{level(class_name)}/thumbnail"
             # A switch for Home Assistant: OFF disables the stream, ON opens it again, and
             # the retained state follows.
             enabled = f"streamdet/{sid}/enabled/state"
@@ -440,17 +487,21 @@ def test_a_broker_that_restarts_or_stalls_loses_no_state_event_or_entity(
             assert again.wait_for("homeassistant/sensor/streamdet_bay/zone_lower/config", 1, 10)
             assert again.wait_for("streamdet/bay/objects", 1, 30)
             assert c.delete("/streams/bay").status_code == 204
-            time.sleep(1.0)
+            assert again.wait_last("streamdet/bay/state", "", 10)  # its topics being cleared
         finally:
             again.close()
-        late = Listener(broker.port)
-        try:
-            assert late.wait_for("streamdet/available", 1, 10) == ["online"]
-            time.sleep(1.0)
-            left = sorted({t for t, p, _ in late.messages if p})
-            assert left == ["streamdet/available"], left  # nothing of the stream retained
-        finally:
-            late.close()
+        deadline = time.monotonic() + 15
+        while True:  # nothing of the stream retained (its topics are cleared in one go)
+            late = Listener(broker.port)
+            try:
+                assert late.wait_for("streamdet/available", 1, 10) == ["online"]
+                time.sleep(0.5)  # the retained topics come right after the subscription
+                left = sorted({t for t, p, _ in late.messages if p})
+            finally:
+                late.close()
+            if left == ["streamdet/available"]:
+                break
+            assert time.monotonic() < deadline, left
         # A stalled broker (stopped, its connection open): events queued, never acknowledged.
         assert c.post("/streams", json={**stream, "zones": []}).status_code == 201
         assert c.post("/streams/bay/events", json={"label": "warm-up"}).status_code == 201
@@ -796,7 +847,7 @@ async def test_a_broker_that_refuses_the_server_is_logged_naming_the_setting(
     publisher = MqttPublisher(f"mqtt://127.0.0.1:{port}", "streamdet", log)
     caplog.set_level(logging.INFO, "server.mqtt")
     try:
-        await asyncio.sleep(0.3)  # listening
+        await eventually(lambda: listening(port), 10)
         publisher.start()
         await eventually(lambda: "refused" in caplog.text, 5)
         await asyncio.sleep(2.5)
