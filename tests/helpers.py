@@ -266,6 +266,13 @@ async def published_frames(
     return frames
 
 
+def numbered(manager: StreamManager, stream_id: str) -> int:
+    """The number of the stream's newest frame: a frame numbered above it, read after its
+    settings changed, carries the new ones (those numbered before may still be in flight with
+    the old: a fixed few frames later was not enough under load)."""
+    return manager._readers[stream_id].frame_no
+
+
 async def next_frame(
     sub: Subscriber, timeout_s: float = 30, states: list[dict[str, Any]] | None = None
 ) -> ProcessedFrame:

@@ -73,6 +73,7 @@ from tests.helpers import (
     SnapshotCamera,
     detect_json,
     next_frame,
+    numbered,
     published_frames,
     silent_camera,
     ultralytics_assets,
@@ -972,8 +973,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         changed = await manager.update(sid, {"detect": one})
         assert changed is not None and changed["detect"]["max_det"] == 1
         assert changed["reconnects"] == 0
-        last = frames[-1].frame + 3  # frames already queued may carry the old parameters
-        later = await published_frames(manager, sid, 4, after=last)
+        later = await published_frames(manager, sid, 4, after=numbered(manager, sid))
         assert all(len(f.detections) <= 1 for f in later)
         assert any(len(f.detections) == 1 for f in later)
         assert await manager.update("nope", {"detect": one}) is None
@@ -987,7 +987,7 @@ async def test_each_stream_has_its_own_detection_parameters(
             [1, 1],
             [0.6, 1],
         ]
-        later = await published_frames(manager, sid, 4, after=later[-1].frame + 3)
+        later = await published_frames(manager, sid, 4, after=numbered(manager, sid))
         kept = [d for f in later for d in f.detections.to_json()]
         assert kept and all((d["box"][0] + d["box"][2]) / 2 >= 0.6 * 640 for d in kept)
 
@@ -995,7 +995,7 @@ async def test_each_stream_has_its_own_detection_parameters(
         changed = await manager.update(sid, {"max_fps": 2.0, "name": "shelf"})
         assert changed is not None and (changed["name"], changed["max_fps"]) == ("shelf", 2.0)
         assert changed["detect"]["roi"] is not None  # what was not given stays
-        later = await published_frames(manager, sid, 3, after=later[-1].frame + 3)
+        later = await published_frames(manager, sid, 3, after=numbered(manager, sid))
         gaps = np.diff([f.captured_at for f in later])
         assert gaps.min() >= 0.4, gaps  # 0.5 s apart, give or take the sampler's 5%
     finally:
@@ -1055,7 +1055,7 @@ async def test_tracked_stream_gives_steady_ids_and_counts_each_object_once(
     # Off again, live: later frames carry no ids, and the counts stay.
     changed = await file_manager.update(sid, {"detect": StreamDetect(detect.params)})
     assert changed is not None and changed["detect"]["track"] is False
-    later = await published_frames(file_manager, sid, 3, after=frames[-1].frame + 3)
+    later = await published_frames(file_manager, sid, 3, after=numbered(file_manager, sid))
     assert all("track_id" not in d for f in later for d in f.detections.to_json())
 
 
