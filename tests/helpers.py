@@ -8,6 +8,7 @@ import io
 import json
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -264,6 +265,15 @@ async def published_frames(
     finally:
         manager.unsubscribe(sub)
     return frames
+
+
+async def eventually(check: Callable[[], object], timeout_s: float = 10) -> None:
+    """Wait on the event loop (which what is checked may need) until ``check()`` holds; fail
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        await asyncio.sleep(0.05)
 
 
 def numbered(manager: StreamManager, stream_id: str) -> int:

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from streams.detect import StreamDetect
 from streams.events import EventLog, ManualEvent, StateEvent
 from streams.fanout import ProcessedFrame
 from streams.zones import parse_zones
-from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server, decode_jpeg
+from tests.helpers import BOTTLE_CLIP, CAR_CLIP, GATE, clip_server, decode_jpeg, eventually
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
@@ -596,14 +596,6 @@ class Streams:
             name_of=self.name_of,
             discovery=Discovery(prefix),
         )
-
-
-async def eventually(check: Callable[[], object], timeout_s: float = 10) -> None:
-    """Wait (on the event loop, which the publisher needs) until ``check()`` holds."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "not within the time"
-        await asyncio.sleep(0.05)
 
 
 def _state(log: EventLog, stream_id: str, state: str) -> None:

@@ -387,7 +387,8 @@ async def test_mqtt_events_carry_the_root_path(tmp_path: Path) -> None:
     app-relative, 404 through the proxy)."""
     from server.mqtt import MqttPublisher
     from streams.events import EventLog, ManualEvent
-    from tests.test_mqtt import Broker, Listener, eventually
+    from tests.helpers import eventually
+    from tests.test_mqtt import Broker, Listener
 
     broker = Broker(tmp_path / "mosquitto.log")
     broker.start()

@@ -32,7 +32,7 @@ from streams.manager import ManagerOptions, StreamManager
 from streams.reader import ReaderOptions, StreamState
 from streams.sources import Transport, rtsp_answer
 from streams.store import StreamStore
-from tests.helpers import VIDEOS, next_frame, silent_camera, start_ort_pool
+from tests.helpers import VIDEOS, eventually, next_frame, silent_camera, start_ort_pool
 from tests.rtsp_camera import BOTTLE, CAR, RtspCamera, camera_clip
 
 pytestmark = pytest.mark.rtsp
@@ -139,7 +139,13 @@ async def test_an_h265_camera_is_decoded_and_detected_as_an_h264_one(
     assert all(f.image.shape == (432, 768, 3) for f in frames)
     assert "car" in names, names
     await manager.update(info["id"], {"max_fps": 1.0})
-    await asyncio.sleep(3.0)  # the next group of pictures is decoded keyframe only
+
+    def keyframes_only() -> bool:  # from the next group of pictures on (a keyframe a second)
+        stats = manager.describe(info["id"])
+        return stats is not None and stats["keyframes_only"]
+
+    await eventually(keyframes_only, 20)
+    await asyncio.sleep(1.0)  # a second of frames: read, not decoded
     stats = manager.describe(info["id"])
     assert stats is not None
     assert stats["state"] == "live" and stats["keyframes_only"], stats
@@ -584,8 +590,10 @@ async def test_a_stalled_camera_says_which_wait_ran_out_and_each_return_starts_a
     import signal
 
     assert CAR is not None
+    # Two attempts a stall: the first reopen may run while the test is still to resume the
+    # camera (1.5 s under load); three stalls, so counting on across them would fail it.
     options = manager_options(
-        open_timeout_s=1.5, read_timeout_s=1.5, backoff_max_s=0.5, max_attempts=1
+        open_timeout_s=1.5, read_timeout_s=1.5, backoff_max_s=0.5, max_attempts=2
     )
     silent = silent_camera()
     cam = RtspCamera({"car": CAR}).start()
@@ -596,7 +604,7 @@ async def test_a_stalled_camera_says_which_wait_ran_out_and_each_return_starts_a
         info = await m.add(cam.url("car"))
         sid = info["id"]
         assert cam.proc is not None
-        for _ in range(2):
+        for _ in range(3):
             assert await m.wait_state(sid, {StreamState.LIVE}, 30)
             cam.proc.send_signal(signal.SIGSTOP)
             try:
