@@ -354,7 +354,13 @@ class JobManager:
         return len(self._jobs) + len(held), self.bytes_used() + sum(held)
 
     def _finished_oldest_first(self) -> Iterator[Job]:
-        return (j for j in self._jobs.values() if j.state in FINISHED)
+        """The jobs that may go to make room: ended, and their callback no longer being
+        tried (one was deleted between its tries: the caller never told, nothing logged)."""
+        return (
+            j
+            for j in self._jobs.values()
+            if j.state in FINISHED and (j.callback is None or j.callback["state"] != "pending")
+        )
 
     async def _evict_for(self, job_id: str) -> None:
         """Delete the oldest finished jobs until the room :meth:`make_room` found for

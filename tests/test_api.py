@@ -282,6 +282,9 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             ({"classes": "0,99"}, "unknown class id 99"),
             ({"classes": "\u00b2"}, "classes: unknown class name '\u00b2'"),  # not an int()
             ({"classes": "--5"}, "classes: unknown class name '--5'"),
+            # A list of none kept nothing (a "," or "" is every class, null too).
+            ({"classes": []}, "classes: give at least one class, or null for every"),
+            ({"classes": [" "]}, "classes: give at least one class, or null for every"),
             ({"conf": 1.5}, "conf"),
             ({"max_det": 0}, "max_det"),
             ({"clases": ["bottle"]}, "clases"),  # misspelt: refused, not ignored

@@ -552,3 +552,21 @@ def test_an_upload_waiting_for_a_busy_decode_thread_is_not_measured_as_slow_to_d
         assert answer.status_code == 200, answer.text
         controller = c.app.state.admission  # type: ignore[attr-defined]
         assert 0 < controller.decode_ewma_s < 1.0, controller.decode_ewma_s
+
+
+def test_a_finished_job_whose_callback_is_still_tried_is_not_deleted_to_make_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``--max-jobs``, the oldest finished jobs go to make room for new ones; not one
+    whose callback is still being retried (it went between two tries: its receiver got 3 of
+    the 6, and nothing said why). A new job is refused 429 until the tries end."""
+    calls, tried = failing_callbacks(monkeypatch, 1)
+    with TestClient(file_stream_app(tmp_path, max_jobs=1)) as c:
+        body = {"url": f"file://{BOTTLE_CLIP}", "fps": 0.25, "callback_url": "http://x/cb"}
+        first = c.post("/jobs", json=body).json()["id"]
+        assert tried.wait(60)  # ended, its first try failed: the next in 1 s
+        second = c.post("/jobs", json={**body, "callback_url": None})
+        assert second.status_code == 429, second.text
+        assert "STREAMDET_MAX_JOBS" in second.text
+        job = c.get(f"/jobs/{first}").json()
+        assert job["callback"]["state"] == "pending", job

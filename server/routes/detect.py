@@ -32,13 +32,16 @@ def parse_classes(
 ) -> frozenset[int] | None:
     """``"0,car,5"`` (or a list of ids and names) to class ids, None (every class) for None or a
     blank string (``","`` too: it dropped every detection); raises HTTP 422 naming the unknown
-    entry."""
+    entry, or for a list of none (``[]`` kept nothing: a whole video's job found nothing)."""
     if raw is None or (isinstance(raw, str) and not raw.replace(",", "").strip()):
         return None
     try:
-        return class_ids(raw.split(",") if isinstance(raw, str) else raw, names)
+        ids = class_ids(raw.split(",") if isinstance(raw, str) else raw, names)
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
+    if not ids:
+        raise HTTPException(422, "classes: give at least one class, or null for every")
+    return ids
 
 
 async def capped_stream(

@@ -328,8 +328,6 @@ def _by_name(shape: dict[str, Any], names: Mapping[int, str], kind: str) -> dict
         ids = parse_classes(shape.get("classes"), names)
     except HTTPException as exc:
         raise HTTPException(422, f"{where}: {exc.detail}") from None
-    if ids is not None and not ids:
-        raise HTTPException(422, f"{where}: classes: give at least one class, or null for every")
     return {**shape, "classes": None if ids is None else sorted(names[i] for i in ids)}
 
 
