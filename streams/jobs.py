@@ -346,12 +346,21 @@ def sampled_frames(
         sampler = Sampler(spec.fps)
         errors = [0]
         first: float | None = None
+        # Times from the video's start, as players show them: an MPEG-TS or HLS recording
+        # starts at 1.4 s or later, a cut at its place in the whole (its progress was 1.0
+        # from the first frame, and its count rows did not start at 0 s).
+        start = container.start_time / av.time_base if container.start_time is not None else None
         try:
             for index, frame in enumerate(_frames(container, stream, errors, spec.max_pixels)):
                 stopped()
                 progress.frames_read = index + 1
                 progress.decode_errors = errors[0]
-                t = frame.time if frame.time is not None else index / rate
+                if frame.time is None:
+                    t = index / rate
+                else:
+                    if start is None:
+                        start = frame.time
+                    t = frame.time - start
                 progress.position_s = t
                 if first is None:
                     first = t

@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
+import av
 import numpy as np
 import pytest
 import uvicorn
@@ -47,6 +48,7 @@ from streams.jobs import (
     local_frames,
     lower_priority,
     run_job,
+    sampled_frames,
 )
 from tests.helpers import (
     BOTTLE_CLIP,
@@ -932,3 +934,46 @@ def test_a_queued_jobs_file_whose_directory_became_a_link_out_is_not_read(
         job = c.get(f"/jobs/{queued.json()['id']}", params={"wait_s": 60}).json()
         assert job["state"] == "failed" and "a link now stands on its path" in job["error"], job
         assert job["progress"]["frames_read"] == 0, job
+
+
+def _shifted(source: Path, out: Path, by_s: float, length_s: float) -> None:
+    """The first ``length_s`` of ``source``'s video, its times ``by_s`` later (a recording cut
+    from a longer one, or an MPEG-TS that starts at 1.4 s), copied without decoding."""
+    with av.open(str(source)) as given, av.open(str(out), "w") as copy:
+        video = given.streams.video[0]
+        base = video.time_base
+        assert base is not None
+        copied = copy.add_stream_from_template(video)
+        shift = round(by_s / base)
+        for packet in given.demux(video):
+            if packet.dts is None:
+                continue
+            if packet.pts is not None and packet.pts * base > length_s:
+                break
+            packet.pts = None if packet.pts is None else packet.pts + shift
+            packet.dts += shift
+            packet.stream = copied
+            copy.mux(packet)
+
+
+@pytest.mark.parametrize("container", ["mp4", "ts"])
+def test_a_video_that_starts_later_than_0_s_is_timed_from_its_start(
+    tmp_path: Path, container: str
+) -> None:
+    """A video whose first frame is at 100 s: its frames' times, position and progress from
+    its start, as players show them (its progress was 1.0 from the first frame, its position
+    past its length, and its count rows started at 100 s)."""
+    video = tmp_path / f"late.{container}"
+    _shifted(CAR_CLIP, video, 100.0, 4.0)
+    progress = JobProgress()
+    seen: list[tuple[float, float | None]] = []
+    spec = JobSpec(str(video), StreamDetect(), fps=1.0)
+    times = []
+    for _, t, _ in sampled_frames(spec, progress, lambda: None):
+        times.append(t)
+        seen.append((progress.position_s, progress.to_json()["progress"]))
+    assert times[0] < 0.2 and 3.0 < times[-1] <= 4.1, times
+    assert [round(b - a, 1) for a, b in itertools.pairwise(times)] == [1.0] * (len(times) - 1)
+    shares = [share for _, share in seen]
+    assert all(share is not None and share < 1.0 for share in shares[:-1]), seen
+    assert progress.position_s <= 4.2 and progress.to_json()["progress"] == 1.0, progress
