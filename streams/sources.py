@@ -113,6 +113,7 @@ def parse_source(
     except ValueError as exc:
         raise SourceError(f"malformed url: {exc}") from None
     scheme = parts.scheme.lower()
+    url = scheme + url[len(parts.scheme) :]  # FFmpeg knows "http", not "HTTP" (RFC 3986: same)
     if scheme == "file":
         return SourceSpec(
             url, scheme, transport, loop, _allowed_file(parts.netloc, parts.path, allowed_file_dir)

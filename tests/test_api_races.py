@@ -560,7 +560,7 @@ def test_a_finished_job_whose_callback_is_still_tried_is_not_deleted_to_make_roo
     """Under ``--max-jobs``, the oldest finished jobs go to make room for new ones; not one
     whose callback is still being retried (it went between two tries: its receiver got 3 of
     the 6, and nothing said why). A new job is refused 429 until the tries end."""
-    calls, tried = failing_callbacks(monkeypatch, 1)
+    _, tried = failing_callbacks(monkeypatch, 1)
     with TestClient(file_stream_app(tmp_path, max_jobs=1)) as c:
         body = {"url": f"file://{BOTTLE_CLIP}", "fps": 0.25, "callback_url": "http://x/cb"}
         first = c.post("/jobs", json=body).json()["id"]

@@ -100,6 +100,14 @@ def test_network_sources_are_accepted(url: str) -> None:
     assert not spec.is_file
 
 
+def test_a_scheme_in_capitals_reaches_ffmpeg_in_small_letters() -> None:
+    """``HTTP://`` is ``http://`` (RFC 3986); FFmpeg knows only the latter ("Protocol not
+    found" after the URL was accepted)."""
+    spec = parse_source("HTTP://Camera.local/Clip.mp4", None)
+    assert spec.target == "http://Camera.local/Clip.mp4"
+    assert parse_source("Rtsp://cam/Live", None).target == "rtsp://cam/Live"
+
+
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
