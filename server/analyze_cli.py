@@ -156,6 +156,7 @@ def _run(
                     detect,
                     job_in.fps,
                     max_pixels=settings.max_image_pixels,
+                    timeout_s=(settings.stream_open_timeout_s, settings.stream_read_timeout_s),
                     decode_max_side=settings.decode_side(pool.engine.input_size),
                 ),
                 pool.submit_background,

@@ -205,6 +205,9 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
             inflight=settings.job_inflight or engine_pool.workers * engine_pool.max_batch,
             max_pixels=settings.max_image_pixels,
             decode_max_side=settings.decode_side(engine_pool.engine.input_size),
+            # A video over HTTP that stops answering: the streams' waits (they were 10 s and
+            # 5 s whatever the settings, which its error named).
+            source_timeout_s=(settings.stream_open_timeout_s, settings.stream_read_timeout_s),
             frames=manager.job_frames(),
             callback_secret=settings.webhook_secret,
             callback_timeout_s=settings.webhook_timeout_s,

@@ -205,6 +205,7 @@ class JobManager:
         inflight: int,
         max_pixels: int,
         decode_max_side: int = 0,
+        source_timeout_s: tuple[float, float] = (10.0, 5.0),
         frames: FrameSource | None = None,
         callback_secret: str | None = None,
         callback_timeout_s: float = 5.0,
@@ -226,6 +227,7 @@ class JobManager:
         self._inflight = inflight
         self._max_pixels = max_pixels
         self._decode_max_side = decode_max_side
+        self._source_timeout_s = source_timeout_s  # open, read: the streams' settings
         self._frames = frames or local_frames  # decode processes, where the server has them
         self._jobs: dict[str, Job] = {}  # in creation order
         self._held: dict[str, int] = {}  # room held for jobs being received: bytes by id
@@ -494,6 +496,7 @@ class JobManager:
             job.fps,
             job.options,
             self._max_pixels,
+            self._source_timeout_s,
             decode_max_side=self._decode_max_side,
         )
         sink = None

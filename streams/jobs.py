@@ -238,10 +238,11 @@ def probe(
                 }
             raise JobError("no frame of it decodes")
     except av.error.ExitError:  # FFmpeg's wait cut short by the timeout
-        raise JobError(
-            f"no answer within {timeout_s[0]:g} s (setting STREAMDET_STREAM_OPEN_TIMEOUT_S)"
-        ) from None
+        raise JobError(_waited(timeout_s, 0)) from None
     except av.error.FFmpegError as exc:
+        size = _header_size(source, options or {}, timeout_s) if max_pixels else None
+        if max_pixels and size and size[0] * size[1] > max_pixels:  # the bound refused it
+            raise FramesTooLarge(*size, max_pixels) from None
         hint = ""
         if source.startswith(("http://", "https://")) and getattr(exc, "errno", 0) == errno.EIO:
             hint = (
@@ -270,6 +271,26 @@ def _open_bounded(
     return av.open(source, options=options, timeout=timeout_s)
 
 
+def _header_size(
+    source: str, options: dict[str, str], timeout_s: tuple[float, float]
+) -> tuple[int, int] | None:
+    """The width and height of ``source``'s first video stream as its headers say, no frame
+    decoded; None where it cannot be opened so. For a codec whose size FFmpeg's stream-info
+    probe learns by decoding a frame (MPEG-4 Part 2, MJPEG, a JPEG or PNG), a frame over the
+    bound made the open fail "Invalid argument": refused 415 "not a video" instead of 413."""
+    import av
+
+    skip: Any = [{"skip_frame": "all"}] * PROBED_STREAMS  # stub: list[str]
+    try:
+        with av.open(source, options=options, timeout=timeout_s, stream_options=skip) as opened:
+            if not opened.streams.video:
+                return None
+            codec = opened.streams.video[0].codec_context
+            return (codec.width, codec.height) if codec.width and codec.height else None
+    except (av.error.FFmpegError, ValueError):
+        return None
+
+
 def lower_priority(nice: int) -> None:
     """This thread's nice value raised to at least ``nice`` (Linux: per thread; threads it
     starts inherit it). Elsewhere, or refused, nothing changes."""
@@ -280,6 +301,14 @@ def lower_priority(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
     except (AttributeError, OSError) as exc:  # not Linux, or not allowed
         log.debug("job thread priority unchanged: %s", exc)
+
+
+def _waited(timeout_s: tuple[float, float], which: int) -> str:
+    """Why FFmpeg's wait was cut short (its ``ExitError``, "Immediate exit requested"): no
+    answer to the open (``which`` 0) or no data read (1) within its timeout, and the setting."""
+    if which == 0:
+        return f"no answer within {timeout_s[0]:g} s (setting STREAMDET_STREAM_OPEN_TIMEOUT_S)"
+    return f"no data for {timeout_s[1]:g} s (setting STREAMDET_STREAM_READ_TIMEOUT_S)"
 
 
 def _reason(exc: Exception) -> str:
@@ -335,6 +364,8 @@ def sampled_frames(
 
     try:
         container = av.open(spec.source, options=spec.options, timeout=spec.timeout_s)
+    except av.error.ExitError:  # FFmpeg's wait cut short by the timeout
+        raise JobError(f"cannot open the video: {_waited(spec.timeout_s, 0)}") from None
     except av.error.FFmpegError as exc:
         raise JobError(f"cannot open the video: {_reason(exc)}") from None
     with container:
@@ -370,8 +401,9 @@ def sampled_frames(
                     raise JobError(too_large_message(frame.width, frame.height, spec.max_pixels))
                 yield index, t, frame
         except av.error.FFmpegError as exc:
+            why = _waited(spec.timeout_s, 1) if isinstance(exc, av.error.ExitError) else None
             raise JobError(
-                f"reading the video failed at {progress.position_s:.2f} s: {_reason(exc)}"
+                f"reading the video failed at {progress.position_s:.2f} s: {why or _reason(exc)}"
             ) from None
         progress.decode_errors = errors[0]
         if progress.frames_read:  # read to the end of its last frame: a whole video shows 1

@@ -977,3 +977,85 @@ def test_a_video_that_starts_later_than_0_s_is_timed_from_its_start(
     shares = [share for _, share in seen]
     assert all(share is not None and share < 1.0 for share in shares[:-1]), seen
     assert progress.position_s <= 4.2 and progress.to_json()["progress"] == 1.0, progress
+
+
+def _one_frame(path: Path, codec: str, size: tuple[int, int]) -> bytes:
+    """A one-frame video of ``codec`` at ``size``, its bytes."""
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream(codec, rate=1)
+        assert isinstance(stream, av.VideoStream)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        black = av.VideoFrame.from_ndarray(np.zeros((size[1], size[0], 3), np.uint8), "rgb24")
+        for packet in [*stream.encode(black.reformat(format=stream.pix_fmt)), *stream.encode()]:
+            out.mux(packet)
+    return path.read_bytes()
+
+
+def test_frames_over_the_pixel_limit_are_refused_as_too_large_whatever_their_codec(
+    tmp_path: Path,
+) -> None:
+    """MPEG-4 Part 2, MJPEG, a PNG: FFmpeg learns their size by decoding a frame, which the
+    bound decoders refused; the job was refused 415 "not a video FFmpeg can read: Invalid
+    argument" where an H.264 video of the same size got 413 naming the setting."""
+    import io
+
+    from PIL import Image as PILImage
+
+    png = io.BytesIO()
+    PILImage.new("RGB", (800, 600)).save(png, "PNG")
+    videos = {
+        "big.avi": _one_frame(tmp_path / "big.avi", "mpeg4", (800, 600)),
+        "big.mkv": _one_frame(tmp_path / "big.mkv", "mjpeg", (800, 600)),
+        "big.png": png.getvalue(),
+    }
+    with TestClient(file_stream_app(tmp_path, max_image_pixels=300_000)) as c:
+        for name, data in videos.items():
+            answer = c.post("/jobs", files={"video": (name, data, "application/octet-stream")})
+            assert answer.status_code == 413, (name, answer.text)
+            assert "800x600" in answer.text and "STREAMDET_MAX_IMAGE_PIXELS" in answer.text
+        small = _one_frame(tmp_path / "small.avi", "mpeg4", (320, 240))
+        fits = c.post("/jobs", files={"video": ("small.avi", small, "video/x-msvideo")})
+        assert fits.status_code == 202, fits.text
+
+
+def test_a_video_whose_server_stalls_mid_read_fails_naming_the_read_timeout(
+    tmp_path: Path,
+) -> None:
+    """A web server that sends half the video, then nothing: the job fails saying no data
+    came for the read timeout, and its setting (it said FFmpeg's "Immediate exit
+    requested")."""
+    import http.server
+
+    data = CAR_CLIP.read_bytes()
+    release = threading.Event()
+
+    class Stalling(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "video/mp4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            release.wait(60)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
+    web.daemon_threads = True
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{web.server_address[1]}/car.mp4"
+    try:
+        with TestClient(file_stream_app(tmp_path, stream_read_timeout_s=1.0)) as c:
+            created = c.post("/jobs", json={"url": url, "fps": 2})
+            assert created.status_code == 202, created.text
+            job = c.get(f"/jobs/{created.json()['id']}", params={"wait_s": 60}).json()
+            assert job["state"] == "failed", job
+            assert job["error"].startswith("reading the video failed at "), job["error"]
+            assert "no data for 1 s (setting STREAMDET_STREAM_READ_TIMEOUT_S)" in job["error"]
+    finally:
+        release.set()
+        web.shutdown()
+        web.server_close()
