@@ -19,7 +19,7 @@ from PIL import Image as PILImage
 from engines.types import Detections
 from engines.yolo import resize
 from server.render import line_label, render_jpeg, zone_label
-from server.routes.viewer import JpegFrames
+from server.routes.viewer import JpegFrames, Pace
 from server.routes.ws import _send
 from streams.detect import Roi
 from streams.fanout import ProcessedFrame, Subscriber
@@ -62,6 +62,13 @@ def frame_at(t: float, width: int = 768, height: int = 432) -> ProcessedFrame:
 def test_json_only_unless_asked() -> None:
     assert JpegFrames.from_options({}) is None
     assert JpegFrames.from_options({"frames": "none", "max_fps": "3"}) is None
+    # A JSON-only viewer: every frame, or at most max_fps a second where it asks.
+    assert Pace.of_json({}) is None
+    paced = Pace.of_json({"frames": "none", "max_fps": "3"})
+    assert paced is not None and paced.max_fps == 3.0
+    for bad in ({"max_fps": "banana"}, {"max_width": "abc"}, {"quality": "5"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):  # 4400 naming it: was ignored
+            Pace.of_json(bad)
     opts = JpegFrames.from_options({"frames": "jpeg", "max_fps": "2.5", "max_width": "320"})
     assert opts is not None
     assert (opts.max_fps, opts.max_width, opts.quality) == (2.5, 320, 70)
@@ -205,12 +212,17 @@ class _Socket:
         self.closed = (code, reason)
 
 
-async def test_a_viewer_at_a_lower_rate_still_gets_every_event() -> None:
-    """Frames at 20 fps to a viewer that asked for 5: it is sent one in four, and the crossing
-    events of the frames it skips come with the next one it is sent."""
+@pytest.mark.parametrize("frames", ["jpeg", "none"])
+async def test_a_viewer_at_a_lower_rate_still_gets_every_event(frames: str) -> None:
+    """Frames at 20 fps to a viewer that asked for 5 (with their pictures, or JSON only: its
+    max_fps was ignored): it is sent one in four, and the crossing events of the frames it
+    skips come with the next one it is sent."""
     sub = Subscriber("s1", maxsize=4)
     socket = _Socket()
-    sender = asyncio.create_task(_send(socket, sub, JpegFrames(max_fps=5)))  # type: ignore[arg-type]
+    options = {"frames": frames, "max_fps": "5"}
+    jpeg = JpegFrames.from_options(options)
+    pace = jpeg or Pace.of_json(options)
+    sender = asyncio.create_task(_send(socket, sub, jpeg, pace=pace))  # type: ignore[arg-type]
     image = np.zeros((48, 64, 3), np.uint8)
     for n in range(1, 14):
         crossing = Crossing("gate", "in", track_id=n, class_id=0, frame=n)
@@ -232,7 +244,8 @@ async def test_a_viewer_at_a_lower_rate_still_gets_every_event() -> None:
     await asyncio.wait_for(sender, 10)
     assert socket.closed == (1000, "done")
     sent = [m["frame"] for m in socket.texts]
-    assert 3 <= len(sent) <= 5 and socket.binaries == len(sent), sent  # ~5 of 20 fps
+    assert 3 <= len(sent) <= 5, sent  # ~5 of 20 fps
+    assert socket.binaries == (len(sent) if frames == "jpeg" else 0)
     events = [e["frame"] for m in socket.texts for e in m.get("events", [])]
     # Every crossing up to the last frame sent arrived, once, in order; none from the future.
     assert events == list(range(1, sent[-1] + 1)), (sent, events)

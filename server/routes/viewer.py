@@ -157,29 +157,63 @@ WS_BAD_OPTION = 4400
 
 
 @dataclass(slots=True)
-class JpegFrames:
-    """What a viewer asked for with ``?frames=jpeg``: each frame it is sent is a JSON text
-    message with a ``"jpeg"`` member, immediately followed by one binary message holding that
-    very frame as a JPEG, so the boxes are always drawn on the picture they were computed on.
-
-    A viewer gets at most ``max_fps`` frames a second, and never a frame while a newer one
-    is already waiting for it: a slow browser gets fewer frames, not older ones.
+class Pace:
+    """At most ``max_fps`` frames a second to one viewer, and never a frame while a newer one
+    is already waiting for it: a slow viewer gets fewer frames, not older ones.
 
     Attributes:
-        max_fps: most frames per second sent (query ``max_fps``, 0.1..60, default 5).
-        max_width: frames wider than this are scaled down (query ``max_width``, 32..3840,
-            default 640).
-        quality: JPEG quality (query ``quality``, 10..95, default 70).
-        sent: frames sent so far.
+        max_fps: most frames per second sent (query ``max_fps``, 0.1..60).
         skipped: frames not sent (over the rate, or a newer one was waiting).
     """
 
     max_fps: float = 5.0
+    skipped: int = 0
+    _next_due: float = field(default=0.0, repr=False)
+
+    @staticmethod
+    def of_json(options: Mapping[str, str]) -> Pace | None:
+        """A JSON-only viewer's pace: ``max_fps`` where it gave one (a dashboard over a slow
+        link), otherwise None: every frame. (It was ignored, a bad value too.)
+
+        Raises:
+            ValueError: an option is malformed; the message names it and its range.
+        """
+        JpegFrames.from_options({**options, FRAMES_OPTION: "jpeg"})  # every option checked
+        if "max_fps" not in options:
+            return None
+        return Pace(max_fps=_number(options, "max_fps", 5.0, 0.1, 60.0))
+
+    def due(self, frame: ProcessedFrame, newer_waiting: bool) -> bool:
+        """Whether to send ``frame``; counts it as skipped otherwise."""
+        if newer_waiting or frame.decoded_mono < self._next_due:
+            self.skipped += 1
+            return False
+        period = 1.0 / self.max_fps
+        # Keep the average rate at max_fps against the source's frame spacing, but after a
+        # gap (stall, reconnect) start afresh rather than bursting to catch up.
+        self._next_due += period
+        if self._next_due < frame.decoded_mono:
+            self._next_due = frame.decoded_mono + period
+        return True
+
+
+@dataclass(slots=True)
+class JpegFrames(Pace):
+    """What a viewer asked for with ``?frames=jpeg``: each frame it is sent is a JSON text
+    message with a ``"jpeg"`` member, immediately followed by one binary message holding that
+    very frame as a JPEG, so the boxes are always drawn on the picture they were computed on;
+    paced as :class:`Pace` (``max_fps`` 5 unless given).
+
+    Attributes:
+        max_width: frames wider than this are scaled down (query ``max_width``, 32..3840,
+            default 640).
+        quality: JPEG quality (query ``quality``, 10..95, default 70).
+        sent: frames sent so far.
+    """
+
     max_width: int = 640
     quality: int = 70
     sent: int = 0
-    skipped: int = 0
-    _next_due: float = field(default=0.0, repr=False)
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> JpegFrames | None:
@@ -198,19 +232,6 @@ class JpegFrames:
             max_width=int(_number(options, "max_width", 640, 32, 3840)),
             quality=int(_number(options, "quality", 70, 10, 95)),
         )
-
-    def due(self, frame: ProcessedFrame, newer_waiting: bool) -> bool:
-        """Whether to send ``frame``; counts it as skipped otherwise."""
-        if newer_waiting or frame.decoded_mono < self._next_due:
-            self.skipped += 1
-            return False
-        period = 1.0 / self.max_fps
-        # Keep the average rate at max_fps against the source's frame spacing, but after a
-        # gap (stall, reconnect) start afresh rather than bursting to catch up.
-        self._next_due += period
-        if self._next_due < frame.decoded_mono:
-            self._next_due = frame.decoded_mono + period
-        return True
 
     async def send(self, websocket: WebSocket, frame: ProcessedFrame) -> None:
         """Send ``frame``'s JSON (with a ``"jpeg"`` member) and then its JPEG."""

@@ -25,7 +25,7 @@ import logging
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from server.routes.viewer import WS_BAD_OPTION, JpegFrames
+from server.routes.viewer import WS_BAD_OPTION, JpegFrames, Pace
 from server.settings import Settings
 from server.state import get_state
 from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
@@ -59,6 +59,7 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
         if len(options) > MAX_OPTIONS:  # those past it were ignored, a bad states= too
             raise ValueError(f"{len(options)} query options: at most {MAX_OPTIONS}")
         jpeg = JpegFrames.from_options(options)
+        pace = jpeg or Pace.of_json(options)
         wants_states(options)
     except ValueError as exc:
         await websocket.close(WS_BAD_OPTION, str(exc)[:120])
@@ -72,7 +73,7 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
     log.info("stream %s: viewer connected (%s)", stream_id, websocket.client)
     timeout_s = state.settings.ws_send_timeout_s
     hold_little_unsent(websocket._send)  # a stalled viewer's backlog: its queue, not the socket
-    sender = asyncio.create_task(_send(websocket, sub, jpeg, timeout_s))
+    sender = asyncio.create_task(_send(websocket, sub, jpeg, timeout_s, pace))
     receiver = asyncio.create_task(_receive_until_gone(websocket))
     closed = asyncio.create_task(sub.wait_closed())
     stuck = None
@@ -125,12 +126,16 @@ async def _send(
     sub: Subscriber,
     jpeg: JpegFrames | None = None,
     timeout_s: float = SEND_TIMEOUT_S,
+    pace: Pace | None = None,
 ) -> None:
-    """Forward frames until the subscription closes, then close with its code.
+    """Forward frames until the subscription closes, then close with its code; with
+    ``jpeg``, each with its picture; at ``pace`` (``jpeg``'s where that is given), a frame not
+    sent carrying its events to the next.
 
     Raises:
         TimeoutError: one message (or the close) took over ``timeout_s`` to go out.
     """
+    pace = pace or jpeg
     while True:
         item = await sub.get()
         async with asyncio.timeout(timeout_s):
@@ -139,12 +144,12 @@ async def _send(
                 return
             if isinstance(item, StateMessage):
                 await websocket.send_text(item.json_text())
+            elif pace is not None and not pace.due(item, newer_waiting=sub.frames_waiting()):
+                sub.carry(item)
             elif jpeg is None:
                 await _send_frame(websocket, item, sub)
-            elif jpeg.due(item, newer_waiting=sub.frames_waiting()):
-                await jpeg.send(websocket, item)
             else:
-                sub.carry(item)
+                await jpeg.send(websocket, item)
 
 
 async def _send_frame(websocket: WebSocket, frame: ProcessedFrame, sub: Subscriber) -> None:
