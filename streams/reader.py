@@ -652,12 +652,17 @@ class StreamReader:
                 check_unmoved(spec.path)
             except SourceError as exc:
                 raise FatalSourceError(str(exc)) from None
-        container = av.open(
-            spec.target,
-            options=open_options(spec),
-            timeout=(self._opt.open_timeout_s, self._opt.read_timeout_s),
-            hwaccel=self._gpu_decode.hwaccel() if self._gpu_decode else None,
-        )
+        try:
+            container = av.open(
+                spec.target,
+                options=open_options(spec),
+                timeout=(self._opt.open_timeout_s, self._opt.read_timeout_s),
+                hwaccel=self._gpu_decode.hwaccel() if self._gpu_decode else None,
+            )
+        except av.error.InvalidDataError as exc:
+            if spec.is_file:  # a file that is no video stays one: it was retried for ever
+                raise FatalSourceError(self._explain(exc)) from None
+            raise
         self._phase = "read"
         try:
             if not container.streams.video:

@@ -192,6 +192,26 @@ async def test_a_list_of_files_under_the_allowed_dir_reaches_no_video_outside_it
 
 
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_file_that_is_no_video_fails_its_stream_at_once(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A text file under the allowed directory: the stream fails saying why (it reconnected
+    for ever, "reconnecting" with FFmpeg's InvalidDataError)."""
+    allowed = tmp_path / "videos"
+    allowed.mkdir()
+    notes = allowed / "notes.mp4"
+    notes.write_text("not a video\n" * 100)
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=allowed, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{notes}")
+        assert await m.wait_state(info["id"], {StreamState.FAILED}, 30)
+        stats = m.describe(info["id"])
+        assert stats is not None and "Invalid data" in stats["last_error"], stats
+        assert stats["reconnects"] == 0 and stats["frames_in"] == 0
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
 async def test_a_directory_swapped_for_a_link_out_after_the_check_is_not_played(
     pool: EnginePool, tmp_path: Path, decode_processes: int
 ) -> None:
