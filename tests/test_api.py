@@ -377,6 +377,9 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             ({"max_fps": 0}, "max_fps"),
             ({"name": "x" * 201}, "name"),
             ({"track": "sometimes"}, "track"),
+            # A JSON boolean, not a word: "yes" and 1 were taken as true.
+            ({"enabled": "yes"}, '"enabled"],"msg":"Input should be a valid boolean'),
+            ({"motion": 1}, '"motion"],"msg":"Input should be a valid boolean'),
         ):
             resp = c.patch(f"/streams/{sid}", json=bad)
             assert resp.status_code == 422, resp.text

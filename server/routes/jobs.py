@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -85,7 +85,7 @@ class JobIn(DetectIn):
         ),
     ] = None
     render: Annotated[
-        bool,
+        StrictBool,
         Field(
             description="draw the processed frames (boxes, track ids, region, zones, lines and"
             " their counts) into an MP4 at GET /jobs/{id}/video.mp4"

@@ -28,6 +28,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
 )
@@ -168,7 +169,7 @@ class DetectIn(BaseModel):
         ),
     ] = None
     track: Annotated[
-        bool,
+        StrictBool,
         Field(
             description="give each detection a track_id that follows its object across frames,"
             " and count objects once in the stream's 'tracked' counts"
@@ -191,14 +192,14 @@ class DetectIn(BaseModel):
         ),
     ] = None
     clips: Annotated[
-        bool,
+        StrictBool,
         Field(
             description="keep a video clip of each line crossing and zone entry or exit (from"
             " --event-clip-pre-s before to --event-clip-post-s after), at GET /clips/{id}.mp4",
         ),
     ] = False
     motion: Annotated[
-        bool,
+        StrictBool,
         Field(
             description="infer only frames where something moved (and still ones at"
             " --motion-idle-fps), to serve more cameras on the same CPU or GPU",
@@ -340,7 +341,7 @@ class StreamPatch(DetectIn):
         Field(gt=0, le=1000, description="sample at most this many frames/s; null: every frame"),
     ] = None
     enabled: Annotated[
-        bool,
+        StrictBool,
         Field(
             description="false: the camera is closed and nothing is detected (a privacy mode),"
             " its settings and counts kept; true opens it again"
@@ -388,7 +389,7 @@ class StreamIn(StreamPatch):
         ),
     ]
     transport: Transport = "tcp"
-    loop: bool = True
+    loop: StrictBool = True
 
     def settings(self, detect: StreamDetect, *, from_file: bool = False) -> dict[str, Any]:
         """What :meth:`StreamManager.add` and :meth:`StreamManager.put` take besides the
@@ -425,7 +426,7 @@ class EventIn(BaseModel):
         ),
     ] = None
     clip: Annotated[
-        bool | None,
+        StrictBool | None,
         Field(
             description="record the video around it (the stream must keep clips); default:"
             " whenever the stream keeps clips"
