@@ -345,7 +345,7 @@ def test_bad_jobs_get_clear_errors_and_a_full_server_refuses_more(tmp_path: Path
             ({"files": {"image": video}}, 422, "needs a file field 'video' (got: image)"),
             ({"files": {"video": video}, "data": {"settings": "{"}}, 422, "settings: not JSON"),
             (  # each named (it named the first)
-                {"files": {"video": video}, "data": {"settings": '{"clips": 1, "motion": 1}'}},
+                {"files": {"video": video}, "data": {"settings": '{"clips":true,"motion":true}'}},
                 422,
                 "clips, motion: a live stream's settings",
             ),
