@@ -346,6 +346,9 @@ def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
         off = c.patch("/streams/road", json={"enabled": False})
         assert off.status_code == 200 and off.json()["enabled"] is False
         assert off.json()["state"] == "disabled"
+        hidden = c.get("/streams/road/latest.jpg")  # a privacy switch: its last picture too
+        assert hidden.status_code == 503, hidden.text
+        assert hidden.json()["detail"] == "stream 'road' is disabled: it shows nothing now"
         frames = stream("road")["frames_in"]
         time.sleep(0.5)
         assert stream("road")["frames_in"] == frames  # its camera is closed

@@ -289,11 +289,11 @@ async def latest_jpeg(
         raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
     frame = manager.latest(stream_id)
     if frame is None:
-        raise HTTPException(
-            503,
-            f"stream {stream_id!r} has no processed frame yet (state {info['state']})",
-            headers={"Retry-After": "1"},
-        )
+        now = info["state"]
+        detail = f"stream {stream_id!r} has no processed frame yet (state {now})"
+        if now in ("disabled", "failed", "stopped"):  # it had frames, maybe: none shown now
+            detail = f"stream {stream_id!r} is {now}: it shows nothing now"
+        raise HTTPException(503, detail, headers={"Retry-After": "1"})
     render = _renderer(manager, stream_id, info, boxes=boxes)
     jpeg, _, _ = await asyncio.to_thread(render, frame, max_width, quality)
     headers = {
