@@ -9,6 +9,7 @@ import numpy as np
 from PIL import Image as PILImage
 
 from engines.types import Image
+from streams.frames import upright
 
 VIDEO_SUFFIXES = {".mp4", ".mkv", ".avi", ".mov", ".webm", ".ts"}
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
@@ -27,7 +28,7 @@ def iter_video_frames(path: Path | str, step: int = 1, limit: int | None = None)
         for index, frame in enumerate(container.decode(stream)):
             if index % step:
                 continue
-            yield np.asarray(frame.to_ndarray(format="rgb24"), np.uint8)
+            yield np.asarray(upright(frame).to_ndarray(format="rgb24"), np.uint8)
             produced += 1
             if limit is not None and produced >= limit:
                 return

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from engines.types import Image
 from engines.yolo import resize
 
@@ -22,6 +24,24 @@ def decoded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     gain = min(max_side / width, max_side / height)
     size = max(1, round(width * gain)), max(1, round(height * gain))
     return size if 2 * size[0] * size[1] <= width * height else (width, height)
+
+
+def upright(frame: Any) -> Any:
+    """``frame`` as the video is shown: turned by the rotation its container states (a phone
+    held upright records landscape frames and a 90 degree display matrix; players turn them,
+    as FFmpeg's ``autorotate`` does), as a new RGB ``av.VideoFrame`` with its timing. A frame
+    without one is itself (the common case costs a side-data lookup). Detections, regions,
+    zones and lines are then in the picture the user sees (they were in the sideways one)."""
+    turn = getattr(frame, "rotation", 0) or 0  # degrees counterclockwise, -180..180
+    quarter = round(turn / 90) % 4
+    if not quarter:
+        return frame
+    import av
+
+    image = np.ascontiguousarray(np.rot90(frame.to_ndarray(format="rgb24"), quarter))
+    turned = av.VideoFrame.from_ndarray(image, format="rgb24")
+    turned.pts, turned.time_base = frame.pts, frame.time_base
+    return turned
 
 
 def frame_rgb(frame: Any, size: tuple[int, int], out: Image | None = None) -> Image:

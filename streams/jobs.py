@@ -45,6 +45,7 @@ from streams.frames import (
     frame_rgb,
     refused_size,
     too_large_message,
+    upright,
 )
 from streams.sources import explain_open_failure
 
@@ -347,7 +348,8 @@ def _frames(
             if errors is not None:
                 errors[0] += 1
             continue
-        yield from frames
+        for frame in frames:
+            yield upright(frame)
 
 
 def sampled_frames(

@@ -37,6 +37,7 @@ from streams.frames import (
     keyframes_suffice,
     refused_size,
     too_large_message,
+    upright,
 )
 from streams.motion import MotionGate, MotionOptions
 from streams.pacing import FilePacer, RateSampler, frame_interval
@@ -729,7 +730,8 @@ class StreamReader:
                     raise FatalSourceError(too_large_message(*size, self._opt.max_pixels)) from None
                 log.debug("stream %s: undecodable packet: %s", self.config.id, exc)
                 continue
-            for frame in frames:
+            for decoded in frames:
+                frame = upright(decoded)
                 now = time.monotonic()
                 if not self._got_frames:
                     self._got_frames = True

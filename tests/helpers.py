@@ -380,3 +380,30 @@ def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) ->
     while not check():
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
         time.sleep(0.02)
+
+
+def turned_video(path: Path, image: npt.NDArray[np.uint8], frames: int = 1) -> Path:
+    """An H.264 MP4 of ``frames`` copies of ``image`` whose track's display matrix turns it
+    90 degrees clockwise, as a phone held upright records (``frame.rotation`` -90)."""
+    import struct
+
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=10)
+        assert isinstance(stream, av.VideoStream)
+        stream.height, stream.width = image.shape[:2]
+        stream.pix_fmt = "yuv420p"
+        picture = av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv420p")
+        for index in range(frames):
+            picture.pts = index
+            for packet in stream.encode(picture):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tkhd")  # its matrix after the box's times, ids and volume
+    matrix = at + 4 + 4 + (32 if data[at + 4] == 1 else 20) + 16
+    data[matrix : matrix + 36] = struct.pack(">9i", 0, 0x10000, 0, -0x10000, 0, 0, 0, 0, 1 << 30)
+    path.write_bytes(bytes(data))
+    return path

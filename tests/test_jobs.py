@@ -59,6 +59,7 @@ from tests.helpers import (
     SHELF,
     file_stream_app,
     start_ort_pool,
+    turned_video,
 )
 
 
@@ -1059,3 +1060,24 @@ def test_a_video_whose_server_stalls_mid_read_fails_naming_the_read_timeout(
         release.set()
         web.shutdown()
         web.server_close()
+
+
+def test_a_video_its_container_turns_is_read_as_players_show_it(tmp_path: Path) -> None:
+    """A phone's video: landscape frames and a display matrix turning them a quarter
+    clockwise. Its job's frames, size and boxes are those of the upright picture (they were
+    the sideways frames': a zone drawn on the picture the user sees landed elsewhere)."""
+    from streams.jobs import probe
+
+    image = np.zeros((96, 160, 3), np.uint8)
+    image[:24, :24] = 255  # top left, stored: top right, shown
+    video = turned_video(tmp_path / "phone.mp4", image, frames=5)
+    about = probe(str(video))
+    assert (about["width"], about["height"]) == (96, 160), about
+    spec = JobSpec(str(video), StreamDetect())
+    frames = [frame for _, _, frame in sampled_frames(spec, JobProgress(), lambda: None)]
+    assert len(frames) == 5
+    for frame in frames:
+        picture = frame.to_ndarray(format="rgb24")
+        assert picture.shape == (160, 96, 3)
+        assert picture[:24, -24:].mean() > 200 and picture[:24, :24].mean() < 50
+    assert [frame.time for frame in frames] == [0.0, 0.1, 0.2, 0.3, 0.4]

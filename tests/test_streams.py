@@ -77,6 +77,7 @@ from tests.helpers import (
     numbered,
     published_frames,
     silent_camera,
+    turned_video,
     ultralytics_assets,
 )
 from tests.helpers import file_manager as started_file_manager
@@ -189,6 +190,27 @@ async def test_a_list_of_files_under_the_allowed_dir_reaches_no_video_outside_it
             await asyncio.sleep(0.1)
     assert FILE_FORMAT_REFUSED in stats["last_error"], stats
     assert stats["frames_in"] == 0
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_video_its_container_turns_is_streamed_as_players_show_it(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A phone's recording (landscape frames, a display matrix turning them a quarter): the
+    stream's frames, size and boxes are the upright picture's, as a job's are."""
+    allowed = tmp_path / "videos"
+    allowed.mkdir()
+    image = np.zeros((96, 160, 3), np.uint8)
+    image[:24, :24] = 255  # top left, stored: top right, shown
+    video = turned_video(allowed / "phone.mp4", image, frames=20)
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=allowed, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{video}")
+        (frame,) = await published_frames(m, info["id"], 1)
+    assert frame.image.shape == (160, 96, 3)
+    assert frame.image[:24, -24:].mean() > 200 and frame.image[:24, :24].mean() < 50
+    assert (frame.detections.width, frame.detections.height) == (96, 160)
 
 
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
