@@ -682,6 +682,11 @@ class JobManager:
             " than the server has, or its video may crash the decoder; post it again to retry"
         )
         self._end(job, JobState.FAILED, error)
+        # What its last run wrote before the crash goes: its progress says it ran no frame
+        # (GET /jobs/{id}/frames served 125 of a run its progress did not count).
+        for partial in (FRAMES_FILE, EVENTS_FILE):
+            with contextlib.suppress(OSError):
+                (self.directory_of(job.id) / partial).unlink(missing_ok=True)
         try:
             self._save(job)
         except OSError as exc:  # it fails all the same this time, and again at the next start

@@ -41,6 +41,8 @@ from streams.detect import StreamDetect
 from streams.files import iter_video_frames
 from streams.frames import decoded_size
 from streams.jobs import (
+    EVENTS_FILE,
+    FRAMES_FILE,
     FrameSource,
     JobProgress,
     JobSpec,
@@ -830,6 +832,8 @@ async def test_a_job_the_server_keeps_dying_during_fails_instead_of_running_agai
     manager = _manager(tmp_path)
     twice = _kept(manager, JobState.RUNNING, crashed_runs=2)
     thrice = _kept(manager, JobState.RUNNING, crashed_runs=3, callback_url="http://127.0.0.1:9/")
+    for partial in (FRAMES_FILE, EVENTS_FILE):  # what its last run wrote before the crash
+        (tmp_path / thrice.id / partial).write_text('{"frame": 0}\n' * 125)
     fresh = _manager(tmp_path, frames)
     await fresh.start()
     try:
@@ -837,6 +841,10 @@ async def test_a_job_the_server_keeps_dying_during_fails_instead_of_running_agai
         assert failed is not None and failed.state is JobState.FAILED
         assert failed.error is not None and "during each of its last 3 runs" in failed.error
         assert failed.callback is not None  # called back, as any job that ends
+        # No results of a run its progress does not count (it ran no frame).
+        assert failed.progress.frames_processed == 0
+        assert not (tmp_path / thrice.id / FRAMES_FILE).exists()
+        assert not (tmp_path / thrice.id / EVENTS_FILE).exists()
         again = fresh.get(twice.id)
         assert again is not None
         await fresh.wait(again, 30)
