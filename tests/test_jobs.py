@@ -1089,3 +1089,27 @@ def test_a_video_its_container_turns_is_read_as_players_show_it(tmp_path: Path) 
         assert picture.shape == (160, 96, 3)
         assert picture[:24, -24:].mean() > 200 and picture[:24, :24].mean() < 50
     assert [frame.time for frame in frames] == [0.0, 0.1, 0.2, 0.3, 0.4]
+
+
+def test_a_bad_job_is_refused_for_what_is_wrong_with_it_even_when_the_server_is_full(
+    tmp_path: Path,
+) -> None:
+    """With every job place taken, a request that could never run was told 429 and to retry
+    in 60 s: its settings are checked first (422), as an upload's query settings are."""
+    with TestClient(file_stream_app(tmp_path, max_jobs=1)) as c:
+        running = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}"})
+        assert running.status_code == 202, running.text
+        bad = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "bogus": 1})
+        assert bad.status_code == 422 and "bogus" in bad.text, bad.text
+        scheme = c.post("/jobs", json={"url": "ftp://host/x.mp4"})
+        assert scheme.status_code == 422 and "ftp" in scheme.text, scheme.text
+        query = c.post(
+            "/jobs",
+            content=b"\x00" * 100,
+            params={"settings": '{"fps": -1}'},
+            headers={"content-type": "video/mp4"},
+        )
+        assert query.status_code == 422 and "fps" in query.text, query.text
+        full = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 1})
+        assert full.status_code == 429 and "STREAMDET_MAX_JOBS" in full.text, full.text
+        assert c.delete(f"/jobs/{running.json()['id']}").status_code == 204

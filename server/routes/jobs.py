@@ -333,11 +333,18 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
     state = get_state(request)
     jobs = _jobs(state)
     job_id = jobs.new_id()
-    await _make_room(jobs, 0, state.settings.jobs_max_mb, job_id)
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    uploaded = ctype == "multipart/form-data" or ctype in VIDEO_TYPES or ctype.startswith("video/")
+    if uploaded:  # room held before the upload arrives; its query's settings checked first
+        if ctype != "multipart/form-data":
+            settings_of(request.query_params.get("settings"), "settings")
+        await _make_room(jobs, 0, state.settings.jobs_max_mb, job_id)
     directory = jobs.directory_of(job_id)
     names = state.pool.engine.names
     try:
         job_in, source, target, options = await _receive(request, state, directory)
+        if not uploaded:  # settings and a url, checked first: a bad one is 422, never 429
+            await _make_room(jobs, 0, state.settings.jobs_max_mb, job_id)
         if "bytes" in source:  # room for the upload beside what is kept
             try:
                 await jobs.make_room(source["bytes"], job_id)
