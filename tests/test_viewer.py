@@ -13,10 +13,20 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, FilePayload, Page, Playwright, expect, sync_playwright
+from playwright.sync_api import (
+    Browser,
+    BrowserContext,
+    FilePayload,
+    Page,
+    Playwright,
+    Route,
+    expect,
+    sync_playwright,
+)
 
+from benchmarks.make_clip import make_clip
 from loadtest.server import ServerProcess, free_port
-from tests.helpers import CACHE_DIR, MODEL_PT, REPO, VIDEOS, ultralytics_assets
+from tests.helpers import BOTTLE_CLIP, CACHE_DIR, MODEL_PT, REPO, VIDEOS, ultralytics_assets
 from tests.rtsp_camera import CAR, RtspCamera
 
 pytestmark = pytest.mark.browser
@@ -286,12 +296,28 @@ def camera() -> Iterator[RtspCamera]:
 
 
 @pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of short clips of the bottle clip (its three bottles detected from the first
+    frame), for ``file://`` streams: ``bottles-3s.mp4`` (75 frames at 25 fps) to loop,
+    ``bottles-8s.mp4`` (200) to play once while a test watches it."""
+    if not BOTTLE_CLIP.exists():
+        pytest.fail(
+            f"shared clip bottle-detection.mp4 missing: {VIDEOS} (set STREAMDET_SHARED_DIR)"
+        )
+    folder = tmp_path_factory.mktemp("viewer-clips")
+    for name, frames in (("bottles-3s.mp4", 75), ("bottles-8s.mp4", 200)):
+        make_clip(BOTTLE_CLIP, folder / name, width=640, height=360, fps=25, gop=25, frames=frames)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def live_server(
-    artifacts: Path, tmp_path_factory: pytest.TempPathFactory
+    artifacts: Path, clips: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     srv = viewer_server(
         artifacts / "viewer-live-server.log",
         data_dir=str(tmp_path_factory.mktemp("viewer-data")),
+        allowed_file_dir=str(clips),
         # Quick to notice a dead camera and to come back, so the test stays short.
         stream_open_timeout_s=3,
         stream_read_timeout_s=2,
@@ -881,3 +907,407 @@ def test_a_video_job_is_uploaded_followed_and_its_drawn_video_played(
     expect(pg.locator("#no-jobs")).to_be_visible()
     expect(pg.locator("#errors .error")).to_have_count(0)
     assert errors.errors == []
+
+
+# ---- a tile when its stream stops showing, goes and comes back; errors; text; tabs -----------
+
+
+def add_stream(client: httpx.Client, **body: object) -> str:
+    """Adds a stream through the API (as another client would); returns its id."""
+    created = client.post("/streams", json=body)
+    assert created.status_code == 201, created.text
+    stream_id: str = created.json()["id"]
+    return stream_id
+
+
+def watch(pg: Page, stream_id: str) -> None:
+    """Ticks the stream's Watch box once the list shows it."""
+    pg.locator(f'#stream-rows tr[data-id="{stream_id}"] input.watch').check()
+
+
+def brightest(pg: Page, canvas_id: str) -> int:
+    """The brightest channel of any pixel on the canvas (0: all black)."""
+    most: int = pg.evaluate(
+        """(id) => {
+          const canvas = document.getElementById(id);
+          const { data } = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height);
+          let most = 0;
+          for (let i = 0; i < data.length; i += 4) {
+            most = Math.max(most, data[i], data[i + 1], data[i + 2]);
+          }
+          return most;
+        }""",
+        canvas_id,
+    )
+    return most
+
+
+def wait_for_blank(pg: Page, canvas_id: str, state: str) -> None:
+    """Waits until the tile shows nothing in ``state``, then checks it really does: no boxes,
+    and a black canvas (the stream has no region, zones or lines)."""
+    pg.wait_for_function(
+        "([id, state]) => window.streamdet.drawn[id]?.blank === state", arg=[canvas_id, state]
+    )
+    drawn = pg.evaluate("(id) => window.streamdet.drawn[id]", canvas_id)
+    assert drawn["shapes"] == [] and drawn["detections"] == [], drawn
+    assert brightest(pg, canvas_id) < 16
+
+
+def test_a_disabled_stream_shows_no_picture_until_its_frames_come_again(
+    live_server: ServerProcess, clips: Path, live_page: tuple[Page, PageErrors], artifacts: Path
+) -> None:
+    """Disabling a stream is a privacy switch: its tile drops the last picture and its boxes
+    at once and says why (they stayed on it for as long as it was disabled), and shows the
+    frames again once it is enabled."""
+    pg, errors = live_page
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        url = f"file://{clips / 'bottles-3s.mp4'}"
+        stream_id = add_stream(api, url=url, name="shelf", max_fps=5)
+        try:
+            watch(pg, stream_id)
+            canvas_id = f"tile-{stream_id}"
+            figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
+            placeholder = figure.locator(".tile-blank")
+            frame = wait_for_boxes(pg, canvas_id)
+            expect(placeholder).to_be_hidden(timeout=UI_TIMEOUT_MS)
+            row = pg.locator(f'#stream-rows tr[data-id="{stream_id}"]')
+            row.locator("button.toggle", has_text="Disable").click()
+            expect(placeholder).to_have_text(
+                "disabled: its camera is closed, nothing is shown", timeout=UI_TIMEOUT_MS
+            )
+            wait_for_blank(pg, canvas_id, "disabled")
+            for editor in ("tile-region", "tile-line", "tile-zone", "tile-mask"):
+                expect(figure.locator(f"button.{editor}")).to_be_disabled(timeout=UI_TIMEOUT_MS)
+            figure.screenshot(path=artifacts / "viewer-tile-disabled.png")
+            row.locator("button.toggle", has_text="Enable").click()
+            wait_for_boxes(pg, canvas_id, frame)
+            expect(placeholder).to_be_hidden(timeout=UI_TIMEOUT_MS)
+            assert pg.evaluate("(id) => window.streamdet.drawn[id].blank", canvas_id) is None
+            expect(pg.locator(f'#errors [data-key="stream:{stream_id}"]')).to_have_count(
+                0, timeout=UI_TIMEOUT_MS
+            )
+        finally:
+            api.delete(f"/streams/{stream_id}")
+    assert errors.errors == []
+
+
+def test_a_file_played_to_its_end_shows_no_picture_and_is_no_error(
+    live_server: ServerProcess, clips: Path, live_page: tuple[Page, PageErrors], artifacts: Path
+) -> None:
+    """A file played once (``"loop": false``) that reached its end shows nothing now: its
+    tile drops the last picture and says so. It ended as asked: no error in the list, the
+    tile or the page (a red banner came back every 2 s however often it was dismissed), and
+    the event list says it played to its end (it said it lost its source)."""
+    pg, errors = live_page
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        url = f"file://{clips / 'bottles-8s.mp4'}"
+        # Disabled until the page watches it, so the page sees it play.
+        stream_id = add_stream(api, url=url, name="once", loop=False, enabled=False, max_fps=5)
+        try:
+            watch(pg, stream_id)
+            canvas_id = f"tile-{stream_id}"
+            figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
+            placeholder = figure.locator(".tile-blank")
+            expect(placeholder).to_contain_text("disabled", timeout=UI_TIMEOUT_MS)
+            assert api.patch(f"/streams/{stream_id}", json={"enabled": True}).status_code == 200
+            wait_for_boxes(pg, canvas_id)
+            row = pg.locator(f'#stream-rows tr[data-id="{stream_id}"]')
+            expect(row.locator("td.state")).to_have_text("stopped", timeout=UI_TIMEOUT_MS)
+            expect(placeholder).to_have_text(
+                "played to its end: nothing to show", timeout=UI_TIMEOUT_MS
+            )
+            wait_for_blank(pg, canvas_id, "stopped")
+            figure.screenshot(path=artifacts / "viewer-tile-played-to-its-end.png")
+            expect(pg.locator(f'#errors [data-key="stream:{stream_id}"]')).to_have_count(
+                0, timeout=UI_TIMEOUT_MS
+            )
+            expect(figure.locator(".tile-error")).to_be_hidden(timeout=UI_TIMEOUT_MS)
+            assert row.get_attribute("data-error") is None
+            ended = pg.locator("#event-list li.stream_state .event-text", has_text=" · once · ")
+            expect(ended.first).to_have_text(
+                re.compile(r" · once · played to its end$"), timeout=UI_TIMEOUT_MS
+            )
+        finally:
+            api.delete(f"/streams/{stream_id}")
+    assert errors.errors == []
+
+
+def test_a_dismissed_error_stays_dismissed_until_it_changes(
+    live_server: ServerProcess, live_page: tuple[Page, PageErrors]
+) -> None:
+    """A stream's error dismissed stays away while it is the same (the list is read again
+    every 2 s, and each time brought it back), and comes back once the error changes."""
+    pg, errors = live_page
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        dead = f"rtsp://127.0.0.1:{free_port()}/nothing"
+        stream_id = add_stream(api, url=dead, name="gone")
+        try:
+            banner = pg.locator(f'#errors [data-key="stream:{stream_id}"]')
+            expect(banner).to_contain_text(dead, timeout=UI_TIMEOUT_MS)
+            banner.locator("button", has_text="Dismiss").click()
+            expect(banner).to_have_count(0, timeout=UI_TIMEOUT_MS)
+
+            def listed(response: Any) -> bool:
+                return bool(response.url.endswith("/streams") and response.request.method == "GET")
+
+            # Three more lists read (the page reads one after rendering the last): the first two
+            # at least rendered, the stream's error in them unchanged.
+            for _ in range(3):
+                with pg.expect_response(listed):
+                    pass
+            row = pg.locator(f'#stream-rows tr[data-id="{stream_id}"]')
+            expect(row).to_have_attribute(
+                "data-error", re.compile(re.escape(dead)), timeout=UI_TIMEOUT_MS
+            )
+            expect(banner).to_have_count(0, timeout=UI_TIMEOUT_MS)
+            # Another error: shown again.
+            other = f"rtsp://127.0.0.1:{free_port()}/elsewhere"
+            assert api.put(f"/streams/{stream_id}", json={"url": other, "name": "gone"}).is_success
+            expect(banner).to_contain_text(other, timeout=UI_TIMEOUT_MS)
+        finally:
+            api.delete(f"/streams/{stream_id}")
+    assert errors.errors == []
+
+
+def test_a_watched_stream_removed_and_added_again_is_watched_again(
+    live_server: ServerProcess, clips: Path, live_page: tuple[Page, PageErrors]
+) -> None:
+    """A watched stream removed and added again under its id (another client, a script's
+    DELETE then POST) before the page's next list: the tile subscribes again by itself. Its
+    WebSocket's close (1000, removed) ended it for good: a dead tile under a ticked Watch."""
+    pg, errors = live_page
+    body = {"id": "again", "url": f"file://{clips / 'bottles-3s.mp4'}", "name": "again"}
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        add_stream(api, **body, max_fps=5)
+        try:
+            watch(pg, "again")
+            canvas_id = "tile-again"
+            figure = pg.locator('figure[data-stream-id="again"]')
+            wait_for_boxes(pg, canvas_id)
+            # The page's lists are held while the stream is gone, so none of them can say it
+            # was removed (the tile would go, and the Watch box with it): the page hears of
+            # it from its WebSocket alone.
+            held: list[Route] = []
+            holding = True
+
+            def hold(route: Route) -> None:
+                if holding and route.request.method == "GET":
+                    held.append(route)
+                else:
+                    route.continue_()
+
+            pg.route("**/streams", hold)
+            try:
+                assert api.delete("/streams/again").status_code == 204
+                expect(figure.locator(".tile-error")).to_contain_text(
+                    "stream no longer exists", timeout=UI_TIMEOUT_MS
+                )
+                removed_at = time.time()
+                add_stream(api, **body, max_fps=5)
+            finally:
+                holding = False
+                for route in held:
+                    route.continue_()
+                pg.unroute("**/streams")
+            pg.wait_for_function(
+                "([id, t]) => { const d = window.streamdet.drawn[id];"
+                " return d.blank === null && d.shapes.length > 0 && d.capturedAt > t; }",
+                arg=[canvas_id, removed_at],
+            )
+            expect(figure.locator(".tile-error")).to_be_hidden(timeout=UI_TIMEOUT_MS)
+            expect(pg.locator('#stream-rows tr[data-id="again"] input.watch')).to_be_checked(
+                timeout=UI_TIMEOUT_MS
+            )
+            deadline = time.monotonic() + 60
+            while api.get("/streams/again").json()["subscribers"] != 1:
+                assert time.monotonic() < deadline, api.get("/streams/again").json()
+                pg.wait_for_timeout(200)
+        finally:
+            api.delete("/streams/again")
+    assert errors.errors == []
+
+
+def test_the_page_fits_a_phone_and_tile_names_stay_readable(
+    live_server: ServerProcess, clips: Path, browser: Browser, artifacts: Path
+) -> None:
+    """On a phone (390 px wide) the tiles' headers wrap: a long name keeps a readable width
+    (it was set a letter a line) and the buttons stay on the page (they ran off its side)."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    url = f"file://{clips / 'bottles-3s.mp4'}"
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        long_name = "Conveyor line with a rather long camera name"
+        ids = [add_stream(api, url=url, name=name, max_fps=2) for name in (long_name, "shelf")]
+        try:
+            pg = context.new_page()
+            errors = PageErrors(pg)
+            pg.goto(live_server.base_url + "/")
+            for stream_id in ids:
+                watch(pg, stream_id)
+                wait_for_boxes(pg, f"tile-{stream_id}")
+            layout = pg.evaluate(
+                """() => ({
+                  scroll: document.documentElement.scrollWidth,
+                  client: document.documentElement.clientWidth,
+                  tiles: [...document.querySelectorAll('.tile')].map((tile) => {
+                    const box = tile.getBoundingClientRect();
+                    const parts = [...tile.querySelectorAll('figcaption > *')]
+                      .map((e) => e.getBoundingClientRect());
+                    return {
+                      name: tile.querySelector('.tile-name').getBoundingClientRect().width,
+                      outside: parts.filter((p) => p.left < box.left || p.right > box.right)
+                        .length,
+                    };
+                  }),
+                })"""
+            )
+            pg.screenshot(path=artifacts / "viewer-phone.png", full_page=True)
+            assert layout["scroll"] <= layout["client"], layout
+            assert len(layout["tiles"]) == 2, layout
+            for tile in layout["tiles"]:
+                assert tile["name"] >= 100 and tile["outside"] == 0, layout
+            assert errors.errors == []
+        finally:
+            context.close()
+            for stream_id in ids:
+                api.delete(f"/streams/{stream_id}")
+
+
+# RIGHT-TO-LEFT OVERRIDE: the text after it, to the end of its paragraph, runs backwards.
+RLO = "\u202e"
+
+# Whether `word`, the page's own, in the element `selector` reads left to right on the screen:
+# its first letter left of its last.
+READS_LEFT_TO_RIGHT_JS = """
+([selector, word]) => {
+  const root = document.querySelector(selector);
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const at = node.data.indexOf(word);
+    if (at < 0) continue;
+    const left = (i) => {
+      const range = document.createRange();
+      range.setStart(node, i);
+      range.setEnd(node, i + 1);
+      return range.getBoundingClientRect().left;
+    };
+    return left(at) < left(at + word.length - 1);
+  }
+  return null;
+}
+"""
+
+
+def test_text_from_outside_cannot_reorder_the_pages_own_words(
+    live_server: ServerProcess, live_page: tuple[Page, PageErrors]
+) -> None:
+    """A right-to-left override in a stream's name, a zone's name or an event's label stays
+    inside it: the page's own words after it read as they should (they ran backwards)."""
+    pg, errors = live_page
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        whole = [[0, 0], [1, 0], [1, 1], [0, 1]]
+        stream_id = add_stream(
+            api,
+            url=f"rtsp://127.0.0.1:{free_port()}/nothing",
+            name=f"cam{RLO}",
+            zones=[{"name": f"lot{RLO}", "points": whole}],
+        )
+        try:
+            created = api.post(f"/streams/{stream_id}/events", json={"label": f"door{RLO}"})
+            assert created.status_code == 201, created.text
+            banner = f'#errors [data-key="stream:{stream_id}"]'
+            expect(pg.locator(banner)).to_contain_text(f"Stream cam{RLO}: ", timeout=UI_TIMEOUT_MS)
+            objects = f'#stream-rows tr[data-id="{stream_id}"] .objects'
+            expect(pg.locator(objects)).to_contain_text(f"lot{RLO} 0 now", timeout=UI_TIMEOUT_MS)
+            event = "#event-list li.manual .event-text"
+            expect(pg.locator(event).first).to_contain_text(
+                f"door{RLO} (created from outside)", timeout=UI_TIMEOUT_MS
+            )
+            for selector, word in ((banner, "connecting"), (objects, "now"), (event, "created")):
+                assert pg.evaluate(READS_LEFT_TO_RIGHT_JS, [selector, word]), (selector, word)
+        finally:
+            api.delete(f"/streams/{stream_id}")
+    assert errors.errors == []
+
+
+# Makes the tab hidden (or visible again) as switching away from it does, for the page's
+# script: headless Chromium keeps every tab visible.
+SET_HIDDEN_JS = """
+(hidden) => {
+  Object.defineProperty(document, "visibilityState", {
+    configurable: true, get: () => (hidden ? "hidden" : "visible"),
+  });
+  Object.defineProperty(document, "hidden", { configurable: true, get: () => hidden });
+  document.dispatchEvent(new Event("visibilitychange"));
+}
+"""
+
+
+class EventConnections:
+    """The page's server-sent event requests (``GET /events?...after=``) opened and ended."""
+
+    def __init__(self, tab: Page) -> None:
+        self.tab = tab
+        self.opened: list[str] = []
+        self.ended: list[str] = []
+        tab.on("request", lambda r: self.opened.append(r.url) if self.live(r.url) else None)
+        tab.on("requestfinished", lambda r: self.ended.append(r.url) if self.live(r.url) else None)
+        tab.on("requestfailed", lambda r: self.ended.append(r.url) if self.live(r.url) else None)
+
+    @staticmethod
+    def live(url: str) -> bool:
+        return "/events?" in url and "after=" in url
+
+    def wait_open(self, count: int) -> None:
+        deadline = time.monotonic() + UI_TIMEOUT_MS / 1000
+        while len(self.opened) - len(self.ended) != count:
+            assert time.monotonic() < deadline, (count, self.opened, self.ended)
+            self.tab.wait_for_timeout(100)
+
+
+def test_hidden_tabs_let_go_of_their_event_connections(
+    live_server: ServerProcess, browser: Browser
+) -> None:
+    """A hidden tab closes its server-sent events and opens them again, after the last event
+    it had, when shown: six tabs of the page held the six connections Chromium opens to one
+    server over HTTP/1.1, and a seventh never loaded."""
+    context: BrowserContext = browser.new_context()
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        stream_id = add_stream(api, url=f"rtsp://127.0.0.1:{free_port()}/nothing", name="bell")
+        try:
+            tabs: list[tuple[Page, EventConnections]] = []
+            for _ in range(6):
+                tab = context.new_page()
+                connections = EventConnections(tab)
+                tab.goto(live_server.base_url + "/")
+                expect(tab.locator("#server-status")).to_have_text(
+                    "connected", timeout=UI_TIMEOUT_MS
+                )
+                connections.wait_open(1)
+                tab.evaluate(SET_HIDDEN_JS, True)
+                connections.wait_open(0)
+                tabs.append((tab, connections))
+            # A seventh loads and works.
+            seventh = context.new_page()
+            seventh.goto(live_server.base_url + "/")
+            expect(seventh.locator("#server-status")).to_have_text(
+                "connected", timeout=UI_TIMEOUT_MS
+            )
+            EventConnections(seventh)  # (its own is opened by now or soon)
+            answered = seventh.evaluate(
+                """() => Promise.race([fetch('healthz').then((r) => r.status),
+                  new Promise((done) => setTimeout(() => done('pending'), 10000))])"""
+            )
+            assert answered == 200
+            # An event while the first is hidden comes to it once it is shown, once.
+            first, connections = tabs[0]
+            made = api.post(f"/streams/{stream_id}/events", json={"label": "while hidden"})
+            assert made.status_code == 201, made.text
+            first.evaluate(SET_HIDDEN_JS, False)
+            connections.wait_open(1)
+            shown = first.locator("#event-list li.manual .event-text", has_text="while hidden")
+            expect(shown).to_have_count(1, timeout=UI_TIMEOUT_MS)
+        finally:
+            context.close()
+            api.delete(f"/streams/{stream_id}")

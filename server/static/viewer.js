@@ -9,8 +9,14 @@ const RECONNECT_MIN_MS = 500;
 const RECONNECT_MAX_MS = 10000;
 // The server scales frames down to this width before JPEG-encoding them for the browser.
 const TILE_MAX_WIDTH = 640;
-// States in which a stream's last error is shown as a current problem.
+// States in which a stream's last error is not shown as a current problem.
 const HEALTHY_STATES = new Set(["running", "live", "streaming", "ok", "disabled"]);
+// States in which a stream shows nothing now (the server's objects are empty then): its tile
+// drops the last picture and its boxes.
+const NOT_SHOWING = new Set(["disabled", "failed", "stopped"]);
+// How the server's last_error begins for a file played once ("loop": false) that reached its
+// end: the end it was asked for, no problem.
+const FILE_ENDED = "the file ended";
 
 // Ultralytics' palette, so colours look familiar to YOLO users.
 const PALETTE = [
@@ -20,6 +26,41 @@ const PALETTE = [
 ];
 
 const $ = (selector, root = document) => root.querySelector(selector);
+
+// ---------------------------------------------------------------- text from outside
+
+// Names, labels, class names and the server's messages (which echo what was sent) come from
+// outside the page: shown among the page's own words, each is isolated (<bdi>), so
+// right-to-left or override characters in it (U+202E) cannot reorder the words around it. A
+// text is a list of parts: the page's own strings as they are, user(text) for the rest.
+const user = (text) => ({ user: String(text ?? "") });
+
+function flatParts(parts) {
+  return [parts].flat(Infinity).filter((p) => p !== null && p !== undefined && p !== "");
+}
+
+// The text as a plain string (what textContent will say).
+function plain(parts) {
+  return flatParts(parts).map((p) => (typeof p === "object" ? p.user : String(p))).join("");
+}
+
+function setText(element, parts) {
+  element.replaceChildren(...flatParts(parts).map((p) => {
+    if (typeof p !== "object") return String(p);
+    const bdi = document.createElement("bdi");
+    bdi.textContent = p.user;
+    return bdi;
+  }));
+}
+
+// Where no element can hold it (an option, a tooltip, a label on a canvas): the same
+// isolation written in the text, between FIRST STRONG ISOLATE and POP DIRECTIONAL ISOLATE.
+const isolated = (text) => `\u2068${text}\u2069`;
+
+// A stream or event that stopped where it was asked to: a file played once reached its end.
+function endedAsAsked(state, error) {
+  return state === "stopped" && String(error ?? "").startsWith(FILE_ENDED);
+}
 
 // What the page drew last, per canvas: tests and curious users can read it from the console.
 const debug = { drawn: {}, palette: PALETTE, tiles: new Map() };
@@ -34,7 +75,16 @@ class ApiError extends Error {
 
 // ---------------------------------------------------------------- errors and server status
 
-function showError(key, text) {
+// The problems dismissed, by key: each stays away while it is the same (the stream list, shown
+// again every refresh, brought a dismissed one back every 2 s), and comes back once it
+// changes or after it went away.
+const dismissed = new Map();
+
+// text: a string or parts (user() for what came from outside); problem: what says it is the
+// same problem (the text by default).
+function showError(key, text, problem = plain(text)) {
+  if (dismissed.get(key) === problem) return;
+  dismissed.delete(key);
   let box = document.querySelector(`#errors [data-key="${CSS.escape(key)}"]`);
   if (!box) {
     box = document.createElement("div");
@@ -44,14 +94,19 @@ function showError(key, text) {
     const dismiss = document.createElement("button");
     dismiss.type = "button";
     dismiss.textContent = "Dismiss";
-    dismiss.addEventListener("click", () => box.remove());
+    dismiss.addEventListener("click", () => {
+      dismissed.set(key, box.dataset.problem);
+      box.remove();
+    });
     box.append(message, dismiss);
     $("#errors").append(box);
   }
-  box.firstChild.textContent = text;
+  box.dataset.problem = problem;
+  if (box.firstChild.textContent !== plain(text)) setText(box.firstChild, text);
 }
 
 function clearError(key) {
+  dismissed.delete(key);
   document.querySelector(`#errors [data-key="${CSS.escape(key)}"]`)?.remove();
 }
 
@@ -63,7 +118,7 @@ function setServerUp(up, why = "") {
   if (up) {
     clearError("server");
   } else {
-    showError("server", `Server unreachable (${why}); retrying every ${REFRESH_MS / 1000} s.`);
+    showError("server", ["Server unreachable (", user(why), `); retrying every ${REFRESH_MS / 1000} s.`]);
   }
 }
 
@@ -78,7 +133,7 @@ function askForKey(reason) {
   if (keyPrompt) return keyPrompt;
   const dialog = $("#key-dialog");
   const input = $("#key-input");
-  $("#key-reason").textContent = reason;
+  setText($("#key-reason"), reason);
   input.value = "";
   keyPrompt = new Promise((resolve) => {
     const finish = (ok) => {
@@ -147,8 +202,8 @@ async function api(path, init = {}) {
       const detail = await errorText(resp);
       if (key) sessionStorage.removeItem(KEY_STORAGE);
       const reason = key
-        ? `The API key was refused (${detail}). Enter another one:`
-        : `This server needs an API key (${detail}).`;
+        ? ["The API key was refused (", user(detail), "). Enter another one:"]
+        : ["This server needs an API key (", user(detail), ")."];
       if (!keyDeclined && (await askForKey(reason))) continue;
       showError("auth", "401 Unauthorized: this server needs an API key; use the “API key” button.");
       throw new ApiError(401, detail);
@@ -210,15 +265,16 @@ function drawDetections(ctx, detections, sx, sy) {
     const stays = Object.values(det.dwell_s ?? {});
     const dwell = stays.length ? ` ${Math.floor(Math.max(...stays))}s` : "";
     const label = `${det.class_name}${track} ${det.confidence.toFixed(2)}${dwell}`;
+    const shown = `${isolated(det.class_name)}${track} ${det.confidence.toFixed(2)}${dwell}`;
     const labelHeight = fontSize + 4;
-    const labelWidth = ctx.measureText(label).width + 6;
+    const labelWidth = ctx.measureText(shown).width + 6;
     const labelTop = y1 - labelHeight >= 0 ? y1 - labelHeight : y1;
     // Kept inside the picture for boxes at its right edge.
     const labelLeft = Math.max(0, Math.min(x1 - lineWidth / 2, width - labelWidth));
     ctx.fillStyle = color;
     ctx.fillRect(labelLeft, labelTop, labelWidth, labelHeight);
     ctx.fillStyle = textColorOn(color);
-    ctx.fillText(label, labelLeft + 3, labelTop + 2);
+    ctx.fillText(shown, labelLeft + 3, labelTop + 2);
     shapes.push({ x1, y1, x2, y2, color, label, lineWidth });
   }
   return shapes;
@@ -305,7 +361,7 @@ function drawLines(ctx, lines, crossings) {
     ctx.lineTo(bx, by);
     ctx.stroke();
     const counts = lineCounts(crossings, line.name);
-    tags.push([`${line.name}: ${counts.in} in · ${counts.out} out`, ax, ay + lineWidth, LINE_COLOR, fontSize]);
+    tags.push([`${isolated(line.name)}: ${counts.in} in · ${counts.out} out`, ax, ay + lineWidth, LINE_COLOR, fontSize]);
   }
   ctx.restore();
   return tags;
@@ -345,7 +401,7 @@ function drawZones(ctx, zones, counts, editing = null) {
       }
       continue;
     }
-    tags.push([`${zone.name}: ${zoneCounts(counts, zone.name).now}`, ...xy[0], ZONE_COLOR, fontSize]);
+    tags.push([`${isolated(zone.name)}: ${zoneCounts(counts, zone.name).now}`, ...xy[0], ZONE_COLOR, fontSize]);
   }
   ctx.restore();
   return tags;
@@ -401,6 +457,13 @@ class Tile {
     this.zoneCounts = {};
     this.masks = []; // the stream's motion masks (polygons), from GET /streams
     this.shownAt = [];
+    this.received = 0; // frames received (picture and metadata), numbered in order
+    this.receivedAt = -Infinity; // when the last one came (performance.now())
+    this.blankUpTo = 0; // frames received up to this one are not drawn: the stream stopped showing after them
+    this.state = stream.state; // the stream's state, from the list or the WebSocket
+    this.stateError = null; // and its error
+    this.lastDrawn = null; // the frame, capture time and size of the last picture drawn
+    this.goneAt = null; // when the WebSocket said the stream was removed (close 1000 or 4404)
     this.backoffMs = RECONNECT_MIN_MS;
     this.retryTimer = null;
     this.closed = false;
@@ -410,8 +473,25 @@ class Tile {
     this.connect();
   }
 
-  update(stream) {
+  // stream: the stream as GET /streams (or PATCH) described it, asked for at `asked`
+  // (performance.now()).
+  update(stream, asked = performance.now()) {
     $(".tile-name", this.element).textContent = stream.name || stream.id;
+    this.state = stream.state;
+    this.stateError = stream.last_error ?? null;
+    // Its WebSocket said the stream was removed, and a list asked for since still has it: it
+    // was added again under its id (another client, a script's DELETE then POST): watched
+    // still, so subscribe again. (One removed for good leaves the list, and the tile goes.)
+    if (this.goneAt !== null && asked > this.goneAt) {
+      this.goneAt = null;
+      this.connError = "the stream is there again; reconnecting…";
+      this.reconnectSoon();
+    }
+    // Showing nothing now (disabled: a privacy switch; failed; stopped), and no frame came
+    // since the list was asked for: its last picture and boxes go. (The WebSocket's state
+    // messages say so at once; this covers a tile without them.)
+    if (NOT_SHOWING.has(stream.state) && this.receivedAt < asked) this.setBlank();
+    this.renderPlaceholder();
     const badge = $(".tile-state", this.element);
     badge.textContent = stream.state ?? "?";
     badge.dataset.state = stream.state ?? "";
@@ -516,8 +596,8 @@ class Tile {
       const only = shape.classes?.length ? shape.classes.join(", ") : "";
       const loiter = shape.loiter_s ? `loiter ${shape.loiter_s} s` : "";
       const about = [only, loiter].filter(Boolean).join(" · ");
-      button.textContent = about ? `× ${shape.name} (${about})` : `× ${shape.name}`;
-      button.title = `remove ${mode} ${shape.name}`;
+      setText(button, about ? ["× ", user(shape.name), " (", user(about), ")"] : ["× ", user(shape.name)]);
+      button.title = `remove ${mode} ${isolated(shape.name)}`;
       button.addEventListener("click", () => {
         this.patch({ [key]: this[key].filter((other) => other.name !== shape.name) });
       });
@@ -628,6 +708,7 @@ class Tile {
 
   async patch(changes) {
     const name = $(".tile-name", this.element).textContent;
+    const asked = performance.now();
     try {
       const resp = await api(`/streams/${encodeURIComponent(this.id)}`, {
         method: "PATCH",
@@ -637,10 +718,10 @@ class Tile {
       const stream = await resp.json();
       clearError(`edit:${this.id}`);
       this.stopEditing();
-      this.update(stream);
+      this.update(stream, asked);
       refreshStreams();
     } catch (err) {
-      showError(`edit:${this.id}`, `Changing stream ${name} failed: ${err.message}`);
+      showError(`edit:${this.id}`, ["Changing stream ", user(name), " failed: ", user(err.message)]);
     }
   }
 
@@ -649,6 +730,7 @@ class Tile {
       frames: "jpeg",
       max_fps: String(viewFps()),
       max_width: String(TILE_MAX_WIDTH),
+      states: "true", // the stream's state changes too, in order with its frames
     });
     const key = sessionStorage.getItem(KEY_STORAGE);
     // Browsers cannot set headers on a WebSocket: the key goes as RFC 6750's query parameter.
@@ -682,8 +764,12 @@ class Tile {
       } catch {
         return;
       }
+      if (msg.type === "stream_state") {
+        this.onState(msg);
+        return;
+      }
       if (msg.error) {
-        this.connError = `server: ${msg.error}`;
+        this.connError = ["server: ", user(msg.error)];
         this.renderError();
         return;
       }
@@ -693,7 +779,8 @@ class Tile {
       return;
     }
     if (!this.meta) return;
-    const pair = { meta: this.meta, blob: event.data };
+    const pair = { meta: this.meta, blob: event.data, number: ++this.received };
+    this.receivedAt = performance.now();
     this.meta = null;
     if (this.drawing) {
       this.queued = pair;
@@ -710,13 +797,17 @@ class Tile {
         bitmap.close();
         return;
       }
-      this.current?.bitmap.close();
-      this.current = { meta: pair.meta, bitmap };
-      if (!this.editing) {
-        for (const b of this.element.querySelectorAll(EDIT_BUTTONS)) b.disabled = this.fromFile;
+      if (pair.number <= this.blankUpTo) {
+        bitmap.close(); // from before the stream stopped showing
+      } else {
+        this.current?.bitmap.close();
+        this.current = { meta: pair.meta, bitmap };
+        if (!this.editing) {
+          for (const b of this.element.querySelectorAll(EDIT_BUTTONS)) b.disabled = this.fromFile;
+        }
+        this.paint();
+        this.countFrame(pair.meta);
       }
-      this.paint();
-      this.countFrame(pair.meta);
     } catch (err) {
       this.connError = `cannot show frame: ${err.message}`;
       this.renderError();
@@ -728,15 +819,66 @@ class Tile {
     if (next && !this.closed) this.show(next);
   }
 
-  // Draws the current frame, the region (the one being edited, else the saved one) under the
-  // boxes, and the boxes.
+  // A state change from the WebSocket (?states=true), in order with the frames: a stream that
+  // shows nothing now (disabled, failed, played to its end) drops its picture right after its
+  // last frame.
+  onState(msg) {
+    this.state = msg.state;
+    this.stateError = msg.error ?? null;
+    if (NOT_SHOWING.has(msg.state)) this.setBlank();
+    this.renderPlaceholder();
+  }
+
+  // The stream shows nothing now: the last picture and its boxes go (the canvas stays black
+  // at its size, with the stream's region, zones and lines, so an editor open stays usable),
+  // and so do frames received until now that are not drawn yet; the next frame received
+  // brings the picture back.
+  setBlank() {
+    this.blankUpTo = this.received;
+    this.queued = null;
+    if (!this.current) return;
+    this.current.bitmap.close();
+    this.current = null;
+    if (!this.editing) {
+      for (const b of this.element.querySelectorAll(EDIT_BUTTONS)) b.disabled = true;
+    }
+    this.paint();
+  }
+
+  // Over a tile without a picture, a line saying why.
+  renderPlaceholder() {
+    const box = $(".tile-blank", this.element);
+    box.hidden = Boolean(this.current);
+    if (box.hidden) return;
+    const state = this.state;
+    let text;
+    if (state === "disabled") text = "disabled: its camera is closed, nothing is shown";
+    else if (endedAsAsked(state, this.stateError)) text = "played to its end: nothing to show";
+    else if (state === "stopped" || state === "failed") text = `${state}: nothing to show`;
+    else if (state === "removed") text = "removed";
+    else text = `${state ?? "connecting"}: waiting for a picture…`;
+    box.textContent = text;
+  }
+
+  // Draws the current frame (black where it shows nothing now), the region (the one being
+  // edited, else the saved one), masks, zones and lines under the boxes, and the boxes.
   paint() {
-    if (!this.current || this.closed) return;
-    const { meta, bitmap } = this.current;
-    this.canvas.width = bitmap.width;
-    this.canvas.height = bitmap.height;
+    if (this.closed) return;
+    this.renderPlaceholder();
+    if (!this.current && !this.canvas.width) return; // no picture yet: nothing to draw on
+    const meta = this.current?.meta ?? null;
     const ctx = this.canvas.getContext("2d");
-    ctx.drawImage(bitmap, 0, 0);
+    if (this.current) {
+      const { bitmap } = this.current;
+      this.canvas.width = bitmap.width;
+      this.canvas.height = bitmap.height;
+      ctx.drawImage(bitmap, 0, 0);
+      this.lastDrawn = { frame: meta.frame, capturedAt: meta.captured_at, size: [meta.width, meta.height] };
+    } else {
+      this.canvas.width = this.canvas.width; // cleared, its context's state reset
+      ctx.fillStyle = "#000000";
+      ctx.fillRect(0, 0, this.canvas.width, this.canvas.height);
+    }
     const region = this.editMode === "region" ? this.editing : this.region;
     drawRegion(ctx, region, this.editMode === "region");
     drawMasks(ctx, this.masks, this.editMode === "mask" ? this.editing : null);
@@ -745,14 +887,16 @@ class Tile {
       ...drawLines(ctx, this.lines, this.crossings),
     ];
     if (this.editMode === "line") drawLineEdit(ctx, this.editing);
-    const shapes = drawDetections(
+    const shapes = meta ? drawDetections(
       ctx, meta.detections ?? [], this.canvas.width / meta.width, this.canvas.height / meta.height,
-    );
+    ) : [];
     // Zone and line counts over the boxes: a box's label never hides them.
     for (const tag of tags) drawTag(ctx, ...tag);
+    // blank: the state in which it shows nothing now (frame: the last one drawn), else null.
     debug.drawn[this.canvas.id] = {
-      frame: meta.frame, capturedAt: meta.captured_at, shapes, detections: meta.detections ?? [],
-      size: [meta.width, meta.height], region, editing: this.editMode, lines: this.lines,
+      frame: this.lastDrawn?.frame ?? -1, capturedAt: this.lastDrawn?.capturedAt ?? null, shapes,
+      detections: meta?.detections ?? [], size: this.lastDrawn?.size ?? null,
+      blank: meta ? null : this.state ?? "", region, editing: this.editMode, lines: this.lines,
       zones: this.zones, masks: this.masks,
     };
   }
@@ -768,29 +912,37 @@ class Tile {
   }
 
   async onClose(event) {
-    const why = event.reason ? `: ${event.reason}` : "";
+    const why = event.reason ? [": ", user(event.reason)] : "";
+    if (event.code === 4404 || event.code === 1000) {
+      // Removed. The next list says whether for good (the tile goes with the stream from the
+      // list) or added again under its id since: then update() subscribes again. It returned
+      // here for good: a stream added again kept a dead tile, ticked Watch and no viewer.
+      this.goneAt = performance.now();
+      this.state = "removed";
+      this.setBlank();
+      this.renderPlaceholder();
+      this.connError = ["stream no longer exists", why];
+      this.renderError();
+      refreshStreams();
+      return;
+    }
     if (event.code === 1008) {
-      const ok = !keyDeclined && await askForKey(`The live view needs an API key (${event.code}${why}).`);
+      const ok = !keyDeclined && await askForKey(["The live view needs an API key (", `${event.code}`, why, ")."]);
       if (!ok) {
         this.connError = "401 Unauthorized: enter an API key with the “API key” button";
         this.renderError();
         return;
       }
       this.backoffMs = RECONNECT_MIN_MS;
-    } else if (event.code === 4404 || event.code === 1000) {
-      this.connError = `stream no longer exists${why}`;
-      this.renderError();
-      refreshStreams();
-      return;
     } else if (event.code === 4400) {
-      this.connError = `the server refused the viewer's options${why}`;
+      this.connError = ["the server refused the viewer's options", why];
       this.renderError();
       return;
     } else {
       // 1006 says nothing: a refused key (HTTP 401 on the handshake) looks the same as a
       // server that is gone, so ask the REST API, which tells the two apart.
       refreshStreams();
-      this.connError = `connection lost (code ${event.code}${why}); reconnecting…`;
+      this.connError = [`connection lost (code ${event.code}`, why, "); reconnecting…"];
       this.renderError();
     }
     this.reconnectSoon();
@@ -812,10 +964,10 @@ class Tile {
   }
 
   renderError() {
-    const text = [this.streamError, this.connError].filter(Boolean).join(" — ");
+    const parts = [this.streamError, this.connError].filter(Boolean);
     const line = $(".tile-error", this.element);
-    line.textContent = text;
-    line.hidden = !text;
+    setText(line, joinParts(parts, " — "));
+    line.hidden = parts.length === 0;
   }
 
   close() {
@@ -844,35 +996,43 @@ function streamFps(stream) {
   return typeof fps === "number" ? fps.toFixed(1) : "–";
 }
 
+// What is wrong with a stream now, as parts (null: nothing). A file played once that reached
+// its end is not a problem: it ended as asked.
 function streamProblem(stream) {
   const error = stream.last_error ?? stream.error;
-  if (!error || HEALTHY_STATES.has(stream.state)) return null;
-  return `${stream.state ?? "error"}: ${error}`;
+  if (!error || HEALTHY_STATES.has(stream.state) || endedAsAsked(stream.state, error)) return null;
+  return [stream.state ?? "error", ": ", user(error)];
+}
+
+// Joins lists of parts with a separator.
+function joinParts(lists, separator) {
+  return lists.flatMap((parts, i) => (i ? [separator, parts] : [parts]));
 }
 
 function streamObjects(stream) {
   const detect = stream.detect;
   if (!detect) return "–";
-  const classes = detect.classes === null ? "all" : detect.classes.join(", ");
-  let text = `${classes} ≥ ${Number(detect.conf).toFixed(2)}`;
-  if (detect.roi) text += " · region";
+  const classes = detect.classes === null ? "all" : joinParts(detect.classes.map(user), ", ");
+  const text = [classes, ` ≥ ${Number(detect.conf).toFixed(2)}`];
+  if (detect.roi) text.push(" · region");
   for (const line of detect.lines ?? []) {
     const counts = lineCounts(stream.crossings, line.name);
-    text += ` · ${line.name} ${counts.in} in / ${counts.out} out`;
+    text.push(" · ", user(line.name), ` ${counts.in} in / ${counts.out} out`);
   }
   for (const zone of detect.zones ?? []) {
     const counts = zoneCounts(stream.zones, zone.name);
-    text += ` · ${zone.name} ${counts.now} now`;
-    if (detect.track) text += ` / ${counts.entered} entered`;
+    text.push(" · ", user(zone.name), ` ${counts.now} now`);
+    if (detect.track) text.push(` / ${counts.entered} entered`);
   }
   if (detect.track) {
-    const counted = Object.entries(stream.tracked ?? {}).map(([name, n]) => `${n} ${name}`);
-    text += ` · tracked${counted.length ? `: ${counted.join(", ")}` : ""}`;
+    const counted = Object.entries(stream.tracked ?? {}).map(([name, n]) => [`${n} `, user(name)]);
+    text.push(" · tracked", counted.length ? [": ", joinParts(counted, ", ")] : "");
   }
   return text;
 }
 
-function renderStreams(list) {
+// list: GET /streams' streams, asked for at `asked` (performance.now()).
+function renderStreams(list, asked) {
   const rows = $("#stream-rows");
   const seen = new Set();
   for (const stream of list) {
@@ -895,7 +1055,7 @@ function renderStreams(list) {
     }
     const name = stream.name || stream.id;
     $(".name", row).textContent = name;
-    $(".name", row).title = stream.url ?? "";
+    $(".name", row).title = isolated(stream.url ?? "");
     $(".watch", row).checked = watched.has(stream.id);
     $(".watch", row).setAttribute("aria-label", `watch ${name}`);
     $(".remove", row).setAttribute("aria-label", `remove ${name}`);
@@ -911,19 +1071,20 @@ function renderStreams(list) {
     toggle.setAttribute("aria-label", `${toggle.textContent.toLowerCase()} ${name}`);
     $(".state", row).textContent = stream.state ?? "?";
     $(".fps", row).textContent = streamFps(stream);
-    $(".objects", row).textContent = streamObjects(stream);
+    setText($(".objects", row), streamObjects(stream));
     $(".objects", row).title = "classes and minimum confidence detected on this stream";
     const problem = streamProblem(stream);
     if (problem) {
-      row.dataset.error = problem;
-      $(".state", row).title = problem;
-      showError(`stream:${stream.id}`, `Stream ${name}: ${problem}`);
+      row.dataset.error = plain(problem);
+      $(".state", row).title = isolated(plain(problem));
+      // A dismissed one stays away while the stream's error is the same.
+      showError(`stream:${stream.id}`, ["Stream ", user(name), ": ", problem], stream.last_error ?? stream.error);
     } else {
       delete row.dataset.error;
       $(".state", row).title = "";
       clearError(`stream:${stream.id}`);
     }
-    tiles.get(stream.id)?.update(stream);
+    tiles.get(stream.id)?.update(stream, asked);
   }
   for (const row of [...rows.children]) {
     if (!seen.has(row.dataset.id)) {
@@ -969,12 +1130,13 @@ function syncTiles() {
 
 async function refreshStreams() {
   try {
+    const asked = performance.now();
     const body = await (await api("/streams")).json();
-    renderStreams(Array.isArray(body) ? body : body.streams ?? []);
+    renderStreams(Array.isArray(body) ? body : body.streams ?? [], asked);
     clearError("streams");
   } catch (err) {
     if (err.status > 0 && err.status !== 401) {
-      showError("streams", `Listing streams failed: ${err.message}`);
+      showError("streams", ["Listing streams failed: ", user(err.message)]);
     }
   }
 }
@@ -1013,7 +1175,7 @@ async function addStream(event) {
     saveWatched();
     await refreshStreams();
   } catch (err) {
-    showError("add", `Adding the stream failed: ${err.message}`);
+    showError("add", ["Adding the stream failed: ", user(err.message)]);
   }
 }
 
@@ -1028,7 +1190,7 @@ async function setEnabled(id, enabled) {
     clearError(`enable:${id}`);
     refreshStreams();
   } catch (err) {
-    showError(`enable:${id}`, `${enabled ? "Enabling" : "Disabling"} stream ${id} failed: ${err.message}`);
+    showError(`enable:${id}`, [enabled ? "Enabling" : "Disabling", " stream ", user(id), " failed: ", user(err.message)]);
   }
 }
 
@@ -1039,7 +1201,7 @@ async function removeStream(id) {
     forgetStream(id);
   } catch (err) {
     if (err.status === 404) forgetStream(id);
-    else showError(`remove:${id}`, `Removing stream ${id} failed: ${err.message}`);
+    else showError(`remove:${id}`, ["Removing stream ", user(id), " failed: ", user(err.message)]);
   }
 }
 
@@ -1051,13 +1213,13 @@ async function runPlayground(file) {
   playgroundFile = file;
   const summary = $("#pg-summary");
   const list = $("#pg-list");
-  summary.textContent = `Detecting ${file.name}…`;
+  setText(summary, ["Detecting ", user(file.name), "…"]);
   list.replaceChildren();
   let bitmap;
   try {
     bitmap = await createImageBitmap(file);
   } catch {
-    showError("playground", `${file.name} is not an image this browser can show; pick a JPEG, PNG or WebP.`);
+    showError("playground", [user(file.name), " is not an image this browser can show; pick a JPEG, PNG or WebP."]);
     summary.textContent = "";
     return;
   }
@@ -1077,19 +1239,19 @@ async function runPlayground(file) {
     );
     debug.drawn[canvas.id] = { file: file.name, shapes, detections: result.detections };
     const timing = result.timing_ms ?? {};
-    summary.textContent = `${file.name}: ${result.detections.length} detection(s), ` +
-      `${result.image.width}×${result.image.height}, ${timing.total ?? "?"} ms (${result.model})`;
+    setText(summary, [user(file.name), `: ${result.detections.length} detection(s), ` +
+      `${result.image.width}×${result.image.height}, ${timing.total ?? "?"} ms (`, user(result.model), ")"]);
     for (const det of result.detections) {
       const item = document.createElement("li");
-      item.textContent = `${det.class_name} ${det.confidence.toFixed(2)} ` +
-        `[${det.box.map((v) => Math.round(v)).join(", ")}]`;
+      setText(item, [user(det.class_name), ` ${det.confidence.toFixed(2)} ` +
+        `[${det.box.map((v) => Math.round(v)).join(", ")}]`]);
       item.style.borderLeft = `6px solid ${classColor(det.class_id)}`;
       item.style.paddingLeft = "4px";
       list.append(item);
     }
   } catch (err) {
     summary.textContent = "";
-    showError("playground", `Detection failed for ${file.name}: ${err.message}`);
+    showError("playground", ["Detection failed for ", user(file.name), ": ", user(err.message)]);
   } finally {
     bitmap.close();
   }
@@ -1131,25 +1293,31 @@ let eventsGeneration = 0;
 let lastEventId = null; // the newest event shown: where a new connection reads on from
 debug.events = [];
 
-// One event (GET /events' JSON) as a sentence: "car #12 entered dock".
+// One event (GET /events' JSON) as a sentence, in parts: "car #12 entered dock".
 function eventText(e) {
-  const who = `${e.class_name} #${e.track_id}`;
-  if (e.type === "line_crossing") return `${who} crossed ${e.line} (${e.direction})`;
-  if (e.type === "zone_enter") return `${who} entered ${e.zone}`;
-  if (e.type === "zone_loiter") return `${who} loitering in ${e.zone} for ${Number(e.dwell_s).toFixed(0)} s`;
-  if (e.type === "manual") return `${e.label} (created from outside)`;
+  const who = [user(e.class_name), ` #${e.track_id}`];
+  if (e.type === "line_crossing") return [who, " crossed ", user(e.line), " (", user(e.direction), ")"];
+  if (e.type === "zone_enter") return [who, " entered ", user(e.zone)];
+  if (e.type === "zone_loiter") {
+    return [who, " loitering in ", user(e.zone), ` for ${Number(e.dwell_s).toFixed(0)} s`];
+  }
+  if (e.type === "manual") return [user(e.label), " (created from outside)"];
   if (e.type === "stream_state") {
     if (e.state === "live") return "is live";
     if (e.state === "removed") return "was removed";
     if (e.state === "disabled") return "was disabled";
-    const why = e.error ? `: ${e.error}` : "";
-    return e.state === "failed" ? `failed${why}` : `lost its source${why}`;
+    // A file played once ("loop": false) that reached its end stopped as it was asked to.
+    if (endedAsAsked(e.state, e.error)) return "played to its end";
+    const why = e.error ? [": ", user(e.error)] : "";
+    if (e.state === "failed") return ["failed", why];
+    if (e.state === "stopped") return ["stopped", why];
+    return ["lost its source", why];
   }
   if (e.type === "zone_exit") {
-    const how = e.lost ? "lost in" : "left";
-    return `${who} ${how} ${e.zone} after ${Number(e.dwell_s).toFixed(1)} s`;
+    const how = e.lost ? " lost in " : " left ";
+    return [who, how, user(e.zone), ` after ${Number(e.dwell_s).toFixed(1)} s`];
   }
-  return JSON.stringify(e);
+  return [user(JSON.stringify(e))];
 }
 
 function showEvent(e) {
@@ -1166,16 +1334,17 @@ function showEvent(e) {
   const stream = streams.get(e.stream_id)?.name || e.stream_name || e.stream_id;
   const text = document.createElement("span");
   text.className = "event-text";
-  text.textContent = `${at} · ${stream} · ${eventText(e)}`;
-  if (e.thumbnail) li.append(eventThumbnail(e, () => showSnapshot(e, text.textContent)), " ");
+  const sentence = [at, " · ", user(stream), " · ", eventText(e)];
+  setText(text, sentence);
+  if (e.thumbnail) li.append(eventThumbnail(e, () => showSnapshot(e, sentence)), " ");
   li.append(text, " ");
   if (e.snapshot) {
     li.append(eventButton("event-snapshot", "Snapshot", "The frame it happened in", () =>
-      showSnapshot(e, text.textContent)));
+      showSnapshot(e, sentence)));
   }
   if (e.clip) {
     li.append(" ", eventButton("event-clip", "Clip", "The video around it", () =>
-      showClip(e, text.textContent)));
+      showClip(e, sentence)));
   }
   const list = $("#event-list");
   list.prepend(li);
@@ -1192,7 +1361,7 @@ function showEvent(e) {
 function eventThumbnail(e, onclick) {
   const image = document.createElement("img");
   image.className = "event-thumb";
-  image.alt = `${e.class_name} #${e.track_id}`;
+  image.alt = `${isolated(e.class_name)} #${e.track_id}`;
   image.title = "The object; click for the frame it was in";
   image.onclick = onclick;
   api(served(e.thumbnail))
@@ -1219,10 +1388,10 @@ async function showSnapshot(e, caption) {
     const image = $("#snapshot-image");
     if (image.src) URL.revokeObjectURL(image.src);
     image.src = URL.createObjectURL(blob);
-    $("#snapshot-caption").textContent = caption;
+    setText($("#snapshot-caption"), caption);
     $("#snapshot-dialog").showModal();
   } catch (err) {
-    showError("snapshot", `Snapshot of event ${e.id}: ${err.message}`);
+    showError("snapshot", [`Snapshot of event ${e.id}: `, user(err.message)]);
   }
 }
 
@@ -1231,15 +1400,15 @@ async function showSnapshot(e, caption) {
 async function showClip(e, caption, what = `Clip of event ${e.id}`) {
   const status = $("#clip-caption");
   try {
-    status.textContent = `${caption} · loading the clip…`;
+    setText(status, [caption, " · loading the clip…"]);
     const blob = await (await api(served(e.clip))).blob();
     const video = $("#clip-video");
     if (video.src) URL.revokeObjectURL(video.src);
     video.src = URL.createObjectURL(blob);
-    status.textContent = caption;
+    setText(status, caption);
     $("#clip-dialog").showModal();
   } catch (err) {
-    showError("clip", `${what}: ${err.message}`);
+    showError("clip", [what, ": ", user(err.message)]);
   }
 }
 
@@ -1256,11 +1425,13 @@ function freeName(word, shapes) {
 // /events after them, so none falls between. The browser reconnects by itself after a network
 // error and resumes after the last event it got (Last-Event-ID); a refusal (401, a server not
 // ready) closes it, and it is opened again a little later, after the last event shown.
+// While the tab is hidden it stays closed (pauseEvents).
 async function connectEvents() {
   const generation = ++eventsGeneration;
   clearTimeout(eventRetry);
   eventSource?.close();
   eventSource = null;
+  if (document.visibilityState === "hidden") return; // opened when the tab is shown
   const params = eventFilter();
   if (lastEventId === null) {
     try {
@@ -1275,7 +1446,7 @@ async function connectEvents() {
     } catch (err) {
       if (generation !== eventsGeneration) return;
       if (err.status === 422 || err.status === 404) {
-        showError("event-filter", `Event filter: ${err.message}`); // fixed in the form
+        showError("event-filter", ["Event filter: ", user(err.message)]); // fixed in the form
         return;
       }
       eventRetry = setTimeout(connectEvents, EVENTS_RETRY_MS); // the error list says why
@@ -1299,6 +1470,24 @@ async function connectEvents() {
     }
   };
 }
+
+// An open EventSource holds one of the 6 connections Chromium (and Firefox) open to a server
+// over HTTP/1.1, for as long as it is open: six tabs of the page held them all, a seventh
+// never loaded and every call of the six waited. A hidden tab lets go of it, and opens it
+// again when shown, after the last event it showed (events logged meanwhile come then; those
+// the server's log no longer has are counted as missed). The page holds no other request
+// open: tiles are WebSockets, which do not count against that limit, and nothing long-polls.
+function pauseEvents() {
+  ++eventsGeneration; // a first page still loading opens nothing
+  clearTimeout(eventRetry);
+  eventSource?.close();
+  eventSource = null;
+}
+
+document.addEventListener("visibilitychange", () => {
+  if (document.visibilityState === "hidden") pauseEvents();
+  else connectEvents();
+});
 
 // The event list's filters (GET /events' query): a stream, a type, classes.
 function eventFilter() {
@@ -1330,7 +1519,8 @@ function updateEventStreams() {
   const now = options.map(([id, name]) => `${id}\u0000${name}`).join("\u0001");
   if (select.dataset.options === now) return;
   select.dataset.options = now;
-  select.replaceChildren(...options.map(([id, name]) => new Option(name, id, false, id === chosen)));
+  select.replaceChildren(...options.map(([id, name]) =>
+    new Option(id ? isolated(name) : name, id, false, id === chosen)));
   if (select.value !== chosen) refilterEvents(); // the stream it showed is gone
 }
 
@@ -1349,7 +1539,7 @@ async function downloadCounts() {
     setTimeout(() => URL.revokeObjectURL(link.href), 10_000);
     clearError("event-filter");
   } catch (err) {
-    showError("event-filter", `Event counts: ${err.message}`);
+    showError("event-filter", ["Event counts: ", user(err.message)]);
   }
 }
 
@@ -1376,18 +1566,22 @@ function jobProgress(job) {
 }
 
 // What a job found: its objects by class (each counted once where it tracked), and its lines'
-// crossings.
+// crossings; as parts.
 function jobFound(job) {
-  if (job.error) return job.error;
+  if (job.error) return [user(job.error)];
   const counts = job.counts;
-  if (!counts) return "";
+  if (!counts) return [];
   const byClass = Object.keys(counts.tracked ?? {}).length ? counts.tracked : counts.detections;
-  const parts = Object.entries(byClass ?? {}).map(([name, n]) => `${name} ${n}`);
+  const parts = Object.entries(byClass ?? {}).map(([name, n]) => [user(name), ` ${n}`]);
   for (const [line, ways] of Object.entries(counts.crossings ?? {})) {
     const sum = (side) => Object.values(ways[side] ?? {}).reduce((a, b) => a + b, 0);
-    parts.push(`${line}: ${sum("in")} in, ${sum("out")} out`);
+    parts.push([user(line), `: ${sum("in")} in, ${sum("out")} out`]);
   }
-  return parts.join(", ") || "nothing";
+  return parts.length ? joinParts(parts, ", ") : ["nothing"];
+}
+
+function jobName(job) {
+  return job.name || job.source.upload || job.source.url || job.id;
 }
 
 function renderJobs(list) {
@@ -1398,7 +1592,8 @@ function renderJobs(list) {
     const row = document.createElement("tr");
     row.dataset.id = job.id;
     const name = document.createElement("td");
-    name.textContent = job.name || job.source.upload || job.source.url || job.id;
+    name.className = "job-name";
+    name.textContent = jobName(job);
     const state = document.createElement("td");
     const badge = document.createElement("span");
     badge.className = "badge job-state";
@@ -1415,7 +1610,7 @@ function renderJobs(list) {
     progress.append(bar, " ", text);
     const found = document.createElement("td");
     found.className = "job-found";
-    found.textContent = jobFound(job);
+    setText(found, jobFound(job));
     const actions = document.createElement("td");
     if (job.video_url && !JOB_STATES_RUNNING.has(job.state) && job.progress.frames_processed) {
       actions.append(eventButton("job-video", "Video", "The frames drawn, as a video", () =>
@@ -1439,7 +1634,7 @@ async function refreshJobs() {
     renderJobs((await (await api("/jobs?limit=20")).json()).jobs);
     clearError("jobs");
   } catch (err) {
-    if (err.status !== 0) showError("jobs", `Video jobs: ${err.message}`);
+    if (err.status !== 0) showError("jobs", ["Video jobs: ", user(err.message)]);
   }
 }
 
@@ -1467,7 +1662,7 @@ async function addJob(event) {
     clearError("add-job");
     status.textContent = "";
   } catch (err) {
-    showError("add-job", `Video job: ${err.message}`);
+    showError("add-job", ["Video job: ", user(err.message)]);
     status.textContent = "";
   } finally {
     button.disabled = false;
@@ -1479,7 +1674,7 @@ async function deleteJob(id) {
   try {
     await api(`/jobs/${encodeURIComponent(id)}`, { method: "DELETE" });
   } catch (err) {
-    showError("jobs", `Video job ${id}: ${err.message}`);
+    showError("jobs", ["Video job ", user(id), ": ", user(err.message)]);
   }
   await refreshJobs();
 }
@@ -1493,13 +1688,13 @@ async function downloadJob(job, path, suffix) {
     link.click();
     setTimeout(() => URL.revokeObjectURL(link.href), 10_000);
   } catch (err) {
-    showError("jobs", `Video job ${job.id}: ${err.message}`);
+    showError("jobs", ["Video job ", user(job.id), ": ", user(err.message)]);
   }
 }
 
 // The job's drawn video, in the clip dialog.
 async function showJobVideo(job) {
-  const caption = `${job.name || job.source.upload || job.id} · ${jobFound(job)}`;
+  const caption = [user(job.name || job.source.upload || job.id), " · ", jobFound(job)];
   await showClip({ id: job.id, clip: job.video_url }, caption, `Video of job ${job.id}`);
 }
 
@@ -1516,7 +1711,7 @@ $("#add-job").addEventListener("submit", addJob);
 async function showModel() {
   try {
     const model = await (await api("/model")).json();
-    $("#model-name").textContent = `${model.model} · ${model.backend}`;
+    setText($("#model-name"), [user(model.model), " · ", user(model.backend)]);
   } catch {
     // The status badge and the error list already say why.
   }
