@@ -49,3 +49,16 @@ def test_a_stream_added_again_under_its_id_is_measured_from_its_new_start() -> N
     tracker.observe({})
     now[0] += 5
     assert tracker.observe({"a": (600, 590)}) == pytest.approx({"a": 590 / 600})
+
+
+def test_a_stream_sampled_under_half_its_rate_is_measured_on_the_frames_it_sent() -> None:
+    """12.5 fps sampled at 5, 41 of the 52 frames sent to the engine dropped: 0.79, over the
+    threshold (measured on every frame taken in, 41 of 131, it could never pass 0.5)."""
+    from server.routes.health import sent
+
+    cars = {"frames_in": 131, "skipped": 79, "motion_skipped": 0, "drops": 41}
+    tracker = StreamPressure(clock=lambda: 1000.0)
+    ratio = tracker.observe({"cars": (sent(cars), cars["drops"])})["cars"]
+    assert ratio == pytest.approx(41 / 52) and ratio > DROP_RATIO_THRESHOLD
+    still = {"frames_in": 131, "skipped": 60, "motion_skipped": 19, "drops": 41}
+    assert sent(still) == 52

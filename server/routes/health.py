@@ -73,7 +73,9 @@ def stream_pressure(request: Request) -> dict[str, Any] | None:
     tracker: StreamPressure | None = getattr(request.app.state, "stream_pressure", None)
     if tracker is None:
         tracker = request.app.state.stream_pressure = StreamPressure()
-    ratios = tracker.observe({s["id"]: (int(s["frames_in"]), int(s["drops"])) for s in streams})
+    # Of the frames sent to the engine: those max_fps or motion left out never were (a
+    # stream sampled at under half its source's rate could drop all it sent, and never pass).
+    ratios = tracker.observe({s["id"]: (sent(s), int(s["drops"])) for s in streams})
     dropping = {sid: round(r, 3) for sid, r in sorted(ratios.items()) if r > DROP_RATIO_THRESHOLD}
     _, lane = state.pool.queue.depth()
     return {
@@ -118,3 +120,9 @@ async def model(request: Request) -> dict[str, Any]:
         "max_batch": engine.max_batch,
         "names": {str(k): v for k, v in engine.names.items()},
     }
+
+
+def sent(stream: dict[str, Any]) -> int:
+    """A stream's frames sent to the engine: taken in, less those its ``max_fps`` or its
+    motion check left out."""
+    return int(stream["frames_in"]) - int(stream["skipped"]) - int(stream["motion_skipped"])
