@@ -285,6 +285,7 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             # A list of none kept nothing (a "," or "" is every class, null too).
             ({"classes": []}, "classes: give at least one class, or null for every"),
             ({"classes": [" "]}, "classes: give at least one class, or null for every"),
+            ({"classes": [True]}, "classes"),  # a class id, not a boolean (it was 1: bicycle)
             ({"conf": 1.5}, "conf"),
             ({"max_det": 0}, "max_det"),
             ({"clases": ["bottle"]}, "clases"),  # misspelt: refused, not ignored

@@ -323,10 +323,12 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         ({"since": "yesterday"}, 422, "since"),
         ({"since": 1764513000, "until": "2025-11-30T14:30:00Z"}, 422, "until: must be after"),
         ({"has_clip": "perhaps"}, 422, "has_clip"),
+        ({"latest": "true"}, 422, "latest: reads the newest events once"),  # as SSE, below
     )
     with TestClient(file_stream_app(tmp_path)) as c:
         for query, status, words in bad:
-            resp = c.get("/events", params=query)
+            sse = {"accept": "text/event-stream"} if "latest" in query else {}
+            resp = c.get("/events", params=query, headers=sse)
             assert resp.status_code == status and words in resp.text, (query, resp.text)
         first = c.get("/events").json()
         assert first["events"] == [] and first["missed"] == 0
@@ -362,6 +364,11 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         x1, y1, x2, y2 = event["box"]
         side = min(event["height"], round(max(x2 - x1, y2 - y1) * 1.6), 320)
         assert abs(cut.shape[0] - side) <= 1, (cut.shape, event)
+        # An empty list of types is every type, as classes=, is (it matched none, its
+        # cursor past them all).
+        every = c.get("/events", params={"limit": 1000}).json()
+        listed = c.get("/events", params={"type": ",", "limit": 1000}).json()["events"]
+        assert [e for e in listed if e["id"] <= every["next"]] == every["events"]
         state = c.get("/events", params={"type": "stream_state"}).json()["events"][0]
         refused = c.get(f"/events/{state['id']}/thumbnail.jpg")
         assert refused.status_code == 404 and "has no object to cut out" in refused.text

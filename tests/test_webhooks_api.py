@@ -57,6 +57,7 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
                 ({"url": "ftp://x/hook"}, "is not an http:// or https:// URL"),
                 ({"url": receiver.url, "filter": {"type": "zone_enter,bogus"}}, "['bogus']"),
                 ({"url": receiver.url, "filter": {"classes": ["unicorn"]}}, "'unicorn'"),
+                ({"url": receiver.url, "filter": {"classes": [True]}}, "classes"),  # not 1
                 ({"url": receiver.url, "filter": {"colour": "red"}}, "colour"),
                 ({"url": receiver.url, "sekret": "x"}, "sekret"),
                 # Kept as no criterion, it was sent every event.

@@ -56,9 +56,9 @@ def parse_types(raw: str | None) -> frozenset[str] | None:
     Raises:
         HTTPException: 422 naming an unknown type and the known ones.
     """
-    if raw is None or not raw.strip():
+    types = frozenset(t.strip() for t in (raw or "").split(",") if t.strip())
+    if not types:  # "," too, as classes=, zone= and stream_id= (it matched nothing, silently)
         return None
-    types = frozenset(t.strip() for t in raw.split(",") if t.strip())
     unknown = types - EVENT_TYPES
     if unknown:
         raise HTTPException(
@@ -185,6 +185,10 @@ async def read_events(
     log = get_manager(request).events
     root = root_of(request.scope)
     if "text/event-stream" in request.headers.get("accept", ""):
+        if latest:  # it streamed from the newest on, limit unused: as the JSON form says
+            raise HTTPException(
+                422, "latest: reads the newest events once; a stream of events takes after"
+            )
         cursor = _resume_from(request.headers.get("last-event-id"), after, log)
         return StreamingResponse(
             _event_stream(log, cursor, wanted, root),

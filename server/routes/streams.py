@@ -29,6 +29,8 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictInt,
+    StrictStr,
     ValidationError,
     field_validator,
 )
@@ -90,7 +92,7 @@ class LineIn(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), printable("lines")]
     points: Annotated[list[tuple[float, float]], Field(min_length=2, max_length=2)]
     classes: Annotated[
-        list[int | str] | str | None,
+        list[StrictInt | StrictStr] | str | None,
         Field(description="class ids or names it counts; null: every class"),
     ] = None
 
@@ -121,7 +123,7 @@ class ZoneIn(BaseModel):
         ),
     ] = None
     classes: Annotated[
-        list[int | str] | str | None,
+        list[StrictInt | StrictStr] | str | None,
         Field(description="class ids or names it counts (Frigate's zone objects); null: every"),
     ] = None
 
@@ -157,7 +159,7 @@ class DetectIn(BaseModel):
     conf: Annotated[float, Field(ge=0.0, le=1.0, description="minimum confidence")] = 0.25
     iou: Annotated[float, Field(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7
     classes: Annotated[
-        list[int | str] | str | None,
+        list[StrictInt | StrictStr] | str | None,
         Field(description="class ids or names, a list or a comma string; null: every class"),
     ] = None
     max_det: Annotated[int, Field(ge=1, le=1000, description="most detections")] = 300

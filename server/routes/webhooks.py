@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from server.metrics import Metrics, get_metrics
 from server.routes.detect import parse_classes
@@ -45,7 +45,8 @@ class WebhookFilterIn(BaseModel):
     stream_id: Annotated[Names, Field(description="stream ids")] = None
     type: Annotated[Names, Field(description="event types")] = None
     classes: Annotated[
-        list[str | int] | str | None, Field(description="class names or ids of the object")
+        list[StrictStr | StrictInt] | str | None,
+        Field(description="class names or ids of the object"),
     ] = None
     zone: Annotated[Names, Field(description="zone names")] = None
     line: Annotated[Names, Field(description="line names")] = None
