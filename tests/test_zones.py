@@ -435,3 +435,23 @@ def test_names_with_control_characters_or_lone_surrogates_are_refused(tmp_path: 
         assert ok.status_code == 200 and ok.json()["detect"]["zones"][0]["name"] == "入口"
     stored = {"zones": [{**SHELF, "name": "bad\u0000zone"}]}
     assert StreamDetect.from_description(stored, {39: "bottle"}).zones[0].name == "bad\u0000zone"
+
+
+def test_a_zone_left_empty_reads_0_in_the_metrics_not_nothing() -> None:
+    """``streamdet_stream_zone_objects`` of a class the stream has detected reads 0 while its
+    zone is empty, as ``streamdet_stream_objects`` does (the series went missing: gaps in
+    graphs, an "empty for 10 minutes" rule never fired); a zone counting some classes only
+    has series of those."""
+    from server.routes.streams import _zone_objects
+
+    info = {
+        "detect": {
+            "zones": [{"name": "dock", "classes": None}, {"name": "bay", "classes": ["car"]}]
+        },
+        "detections": {"car": 40, "person": 3},
+        "zones": {
+            "dock": {"now": {"person": 1}, "entered": {}, "exited": {}, "loitered": {}},
+            "bay": {"now": {}, "entered": {}, "exited": {}, "loitered": {}},
+        },
+    }
+    assert _zone_objects(info) == {("dock", "car"): 0, ("dock", "person"): 1, ("bay", "car"): 0}

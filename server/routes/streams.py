@@ -726,11 +726,25 @@ def metric_samples(manager: StreamManager) -> Iterator[StreamSample]:
                 for direction, by_class in ways.items()
                 for name, n in by_class.items()
             },
-            zone_objects=_by_zone(info["zones"], "now"),
+            zone_objects=_zone_objects(info),
             zone_entries=_by_zone(info["zones"], "entered"),
             zone_exits=_by_zone(info["zones"], "exited"),
             zone_loiters=_by_zone(info["zones"], "loitered"),
         )
+
+
+def _zone_objects(info: Mapping[str, Any]) -> dict[tuple[str, str], int]:
+    """What stands in each of a stream's zones now by ``(zone, class)``, 0 for a class the
+    stream has detected (and the zone counts) that stands in it no more, as its ``objects``
+    are: the series went missing while a zone was empty (gaps in graphs, and an "empty for
+    10 minutes" rule never fired)."""
+    counted = {z["name"]: z.get("classes") for z in info["detect"]["zones"]}
+    return {
+        (zone, name): counts["now"].get(name, 0)
+        for zone, counts in info["zones"].items()
+        for name in sorted(set(info["detections"]) | set(counts["now"]))
+        if counted.get(zone) is None or name in counted[zone]
+    }
 
 
 def _by_zone(
