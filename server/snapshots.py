@@ -113,6 +113,13 @@ class SnapshotStore:
             paths["thumbnail"] = THUMBNAIL_PATH.format(id=event["id"])
         return paths
 
+    def kept_from(self) -> int:
+        """The first event id whose snapshot may still be here: those below it lost theirs
+        (deleted for ``--event-snapshots`` or their age) though their events still name it.
+        Frames are kept newest first, so one id bounds them."""
+        held = [*self._kept[:1], *self._drawing]
+        return min(held) if held else self._log.last_id + 1
+
     def capture(self, frame: ProcessedFrame, events: list[dict[str, Any]]) -> None:
         """Event loop: start drawing ``frame`` for its ``events`` (as logged)."""
         if not self.enabled or not events:

@@ -93,6 +93,7 @@ class EventFilter:
         until: ``captured_at`` before this.
         has_clip: whether the event has a video clip.
         has_snapshot: whether the event has a snapshot.
+        snapshots_from: events below this id lost their snapshots (deleted since).
     """
 
     streams: frozenset[str] | None = None
@@ -104,6 +105,7 @@ class EventFilter:
     until: float | None = None
     has_clip: bool | None = None
     has_snapshot: bool | None = None
+    snapshots_from: int = 0
 
     def matches(self, event: dict[str, Any]) -> bool:
         """Whether ``event`` (as logged) passes every criterion given."""
@@ -125,7 +127,15 @@ class EventFilter:
             return False
         if self.has_clip is not None and ("clip" in event) != self.has_clip:
             return False
-        return self.has_snapshot is None or ("snapshot" in event) == self.has_snapshot
+        return self.has_snapshot is None or has_snapshot(event, self.snapshots_from) == (
+            self.has_snapshot
+        )
+
+
+def has_snapshot(event: dict[str, Any], snapshots_from: int) -> bool:
+    """Whether ``event`` (as logged) has its snapshot still: it was made one, and is not
+    below ``snapshots_from`` (:meth:`server.snapshots.SnapshotStore.kept_from`)."""
+    return "snapshot" in event and int(event["id"]) >= snapshots_from
 
 
 EVERY_EVENT = EventFilter()

@@ -56,6 +56,7 @@ from streams.geometry import Seen
 from streams.lines import Crossing
 from streams.zones import ZoneEvent
 from tests.helpers import (
+    BOTTLE_CLIP,
     CAR_CLIP,
     GATE,
     REPO,
@@ -1091,3 +1092,26 @@ def test_names_a_spreadsheet_would_run_as_formulas_are_written_as_text(tmp_path:
             c.post("/streams/cam/events", json={"label": f"bell {n}", "clip": False})
         first = c.get("/events").json()
         assert len(first["events"]) == 3 and first["missed"] == 0, first
+
+
+def test_events_whose_snapshots_were_deleted_no_longer_claim_one(tmp_path: Path) -> None:
+    """Snapshots are kept for the newest ``--event-snapshots`` frames with events; an older
+    event still named its snapshot and thumbnail (each a 404), and ``has_snapshot=true``
+    listed it (97 % of the events of a log at its defaults)."""
+    with TestClient(file_stream_app(tmp_path, event_snapshots=2)) as c:
+        sid = c.post("/streams", json={"url": f"file://{BOTTLE_CLIP}", "max_fps": 4}).json()["id"]
+        deadline = time.monotonic() + 60
+        while c.get(f"/streams/{sid}/latest.jpg").status_code != 200:
+            assert time.monotonic() < deadline, "the stream never had a frame"
+            time.sleep(0.1)
+        made = [c.post(f"/streams/{sid}/events", json={"label": f"n{i}"}).json() for i in range(4)]
+        assert all("snapshot" in event for event in made)
+        for event in made:  # each drawn (the older ones then deleted)
+            c.get(event["snapshot"])
+        kept = c.get("/events", params={"type": "manual", "has_snapshot": True}).json()["events"]
+        assert [e["label"] for e in kept] == ["n2", "n3"], kept
+        assert all(c.get(e["snapshot"]).status_code == 200 for e in kept)
+        listed = c.get("/events", params={"type": "manual"}).json()["events"]
+        assert [("snapshot" in e, "thumbnail" in e) for e in listed[:2]] == [(False, False)] * 2
+        lost = c.get("/events", params={"type": "manual", "has_snapshot": False}).json()
+        assert [e["label"] for e in lost["events"]] == ["n0", "n1"]

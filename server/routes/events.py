@@ -23,7 +23,6 @@ on, the video around it (``/clips/{id}.mp4``) are served here too.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -40,7 +39,14 @@ from server.routes.longpoll import wait_unless_gone
 from server.routes.paths import root_of, served_event
 from server.routes.streams import get_manager
 from server.state import get_state
-from streams.events import COUNT_KEYS, EVENT_TYPES, EventFilter, EventLog, count_events
+from streams.events import (
+    COUNT_KEYS,
+    EVENT_TYPES,
+    EventFilter,
+    EventLog,
+    count_events,
+    has_snapshot,
+)
 
 router = APIRouter()
 HEARTBEAT_S = 15.0
@@ -158,6 +164,7 @@ async def wanted_events(
         until=end,
         has_clip=has_clip,
         has_snapshot=has_snapshot,
+        snapshots_from=snapshots.kept_from() if (snapshots := get_state(request).snapshots) else 0,
     )
 
 
@@ -199,7 +206,7 @@ async def read_events(
         if after is not None or wait_s:
             raise HTTPException(422, "latest: reads the newest events; drop after and wait_s")
         page = log.latest(limit, wanted)
-        return _page(page.events, page.next, page.missed, root)
+        return _page(page.events, page.next, page.missed, root, wanted)
     # Without a cursor: from the oldest kept, none of which it missed (it was told it had
     # missed every event that left the log before it first asked).
     cursor = log.oldest_id - 1 if after is None else after
@@ -212,13 +219,23 @@ async def read_events(
         cursor = page.next
         if await wait_unless_gone(request, log.wait(cursor, left)):
             raise HTTPException(499, "the client closed the connection")
-    return _page(page.events, page.next, page.missed, root)
+    return _page(page.events, page.next, page.missed, root, wanted)
 
 
-def _page(events: list[dict[str, Any]], after: int, missed: int, root: str) -> dict[str, Any]:
+def _page(
+    events: list[dict[str, Any]], after: int, missed: int, root: str, wanted: EventFilter
+) -> dict[str, Any]:
     """A page of events as ``GET /events`` answers it, their paths under ``root``."""
-    served = [served_event(event, root) for event in events]
+    served = [_served(event, root, wanted) for event in events]
     return {"events": served, "next": after, "missed": missed}
+
+
+def _served(event: dict[str, Any], root: str, wanted: EventFilter) -> dict[str, Any]:
+    """``event`` as handed out, without the links to a snapshot and thumbnail deleted since
+    it was logged (they answered 404, and ``has_snapshot=true`` listed it)."""
+    if "snapshot" in event and not has_snapshot(event, wanted.snapshots_from):
+        event = {k: v for k, v in event.items() if k not in ("snapshot", "thumbnail")}
+    return served_event(event, root)
 
 
 @router.get("/events/counts", response_model=None)
@@ -315,7 +332,7 @@ async def _event_stream(
         if page.missed:
             missed = {"type": "missed", "missed": page.missed}
             yield f"data: {json.dumps(missed)}\n\n"
-        for event in map(served_event, page.events, itertools.repeat(root)):
+        for event in (_served(logged, root, wanted) for logged in page.events):
             yield f"id: {event['id']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
         now = time.monotonic()
         if page.events or page.missed:
