@@ -767,6 +767,7 @@ def _progress_from(data: Mapping[str, Any]) -> JobProgress:
         decode_errors=int(data.get("decode_errors", 0)),
         events=int(data.get("events", 0)),
         position_s=float(data.get("position_s") or 0.0),
+        gaps_s=float(data.get("gaps_s") or 0.0),
         duration_s=data.get("duration_s"),
         elapsed_s=data.get("elapsed_s"),
     )

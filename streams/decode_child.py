@@ -362,7 +362,7 @@ class _ChildJob:
 
     def _progress_now(self) -> tuple[Any, ...]:
         p = self._progress
-        return p.frames_read, p.decode_errors, p.position_s, p.duration_s
+        return p.frames_read, p.decode_errors, p.position_s, p.gaps_s, p.duration_s
 
     def _decode(self) -> None:
         for index, t, frame in sampled_frames(self._spec, self._progress, self._stopped):

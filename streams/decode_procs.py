@@ -104,10 +104,12 @@ JOB_POLL_S = 0.25
 
 
 def _progress(progress: JobProgress, counts: Sequence[Any]) -> None:
-    """A decode process's progress of a job (frames read, decode errors, position, duration)
-    into the job's."""
+    """A decode process's progress of a job (frames read, decode errors, position, gaps,
+    duration) into the job's."""
     if counts:
-        (progress.frames_read, progress.decode_errors, progress.position_s, duration) = counts
+        read, errors, position, gaps, duration = counts
+        progress.frames_read, progress.decode_errors, progress.position_s = read, errors, position
+        progress.gaps_s = gaps
         if duration is not None:
             progress.duration_s = duration
 

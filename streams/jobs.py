@@ -135,6 +135,7 @@ class JobProgress:
     decode_errors: int = 0
     events: int = 0
     position_s: float = 0.0
+    gaps_s: float = 0.0
     duration_s: float | None = None
     started_mono: float | None = None
     elapsed_s: float | None = None
@@ -160,6 +161,7 @@ class JobProgress:
             "decode_errors": self.decode_errors,
             "events": self.events,
             "position_s": round(self.position_s, 3),
+            "gaps_s": round(self.gaps_s, 3),
             "duration_s": None if self.duration_s is None else round(self.duration_s, 3),
             "progress": share,
             "elapsed_s": None if elapsed is None else round(elapsed, 3),
@@ -394,6 +396,10 @@ def sampled_frames(
                     if start is None:
                         start = frame.time
                     t = frame.time - start
+                if first is not None and t - progress.position_s > max(GAP_S, 10.0 / rate):
+                    # A part of the video is missing (an HLS segment the server no longer
+                    # has, a recording's break): FFmpeg reads on past it, without a word.
+                    progress.gaps_s += t - progress.position_s - 1.0 / rate
                 progress.position_s = t
                 if first is None:
                     first = t
@@ -412,6 +418,9 @@ def sampled_frames(
             progress.position_s += 1.0 / rate
         _check_whole(container, stream, first, progress.position_s)
 
+
+GAP_S = 1.0
+"""Frames further apart than this (and ten frames) are a gap in the video (``gaps_s``)."""
 
 ESTIMATED_DURATIONS = ("mpegts", "mpeg")
 """Formats whose duration FFmpeg estimates (from the bit rate), not reads from an index."""
@@ -573,6 +582,13 @@ def run_job(
                     held[1].extend(_dumps(event) for event in ended)
         finally:  # a job cut short keeps every frame it finished
             flush()
+    if progress.gaps_s:
+        log.warning(
+            "job %s: %.1f s of its video are missing (its frames jump: an HLS segment gone,"
+            " a recording's break); its results leave them out (progress.gaps_s)",
+            job_id,
+            progress.gaps_s,
+        )
     counts = analytics.snapshot()
     for last_frame in ("objects", "stationary"):  # meaningless for a whole video
         counts.pop(last_frame, None)

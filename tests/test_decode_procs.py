@@ -686,6 +686,22 @@ def test_a_job_decoded_in_a_decode_process_gives_what_one_decoded_here_does(
     assert hub.pids() and _shm_files() == before  # its ring gone with the job
 
 
+def test_a_jobs_missing_part_is_told_from_a_decode_process_too(
+    pool: EnginePool, hub: DecodeHub, tmp_path: Path
+) -> None:
+    """``gaps_s`` comes back with the process's progress, as its position does."""
+    from tests.test_jobs import _shifted
+
+    video = tmp_path / "gap.ts"
+    _shifted(CAR_CLIP, video, 5.0, 6.0, from_s=3.0)
+    (tmp_path / "here").mkdir()
+    (tmp_path / "there").mkdir()
+    _, here = _run_job(pool, tmp_path / "here", source=video)
+    _, there = _run_job(pool, tmp_path / "there", source=video, frames=hub.job_frames)
+    assert 4.5 < here.gaps_s < 5.5 and there.gaps_s == here.gaps_s
+    assert there.position_s == here.position_s
+
+
 def test_a_job_in_a_decode_process_is_cancelled_and_refused_with_why(
     pool: EnginePool, hub: DecodeHub, tmp_path: Path
 ) -> None:

@@ -945,9 +945,10 @@ def test_a_queued_jobs_file_whose_directory_became_a_link_out_is_not_read(
         assert job["progress"]["frames_read"] == 0, job
 
 
-def _shifted(source: Path, out: Path, by_s: float, length_s: float) -> None:
-    """The first ``length_s`` of ``source``'s video, its times ``by_s`` later (a recording cut
-    from a longer one, or an MPEG-TS that starts at 1.4 s), copied without decoding."""
+def _shifted(source: Path, out: Path, by_s: float, length_s: float, from_s: float = 0.0) -> None:
+    """The first ``length_s`` of ``source``'s video, its times from ``from_s`` on ``by_s``
+    later (a recording cut from a longer one, or an MPEG-TS that starts at 1.4 s; a part
+    missing), copied without decoding."""
     with av.open(str(source)) as given, av.open(str(out), "w") as copy:
         video = given.streams.video[0]
         base = video.time_base
@@ -959,8 +960,9 @@ def _shifted(source: Path, out: Path, by_s: float, length_s: float) -> None:
                 continue
             if packet.pts is not None and packet.pts * base > length_s:
                 break
-            packet.pts = None if packet.pts is None else packet.pts + shift
-            packet.dts += shift
+            if packet.dts * base >= from_s:
+                packet.pts = None if packet.pts is None else packet.pts + shift
+                packet.dts += shift
             packet.stream = copied
             copy.mux(packet)
 
@@ -1113,3 +1115,19 @@ def test_a_bad_job_is_refused_for_what_is_wrong_with_it_even_when_the_server_is_
         full = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 1})
         assert full.status_code == 429 and "STREAMDET_MAX_JOBS" in full.text, full.text
         assert c.delete(f"/jobs/{running.json()['id']}").status_code == 204
+
+
+def test_a_video_with_a_part_missing_says_how_much(tmp_path: Path) -> None:
+    """FFmpeg reads past a missing part (an HLS segment the web server no longer has, a
+    recording's break) without a word, and the job was done as if whole: its progress
+    says how many seconds are missing (``gaps_s``)."""
+    video = tmp_path / "gap.ts"
+    _shifted(CAR_CLIP, video, 5.0, 6.0, from_s=3.0)
+    progress = JobProgress()
+    spec = JobSpec(str(video), StreamDetect(), fps=2.0)
+    times = [t for _, t, _ in sampled_frames(spec, progress, lambda: None)]
+    assert 4.5 < progress.gaps_s < 5.5, (progress.gaps_s, times)
+    assert progress.to_json()["gaps_s"] == round(progress.gaps_s, 3)
+    whole = JobProgress()
+    list(sampled_frames(JobSpec(str(CAR_CLIP), StreamDetect(), fps=2.0), whole, lambda: None))
+    assert whole.gaps_s == 0.0
