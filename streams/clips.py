@@ -573,6 +573,15 @@ def delete_clip(path: Path) -> None:
     path.with_suffix(".json").unlink(missing_ok=True)
 
 
+def _lowest_clip(directory: Path) -> int | None:
+    """The id of the oldest clip on disk; None for none."""
+    ids = []
+    for path in directory.glob("*.mp4"):
+        with contextlib.suppress(ValueError):
+            ids.append(int(path.stem))
+    return min(ids, default=None)
+
+
 def list_clips(directory: Path, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
     """The newest ``limit`` clips (of ``stream_id``, or of every stream), newest first."""
     ids = []
@@ -677,6 +686,15 @@ class ClipIndex:
 
     def writing(self, clip_id: int) -> bool:
         return clip_id in self._writing
+
+    async def presence(self, next_id: int) -> tuple[int, frozenset[int]]:
+        """Which clips are still to be had: those from the first id returned on (clips go
+        oldest first, for ``--event-clips-max-mb`` or their age; ``next_id`` where none is
+        on disk or being written), less the set returned (deleted by a caller, or failed).
+        An event still names a clip that went: it answered 404, and ``has_clip`` passed it."""
+        lowest = await asyncio.to_thread(_lowest_clip, self.options.directory)
+        held = [*([] if lowest is None else [lowest]), *self._writing]
+        return min(held, default=next_id), frozenset(self._deleted) | frozenset(self._failed)
 
     async def listing(self, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
         """See :func:`list_clips` (read in a worker thread)."""

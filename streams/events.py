@@ -94,6 +94,8 @@ class EventFilter:
         has_clip: whether the event has a video clip.
         has_snapshot: whether the event has a snapshot.
         snapshots_from: events below this id lost their snapshots (deleted since).
+        clips_from: clips below this id are gone (deleted for their size or age).
+        clips_lost: clips gone above it (deleted by a caller, or failed).
     """
 
     streams: frozenset[str] | None = None
@@ -106,6 +108,8 @@ class EventFilter:
     has_clip: bool | None = None
     has_snapshot: bool | None = None
     snapshots_from: int = 0
+    clips_from: int = 0
+    clips_lost: frozenset[int] = frozenset()
 
     def matches(self, event: dict[str, Any]) -> bool:
         """Whether ``event`` (as logged) passes every criterion given."""
@@ -125,11 +129,24 @@ class EventFilter:
             self.until is not None and at >= self.until
         ):
             return False
-        if self.has_clip is not None and ("clip" in event) != self.has_clip:
+        if self.has_clip is not None and has_clip(event, self) != self.has_clip:
             return False
         return self.has_snapshot is None or has_snapshot(event, self.snapshots_from) == (
             self.has_snapshot
         )
+
+
+def has_clip(event: dict[str, Any], wanted: EventFilter) -> bool:
+    """Whether ``event`` (as logged) has its clip still: it was made one (its ``clip`` path,
+    ``/clips/{id}.mp4``), not deleted since (:meth:`streams.clips.ClipIndex.presence`)."""
+    path = event.get("clip")
+    if not isinstance(path, str):
+        return False
+    try:
+        clip_id = int(path.rsplit("/", 1)[-1].removesuffix(".mp4"))
+    except ValueError:
+        return True
+    return clip_id >= wanted.clips_from and clip_id not in wanted.clips_lost
 
 
 def has_snapshot(event: dict[str, Any], snapshots_from: int) -> bool:

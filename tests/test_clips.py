@@ -425,7 +425,14 @@ def test_an_event_created_from_outside_gets_the_latest_frame_and_the_video_aroun
         assert listed_clip["url"] == event["clip"] and listed_clip["duration_s"] > 2.5
         assert abs(listed_clip["started_at"] - event["captured_at"]) < 7
         assert c.get("/clips", params={"stream_id": plain}).json()["clips"] == []
+        manual = {"type": "manual", "stream_id": sid}
+        with_clip = c.get("/events", params={**manual, "has_clip": True}).json()["events"]
+        assert [e["id"] for e in with_clip] == [event["id"]]
         assert c.delete(event["clip"]).status_code == 204
+        # The event no longer names it, nor passes has_clip=true (it did: each link a 404).
+        assert c.get("/events", params={**manual, "has_clip": True}).json()["events"] == []
+        [without] = c.get("/events", params={**manual, "has_clip": False}).json()["events"]
+        assert without["id"] == event["id"] and "clip" not in without and "snapshot" in without
         gone = c.get(event["clip"])  # it blamed the size limit
         assert gone.status_code == 404 and "it was deleted (DELETE" in gone.text, gone.text
         assert c.delete(event["clip"]).status_code == 404
@@ -672,3 +679,24 @@ def test_a_clip_beginning_untimed_takes_no_absurd_rate_for_its_first_frame(
     assert [b - a for a, b in itertools.pairwise(times[1:])] == pytest.approx(
         [0.04] * (len(times) - 2), abs=0.002
     )
+
+
+async def test_clips_pruned_oldest_first_are_gone_for_the_events_that_named_them(
+    tmp_path: Path,
+) -> None:
+    """Clips go oldest first (``--event-clips-max-mb``, their age): one id bounds those left,
+    so an event of a clip below it no longer claims one (``has_clip``, its link)."""
+    from streams.events import EventFilter, has_clip
+
+    directory = tmp_path / "clips"
+    directory.mkdir()
+    index = ClipIndex(ClipOptions(directory))
+    assert await index.presence(100) == (100, frozenset())  # none: every clip named went
+    for clip_id in (5, 9):
+        (directory / f"{clip_id}.mp4").write_bytes(b"\x00" * 10)
+    clips_from, lost = await index.presence(100)
+    assert (clips_from, lost) == (5, frozenset())
+    wanted = EventFilter(has_clip=True, clips_from=clips_from, clips_lost=lost)
+    named = [{"id": i, "clip": f"/clips/{i}.mp4"} for i in (3, 5, 9)]
+    assert [has_clip(event, wanted) for event in named] == [False, True, True]
+    assert not has_clip({"id": 1}, wanted)

@@ -45,6 +45,7 @@ from streams.events import (
     EventFilter,
     EventLog,
     count_events,
+    has_clip,
     has_snapshot,
 )
 
@@ -154,6 +155,9 @@ async def wanted_events(
     start, end = unix_s(since), unix_s(until)
     if start is not None and end is not None and end <= start:
         raise HTTPException(422, "until: must be after since")
+    clips_from, clips_lost = 0, frozenset[int]()
+    if manager.clips is not None:
+        clips_from, clips_lost = await manager.clips.presence(manager.events.last_id + 1)
     return EventFilter(
         streams=streams,
         types=parse_types(event_type),
@@ -165,6 +169,8 @@ async def wanted_events(
         has_clip=has_clip,
         has_snapshot=has_snapshot,
         snapshots_from=snapshots.kept_from() if (snapshots := get_state(request).snapshots) else 0,
+        clips_from=clips_from,
+        clips_lost=clips_lost,
     )
 
 
@@ -231,10 +237,13 @@ def _page(
 
 
 def _served(event: dict[str, Any], root: str, wanted: EventFilter) -> dict[str, Any]:
-    """``event`` as handed out, without the links to a snapshot and thumbnail deleted since
-    it was logged (they answered 404, and ``has_snapshot=true`` listed it)."""
+    """``event`` as handed out, without the links to a snapshot, thumbnail or clip deleted
+    (or failed) since it was logged (they answered 404, and ``has_snapshot=true`` or
+    ``has_clip=true`` listed it)."""
     if "snapshot" in event and not has_snapshot(event, wanted.snapshots_from):
         event = {k: v for k, v in event.items() if k not in ("snapshot", "thumbnail")}
+    if "clip" in event and not has_clip(event, wanted):
+        event = {k: v for k, v in event.items() if k != "clip"}
     return served_event(event, root)
 
 
