@@ -333,6 +333,10 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
             assert resp.status_code == status and words in resp.text, (query, resp.text)
         first = c.get("/events").json()
         assert first["events"] == [] and first["missed"] == 0
+        # A reader reading on from a cursor of a stream removed since, its events gone from
+        # the log: an empty page, not a 404 (the README promises a removed stream's too).
+        gone = c.get("/events", params={"stream_id": "nope", "after": first["next"]})
+        assert gone.status_code == 200 and gone.json()["events"] == [], gone.text
         resp = c.post("/streams", json={**SHELF_STREAM, "track": True})
         sid = resp.json()["id"]
         # The bottle standing on the right enters the shelf in its third processed frame:
