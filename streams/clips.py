@@ -573,23 +573,24 @@ def delete_clip(path: Path) -> None:
     path.with_suffix(".json").unlink(missing_ok=True)
 
 
-def _lowest_clip(directory: Path) -> int | None:
-    """The id of the oldest clip on disk; None for none."""
+def _clip_ids(directory: Path) -> list[int]:
+    """The ids of the clips on disk (``<id>.mp4``), in no order."""
     ids = []
     for path in directory.glob("*.mp4"):
         with contextlib.suppress(ValueError):
             ids.append(int(path.stem))
-    return min(ids, default=None)
+    return ids
+
+
+def _lowest_clip(directory: Path) -> int | None:
+    """The id of the oldest clip on disk; None for none."""
+    return min(_clip_ids(directory), default=None)
 
 
 def list_clips(directory: Path, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
     """The newest ``limit`` clips (of ``stream_id``, or of every stream), newest first."""
-    ids = []
-    for path in directory.glob("*.mp4"):
-        with contextlib.suppress(ValueError):
-            ids.append(int(path.stem))
     found: list[dict[str, Any]] = []
-    for clip_id in sorted(ids, reverse=True):
+    for clip_id in sorted(_clip_ids(directory), reverse=True):
         try:
             info = json.loads((directory / f"{clip_id}.json").read_text())
         except (OSError, ValueError):

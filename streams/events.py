@@ -131,9 +131,7 @@ class EventFilter:
             return False
         if self.has_clip is not None and has_clip(event, self) != self.has_clip:
             return False
-        return self.has_snapshot is None or has_snapshot(event, self.snapshots_from) == (
-            self.has_snapshot
-        )
+        return self.has_snapshot is None or has_snapshot(event, self) == self.has_snapshot
 
 
 def has_clip(event: dict[str, Any], wanted: EventFilter) -> bool:
@@ -149,10 +147,10 @@ def has_clip(event: dict[str, Any], wanted: EventFilter) -> bool:
     return clip_id >= wanted.clips_from and clip_id not in wanted.clips_lost
 
 
-def has_snapshot(event: dict[str, Any], snapshots_from: int) -> bool:
+def has_snapshot(event: dict[str, Any], wanted: EventFilter) -> bool:
     """Whether ``event`` (as logged) has its snapshot still: it was made one, and is not
-    below ``snapshots_from`` (:meth:`server.snapshots.SnapshotStore.kept_from`)."""
-    return "snapshot" in event and int(event["id"]) >= snapshots_from
+    below ``wanted.snapshots_from`` (:meth:`server.snapshots.SnapshotStore.kept_from`)."""
+    return "snapshot" in event and int(event["id"]) >= wanted.snapshots_from
 
 
 EVERY_EVENT = EventFilter()

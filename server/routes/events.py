@@ -244,7 +244,7 @@ def _served(event: dict[str, Any], root: str, wanted: EventFilter) -> dict[str, 
     """``event`` as handed out, without the links to a snapshot, thumbnail or clip deleted
     (or failed) since it was logged (they answered 404, and ``has_snapshot=true`` or
     ``has_clip=true`` listed it)."""
-    if "snapshot" in event and not has_snapshot(event, wanted.snapshots_from):
+    if "snapshot" in event and not has_snapshot(event, wanted):
         event = {k: v for k, v in event.items() if k not in ("snapshot", "thumbnail")}
     if "clip" in event and not has_clip(event, wanted):
         event = {k: v for k, v in event.items() if k != "clip"}

@@ -203,11 +203,10 @@ async def _save_upload(upload: UploadFile, path: Path) -> int:
 
 
 async def _receive(
-    request: Request, state: AppState, directory: Path
+    request: Request, state: AppState, directory: Path, ctype: str
 ) -> tuple[JobIn, dict[str, Any], str, dict[str, str]]:
-    """The job's settings and video from the request: ``(settings, source, target,
-    options)``, an uploaded video saved under ``directory``."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    """The job's settings and video from the request (its media type ``ctype``):
+    ``(settings, source, target, options)``, an uploaded video saved under ``directory``."""
     settings = state.settings
     limit = int(settings.max_job_upload_mb * 1024 * 1024)
     if ctype == "application/json":
@@ -342,7 +341,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
     directory = jobs.directory_of(job_id)
     names = state.pool.engine.names
     try:
-        job_in, source, target, options = await _receive(request, state, directory)
+        job_in, source, target, options = await _receive(request, state, directory, ctype)
         if not uploaded:  # settings and a url, checked first: a bad one is 422, never 429
             await _make_room(jobs, 0, state.settings.jobs_max_mb, job_id)
         if "bytes" in source:  # room for the upload beside what is kept
