@@ -13,9 +13,12 @@ fields of ``POST /streams`` and an ``id``::
         zones: [{name: porch, points: [[0, 0.6], [1, 0.6], [1, 1], [0, 1]], loiter_s: 30}]
 
 ``${NAME}`` in a text is replaced by the environment variable ``NAME``, so passwords stay out
-of the file (as Frigate's ``{FRIGATE_RTSP_PASSWORD}``). At start the server makes the streams
-the file declares match it (``server.routes.streams.apply_streams_file``); ``GET
-/streams?format=yaml`` writes every stream in this form (passwords masked).
+of the file (as Frigate's ``{FRIGATE_RTSP_PASSWORD}``). A value that is nothing but an
+unquoted ``${NAME}`` (``enabled: ${DOOR_ON}``, ``max_fps: ${FPS}``) takes the type its text
+has in YAML, as if written there (``false``, ``5``); quoted (``"${NAME}"``) it stays text.
+At start the server makes the streams the file declares match it
+(``server.routes.streams.apply_streams_file``); ``GET /streams?format=yaml`` writes
+every stream in this form (passwords masked).
 """
 
 from __future__ import annotations
@@ -62,7 +65,11 @@ def read_entries(path: Path, environ: Mapping[str, str]) -> list[dict[str, Any]]
         raise StreamsFileError(f"{where}: expected a list of streams, or {{streams: [...]}}")
     seen: set[str] = set()
     entries = []
-    for number, entry in enumerate(data, 1):
+    for number, raw in enumerate(data, 1):
+        named = raw.get("id")
+        plain = isinstance(named, str) and named and not _VARIABLE.search(named)
+        label = f"stream {named!r}" if plain else f"stream {number}"
+        entry = _substitute(raw, environ, f"{where}: {label}")
         sid = entry.get("id")
         if isinstance(sid, (int, float)) and not isinstance(sid, bool):
             raise StreamsFileError(
@@ -73,8 +80,15 @@ def read_entries(path: Path, environ: Mapping[str, str]) -> list[dict[str, Any]]
         if sid in seen:
             raise StreamsFileError(f"{where}: stream {number}: the id {sid!r} is used twice")
         seen.add(sid)
-        entries.append(_substitute(entry, environ, f"{where}: stream {sid!r}"))
+        entries.append(entry)
     return entries
+
+
+class _Variable(str):
+    """A value that was nothing but an unquoted ``${NAME}``: typed by its text once filled."""
+
+
+_VARIABLE_TAG = "!streamdet/variable"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -97,6 +111,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"the key {key!r} is given twice", key_node.start_mark
                 )
         return super().construct_mapping(node, deep=deep)
+
+    def construct_variable(self, node: yaml.ScalarNode) -> _Variable:
+        return _Variable(self.construct_scalar(node))
+
+
+# Implicit resolvers apply to plain (unquoted) scalars only: "${NAME}" quoted stays text.
+_UniqueKeyLoader.add_implicit_resolver(
+    _VARIABLE_TAG, re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*\}$"), ["$"]
+)
+_UniqueKeyLoader.add_constructor(_VARIABLE_TAG, _UniqueKeyLoader.construct_variable)
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -131,12 +155,26 @@ def _substitute(value: Any, environ: Mapping[str, str], where: str) -> Any:
                 return "".join(_USERINFO_ENDS.get(c, c) for c in environ[name])
             return environ[name]
 
-        return _VARIABLE.sub(variable, value)
+        text = _VARIABLE.sub(variable, value)
+        return _typed(text) if isinstance(value, _Variable) else text
     if isinstance(value, list):
         return [_substitute(v, environ, where) for v in value]
     if isinstance(value, dict):
         return {k: _substitute(v, environ, where) for k, v in value.items()}
     return value
+
+
+def _typed(text: str) -> Any:
+    """``text`` as YAML reads it written unquoted, where that is a true/false, a number or
+    nothing (``enabled: ${ON}`` with ``ON=false`` is false, as in Docker Compose's files);
+    any other text stays as it is (``#`` in a password is not a comment)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return text
 
 
 def to_text(streams: Sequence[Mapping[str, Any]]) -> str:

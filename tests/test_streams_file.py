@@ -94,6 +94,34 @@ def test_a_variable_in_a_urls_password_is_encoded_where_it_would_end_it(tmp_path
     assert redact(first["url"]).startswith(f"rtsp://{encoded}:***@10.0.0.5/s")  # the host kept
 
 
+def test_a_value_that_is_only_a_variable_takes_its_type_from_its_text(tmp_path: Path) -> None:
+    """``enabled: ${ON}`` was the text "false" after substitution, and the strict switch
+    refused it; an unquoted ``${NAME}`` alone is read as YAML reads its text written there,
+    a quoted one stays text, and text YAML would cut (``#``) is kept whole."""
+    text = (
+        "- id: ${CAM}\n  url: ${URL}\n  enabled: ${ON}\n  max_fps: ${FPS}\n"
+        '  name: "${FPS}"\n  classes: ${NONE}\n  track: ${TRACK}\n'
+    )
+    env = {"CAM": "door", "URL": "rtsp://a:b#c@h/1", "ON": "false", "FPS": "2.5", "NONE": ""}
+    env["TRACK"] = "true"
+    assert read_entries(write(tmp_path / "v.yaml", text), env) == [
+        {
+            "id": "door",
+            "url": "rtsp://a:b#c@h/1",
+            "enabled": False,
+            "max_fps": 2.5,
+            "name": "2.5",
+            "classes": None,
+            "track": True,
+        }
+    ]
+    # A variable's error names the stream by its id even when the id is a variable.
+    with pytest.raises(StreamsFileError, match=r"stream 1: the environment variable CAM is not"):
+        read_entries(tmp_path / "v.yaml", {})
+    with pytest.raises(StreamsFileError, match="its id 7 is a number; quote it"):
+        read_entries(tmp_path / "v.yaml", {**env, "CAM": "7"})
+
+
 def test_streams_with_ids_are_put_replaced_and_reopened_keeping_their_viewers(
     tmp_path: Path,
 ) -> None:
