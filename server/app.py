@@ -26,7 +26,7 @@ from server.jobs import JobManager
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
 from server.mqtt_discovery import Discovery
-from server.request_ids import RequestIdFilter, RequestIdMiddleware
+from server.request_ids import REQUEST_ID, RequestIdFilter, RequestIdMiddleware
 from server.retention import DAY_S, keep_for
 from server.routes import (
     detect,
@@ -78,6 +78,17 @@ async def storage_full(request: Request, exc: Exception) -> Response:
     detail = f"the server cannot store this: {exc} ({DATA_DIR_HINT})"
     key = "error" if errors.is_v2(request) else "detail"
     return JSONResponse({key: detail}, status_code=507)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A fault of the server's own (a bug): ``500`` as every other error is answered
+    (``{"detail"}``, under ``/v2`` ``{"error"}``), naming the request id its traceback is
+    logged under; Starlette's plain-text "Internal Server Error" was neither. The exception
+    goes on to uvicorn, which logs it with its traceback."""
+    rid = REQUEST_ID.get() or request.headers.get("x-request-id", "")
+    detail = f"internal error ({type(exc).__name__}); the server's log has it as request {rid}"
+    key = "error" if errors.is_v2(request) else "detail"
+    return JSONResponse({key: detail}, status_code=500, headers={"X-Request-ID": rid})
 
 
 def create_app(settings: Settings | None = None, pool: EnginePool | None = None) -> FastAPI:
@@ -285,6 +296,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
     app.add_exception_handler(ClientDisconnect, client_went_away)
     app.add_exception_handler(sqlite3.OperationalError, storage_full)
     app.add_exception_handler(OSError, storage_full)
+    app.add_exception_handler(Exception, internal_error)
     app.include_router(metrics_module.router)
     app.state.metrics = metrics
     app.state.api_keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)

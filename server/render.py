@@ -20,6 +20,7 @@ from streams.zones import Zone
 REGION_RGB = (255, 0, 255)  # the outline of a stream's region of interest: magenta
 LINE_RGB = (0, 255, 255)  # counting lines: cyan, as on the viewer page
 ZONE_RGB = (255, 212, 0)  # zones: yellow, as on the viewer page
+JPEG_MAX_SIDE = 65_500  # libjpeg's JPEG_MAX_DIMENSION
 
 
 def line_label(name: str, crossings: Mapping[str, Mapping[str, Mapping[str, int]]]) -> str:
@@ -138,9 +139,12 @@ def render(
     """
     image = source = host_array(image)
     height, width = image.shape[:2]
-    if width > max_width:
-        height = max(1, round(height * max_width / width))
-        width = max_width
+    # JPEG holds at most 65,500 pixels a side: a 65,501-wide panorama drawn for
+    # /detect?format=jpeg failed to encode after its inference (a 500).
+    scale = min(1.0, min(max_width, JPEG_MAX_SIDE) / width, JPEG_MAX_SIDE / height)
+    if scale < 1.0:
+        height = min(max(1, round(height * scale)), JPEG_MAX_SIDE)
+        width = min(max(1, round(width * scale)), JPEG_MAX_SIDE)
         # INTER_AREA only where it matters (shrinking to under half): for 768x432 -> 640x360
         # it took 3.6 ms a frame against 0.7 ms for INTER_LINEAR, here on one CPU core.
         interpolation = cv2.INTER_AREA if width * 2 < image.shape[1] else cv2.INTER_LINEAR

@@ -136,6 +136,40 @@ def test_a_large_jpeg_is_answered_in_its_own_pixels_with_the_boxes_of_its_pictur
     assert decode_jpeg(drawn.content).shape == (2160, 1620, 3)
 
 
+def test_a_picture_wider_than_jpeg_holds_is_drawn_scaled_to_fit(client: TestClient) -> None:
+    """JPEG holds at most 65,500 pixels a side: a 65,501-wide strip drawn for
+    ``format=jpeg`` failed to encode after its inference, a 500 in plain text."""
+    for size in ((65_501, 2), (3, 65_501)):
+        strip = encode(PILImage.new("RGB", size, (90, 90, 90)), "PNG")
+        drawn = client.post(
+            "/detect?format=jpeg", content=strip, headers={"content-type": "image/png"}
+        )
+        assert drawn.status_code == 200, drawn.text
+        assert max(decode_jpeg(drawn.content).shape[:2]) == 65_500
+
+
+def test_a_fault_of_the_servers_own_is_answered_as_json_naming_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug's 500 was Starlette's plain text "Internal Server Error"; it is ``{"detail"}``
+    (``{"error"}`` under ``/v2``) as the README promises every error, with the request id
+    its traceback is logged under."""
+    import server.routes.detect as detect_route
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(detect_route, "render_jpeg", broken)
+    settings = Settings(model=str(MODEL_PT), cache_dir=CACHE_DIR, admission_deadline_ms=0)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        files = {"image": ("bus.jpg", bus_bytes(), "image/jpeg")}
+        resp = c.post("/detect?format=jpeg", files=files, headers={"x-request-id": "bug-1"})
+        assert resp.status_code == 500 and resp.headers["x-request-id"] == "bug-1"
+        assert resp.json() == {
+            "detail": "internal error (ZeroDivisionError); the server's log has it as request bug-1"
+        }
+
+
 def test_detect_raw_body_png_and_webp(client: TestClient) -> None:
     image = PILImage.open(io.BytesIO(bus_bytes()))
     for fmt, ctype in [("PNG", "image/png"), ("WEBP", "image/webp")]:
