@@ -83,6 +83,10 @@ TAIL_GAIN = 0.05
 MIN_BUDGET_SCALE = 0.3
 BUDGET_RELAX_S = 30.0
 """Time constant with which a shrunk budget scale returns to 1 when nothing is late."""
+FLOOR_MIN_SHARE = 0.25
+"""The floors (the fastest one-image decode and batch) count only images of at least this
+share of the engine's square input: a 64x1 strip's 2 ms batch made every deadline "meetable",
+and impossible ones were refused 429 "retry after 1 s" for ever instead of 504."""
 SHED_WINDOW_S = 5.0
 """Time constant of the recent-refusals rate that spreads ``Retry-After``."""
 MAX_RETRY_AFTER_S = 30
@@ -292,8 +296,6 @@ class AdmissionController:
         delays the estimate by a batch.
         """
         item = elapsed_s / max(1, size)
-        if size == 1:
-            self.single_floor_s = min(self.single_floor_s, elapsed_s)
         if self.item_mean_s == 0.0:
             self.item_mean_s = item
             return
@@ -303,6 +305,12 @@ class AdmissionController:
     def item_s(self) -> float:
         """Mean per-image engine seconds (the model's input)."""
         return self.item_mean_s
+
+    def counts_for_floor(self, pixels: int) -> bool:
+        """Whether an image of ``pixels`` (as decoded for the engine) is large enough for
+        the floors (:data:`FLOOR_MIN_SHARE`)."""
+        side = self.settings.imgsz
+        return pixels >= FLOOR_MIN_SHARE * side * side
 
     def server_deadline_ms(self) -> float:
         """The deadline a call gets when it asks for none."""
@@ -471,6 +479,8 @@ class Ticket:
     served_s: float | None = field(default=None)
     """Seconds from its queueing to its answer, measured at the worker."""
     running: bool = field(default=False)
+    pixels: int | None = field(default=None)
+    """The call's largest image as decoded for the engine (None: not known)."""
 
     def check(self, estimate: Estimate, more: int = 0, *, decode_left: bool = False) -> None:
         """Raise 429 if ``estimate`` (corrected by past outcomes) says this call finishes
@@ -482,6 +492,7 @@ class Ticket:
         # refusing it shortens nobody's wait, and on a slow or loaded host one image alone
         # may exceed the target. A client's own deadline is honoured even then.
         if estimate.idle and not self.from_client:
+            self._check_meetable(more)  # within the hard limit, at least
             return
         self.checked = True
         finish_s = estimate.finish_s * self.controller.correction
@@ -504,46 +515,58 @@ class Ticket:
             return
         self.refused = True
         self._check_meetable(more)
-        predicted = (
-            "unknown (no batch has run yet)"
-            if math.isinf(finish_s)
-            else f"{finish_s * 1000:.0f} ms"
+        deadline = _ms(self.deadline - self.arrived)
+        spent_ms = (now - self.arrived) * 1000
+        # What took the time is named: the 429 blamed the prediction alone where most of
+        # the deadline had gone to the upload and the wait for a decode thread.
+        spent = (
+            f", {spent_ms:.0f} ms after it arrived (its upload, the wait for a decode thread"
+            " and its decode)"
+            if spent_ms >= 1
+            else ""
         )
-        deadline_ms = (self.deadline - self.arrived) * 1000
-        left_ms = max(0.0, (self.arrived + planned_s - now) * 1000)
         planned = (
-            f" (of which {left_ms:.0f} ms are left to plan for: recent calls ran late, budget"
-            f" ratio {scale:.2f})"
+            f"; admission plans for {scale:.0%} of a deadline while recent calls run late"
             if scale < 0.995
             else ""
         )
         retry_after_s = self.controller.retry_after_s(estimate)
+        why = (
+            "no batch has run yet to predict its finish by, for this"
+            if math.isinf(finish_s)
+            else f"predicted to finish in {finish_s * 1000:.0f} ms more{spent}, past this"
+        )
         raise self.controller.refuse(
             "deadline",
-            f"server busy: predicted to finish in {predicted}, past this"
-            f" request's {deadline_ms:.0f} ms deadline{planned} ({self.source});"
+            f"server busy: {why} request's {deadline} deadline ({self.source}){planned};"
             f" retry after {retry_after_s} s",
             retry_after_s,
             self.request_id,
         )
 
     def _check_meetable(self, more: int) -> None:
-        """Raise 504 (no ``Retry-After``) if the client's deadline is shorter than this call
-        alone takes on an idle pool, by the model corrected down but never up: a correction
-        above 1 is a recent burst's, which fades (a retry may meet less), one below 1 the
-        model's own pessimism."""
-        if not self.from_client:
-            return  # the server's deadline: an idle pool runs the call whatever it takes
+        """Raise 504 (no ``Retry-After``) if the client's deadline, or the hard limit after
+        which the call is answered 503 instead of run, is shorter than this call alone takes
+        on an idle pool, by the model corrected down but never up: a correction above 1 is a
+        recent burst's, which fades (a retry may meet less), one below 1 the model's own
+        pessimism. Under the server's latency target alone an idle pool runs the call
+        whatever it takes; past the hard limit it would run for nobody (64 images under a
+        1.5 s limit ran 1.5 s, then were answered 503 ``Retry-After: 1``)."""
         c = self.controller
         alone_s = c.best_alone_s(more) * min(1.0, c.correction)
-        deadline_s = self.deadline - self.arrived
-        if c.item_s <= 0 or math.isinf(alone_s) or alone_s <= deadline_s:
+        if c.item_s <= 0 or math.isinf(alone_s):
+            return
+        deadline_s, source = self.deadline - self.arrived, self.source
+        if not self.from_client or alone_s <= deadline_s:
+            deadline_s, source = self.hard_deadline - self.arrived, self.hard_source
+        if alone_s <= deadline_s:
             return
         images = f"its {more + 1} images take" if more else "one image takes"
+        fewer = " (or send fewer images a call)" if more else ""
         detail = (
-            f"deadline too short: this request's {deadline_s * 1000:.0f} ms deadline is less"
+            f"deadline too short: this request's {_ms(deadline_s)} deadline is less"
             f" than the {alone_s * 1000:.0f} ms {images} here on an idle server (decode and"
-            f" inference), so no retry can meet it: raise {self.source}"
+            f" inference), so no retry can meet it: raise {source}{fewer}"
         )
         c.metrics.reject("deadline")
         log.info("request %s: 504 (deadline): %s", self.request_id, detail)
@@ -565,14 +588,21 @@ class Ticket:
             self.decoding = True
             self.controller.decoding += 1
 
-    def decoded(self, seconds: float, images: int = 1) -> None:
-        """The upload (``images`` pictures) is decoded: record the time and check the
-        deadline again (429)."""
+    def decoded(
+        self, seconds: float, images: int = 1, *, pixels: int | None = None, raw: bool = False
+    ) -> None:
+        """The upload (``images`` pictures, the largest of ``pixels`` as decoded for the
+        engine) is decoded: record the time and check the deadline again (429). ``raw``:
+        pixels were sent, nothing was decoded, and the decode figures are left as they are
+        (such a call's 0 s brought the decode estimate and floor of every upload down)."""
         c = self.controller
         self._stop_decoding()
-        c.decode_ewma_s += (DECODE_ALPHA if c.decode_ewma_s else 1.0) * (seconds - c.decode_ewma_s)
-        if images == 1:
-            c.decode_floor_s = min(c.decode_floor_s, seconds)
+        self.pixels = pixels
+        if not raw:
+            alpha = DECODE_ALPHA if c.decode_ewma_s else 1.0
+            c.decode_ewma_s += alpha * (seconds - c.decode_ewma_s)
+            if images == 1 and pixels is not None and c.counts_for_floor(pixels):
+                c.decode_floor_s = min(c.decode_floor_s, seconds)
         # Decoding is done: only the queue and this call's own images are left. A call of
         # several images does not calibrate the model of one (one call of 30 took it to its
         # cap, x4, and every /detect after it was refused for a while).
@@ -595,11 +625,16 @@ class Ticket:
         self.running = True
         c.running += 1
 
-    def served(self, seconds: float) -> None:
+    def served(self, seconds: float, alone_s: float | None = None) -> None:
         """The pool answered the call ``seconds`` after queueing it (its worker's figures:
         time queued plus its batch's), which calibrates the model instead of the wall time
-        around it (result delivery, the event loop's lag: the budget scale's to close)."""
+        around it (result delivery, the event loop's lag: the budget scale's to close).
+        ``alone_s``: its one image ran in a batch of its own, that long (a floor's figure
+        where the image is large enough)."""
         self.served_s = seconds
+        c = self.controller
+        if alone_s is not None and self.pixels is not None and c.counts_for_floor(self.pixels):
+            c.single_floor_s = min(c.single_floor_s, alone_s)
 
     def abandon(self) -> None:
         """Not run to its end (its client went away, or it could never be queued): not
@@ -635,6 +670,13 @@ class Ticket:
         the same estimate and spreading as admission's own refusals."""
         c = self.controller
         return {"Retry-After": str(c.retry_after_s(c.estimate()))}
+
+
+def _ms(seconds: float) -> str:
+    """``seconds`` as milliseconds for a message: whole, or to 3 figures under 10 ms (a 1 µs
+    Triton ``timeout`` was "this request's 0 ms deadline")."""
+    ms = seconds * 1000
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.3g} ms"
 
 
 async def admit(request: Request) -> AsyncIterator[Ticket]:

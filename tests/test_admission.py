@@ -8,7 +8,7 @@ import math
 import socket
 import time
 from collections.abc import Iterator
-from typing import Never
+from typing import Any, Never
 
 import httpx
 import pytest
@@ -580,7 +580,8 @@ def test_after_a_burst_a_client_deadline_call_on_an_idle_server_is_run_again() -
     controller = AdmissionController(pool, Settings(), Metrics())
     pool._observe(1, 0.05)  # idle: 50 ms an image, decoded in 20 ms
     first = controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "300"}), "a")
-    first.decoded(0.02)
+    first.decoded(0.02, pixels=640 * 480)
+    first.served(0.05, alone_s=0.05)  # its image ran alone: the fastest batch of one
     first.release()
     for _ in range(200):  # the burst's figures
         pool._observe(4, 1.6)
@@ -593,3 +594,69 @@ def test_after_a_burst_a_client_deadline_call_on_an_idle_server_is_run_again() -
     with pytest.raises(HTTPException) as short:  # shorter than the best seen: still 504
         controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "40"}), "c")
     assert short.value.status_code == 504
+
+
+def idle_controller(**settings: Any) -> tuple[Any, Any]:
+    """An admission controller over a pool that never starts, with what one call alone
+    measured: a 640x480 image decoded in 20 ms, run alone in 50 ms."""
+    from engines.pool import EnginePool
+    from server.admission import AdmissionController
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    def no_engine() -> Never:
+        raise AssertionError("the pool is never started here")
+
+    pool = EnginePool(no_engine, workers=1, max_batch=4, max_wait_ms=2, max_queue=256)
+    controller = AdmissionController(pool, Settings(**settings), Metrics())
+    pool._observe(1, 0.05)
+    first = controller.admit(time.monotonic(), Headers(), "first")
+    first.decoded(0.02, pixels=640 * 480)
+    first.served(0.05, alone_s=0.05)
+    first.release()
+    return pool, controller
+
+
+@pytest.mark.parametrize(
+    ("headers", "settings", "source"),
+    [
+        ({}, {"request_timeout_ms": 2000}, "raise setting STREAMDET_REQUEST_TIMEOUT_MS"),
+        ({"x-request-deadline-ms": "1001"}, {}, "raise X-Request-Deadline-Ms"),
+    ],
+)
+def test_a_call_that_cannot_end_within_its_hard_limit_even_alone_is_refused_504_up_front(
+    headers: dict[str, str], settings: dict[str, Any], source: str
+) -> None:
+    """64 images on an idle server, under a hard limit (the setting, or a client deadline
+    above the admission target) shorter than they take alone: they ran the whole limit for
+    nobody, then were answered 503 with ``Retry-After: 1``, which no retry could meet."""
+    _, controller = idle_controller(**settings)
+    ticket = controller.admit(time.monotonic(), Headers(headers), "many")
+    with pytest.raises(HTTPException) as refused:
+        ticket.decoded(0.02, images=64, pixels=640 * 480)
+    assert refused.value.status_code == 504 and refused.value.headers is None
+    assert "its 64 images take" in refused.value.detail and source in refused.value.detail
+    assert "send fewer images a call" in refused.value.detail
+    ticket.release()
+    few = controller.admit(time.monotonic(), Headers(headers), "few")
+    few.decoded(0.02, images=8, pixels=640 * 480)  # 8 x 50 ms fits: run
+    few.release()
+
+
+def test_tiny_or_raw_images_do_not_lower_what_a_call_alone_takes_at_best() -> None:
+    """A raw tensor (nothing decoded: 0 s) or a 64x1 strip (2 ms alone) made the floors of
+    every call's "alone" time near 0: an impossible 5 ms deadline was refused 429 "retry
+    after 1 s" for ever instead of 504."""
+    _, controller = idle_controller()
+    for pixels, raw in ((64, True), (640 * 48, False)):
+        strip = controller.admit(time.monotonic(), Headers(), "strip")
+        strip.decoded(0.0, pixels=pixels, raw=raw)
+        strip.served(0.002, alone_s=0.002)
+        strip.release()
+    assert controller.decode_floor_s == 0.02 and controller.single_floor_s == 0.05
+    with pytest.raises(HTTPException) as short:
+        controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "5"}), "x")
+    assert short.value.status_code == 504 and "5 ms deadline" in short.value.detail
+    with pytest.raises(HTTPException) as tiny:  # a 1 µs Triton timeout is not "0 ms"
+        controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "0.001"}), "y")
+    assert "this request's 0.001 ms deadline" in tiny.value.detail

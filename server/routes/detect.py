@@ -204,7 +204,11 @@ async def run_admitted(
         if result.error is not None or result.detections is None:
             raise HTTPException(500, f"inference failed for request {rid}: {result.error}")
     # Admission calibrates on the worker's own figures (queued, then its batch).
-    ticket.served(max(r.queue_ms + r.inference_ms for r in results) / 1000.0)
+    alone = len(results) == 1 and results[0].batch_size == 1
+    ticket.served(
+        max(r.queue_ms + r.inference_ms for r in results) / 1000.0,
+        results[0].inference_ms / 1000.0 if alone else None,
+    )
     return results
 
 
@@ -304,7 +308,7 @@ async def detect(
     # The decode alone: the upload's time is the client's link, and the wait for a decode
     # thread is the load's, not the work of one call (one slow upload took the decode
     # estimate to seconds, refusing client deadlines for good).
-    ticket.decoded(decode_s)  # admission checks the deadline again: 429
+    ticket.decoded(decode_s, pixels=image.shape[0] * image.shape[1])  # checked again: 429
     (result,) = await run_admitted(state, ticket, [image], params, request)
     assert result.detections is not None  # run_admitted answered every error
     det = result.detections.rescaled(*source)  # in the image's own pixels

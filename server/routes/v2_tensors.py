@@ -345,6 +345,8 @@ async def run_infer(
         ticket.tighten(timeout_ms, TIMEOUT_SOURCE)
     chosen = chosen_outputs(inference)
     images, seconds = await request_images(state, inference, binary, asyncio.get_running_loop())
-    ticket.decoded(seconds, len(images))  # admission checks it again
+    largest = max((image.shape[0] * image.shape[1] for image, _ in images), default=0)
+    raw = inference["inputs"][0]["name"] == "images"  # pixels sent: nothing decoded
+    ticket.decoded(seconds, len(images), pixels=largest, raw=raw)  # admission checks it again
     results = await run_admitted(state, ticket, [im for im, _ in images], params, request)
     return results, rescaled_to_sent(results, images), chosen
