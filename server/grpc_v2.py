@@ -283,11 +283,20 @@ def make_servicer(app: FastAPI) -> Any:
                     response = pb.ModelStreamInferResponse(
                         infer_response=await self._infer(request, context)
                     )
-                except HTTPException as exc:
-                    response = pb.ModelStreamInferResponse(error_message=str(exc.detail))
                 except Exception as exc:  # one failed request: the stream goes on
-                    log.exception("gRPC stream request %r failed", request.id)
-                    response = pb.ModelStreamInferResponse(error_message=f"internal error: {exc}")
+                    if isinstance(exc, HTTPException):
+                        message = str(exc.detail)
+                    else:
+                        log.exception("gRPC stream request %r failed", request.id)
+                        message = f"internal error: {exc}"
+                    # Its id with the error, as Triton's, so that the client knows which
+                    # request failed (answers come out of order).
+                    response = pb.ModelStreamInferResponse(
+                        error_message=message,
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name, id=request.id
+                        ),
+                    )
                 await done.put(response)
 
             async def read() -> None:

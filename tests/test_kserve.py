@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import queue
+import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -316,6 +317,11 @@ def test_malformed_v2_requests_are_400s_naming_what_is_wrong(server: ServerProce
                 {"inputs": [pixel], "parameters": [1]},
                 "the request: parameters must be a JSON object",
             ),
+            # Triton's UINT8 takes whole numbers 0-255 (1.7 and true were taken as 1)
+            ({"inputs": [{**pixel, "data": [1.7, 0, 0]}]}, "a fraction among the values"),
+            ({"inputs": [{**pixel, "data": [True, False, True]}]}, "true/false among"),
+            ({"inputs": [{**pixel, "data": [0, 256, 0]}]}, "values from 0 to 256"),
+            ({"inputs": [{**pixel, "data": None}]}, "no 'data' given (nor binary_data_size)"),
         ):
             bad = c.post(url, json=body)
             assert bad.status_code == 400 and words in bad.json()["error"], bad.text
@@ -503,6 +509,19 @@ def test_grpc_streams_and_the_aio_clients_detect(
     assert sorted(results) == ["s1", "s3"]
     assert results["s1"].as_numpy("num_detections").tolist() == expected
     assert len(errors) == 1 and "unknown model 'other'" in errors[0].message()
+    # An error carries its request's id, as Triton's do (tritonclient drops it; a client of
+    # the stubs matches its answers by it).
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        junk = service_pb2.ModelInferRequest(model_name=MODEL, id="junk-1")
+        junk.inputs.add(name="image_bytes", datatype="BYTES", shape=[1])
+        junk.raw_input_contents.append(struct.pack("<I", 4) + b"junk")
+        [reply] = list(stub.ModelStreamInfer(iter([junk]), timeout=60))
+    assert "not a decodable image" in reply.error_message, reply.error_message
+    assert reply.infer_response.id == "junk-1"
     assert not grpc_client.is_model_ready("other") and not grpc_client.is_model_ready(MODEL, "2")
 
     import tritonclient.grpc.aio as grpc_aio
@@ -591,7 +610,9 @@ def test_a_deadline_no_retry_can_meet_is_deadline_exceeded_not_busy(
         assert int(none.as_numpy("num_detections")[0, 0]) > 0
 
 
-@pytest.mark.parametrize("timeout", [-1, 1.5, "1000", True])
+@pytest.mark.parametrize(
+    "timeout", [-1, 1.5, "1000", True, 2**64, 10**309], ids=lambda v: repr(v)[:12]
+)
 def test_a_malformed_timeout_parameter_is_a_400_naming_it(
     server: ServerProcess, timeout: object
 ) -> None:

@@ -68,8 +68,21 @@ T = TypeVar("T")
 
 
 def _uint8(data: Any) -> npt.NDArray[np.uint8]:
-    """A JSON tensor's ``data`` as flat UINT8 values."""
-    return np.asarray(data, np.uint8).reshape(-1)
+    """A JSON tensor's ``data`` as flat UINT8 values: whole numbers 0-255 only, as Triton
+    reads them (1.7 and true were taken as 1, -1 as 255).
+
+    Raises:
+        ValueError: no data, or a value that is not one.
+    """
+    if data is None:
+        raise ValueError("no 'data' given (nor binary_data_size)")
+    values = np.asarray(data)
+    if values.dtype.kind not in "iu":  # floats, true/false, text, numbers past 64 bits
+        kinds = {"f": "a fraction", "b": "true/false", "U": "text"}
+        raise ValueError(f"{kinds.get(values.dtype.kind, 'a value')} among the values")
+    if values.size and (int(values.min()) < 0 or int(values.max()) > 255):
+        raise ValueError(f"values from {values.min()} to {values.max()}: UINT8 is 0 to 255")
+    return values.astype(np.uint8).reshape(-1)
 
 
 def _of_element(exc: ImageError, index: int, count: int) -> ImageError:
@@ -239,9 +252,12 @@ def request_timeout_ms(request: dict[str, Any]) -> float | None:
     value = parameters_of(request, "the request").get("timeout")
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
         raise HTTPException(
-            400, f"parameter 'timeout': whole microseconds, 0 or more (0: none), not {value!r}"
+            400,
+            "parameter 'timeout': whole microseconds, 0 (none) to 2**64 - 1 (Triton's"
+            f" uint64), not {shown}",
         )
     return value / 1000.0 if value else None
 
