@@ -4,6 +4,7 @@ decoded, so a decompression bomb is refused from its header."""
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 from PIL import Image as PILImage
@@ -26,7 +27,27 @@ _DECODERS: list[tuple[bytes, int, str, type[ImageFile.ImageFile]]] = [
     (b"\x89PNG\r\n\x1a\n", 0, "PNG", PngImagePlugin.PngImageFile),
     (b"WEBP", 8, "WEBP", WebPImagePlugin.WebPImageFile),
 ]
-_OTHER_FORMATS = {b"GIF8": "GIF", b"BM": "BMP", b"II*\x00": "TIFF", b"MM\x00*": "TIFF"}
+_OTHER_FORMATS = {
+    b"GIF8": "GIF",
+    b"BM": "BMP",
+    b"II*\x00": "TIFF",
+    b"MM\x00*": "TIFF",
+    b"\x00\x00\x01\x00": "ICO",
+    b"\x00\x00\x00\x0cjP  \r\n\x87\n": "JPEG 2000",
+    b"\xffO\xffQ": "JPEG 2000",
+    b"\xff\x0a": "JPEG XL",
+    b"\x00\x00\x00\x0cJXL \r\n\x87\n": "JPEG XL",
+    b"8BPS": "PSD",
+    b"qoif": "QOI",
+    b"v/1\x01": "OpenEXR",
+    b"DDS ": "DDS",
+}
+# The major brands of HEIF (HEIC, its sequences and AVIF) in an ISO-BMFF "ftyp" box.
+_HEIF_BRANDS = {
+    b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm", b"hevs",
+    b"mif1", b"msf1", b"avif", b"avis",
+}  # fmt: skip
+_NETPBM = re.compile(rb"P[1-7][ \t\r\n#]")
 
 
 def _sniff(data: bytes) -> tuple[str, type[ImageFile.ImageFile]]:
@@ -38,8 +59,12 @@ def _sniff(data: bytes) -> tuple[str, type[ImageFile.ImageFile]]:
             raise ImageError(
                 415, f"unsupported image format {name}; send a JPEG, PNG or WebP image"
             )
-    if data[4:12] in (b"ftypheic", b"ftypheix", b"ftypavif", b"ftypmif1"):
+    if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS:
         raise ImageError(415, "unsupported image format HEIF/AVIF; send a JPEG, PNG or WebP image")
+    if _NETPBM.match(data[:3]):
+        raise ImageError(
+            415, "unsupported image format PPM/PGM/PBM; send a JPEG, PNG or WebP image"
+        )
     raise ImageError(
         400, f"not a decodable image ({len(data)} bytes); send a JPEG, PNG or WebP image"
     )

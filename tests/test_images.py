@@ -142,3 +142,33 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding() -> None:
     # As many as the limit still decode.
     allowed = _scans_repeated(progressive, MAX_JPEG_SCANS - 9)
     assert decode_image(allowed, 50_000_000).shape == (480, 640, 3)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "name"),
+    [("ICO", "ICO"), ("PPM", "PPM/PGM/PBM"), ("JPEG2000", "JPEG 2000"), ("TIFF", "TIFF")],
+)
+def test_an_image_format_it_does_not_take_is_a_415_naming_it(fmt: str, name: str) -> None:
+    """ICO, PPM, JPEG 2000 (and JPEG XL, HEIF's other brands) were 400 "not a decodable
+    image", though each is an image the server does not take: 415 naming the format."""
+    out = io.BytesIO()
+    PILImage.new("RGB", (16, 16), (10, 200, 10)).save(out, format=fmt)
+    with pytest.raises(ImageError) as refused:
+        decode_image(out.getvalue(), 1_000_000)
+    assert refused.value.status_code == 415 and f"format {name};" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"\x00\x00\x00\x1cftypavis\x00\x00\x00\x00avifmif1msf1",  # an animated AVIF
+        b"\x00\x00\x00\x18ftypheis\x00\x00\x00\x00mif1heic",
+        b"\x00\x00\x00\x18ftyphevc\x00\x00\x00\x00msf1hevc",
+        b"\xff\x0a\xfa\x7f",  # a JPEG XL codestream
+        b"\x00\x00\x00\x0cJXL \r\n\x87\n\x00\x00\x00\x14ftypjxl ",
+    ],
+)
+def test_heif_brands_and_jpeg_xl_are_415(head: bytes) -> None:
+    with pytest.raises(ImageError) as refused:
+        decode_image(head + bytes(64), 1_000_000)
+    assert refused.value.status_code == 415, refused.value.message
