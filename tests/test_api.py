@@ -249,6 +249,27 @@ def test_wrong_multipart_field_is_422(client: TestClient) -> None:
     assert "multipart/form-data" in resp.json()["detail"]
 
 
+def test_an_option_detect_does_not_take_or_one_given_twice_is_422(client: TestClient) -> None:
+    """``cof=0.9``, Roboflow's ``confidence=90``, ``imgsz=320`` and options sent as form
+    fields (Ultralytics HUB's way) were dropped without a word, and of ``conf=0.9&conf=0.1``
+    the last won: the call ran on other options than the client asked for."""
+    files = {"image": ("bus.jpg", bus_bytes(), "image/jpeg")}
+    for query, words in (
+        ("cof=0.9", "query: 'cof': not an option here; the options are conf, iou, classes"),
+        ("confidence=90&overlap=30", "query: 'confidence', 'overlap': not an option"),
+        ("imgsz=320", "'imgsz': not an option"),
+        ("conf=0.9&conf=0.1", "query: 'conf' given more than once"),
+    ):
+        refused = client.post(f"/detect?{query}", files=files)
+        assert refused.status_code == 422 and words in refused.json()["detail"], refused.text
+    fields = client.post("/detect", files=files, data={"conf": "0.9", "classes": "bus"})
+    assert fields.status_code == 422
+    assert "multipart field 'classes': send only the file field 'image'" in fields.text
+    # classes may be repeated (a list), and an API key may come in the query
+    found = client.post("/detect?classes=bus&classes=person&access_token=x", files=files)
+    assert found.status_code == 200 and found.json()["detections"]
+
+
 def test_upload_over_limit_is_413(client: TestClient) -> None:
     big = b"\xff" * (3 * 1024 * 1024)
     resp = client.post("/detect", content=big, headers={"content-type": "image/jpeg"})

@@ -85,6 +85,28 @@ async def read_body_capped(request: Request, limit: int) -> bytes:
     return body
 
 
+DETECT_QUERY = ("conf", "iou", "classes", "max_det", "format")
+"""``/detect``'s options; ``classes`` alone may be repeated (a list)."""
+LIST_OPTIONS = ("classes",)
+
+
+def check_query(items: Sequence[tuple[str, str]], options: Sequence[str]) -> None:
+    """HTTP 422 for a query parameter the route does not take, or an option given twice:
+    ``cof=0.9``, Roboflow's ``confidence=90`` or ``imgsz=320`` were dropped without a word
+    and the call ran on the defaults, and of ``conf=0.9&conf=0.1`` the last won."""
+    names = [name for name, _ in items if name != "access_token"]  # the key (server.auth)
+    unknown = sorted({name for name in names if name not in options})
+    if unknown:
+        raise HTTPException(
+            422,
+            f"query: {', '.join(map(repr, unknown))}: not an option here; the options are"
+            f" {', '.join(options)}",
+        )
+    twice = sorted({n for n in names if names.count(n) > 1 and n not in LIST_OPTIONS})
+    if twice:
+        raise HTTPException(422, f"query: {', '.join(map(repr, twice))} given more than once")
+
+
 async def read_image_bytes(request: Request, limit: int) -> bytes:
     """The image bytes of a multipart field ``image`` or a raw image body."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -106,6 +128,13 @@ async def read_image_bytes(request: Request, limit: int) -> bytes:
                     422,
                     "multipart field 'image' came as a text value: send it as a file part, with"
                     ' a filename in its Content-Disposition (curl -F "image=@photo.jpg")',
+                )
+            others = sorted(set(form.keys()) - {"image"})
+            if others:  # options as form fields (Ultralytics HUB's way) were dropped unread
+                raise HTTPException(
+                    422,
+                    f"multipart field {others[0]!r}: send only the file field 'image'; options"
+                    " go in the query string (/detect?conf=0.5&classes=person)",
                 )
             return await field.read()
         finally:
@@ -278,6 +307,7 @@ async def detect(
         Query(alias="format", description="json, or jpeg: the image with its boxes drawn"),
     ] = "json",
 ) -> dict[str, Any] | Response:
+    check_query(request.query_params.multi_items(), DETECT_QUERY)
     arrived = ticket.arrived
     state = get_state(request)
     request_id = ticket.request_id
