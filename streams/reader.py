@@ -671,6 +671,10 @@ class StreamReader:
             stream = container.streams.video[0]
             if self._opt.codec_threads:
                 stream.codec_context.thread_count = self._opt.codec_threads
+            # Larger from the start: the decoder would not open (an FFmpeg "Invalid
+            # argument" retried for ever as a camera lost), so it fails saying why.
+            if size := refused_size(stream, self._opt.max_pixels):
+                raise FatalSourceError(too_large_message(*size, self._opt.max_pixels))
             bound_decoder(stream, self._opt.max_pixels)
             self._still = not spec.is_file and is_still_image(container.format.name)
             # A video of known length (an MP4 over HTTP, an HLS recording) plays as a file
@@ -725,9 +729,11 @@ class StreamReader:
                 continue
             try:
                 frames = packet.decode()
-            except av.error.InvalidDataError as exc:
+            except (av.error.InvalidDataError, av.error.ArgumentError) as exc:
                 if size := refused_size(stream, self._opt.max_pixels):
                     raise FatalSourceError(too_large_message(*size, self._opt.max_pixels)) from None
+                if isinstance(exc, av.error.ArgumentError):
+                    raise  # the decoder would not open: a source lost, reopened
                 log.debug("stream %s: undecodable packet: %s", self.config.id, exc)
                 continue
             for decoded in frames:

@@ -485,3 +485,27 @@ def test_a_body_sent_slowly_is_answered_408_and_one_sent_steadily_is_read(
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
             assert not _closes_within(sock, 4)  # twice the deadline: the stream not cut
         assert "Traceback" not in server.log_text()
+
+
+def test_a_stream_over_the_limit_from_its_first_frame_fails_saying_so() -> None:
+    """A camera whose frames were over --max-image-pixels from the start was never refused:
+    FFmpeg's decoder would not open (``avcodec_open2 ... returned 22``), and the stream
+    reconnected for ever with that error. It fails naming the size and the setting, as one
+    that grows over it part way does."""
+    from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+    from streams.sources import parse_source
+    from tests.helpers import CAR_CLIP
+
+    config = StreamConfig("cam", parse_source(f"file://{CAR_CLIP}", CAR_CLIP.parent, loop=True))
+    options = ReaderOptions(max_pixels=100_000)
+    reader = StreamReader(config, options, lambda sid, item: None, lambda frame: None)
+    reader.start()
+    try:
+        reader.wait_state({StreamState.FAILED}, 30)
+        snap = reader.snapshot()
+    finally:
+        reader.stop()
+        reader.join(10)
+    assert snap["state"] == "failed", snap
+    assert snap["last_error"].startswith("frames of ") and snap["reconnects"] == 0
+    assert "exceed 100000 pixels (setting STREAMDET_MAX_IMAGE_PIXELS)" in snap["last_error"]
