@@ -385,7 +385,14 @@ class StreamManager:
         reader.max_fps = record.max_fps
         if detect is not None:
             reader.detect = detect
-        if record.enabled != was_enabled or (detect is not None and stream_id in self._bad_detect):
+        # Switched on where it is on but failed (gave up reconnecting, a file that was no
+        # video): tried again, as switching it off and on did (it stayed failed).
+        revive = changes.get("enabled") is True and reader.state is StreamState.FAILED
+        if (
+            record.enabled != was_enabled
+            or revive
+            or (detect is not None and stream_id in self._bad_detect)
+        ):
             await self._relaunch(record, reader)
         log.info("stream %s: updated %s", stream_id, sorted(changes))
         return self.describe(stream_id)
@@ -447,7 +454,10 @@ class StreamManager:
             old.loop,
             old.enabled,
         )
-        if same and stream_id not in self._bad_detect:
+        # A failed stream given its settings again (a configuration tool's PUT, the
+        # streams file applied again) is tried again; it stayed failed.
+        failed = record.enabled and reader.state is StreamState.FAILED
+        if same and not failed and stream_id not in self._bad_detect:
             reader.max_fps, reader.detect = record.max_fps, detect
             return self._describe(record)
         await self._relaunch(record, reader)

@@ -333,6 +333,31 @@ async def test_a_stream_added_disabled_or_failing_at_its_start_says_so_on_every_
         assert all(e["stream_id"] != "off" for e in m.events.read(0, 9, states).events)
 
 
+async def test_a_failed_stream_is_tried_again_when_switched_on_or_given_its_settings_again(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """A failed stream (a file that was no video, a camera given up on) stayed failed when
+    sent its settings again (a configuration tool's PUT, the streams file applied again) or
+    ``PATCH {"enabled": true}``; only switching it off and on again tried it again."""
+    allowed = tmp_path / "videos"
+    allowed.mkdir()
+    url = f"file://{allowed}/c.mp4"
+    (allowed / "c.mp4").write_bytes(b"not a video " * 100)
+    async with started_file_manager(pool, tmp_path / "data", allowed_dir=allowed) as m:
+        for sid in ("patched", "put"):
+            await m.add(url, stream_id=sid, loop=True)
+            assert await m.wait_state(sid, {StreamState.FAILED}, 30)
+        shutil.copy(CAR_CLIP, allowed / "c.mp4")
+        await m.update("patched", {"enabled": True})
+        await m.put("put", url, loop=True, detect=StreamDetect())
+        for sid in ("patched", "put"):
+            assert await m.wait_state(sid, {StreamState.LIVE}, 30), m.describe(sid)
+        # Given again while live, a stream goes on as it is (a PUT twice changes nothing).
+        before = (m.describe("put") or {})["frames_in"]
+        await m.put("put", url, loop=True, detect=StreamDetect())
+        assert (m.describe("put") or {})["frames_in"] >= before
+
+
 def test_ffmpeg_options_pin_protocols_and_transport() -> None:
     udp = open_options(parse_source("rtsp://cam/x", None, transport="udp"))
     assert udp["rtsp_transport"] == "udp"
