@@ -287,6 +287,9 @@ class StreamManager:
             raise ManagerClosed("server shutting down")
         if sid in self._records:
             raise StreamExistsError(f"a stream with the id {sid!r} exists")
+        # What is wrong with the request first: at the limit a bad URL was 409 "already N
+        # streams", and fixed only once a stream had been removed for it.
+        spec = parse_source(wanted.url, self._opt.allowed_file_dir, wanted.transport, wanted.loop)
         held = self._reserved - self._records.keys() - self._creating - {sid}
         count = len(self._records) + len(self._creating) + len(held)
         if count >= self._opt.max_streams:
@@ -294,7 +297,6 @@ class StreamManager:
                 f"already {count} streams, the limit {self._opt.max_streams}"
                 " (setting STREAMDET_MAX_STREAMS)"
             )
-        spec = parse_source(wanted.url, self._opt.allowed_file_dir, wanted.transport, wanted.loop)
         record = new_record(
             sid,
             wanted.url,

@@ -965,6 +965,8 @@ async def test_streams_added_at_once_keep_to_the_limit_and_each_id_once(
         assert len(m.list()) == 3 and len(refused) == 7
         assert all(isinstance(r, StreamLimitError) for r in refused), refused
         assert "limit 3 (setting STREAMDET_MAX_STREAMS)" in str(refused[0])
+        with pytest.raises(SourceError, match="scheme 'ftp'"):  # what is wrong with it first
+            await m.add("ftp://nowhere/x")
         for info in m.list():
             await m.remove(info["id"])
         got = await asyncio.gather(
