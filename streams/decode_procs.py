@@ -652,7 +652,7 @@ class DecodeHub:
             return
         log.error("%s: starting it again for its %d streams", why, len(readers))
         for reader in readers:
-            reader.remote_state(StreamState.RECONNECTING, f"{why}; started again")
+            reader.remote_state(StreamState.RECONNECTING, f"{why}; started again", lost=True)
             try:
                 self.open(reader)
             except RuntimeError:  # shut down meanwhile
@@ -686,6 +686,7 @@ class RemoteReader(StreamReader):
         self._remote_fps_in = 0.0
         self._remote_at = 0.0  # when the process last reported
         self._remote_motion_area = 0.0
+        self._process_lost = False  # its process died: live again is a reconnect
         self._planner: ClipPlanner | None = None
         self._on_clip_done: ClipDone | None = None
         self._clips_open: set[int] = set()  # reserved, not yet written or failed
@@ -794,7 +795,18 @@ class RemoteReader(StreamReader):
         except PoolClosed:  # the server is stopping: so is the stream
             self.stop()
 
-    def remote_state(self, state: StreamState, error: str | None) -> None:
+    def remote_state(self, state: StreamState, error: str | None, *, lost: bool = False) -> None:
+        """The stream's state as its process says it (``lost``: as the hub says it, its
+        process having died). Live again after its process died is one reconnect, as after
+        its camera dropped: the new process's reader knew nothing of the loss, and
+        ``reconnects`` did not count it."""
+        with self._lock:
+            if lost:
+                self._process_lost = True
+            elif state is StreamState.LIVE and self._process_lost:
+                self.reconnects += 1
+            if state is not StreamState.RECONNECTING and state is not StreamState.CONNECTING:
+                self._process_lost = False
         self._set_state(state, error)
 
     def remote_counts(self, deltas: dict[str, int], latest: tuple[Any, ...] | None) -> None:

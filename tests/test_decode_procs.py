@@ -161,6 +161,7 @@ def test_a_killed_decode_process_is_started_again_and_its_streams_reopen(
     (again,) = hub.pids()
     assert again != pid
     assert hub.stats() == (1, 1)  # running again, one death counted
+    assert reader.snapshot()["reconnects"] == 1  # lost, and live again: it was not counted
     before = len(kept.items)
     kept.wait_for(before + 5)
     assert reader.alive
