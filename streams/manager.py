@@ -240,9 +240,22 @@ class StreamManager:
         readers = list(self._readers.values())
         for reader in readers:
             reader.stop()
-        end = time.monotonic() + timeout_s
+        # All at once, and those waiting on their source let go as DELETE lets one go: a
+        # camera that accepted the connection and said nothing held the shutdown for its
+        # whole open timeout (10 s, Docker's stop grace), and each joined in turn.
+        start = time.monotonic()
+        end = start + timeout_s
+        await _until(lambda: not any(r.alive for r in readers), start + OPENING_WAIT_S, end)
         for reader in readers:
-            if not await asyncio.to_thread(reader.join, max(0.0, end - time.monotonic())):
+            if reader.alive and reader.waiting_on_source:
+                reader.let_go()
+                log.info(
+                    "stream %s: let go of its decode thread waiting on its source", reader.config.id
+                )
+        waited = [r for r in readers if r.alive and not r.waiting_on_source]
+        await _until(lambda: not any(r.alive for r in waited), end, end)
+        for reader in waited:
+            if reader.alive:
                 log.warning(
                     "stream %s: decode thread still running after %.1f s",
                     reader.config.id,
@@ -870,3 +883,10 @@ class StreamManager:
                 self._state_changed(record.id, record.name, time.time(), failed)
             return
         reader.start()
+
+
+async def _until(done: Callable[[], bool], at: float, end: float) -> None:
+    """Wait until ``done()`` or the earlier of ``at`` and ``end`` (monotonic), looking every
+    50 ms."""
+    while not done() and time.monotonic() < min(at, end):  # noqa: ASYNC110 - threads' ends
+        await asyncio.sleep(0.05)

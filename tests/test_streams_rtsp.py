@@ -631,6 +631,27 @@ async def test_a_stalled_camera_says_which_wait_ran_out_and_each_return_starts_a
         silent.close()
 
 
+async def test_cameras_that_never_answer_do_not_hold_the_shutdown(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Shutting down with cameras that accepted the connection and say nothing waited for
+    FFmpeg's open timeout (10 s by default, Docker's whole stop grace), each in turn: they
+    are let go, as DELETE lets one go."""
+    silent = silent_camera()
+    m = StreamManager(pool, StreamStore(tmp_path / "data"), manager_options(open_timeout_s=20))
+    await m.start()
+    try:
+        for _ in range(3):
+            await m.add(f"rtsp://127.0.0.1:{silent.getsockname()[1]}/cam")
+        await asyncio.sleep(1.0)  # each in FFmpeg's open, waiting
+        started = time.monotonic()
+        await m.stop(30)
+        stopped_s = time.monotonic() - started
+    finally:
+        silent.close()
+    assert stopped_s < 10, stopped_s  # the open's timeout is 20 s, and there are 3
+
+
 async def test_a_camera_frozen_while_live_is_removed_at_once_and_sends_no_stale_frame(
     pool: EnginePool, tmp_path: Path
 ) -> None:
