@@ -42,6 +42,10 @@ class PoolStats:
 BatchObserver = Callable[[int, float], None]
 
 
+LOAD_SETTLE_S = 60.0
+"""How long a failed or interrupted start waits for the workers still loading their engines."""
+
+
 class EnginePool:
     """Runs engines on worker threads and answers every accepted item exactly once.
 
@@ -97,11 +101,27 @@ class EnginePool:
             started.wait(timeout_s)
         except threading.BrokenBarrierError:
             errors.append(EngineError(f"engines did not load within {timeout_s:.0f} s"))
+        except BaseException:  # Ctrl-C while the engines load
+            started.abort()
+            self._abandon()
+            raise
         if errors:
-            self.stop(timeout_s=0)
+            self._abandon()
             err = errors[0]
             raise err if isinstance(err, EngineError) else EngineError(str(err))
         self._ready.set()
+
+    def _abandon(self) -> None:
+        """A start that failed or was interrupted: the workers still loading are waited for
+        (:data:`LOAD_SETTLE_S` at most), each closing its engine. The process returned with
+        them inside ONNX Runtime's session setup, and exited 134 ("terminate called without
+        an active exception") instead of 2 or 130, one time in three."""
+        self.queue.close()
+        end = time.monotonic() + LOAD_SETTLE_S
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            log.warning("engine workers still loading after %.0f s; leaving them", LOAD_SETTLE_S)
 
     @property
     def ready(self) -> bool:

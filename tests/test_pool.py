@@ -116,6 +116,46 @@ def test_failed_load_names_the_problem(model_info: ModelInfo) -> None:
         p.start()
 
 
+def test_a_failed_start_waits_for_the_workers_still_loading(model_info: ModelInfo) -> None:
+    """One worker failing to load while another still loads (ONNX Runtime's session setup):
+    the start returned with that worker inside ONNX Runtime, and the process then exited
+    134 ("terminate called without an active exception") one time in three. The others
+    are waited for, and each closes the engine it loaded."""
+    from dataclasses import replace
+
+    broken = ort_factory(replace(model_info, path="/nonexistent/model.onnx"))
+    loaded: list[Any] = []
+    calls = iter(range(2))
+
+    def factory() -> Any:
+        if next(calls) == 0:
+            return broken()
+        time.sleep(1.0)  # still loading when the other fails
+        engine = _Closing(ort_factory(model_info)())
+        loaded.append(engine)
+        return engine
+
+    p = EnginePool(factory, workers=2, max_batch=1, max_wait_ms=0, max_queue=4)
+    with pytest.raises(EngineError, match=r"/nonexistent/model\.onnx"):
+        p.start()
+    assert not any(t.is_alive() for t in p._threads)
+    assert len(loaded) == 1 and loaded[0].closed
+
+
+class _Closing:
+    """The real engine, noting that it was closed."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.closed = inner, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def close(self) -> None:
+        self.closed = True
+        self.inner.close()
+
+
 class _Wrapped:
     """The real engine, held at each ``infer`` until ``gate`` opens, counting its calls;
     ``short`` times it answers one result too few (a broken engine)."""
