@@ -737,6 +737,9 @@ class GpuDetector(ConfiguredEngine):
         for frame in frames:
             for bucket in self._buckets:
                 self.infer([frame] * bucket, [DetectParams()] * bucket)
+        started = time.monotonic()  # one square frame again, warm: warm_item_s
+        self.infer(frames[:1], [DetectParams()])
+        self.warm_item_s = time.monotonic() - started
 
     def infer(self, images: Sequence[Frame], params: Sequence[DetectParams]) -> list[Detections]:
         """Detections for each image (host arrays or device tensors), one params each."""

@@ -78,6 +78,8 @@ class EnginePool:
         self._ready = threading.Event()
         self._busy = 0
         self.batch_observers: list[BatchObserver] = []
+        self.warm_item_s = 0.0
+        """One square image's seconds on a warm engine (the slowest worker's; 0: unknown)."""
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, timeout_s: float = 600.0) -> None:
@@ -225,6 +227,8 @@ class EnginePool:
             engine = self._factory()
             engine.load()
             engine.warmup()
+            with self._stats_lock:  # the slowest worker's, until batches are measured
+                self.warm_item_s = max(self.warm_item_s, getattr(engine, "warm_item_s", 0.0))
             self._engines.append(engine)
         except BaseException as exc:
             log.error("engine worker %d failed to load: %s", idx, exc)

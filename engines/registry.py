@@ -49,6 +49,11 @@ class ConfiguredEngine:
     """What every backend answers from its :class:`EngineConfig` alone: class names, input
     size, largest batch and model name. Backends subclass it and add load/detect."""
 
+    warm_item_s = 0.0
+    """Seconds one square image took once warm (set by ``warmup``; 0 before): what admission
+    plans a call by until the pool's first batches are measured (a burst right after
+    ``/readyz`` said ready was half refused 429, "no batch has run yet")."""
+
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
         info = config.model

@@ -303,8 +303,9 @@ class AdmissionController:
 
     @property
     def item_s(self) -> float:
-        """Mean per-image engine seconds (the model's input)."""
-        return self.item_mean_s
+        """Mean per-image engine seconds (the model's input); before any batch, one image's
+        time on the warm engine (the pool's warmup)."""
+        return self.item_mean_s or self.pool.warm_item_s
 
     def counts_for_floor(self, pixels: int) -> bool:
         """Whether an image of ``pixels`` (as decoded for the engine) is large enough for

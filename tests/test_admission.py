@@ -660,3 +660,31 @@ def test_tiny_or_raw_images_do_not_lower_what_a_call_alone_takes_at_best() -> No
     with pytest.raises(HTTPException) as tiny:  # a 1 µs Triton timeout is not "0 ms"
         controller.admit(time.monotonic(), Headers({"x-request-deadline-ms": "0.001"}), "y")
     assert "this request's 0.001 ms deadline" in tiny.value.detail
+
+
+def test_a_burst_right_after_ready_is_planned_by_the_warm_engines_time() -> None:
+    """Before its first batch the pool had no figures, and admission let one round through
+    and refused the rest: 8 calls right after ``/readyz`` said ready were 4 answered and 4
+    refused 429 "predicted to finish in unknown (no batch has run yet)", whatever the
+    deadline. The warmup's time of one image plans them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+    from tests.helpers import ultralytics_assets
+
+    settings = Settings(model=str(MODEL_PT), cache_dir=CACHE_DIR, admission_deadline_ms=30_000)
+    bus = (ultralytics_assets() / "bus.jpg").read_bytes()
+    with TestClient(create_app(settings)) as c:
+        controller = c.app.state.admission  # type: ignore[attr-defined]
+        assert controller.pool.stats.batches == 0 and controller.item_s > 0
+        assert c.get("/readyz").status_code == 200
+
+        def call(_: int) -> int:
+            files = {"image": ("bus.jpg", bus, "image/jpeg")}
+            return c.post("/detect", files=files).status_code
+
+        with ThreadPoolExecutor(8) as burst:
+            assert list(burst.map(call, range(8))) == [200] * 8
