@@ -399,7 +399,8 @@ class DeviceWorkspace:
             dev, non_blocking=True
         )
         best, cls = out[:, 4:].max(dim=1)  # (B, A)
-        mask = best > conf[:, None]
+        # A box of NaN or infinity (an FP16 overflow) is no detection (yolo.postprocess_one)
+        mask = (best > conf[:, None]) & torch.isfinite(out[:, :4]).all(dim=1)
         if any(p.classes is not None for p in params):
             allowed = torch.ones((batch, nc), dtype=torch.bool)
             for i, p in enumerate(params):

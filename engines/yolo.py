@@ -185,7 +185,10 @@ def postprocess_one(
     """Decode one image's ``(4 + nc, anchors)`` head output into :class:`Detections`."""
     cls_scores = pred[4:]
     best = cls_scores.max(axis=0)
-    cand = np.flatnonzero(best > params.conf)
+    # A box of NaN or infinity (an FP16 model's overflow) is no detection: it was answered
+    # as a 500 (JSON has no NaN), a drawing's failure, and "box": [NaN, ...] on the WebSocket,
+    # which browsers' JSON.parse refuses. A NaN score passes no threshold already.
+    cand = np.flatnonzero((best > params.conf) & np.isfinite(pred[:4]).all(axis=0))
     if cand.size == 0:
         return Detections.empty(names, meta.width, meta.height)
     class_ids = cls_scores[:, cand].argmax(axis=0).astype(np.int32)

@@ -221,6 +221,31 @@ def test_device_nms_matches_cpu_postprocess(
     assert compared > 10
 
 
+def test_boxes_of_nan_or_infinity_are_no_detections_on_either_path(
+    frames: list[np.ndarray], ort: object, model_info: ModelInfo
+) -> None:
+    """An FP16 model's overflow gave boxes of NaN: a 500 on /detect (JSON has no NaN), and
+    ``"box": [NaN, ...]`` on the WebSocket. Such a box is no detection, on the CPU's
+    post-processing and the device's alike; the others are kept."""
+    frame = frames[0]
+    blob, metas = preprocess([frame], 640, rect_shape(frame.shape[0], frame.shape[1], 640, 32))
+    raw = ort.run_raw(blob)  # type: ignore[attr-defined]
+    clean = postprocess(raw, metas, [DetectParams()], model_info.names)[0]
+    best = raw[0, 4:].max(axis=0)
+    strong = np.flatnonzero(best > 0.25)
+    assert strong.size > 4
+    poisoned = raw.copy()
+    poisoned[0, 0, strong[::2]] = np.nan  # x of every other candidate
+    poisoned[0, 2, strong[1::4]] = np.inf
+    for found in (
+        postprocess(poisoned, metas, [DetectParams()], model_info.names)[0],
+        DeviceWorkspace(CPU).postprocess(
+            torch.from_numpy(poisoned), metas, [DetectParams()], model_info.names
+        )[0],
+    ):
+        assert np.isfinite(found.boxes).all() and 0 < len(found) <= len(clean)
+
+
 def test_bucket_runner_reuses_buffers_and_bounds_them() -> None:
     calls: list[tuple[int, ...]] = []
 
