@@ -17,6 +17,13 @@ from engines.yolo import group_by_shape, postprocess, preprocess
 log = logging.getLogger(__name__)
 
 
+INPUT_TYPES: dict[str, type[np.floating[Any]]] = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+}
+"""The input types a model may take, and the NumPy type its blob is handed over as."""
+
+
 class OrtEngine(ConfiguredEngine):
     """One ONNX Runtime session; the pool gives each worker its own instance."""
 
@@ -26,6 +33,7 @@ class OrtEngine(ConfiguredEngine):
         self._session: object | None = None
         self._input_name = "images"
         self._output_name = "output0"
+        self._input_type: type[np.floating[Any]] = np.float32
 
     def load(self) -> None:
         import onnxruntime as ort
@@ -49,6 +57,15 @@ class OrtEngine(ConfiguredEngine):
             ) from exc
         inputs, outputs = session.get_inputs(), session.get_outputs()
         self._input_name, self._output_name = inputs[0].name, outputs[0].name
+        # Ultralytics' half=True export (and FP16 conversions that keep no float32 inputs)
+        # takes float16: it was refused by ONNX Runtime's "Unexpected input data type".
+        kind = inputs[0].type
+        if kind not in INPUT_TYPES:
+            raise EngineError(
+                f"model {self._config.model.path}: its input {inputs[0].name!r} is {kind};"
+                " export it with a float32 or float16 input"
+            )
+        self._input_type = INPUT_TYPES[kind]
         self._session = session
 
     def warmup(self) -> None:
@@ -102,5 +119,6 @@ class OrtEngine(ConfiguredEngine):
 
     def _run(self, blob: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         session: Any = self._session
-        (output,) = session.run([self._output_name], {self._input_name: blob})
+        feed = blob.astype(self._input_type, copy=False)
+        (output,) = session.run([self._output_name], {self._input_name: feed})
         return np.asarray(output, np.float32)

@@ -307,3 +307,40 @@ def test_sigterm_during_a_first_starts_export_leaves_no_temporary_copy(tmp_path:
         child.kill()
         child.wait()
     assert list(cache.iterdir()) == []
+
+
+def test_an_onnx_taking_float16_runs_with_the_float32_ones_boxes(
+    tmp_path: Path, model_info: ModelInfo
+) -> None:
+    """An ONNX whose input is float16 (Ultralytics' ``half=True`` export, FP16 conversions
+    that keep no float32 input) was refused by ONNX Runtime's "Unexpected input data type.
+    Actual: (tensor(float)), expected: (tensor(float16))". It is fed float16, and finds what
+    the float32 one finds on bus.jpg. One of another input type is refused naming it."""
+    from dataclasses import replace
+
+    from engines.types import DetectParams, EngineError
+    from streams.files import load_image
+    from tests.helpers import match_reference, ort_factory, ultralytics_assets
+
+    model = onnx.load(model_info.path)
+    name = model.graph.input[0].name
+    for node in model.graph.node:
+        node.input[:] = [f"{name}_f32" if i == name else i for i in node.input]
+    cast = helper.make_node("Cast", [name], [f"{name}_f32"], to=TensorProto.FLOAT)
+    model.graph.node.insert(0, cast)
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    half = tmp_path / "fp16-input.onnx"
+    onnx.save(model, str(half))
+    bus = load_image(ultralytics_assets() / "bus.jpg")
+    engines = [ort_factory(info)() for info in (model_info, read_model_info(half))]
+    for engine in engines:
+        engine.load()
+    full, found = (e.infer([bus], [DetectParams()])[0] for e in engines)
+    problems = match_reference(found, full.boxes, full.scores, full.class_ids, conf_tol=0.02)
+    assert len(found) == len(full) and problems == [], problems
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.INT32
+    ints = tmp_path / "int-input.onnx"
+    onnx.save(model, str(ints))
+    engine = ort_factory(replace(read_model_info(half), path=str(ints)))()
+    with pytest.raises(EngineError, match=r"int-input\.onnx: its input 'images' is tensor\(int"):
+        engine.load()
