@@ -224,11 +224,30 @@ def resolve_onnx(
     if cached.exists():
         log.info("model %s: using cached export %s", model, cached)
         return cached
+    _writable_cache(cache_dir)
     if suffix == ".torchscript":
         log.info("model %s: converting the TorchScript trace to ONNX into %s", model, cached)
         return torchscript_to_onnx(path, cached, imgsz)
     log.info("model %s: exporting to ONNX (imgsz %d) into %s", model, imgsz, cached)
     return export_onnx(path, cached, imgsz)
+
+
+def _writable_cache(cache_dir: Path) -> None:
+    """Raise :class:`ModelError` naming the setting where exports cannot be written into
+    ``cache_dir`` (a read-only root's ``~/.cache``: it was a FileNotFoundError's traceback
+    from the export, exit 1)."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelError(
+            f"cache directory {cache_dir}: cannot create it ({exc.strerror or exc}); set"
+            " STREAMDET_CACHE_DIR / --cache-dir to a writable directory"
+        ) from None
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise ModelError(
+            f"cache directory {cache_dir}: not writable; set STREAMDET_CACHE_DIR / --cache-dir"
+            " to a writable directory"
+        )
 
 
 def load_torchscript(
@@ -337,6 +356,7 @@ def _fetch_and_export(name: str, cache_dir: Path, imgsz: int) -> Path:
     _quiet_ultralytics()
     from ultralytics.utils.downloads import attempt_download_asset
 
+    _writable_cache(cache_dir)
     target = cache_dir / "weights" / name
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():

@@ -344,3 +344,16 @@ def test_an_onnx_taking_float16_runs_with_the_float32_ones_boxes(
     engine = ort_factory(replace(read_model_info(half), path=str(ints)))()
     with pytest.raises(EngineError, match=r"int-input\.onnx: its input 'images' is tensor\(int"):
         engine.load()
+
+
+def test_a_cache_directory_that_cannot_be_written_is_named_with_its_setting(
+    tmp_path: Path,
+) -> None:
+    """A read-only root's ``~/.cache`` (here /proc's, where nothing can be made) gave the
+    export's FileNotFoundError traceback and exit 1, in serve, export and analyze alike."""
+    with pytest.raises(ModelError, match=r"cache directory /proc/nocache: cannot create it") as e:
+        resolve_onnx(str(MODEL_PT), Path("/proc/nocache"), 640)
+    assert "STREAMDET_CACHE_DIR / --cache-dir" in str(e.value)
+    ran = run_serve("--model", str(MODEL_PT), "--cache-dir", "/proc/nocache", timeout_s=120)
+    assert ran.returncode == 2 and "cache directory /proc/nocache" in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr
