@@ -71,13 +71,24 @@ def _add_settings_flags(
         )
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
+def settings_from_args(args: argparse.Namespace, unused: frozenset[str] = frozenset()) -> Settings:
+    """The settings of a command: its flags over ``STREAMDET_*`` variables, those of the
+    ``unused`` settings left out (``analyze`` has no port: STREAMDET_PORT=99999 refused it
+    with "--port: ...", a flag it has not, and STREAMDET_DECODE=cuda a job on the CPU)."""
     given: dict[str, Any] = {
         name: getattr(args, name)
         for name in Settings.model_fields
         if getattr(args, name, None) is not None
     }
-    return Settings(**given)
+    hidden = {
+        key: os.environ.pop(key)
+        for key in list(os.environ)
+        if key.upper().startswith("STREAMDET_") and key[10:].lower() in unused
+    }
+    try:
+        return Settings(**given)
+    finally:
+        os.environ.update(hidden)
 
 
 def _hup_before_ready(sig: int, frame: FrameType | None) -> None:
@@ -444,8 +455,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from server.export_cli import run_export_command
 
         return run_export_command(args)
+    unused = {
+        "analyze": frozenset(Settings.model_fields) - ANALYZED,
+        "bench": NOT_BENCHED - {"log_level"},
+    }.get(args.command, frozenset())
     try:
-        settings = settings_from_args(args)
+        settings = settings_from_args(args, unused)
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])

@@ -622,3 +622,24 @@ def test_a_commands_flags_are_its_own_and_checked(
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "give a number above 0" in err or "unrecognized arguments" in err, err
+
+
+def test_analyze_and_bench_ignore_the_variables_of_settings_they_do_not_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server's environment (STREAMDET_PORT=99999, STREAMDET_DECODE=cuda) refused
+    ``analyze`` with "--port: ..." and "--decode", flags it has not; the variables of the
+    settings it uses still count, and the environment is left as it was."""
+    monkeypatch.setenv("STREAMDET_PORT", "99999")
+    monkeypatch.setenv("STREAMDET_DECODE", "cuda")
+    monkeypatch.setenv("STREAMDET_IMGSZ", "320")
+    unused = frozenset(Settings.model_fields) - cli.ANALYZED
+    settings = cli.settings_from_args(argparse.Namespace(), unused)
+    assert settings.imgsz == 320 and settings.port == 8000 and settings.decode == "cpu"
+    assert os.environ["STREAMDET_PORT"] == "99999" and os.environ["STREAMDET_DECODE"] == "cuda"
+    missing = str(tmp_path / "gone.onnx")
+    assert cli.main(["analyze", str(CAR_CLIP), "--model", missing]) == 2
+    err = capsys.readouterr().err
+    assert "gone.onnx: file not found" in err and "--port" not in err, err
+    with pytest.raises(ValidationError, match="port"):  # serve uses it: refused there
+        cli.settings_from_args(argparse.Namespace())
