@@ -352,7 +352,7 @@ def _serve(settings: Settings) -> int:
             await viewers_gone(app, timeout_s=2.0)
             await super().shutdown(sockets)
 
-    Server(
+    server = Server(
         uvicorn.Config(
             app,
             host=settings.host,
@@ -371,7 +371,23 @@ def _serve(settings: Settings) -> int:
             # "None", which waits for open requests for ever.
             timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_timeout_s)),
         )
-    ).run()
+    )
+    try:
+        server.run()
+    except SystemExit:
+        if server.started:
+            raise
+        # The port, free when checked, taken while the model loaded: uvicorn logged its
+        # bind error and exited 3, naming no setting.
+        taken = port_taken(settings.host, settings.port)
+        print(
+            f"streamdet: --port: {settings.host}:{settings.port}:"
+            f" {taken[1] if taken else 'cannot listen there'} (taken while the model loaded;"
+            " setting STREAMDET_PORT)",
+            file=sys.stderr,
+        )
+        pool.stop(settings.shutdown_timeout_s)
+        return 2
     return 0
 
 

@@ -643,3 +643,37 @@ def test_analyze_and_bench_ignore_the_variables_of_settings_they_do_not_use(
     assert "gone.onnx: file not found" in err and "--port" not in err, err
     with pytest.raises(ValidationError, match="port"):  # serve uses it: refused there
         cli.settings_from_args(argparse.Namespace())
+
+
+def test_a_port_taken_while_the_model_loads_is_named_with_its_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Free when checked, the port was taken by another program while the model loaded:
+    uvicorn logged its bind error and the server exited 3, naming no setting."""
+    import socket
+
+    from server import runtime
+
+    port = free_port()
+    taker = socket.socket()
+    real_build = runtime.build_pool
+
+    def build_pool(settings: Settings) -> Any:
+        pool = real_build(settings)
+        taker.bind(("127.0.0.1", port))  # another program, meanwhile
+        taker.listen(1)
+        return pool
+
+    monkeypatch.setattr("server.runtime.build_pool", build_pool)
+    settings = Settings(
+        model=str(MODEL_PT), cache_dir=CACHE_DIR, data_dir=tmp_path / "data", port=port
+    )
+    before = sys.getswitchinterval()
+    try:
+        assert cli.serve(settings) == 2
+    finally:
+        taker.close()
+        sys.setswitchinterval(before)
+    err = capsys.readouterr().err
+    assert f"--port: 127.0.0.1:{port}: cannot listen there" in err, err
+    assert "(taken while the model loaded; setting STREAMDET_PORT)" in err
