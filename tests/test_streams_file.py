@@ -377,6 +377,7 @@ def test_a_disabled_stream_closes_its_camera_keeps_its_settings_and_opens_again(
         hidden = c.get("/streams/road/latest.jpg")  # a privacy switch: its last picture too
         assert hidden.status_code == 503, hidden.text
         assert hidden.json()["detail"] == "stream 'road' is disabled: it shows nothing now"
+        assert "retry-after" not in hidden.headers  # back only when switched on, not in 1 s
         frames = stream("road")["frames_in"]
         time.sleep(0.5)
         assert stream("road")["frames_in"] == frames  # its camera is closed

@@ -291,9 +291,11 @@ async def latest_jpeg(
     if frame is None:
         now = info["state"]
         detail = f"stream {stream_id!r} has no processed frame yet (state {now})"
+        retry: dict[str, str] | None = {"Retry-After": "1"}
         if now in ("disabled", "failed", "stopped"):  # it had frames, maybe: none shown now
-            detail = f"stream {stream_id!r} is {now}: it shows nothing now"
-        raise HTTPException(503, detail, headers={"Retry-After": "1"})
+            # No Retry-After: it comes back only when someone changes it, not in a second.
+            detail, retry = f"stream {stream_id!r} is {now}: it shows nothing now", None
+        raise HTTPException(503, detail, headers=retry)
     render = _renderer(manager, stream_id, info, boxes=boxes)
     jpeg, _, _ = await asyncio.to_thread(render, frame, max_width, quality)
     headers = {
