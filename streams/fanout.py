@@ -198,6 +198,10 @@ class Subscriber:
         # Events of frames this viewer will not get, handed on with the next one: a viewer
         # may miss pictures, never an event.
         self._carried: list[StreamEvent] = []
+        self._carried_frame: ProcessedFrame | None = None  # the newest of those skipped
+        self.behind = False
+        """The last change :meth:`get` gave was pushed out of a full queue: frames dropped
+        after it may be newer than it."""
         self.dropped_events = 0
         # Set with ``closed``: the viewer's handler waits on it beside its send, which a
         # viewer that stopped reading holds up (the Closed in the queue would never be read).
@@ -215,8 +219,10 @@ class Subscriber:
         if self.closed is not None:
             return
         self.closed = Closed(code, reason)
-        while not self._queue.empty():  # a closing viewer needs no backlog
-            self._queue.get_nowait()
+        while not self._queue.empty():  # a closing viewer needs no backlog, but its events
+            old = self._queue.get_nowait()
+            if isinstance(old, ProcessedFrame):
+                self.carry(old)
         self._states.clear()
         self._queue.put_nowait(self.closed)
         self._ended.set()
@@ -238,6 +244,7 @@ class Subscriber:
 
     def carry(self, skipped: ProcessedFrame) -> None:
         """``skipped`` will not be sent: its events go with the next frame."""
+        self._carried_frame = skipped
         self._carried += skipped.events
         if len(self._carried) > MAX_CARRIED:
             self.dropped_events += len(self._carried) - MAX_CARRIED
@@ -247,11 +254,27 @@ class Subscriber:
         """The next frame (with the events of frames skipped before it) or state change, or
         :class:`Closed` once the subscription ended."""
         if self._states and self.closed is None:
+            self.behind = True
             return self._states.pop(0)
         item = await self._queue.get()
-        if isinstance(item, ProcessedFrame) and self._carried:
-            item, self._carried = item.with_events(self._carried), []
+        self.behind = False
+        if isinstance(item, ProcessedFrame):
+            self._carried_frame = None
+            if self._carried:
+                item, self._carried = item.with_events(self._carried), []
         return item
+
+    def flush(self) -> ProcessedFrame | None:
+        """The newest frame not sent, carrying every event still carried (its own among
+        them), where any is: to be sent before a state change or the close, after which no
+        frame may come to carry them (a paced viewer lost the last events before a stream
+        stopped, was switched off or removed)."""
+        frame = self._carried_frame
+        if frame is None or not self._carried:
+            return None
+        flushed = dataclasses.replace(frame, events=tuple(self._carried), _json=None)
+        self._carried, self._carried_frame = [], None
+        return flushed
 
     def qsize(self) -> int:
         return self._queue.qsize()

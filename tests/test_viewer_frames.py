@@ -22,7 +22,7 @@ from server.render import line_label, render_jpeg, zone_label
 from server.routes.viewer import JpegFrames, Pace
 from server.routes.ws import _send
 from streams.detect import Roi
-from streams.fanout import ProcessedFrame, Subscriber
+from streams.fanout import ProcessedFrame, StateMessage, Subscriber
 from streams.lines import Crossing, Line
 from streams.zones import Zone
 from tests.helpers import (
@@ -216,7 +216,9 @@ class _Socket:
 async def test_a_viewer_at_a_lower_rate_still_gets_every_event(frames: str) -> None:
     """Frames at 20 fps to a viewer that asked for 5 (with their pictures, or JSON only: its
     max_fps was ignored): it is sent one in four, and the crossing events of the frames it
-    skips come with the next one it is sent."""
+    skips come with the next one it is sent; those of the last frames before the stream
+    closes (or changes state) come with the newest of them, sent before the close (they
+    were lost: no later frame came to carry them)."""
     sub = Subscriber("s1", maxsize=4)
     socket = _Socket()
     options = {"frames": frames, "max_fps": "5"}
@@ -240,15 +242,19 @@ async def test_a_viewer_at_a_lower_rate_still_gets_every_event(frames: str) -> N
             )
         )
         await asyncio.sleep(0.05)  # the sender takes each frame before the next comes
+        if n == 11:
+            sub.offer(StateMessage('{"type":"stream_state","state":"reconnecting"}'))
+            await asyncio.sleep(0.05)
     sub.close(1000, "done")
     await asyncio.wait_for(sender, 10)
     assert socket.closed == (1000, "done")
-    sent = [m["frame"] for m in socket.texts]
-    assert 3 <= len(sent) <= 5, sent  # ~5 of 20 fps
-    assert socket.binaries == (len(sent) if frames == "jpeg" else 0)
+    sent = [m.get("frame", m.get("state")) for m in socket.texts]
+    assert 4 <= len(sent) <= 8, sent  # ~5 of 20 fps, and the newest before each change
+    assert socket.binaries == (len(sent) - 1 if frames == "jpeg" else 0)
+    assert sent[-1] == 13 and sent[sent.index("reconnecting") - 1] == 11, sent
     events = [e["frame"] for m in socket.texts for e in m.get("events", [])]
-    # Every crossing up to the last frame sent arrived, once, in order; none from the future.
-    assert events == list(range(1, sent[-1] + 1)), (sent, events)
+    # Every crossing arrived, once, in order, each before the change that followed it.
+    assert events == list(range(1, 14)), (sent, events)
 
 
 def test_encode_outlines_zones_with_what_stands_in_them() -> None:

@@ -139,6 +139,12 @@ async def _send(
     while True:
         item = await sub.get()
         async with asyncio.timeout(timeout_s):
+            ends = isinstance(item, Closed) or (isinstance(item, StateMessage) and not sub.behind)
+            if ends and (last := sub.flush()) is not None:
+                if jpeg is None:  # its events before the change: no later frame may come
+                    await _send_frame(websocket, last, sub)
+                else:
+                    await jpeg.send(websocket, last)
             if isinstance(item, Closed):
                 await websocket.close(item.code, item.reason)
                 return
