@@ -32,7 +32,7 @@ from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, StateMessage, Subscriber
 from streams.jobs import FrameSource
 from streams.outbox import Outbox
-from streams.reader import ReaderOptions, StreamConfig, StreamReader, StreamState
+from streams.reader import NOT_SHOWING, ReaderOptions, StreamConfig, StreamReader, StreamState
 from streams.sources import SourceError, SourceSpec, Transport, parse_source, redact
 from streams.store import StreamRecord, StreamStore, new_record
 
@@ -547,7 +547,9 @@ class StreamManager:
         self._pool.queue.discard(stream_id)
         # The last word on it, for webhooks, MQTT (which clears its retained topics) and SSE.
         removed = StateEvent(was.value, "removed", None, reader.frame_no)
-        self.events.add(stream_id, record.name, time.time(), [removed], str)
+        at = time.time()
+        self._end_stays(stream_id, reader, record.name, at)
+        self.events.add(stream_id, record.name, at, [removed], str)
         for sub in self._subs.pop(stream_id, set()):
             sub.close(WS_NORMAL, "stream removed")
         self._viewer_drops.pop(stream_id, None)
@@ -706,12 +708,23 @@ class StreamManager:
         """Log a stream's state change, and send it to the viewers that asked for them: they
         see why its frames stopped, or that they come again. (A removed stream's viewers are
         closed, 1000 "stream removed", instead.)"""
+        reader = self._readers.get(stream_id)
+        if reader is not None and StreamState(event.state) in NOT_SHOWING:
+            self._end_stays(stream_id, reader, name, at)
         for logged in self.events.add(stream_id, name, at, [event], str):
             message = StateMessage(json.dumps(logged, separators=(",", ":")))
             self._last_state[stream_id] = (event.state, message)
             for sub in self._subs.get(stream_id, ()):
                 if sub.wants_states:
                     sub.offer(message)
+
+    def _end_stays(self, stream_id: str, reader: StreamReader, name: str, at: float) -> None:
+        """The objects in the zones of a stream that shows nothing now leave them, ``lost``:
+        their exits logged (before what stopped it) and counted."""
+        names = self._pool.engine.names
+        exits = reader.end_stays(lambda c: names.get(int(c), str(int(c))))
+        if exits:
+            self.events.add(stream_id, name, at, exits, lambda c: names.get(int(c), str(int(c))))
 
     def _reader_of(self, frame: ProcessedFrame, token: object) -> StreamReader | None:
         """The reader of ``frame`` if it is still the one that read it (``token``); None for

@@ -9,6 +9,7 @@ engines loses frames, never gains latency, and never blocks another stream.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
 import functools
@@ -56,6 +57,7 @@ from streams.sources import (
     redact_in,
     rtsp_answer,
 )
+from streams.zones import ZoneEvent
 
 if TYPE_CHECKING:
     from engines.nvdec import GpuDecode
@@ -400,6 +402,14 @@ class StreamReader:
             self._last_result_frame = old._last_result_frame
             self._analytics = old._analytics
             self._result_lock = old._result_lock
+
+    def end_stays(self, name_of: Callable[[int], str]) -> list[ZoneEvent]:
+        """Its objects leave the zones they stand in, ``lost``, at its last processed frame:
+        it shows nothing now (switched off, failed, ended or removed). Their stays were left
+        open: ``now`` was empty while entries outnumbered exits, and the exits came, dated
+        then, when it was switched on again, or never."""
+        with self._result_lock:
+            return self._analytics.end(self._last_result_frame, name_of)
 
     def start(self) -> None:
         self._thread.start()
@@ -897,14 +907,24 @@ class StreamReader:
                 # back in time (nor would its tracks), so this one counts as dropped.
                 self.count_drop()
                 return
+            if self._stop.is_set():
+                # Its stream stopped, was switched off, given a new source or removed while
+                # it ran: never published, so not counted into lines and zones either (their
+                # counts grew by crossings no event was logged for).
+                self.count_drop()
+                return
             self._last_result_frame = pending.frame_no
             detections = result.detections.rescaled(*pending.source)
             done = self._analytics.process(
                 detections, pending.detect, pending.decoded_mono, pending.frame_no
             )
+            if self.state in NOT_SHOWING:
+                # Finished after its stream stopped showing (a file's last frames, in the
+                # engine when it ended): nothing later closes the stays it opened.
+                ended = self._analytics.end(pending.frame_no, detections.name_of)
+                if ended:
+                    done = dataclasses.replace(done, events=(*done.events, *ended))
             self._count("processed")
-            if self._stop.is_set():
-                return
             self._publish(
                 ProcessedFrame(
                     stream_id=self.config.id,

@@ -1364,3 +1364,68 @@ async def test_streams_stored_past_a_lowered_limit_are_kept_not_opened(
         assert "limit 2 (setting STREAMDET_MAX_STREAMS)" in states[ids[2]]["last_error"]
     finally:
         await again.stop(5.0)
+
+
+def _first_seconds(clip: Path, seconds: float, out: Path) -> Path:
+    """The first ``seconds`` of ``clip`` (its packets copied) as ``out``."""
+    with av.open(str(clip)) as source, av.open(str(out), "w") as target:
+        video = source.streams.video[0]
+        copy = target.add_stream_from_template(video)
+        assert video.time_base is not None
+        for packet in source.demux(video):
+            if packet.pts is None or packet.pts * video.time_base > seconds:
+                continue
+            packet.stream = copy
+            target.mux(packet)
+    return out
+
+
+@pytest.mark.parametrize("how", ["disabled", "removed", "ended"])
+async def test_objects_in_zones_leave_them_lost_when_the_stream_shows_nothing(
+    pool: EnginePool, tmp_path: Path, how: str
+) -> None:
+    """A stream switched off (or removed) with cars in a zone left their stays open: its
+    ``now`` was empty while entries outnumbered exits, and the exits came, dated then, when
+    it was switched on again, or never. They leave, ``lost``, when it stops showing them,
+    logged before the change that stopped it."""
+    from streams.zones import Zone
+
+    whole = Zone("all", ((0.0, 0.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0)), inertia=1)
+    detect = StreamDetect(DetectParams(classes=frozenset({2})), track=True, zones=(whole,))
+    clip = _first_seconds(CAR_CLIP, 5.6, tmp_path / "cut.mp4") if how == "ended" else CAR_CLIP
+    async with started_file_manager(pool, tmp_path / "data", allowed_dir=clip.parent) as m:
+        info = await m.add(
+            f"file://{clip}",
+            max_fps=None if how == "ended" else 5,
+            detect=detect,
+            stream_id="road",
+            loop=how != "ended",
+        )
+
+        def inside() -> int:
+            zone = (m.describe("road") or {}).get("zones", {}).get("all", {})
+            return int(sum(zone.get("entered", {}).values())) - int(
+                sum(zone.get("exited", {}).values())
+            )
+
+        if how != "ended":
+            await eventually(lambda: inside() > 0, 60)  # a car in the zone
+        if how == "disabled":
+            await m.update("road", {"enabled": False})
+        elif how == "removed":
+            await m.remove("road")
+        else:  # played once to its end, with cars in it
+            assert await m.wait_state("road", {StreamState.STOPPED}, 60)
+            await asyncio.sleep(1.0)  # its last frames, in the engine as it ended
+        logged = m.events.read(0, 500, EventFilter(streams=frozenset({"road"}))).events
+        kinds = [(e["type"], e.get("lost"), e.get("state")) for e in logged]
+        last_state = max(i for i, k in enumerate(kinds) if k[0] == "stream_state")
+        enters = sum(1 for t, _, _ in kinds if t == "zone_enter")
+        exits = sum(1 for t, _, _ in kinds if t == "zone_exit")
+        lost = [i for i, (t, gone, _) in enumerate(kinds) if t == "zone_exit" and gone]
+        assert enters == exits and lost and enters, kinds
+        if how != "ended":  # there: in its last frames, processed after it ended
+            assert all(i < last_state for i in lost), kinds  # before the change
+        if how != "removed":
+            assert inside() == 0
+        assert info["id"] == "road"
