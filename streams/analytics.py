@@ -97,7 +97,8 @@ class StreamAnalytics:
         live = self._tracker.live_ids() if detect.lines or detect.zones else []
         crossings: list[Crossing] = []
         if detect.lines:
-            crossings = self._lines.update(detections, detect.lines, live, frame)
+            confirmed = self._tracker.confirmed_ids()
+            crossings = self._lines.update(detections, detect.lines, live, frame, confirmed)
         else:
             self._lines.clear()
         members = dwell = None

@@ -16,7 +16,7 @@ left ``out``: for a line drawn left to right across the picture, ``in`` is movin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -162,10 +162,18 @@ class LineCounter:
         self._sides.clear()
 
     def update(
-        self, detections: Detections, lines: Sequence[Line], live: Iterable[int], frame: int
+        self,
+        detections: Detections,
+        lines: Sequence[Line],
+        live: Iterable[int],
+        frame: int,
+        confirmed: Container[int] | None = None,
     ) -> list[Crossing]:
         """The crossings in one tracked frame (number ``frame``); ``live`` are the tracker's
-        live track ids (an object unseen for a frame or two keeps its last place)."""
+        live track ids (an object unseen for a frame or two keeps its last place), and
+        ``confirmed`` those that are objects (``None``: all). A track not yet an object keeps
+        the side it was first seen on, and crosses once it is one: a flicker of two frames
+        (a hand called two people) was counted as crossing, one object twice."""
         ids = detections.track_ids
         xs, ys = (a.tolist() for a in anchors(detections))
         if ids is None or len(xs) != len(ids):
@@ -189,6 +197,8 @@ class LineCounter:
                 distance = line.distance(point)
                 key = (track_id, line.name)
                 before = self._sides.get(key)
+                if before is not None and confirmed is not None and track_id not in confirmed:
+                    continue  # not an object yet: its first side kept
                 if before is not None and abs(distance) <= band:
                     continue  # on the line: still on the side it was
                 side = 1 if distance >= 0 else -1

@@ -134,6 +134,10 @@ class Tracker:
         ids: list[int] = self._ids.tolist()
         return ids
 
+    def confirmed_ids(self) -> set[int]:
+        """The ids of the live tracks that are objects: seen in ``min_hits`` frames."""
+        return set(self._ids[self._hits >= self.min_hits].tolist())
+
     def still_seconds(self, ids: npt.NDArray[np.int64]) -> list[float]:
         """For each track id, how long its object has stood still: seconds from when it
         settled (its box moved less than :data:`STILL_IOU` since) to when it was last seen;

@@ -311,6 +311,26 @@ def test_each_object_counts_once_per_crossing() -> None:
     assert frame.track_ids is not None and frame.track_ids.tolist() == [2]
 
 
+def test_a_track_crosses_only_once_it_is_an_object() -> None:
+    """A flicker seen in two frames on either side of the line (a hand called two people,
+    one box jumping) was counted as crossing; a track not yet seen in ``min_hits`` frames
+    keeps the side it was first seen on, and an object that crossed in its first frames is
+    counted once it is one."""
+    tracker, counter = Tracker(), LineCounter()
+    flicker = []
+    for k, y in enumerate((480, 530)):  # seen twice, across the line at y = 500, then gone
+        frame = tracker.update(dets([[400, y - 100, 500, y]]), 0.1 * k).detections
+        flicker += counter.update(frame, [ACROSS], tracker.live_ids(), k, tracker.confirmed_ids())
+    assert flicker == [] and tracker.confirmed_ids() == set()
+    tracker, counter = Tracker(), LineCounter()
+    early = []
+    for k, y in enumerate((470, 530, 560, 590)):  # across in its second frame
+        frame = tracker.update(dets([[400, y - 100, 500, y]]), 0.1 * k).detections
+        early += counter.update(frame, [ACROSS], tracker.live_ids(), k, tracker.confirmed_ids())
+    assert early == [Crossing("across", "in", 1, 2, 2)]  # once an object, at its 3rd frame
+    assert MIN_HITS == 3
+
+
 def test_real_cars_crossing_a_line_are_counted(ort_engine: Engine) -> None:
     """The car clip at a third of its 12.5 fps: cars drive up and down through the middle of
     the picture."""
