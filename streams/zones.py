@@ -355,7 +355,9 @@ class ZoneCounter:
         if hit:
             if stay is None:
                 stay = stays[track_id] = _Stay(t, t, class_id)
-            stay.inside, stay.outside, stay.last_in, stay.class_id = stay.inside + 1, 0, t, class_id
+            stay.inside, stay.outside, stay.last_in = stay.inside + 1, 0, t
+            if not stay.entered:  # entered, its class is kept: its exit and loiter say it too
+                stay.class_id = class_id  # (one entered as a bottle left as a vase)
             if not stay.entered and stay.inside >= zone.inertia:
                 stay.entered = True
                 return [ZoneEvent(zone.name, "enter", track_id, class_id, frame)]

@@ -57,6 +57,18 @@ def _walk(
     return events, frames, ids
 
 
+def test_a_stay_keeps_the_class_it_entered_with() -> None:
+    """An object entered as one class and called another inside (a bottle, then a vase) left
+    as the other: per class, exits outnumbered entries and occupancy went below zero."""
+    tracker, zones = Tracker(), ZoneCounter()
+    left = Zone("left", LEFT.points, inertia=1, loiter_s=0.3)
+    events: list[ZoneEvent] = []
+    for k, (x, cls) in enumerate([(300, 2), (350, 2), (400, 7), (450, 7), (550, 7), (600, 7)]):
+        found = tracker.update(dets([[x - 100, 300, x + 100, 400]], [cls]), 0.1 * k).detections
+        events += zones.update(found, [left], tracker.live_ids(), 0.1 * k, k).events
+    assert [(e.kind, e.class_id) for e in events] == [("enter", 2), ("loiter", 2), ("exit", 2)]
+
+
 def test_a_tracked_object_entering_a_zone_is_counted_once() -> None:
     tracker, zones = Tracker(), ZoneCounter()
     left = Zone("left", LEFT.points, inertia=1)  # entered in one frame, left in one
