@@ -325,6 +325,9 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
         ({"since": 1764513000, "until": "2025-11-30T14:30:00Z"}, 422, "until: must be after"),
         ({"has_clip": "perhaps"}, 422, "has_clip"),
         ({"latest": "true"}, 422, "latest: reads the newest events once"),  # as SSE, below
+        # A misspelt filter read every event (stream=, types=), of two the last counted.
+        ({"stream": "nope"}, 422, "query: 'stream': not an option here; the options are"),
+        ({"types": "manual", "class": "car"}, 422, "'class', 'types': not an option"),
     )
     with TestClient(file_stream_app(tmp_path)) as c:
         for query, status, words in bad:
@@ -333,6 +336,11 @@ def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
             assert resp.status_code == status and words in resp.text, (query, resp.text)
         first = c.get("/events").json()
         assert first["events"] == [] and first["missed"] == 0
+        twice = c.get("/events?stream_id=a&stream_id=b")  # the last alone was read
+        assert twice.status_code == 422 and "'stream_id' given more than once" in twice.text
+        counted = c.get("/events/counts", params={"stream": "x", "by": "type"})
+        assert counted.status_code == 422 and "'stream': not an option" in counted.text
+        assert c.get("/events", params={"_": "1764513000"}).status_code == 200  # jQuery's
         # A reader reading on from a cursor of a stream removed since, its events gone from
         # the log: an empty page, not a 404 (the README promises a removed stream's too).
         gone = c.get("/events", params={"stream_id": "nope", "after": first["next"]})

@@ -168,6 +168,7 @@ async def test_control_api_and_websocket(
             for _ in range(5):  # frames again, and never a state change for this one
                 assert "detections" in json.loads(await asyncio.wait_for(plain.recv(), 30))
         assert await close_code(f"{stream_ws}?states=maybe") == 4400
+        assert await close_code(f"{stream_ws}?max_fsp=1") == 4400  # every frame, was sent
         many = "&".join(f"p{n}=1" for n in range(16))
         assert await close_code(f"{stream_ws}?{many}&states=true") == 4400  # states was ignored
 

@@ -20,6 +20,7 @@ from server.images import IMAGE_CONTENT_TYPES, ImageError, decode_upload
 from server.metrics import get_metrics
 from server.render import render_jpeg
 from server.routes.longpoll import disconnected
+from server.routes.query import check_query
 from server.state import AppState, get_state
 
 log = logging.getLogger(__name__)
@@ -83,28 +84,6 @@ async def read_body_capped(request: Request, limit: int) -> bytes:
     body = b"".join([chunk async for chunk in capped_stream(request, limit, too_large)])
     request._body = body  # lets request.form() parse what we already read
     return body
-
-
-DETECT_QUERY = ("conf", "iou", "classes", "max_det", "format")
-"""``/detect``'s options; ``classes`` alone may be repeated (a list)."""
-LIST_OPTIONS = ("classes",)
-
-
-def check_query(items: Sequence[tuple[str, str]], options: Sequence[str]) -> None:
-    """HTTP 422 for a query parameter the route does not take, or an option given twice:
-    ``cof=0.9``, Roboflow's ``confidence=90`` or ``imgsz=320`` were dropped without a word
-    and the call ran on the defaults, and of ``conf=0.9&conf=0.1`` the last won."""
-    names = [name for name, _ in items if name != "access_token"]  # the key (server.auth)
-    unknown = sorted({name for name in names if name not in options})
-    if unknown:
-        raise HTTPException(
-            422,
-            f"query: {', '.join(map(repr, unknown))}: not an option here; the options are"
-            f" {', '.join(options)}",
-        )
-    twice = sorted({n for n in names if names.count(n) > 1 and n not in LIST_OPTIONS})
-    if twice:
-        raise HTTPException(422, f"query: {', '.join(map(repr, twice))} given more than once")
 
 
 async def read_image_bytes(request: Request, limit: int) -> bytes:
@@ -307,7 +286,7 @@ async def detect(
         Query(alias="format", description="json, or jpeg: the image with its boxes drawn"),
     ] = "json",
 ) -> dict[str, Any] | Response:
-    check_query(request.query_params.multi_items(), DETECT_QUERY)
+    check_query(request, lists=("classes",))  # a list: classes=0&classes=car
     arrived = ticket.arrived
     state = get_state(request)
     request_id = ticket.request_id

@@ -37,6 +37,7 @@ from server.ranges import RangedFile
 from server.routes.detect import parse_classes
 from server.routes.longpoll import wait_unless_gone
 from server.routes.paths import root_of, served_event
+from server.routes.query import check_query
 from server.routes.streams import get_manager
 from server.state import get_state
 from streams.events import (
@@ -144,6 +145,7 @@ async def wanted_events(
             a stream id that is neither a stream nor in the log (unless the call reads on
             from a cursor).
     """
+    check_query(request)  # a misspelt filter (stream=, types=) read or counted every event
     manager = get_manager(request)
     streams = names(stream_id)
     # A reader with a cursor read this stream's events before: a removed stream whose events

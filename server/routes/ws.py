@@ -25,11 +25,13 @@ import logging
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from server.routes.viewer import WS_BAD_OPTION, JpegFrames, Pace
+from server.routes.query import ALWAYS
+from server.routes.viewer import FRAMES_OPTION, WS_BAD_OPTION, JpegFrames, Pace
 from server.settings import Settings
 from server.state import get_state
 from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
 from streams.fanout import (
+    STATES_OPTION,
     WS_GOING_AWAY,
     Closed,
     ProcessedFrame,
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 WS_UNKNOWN_STREAM = 4404
+WS_OPTIONS = (FRAMES_OPTION, "max_fps", "max_width", "quality", STATES_OPTION)
+"""The query options a viewer may give (:class:`JpegFrames`, :class:`Pace`, states)."""
 MAX_OPTIONS = 16
 SEND_TIMEOUT_S: float = Settings.model_fields["ws_send_timeout_s"].default
 
@@ -58,6 +62,11 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
     try:  # ?frames=jpeg: the viewer page also wants each frame's picture (server/routes/viewer.py)
         if len(options) > MAX_OPTIONS:  # those past it were ignored, a bad states= too
             raise ValueError(f"{len(options)} query options: at most {MAX_OPTIONS}")
+        unknown = sorted(set(options) - {*WS_OPTIONS, *ALWAYS})
+        if unknown:  # a misspelt max_fps sent every frame
+            raise ValueError(
+                f"{', '.join(unknown)[:40]}: not an option; the options are {', '.join(WS_OPTIONS)}"
+            )
         jpeg = JpegFrames.from_options(options)
         pace = jpeg or Pace.of_json(options)
         wants_states(options)

@@ -1,0 +1,51 @@
+"""A route's query string checked against what it declares: a parameter it does not take, or
+one given twice, is a ``422`` naming it. FastAPI drops an unknown parameter and keeps the last
+of a repeated one without a word, so a misspelt option (``cof=0.9``, ``stream=door``) ran the
+call on the defaults: every image's detections, every stream's events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import HTTPException, Request
+
+ALWAYS = ("access_token", "_")
+"""Taken on every route: the API key (:mod:`server.auth`), and jQuery's cache-buster."""
+
+
+def declared_query(request: Request) -> tuple[str, ...]:
+    """The query parameters the request's route (and its dependencies) declare, by the
+    names clients send."""
+    names: dict[str, None] = {}
+
+    def walk(dependant: Any) -> None:
+        names.update((str(param.alias), None) for param in dependant.query_params)
+        for sub in dependant.dependencies:
+            walk(sub)
+
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    if dependant is not None:
+        walk(dependant)
+    return tuple(names)
+
+
+def check_query(request: Request, *, lists: Sequence[str] = ()) -> None:
+    """HTTP 422 for a query parameter the route does not declare, or one given more than
+    once that is not one of ``lists``.
+
+    Raises:
+        HTTPException: 422 naming the parameters and the route's options.
+    """
+    options = declared_query(request)
+    names = [name for name, _ in request.query_params.multi_items() if name not in ALWAYS]
+    unknown = sorted({name for name in names if name not in options})
+    if unknown:
+        raise HTTPException(
+            422,
+            f"query: {', '.join(map(repr, unknown))}: not an option here; the options are"
+            f" {', '.join(options)}",
+        )
+    twice = sorted({n for n in names if names.count(n) > 1 and n not in lists})
+    if twice:
+        raise HTTPException(422, f"query: {', '.join(map(repr, twice))} given more than once")
