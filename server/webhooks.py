@@ -202,7 +202,9 @@ class WebhookSender:
             sink = f"{legacy} #{hashlib.sha256(url.encode()).hexdigest()[:16]}"
             if events.store is not None and events.store.cursor(sink) is None:
                 taken = events.store.cursor(legacy)
-        self._reader = LogReader(sink, events, self._count, wanted)
+        # Logged by its masked name: the sink's name holds the URL, and a Slack, Discord
+        # or Home Assistant hook's secret is in its path.
+        self._reader = LogReader(sink, events, self._count, wanted, shown=f"webhook {self.name}")
         if taken is not None:  # carried on from the row it had before
             self._reader.cursor = min(taken, events.last_id)
             events.save_cursor(sink, self._reader.cursor)

@@ -501,7 +501,7 @@ class LogReader:
     the log has a store, and what it missed.
 
     Args:
-        sink: the sink's name, in logs and the store.
+        sink: the sink's name in the store (and in logs, unless ``shown``).
         events: the log.
         count: told ``("sent", n)`` when the sink delivered ``n`` events and ``("missed",
             n)`` when ``n`` left the log before it could take them (e.g. a metric).
@@ -514,8 +514,12 @@ class LogReader:
         events: EventLog,
         count: Callable[[str, int], None] | None = None,
         wanted: EventFilter = EVERY_EVENT,
+        shown: str | None = None,
     ) -> None:
         self.sink = sink
+        self.shown = shown or sink
+        """Its name in log lines: ``sink`` may hold what the log must not (a webhook's URL,
+        a Slack hook's secret in its path)."""
         self.log = events
         self.wanted = wanted
         self.cursor = events.saved_cursor(sink)
@@ -545,7 +549,7 @@ class LogReader:
             log.warning(
                 "%s: %d event(s) left the event log before they could be delivered (setting"
                 " STREAMDET_EVENT_LOG_SIZE)",
-                self.sink,
+                self.shown,
                 page.missed,
             )
         if page.missed or not page.events:

@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import io
 import json
+import logging
 import signal
 import sqlite3
 import subprocess
@@ -1127,3 +1128,19 @@ def test_events_whose_snapshots_were_deleted_no_longer_claim_one(tmp_path: Path)
         assert [("snapshot" in e, "thumbnail" in e) for e in listed[:2]] == [(False, False)] * 2
         lost = c.get("/events", params={"type": "manual", "has_snapshot": False}).json()
         assert [e["label"] for e in lost["events"]] == ["n0", "n1"]
+
+
+def test_a_webhook_that_missed_events_is_logged_by_its_masked_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Slack, Discord and Home Assistant hooks carry their secret in their path: the warning
+    that events left the log before a webhook from the setting got them printed it whole."""
+    secret = "Xk9sPq2LmN7vR4tY8wZ3aB6c"
+    log = EventLog(size=3, start_id=1)
+    sender = WebhookSender(f"http://127.0.0.1:9/services/T1/B2/{secret}", log, None, 5)
+    log.add("a", "", 1.0, [_crossing(f) for f in range(1, 7)], _name)
+    with caplog.at_level(logging.WARNING, logger="streams.events"):
+        page = sender._reader.next_page(10)
+    assert page.missed == 3
+    assert "left the event log" in caplog.text and secret not in caplog.text, caplog.text
+    assert sender.name in caplog.text
