@@ -115,8 +115,10 @@ def check_mqtt_url(url: str) -> str:
     """
     parts = urlsplit(url)
     if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        from streams.sources import redact  # its password: the error is shown
+
         raise ValueError(
-            f"mqtt_url: {parts.scheme or url!r} is not mqtt://host[:port] or mqtts://host[:port]"
+            f"mqtt_url: {redact(url)!r} is not mqtt://host[:port] or mqtts://host[:port]"
             " (setting STREAMDET_MQTT_URL)"
         )
     where = f"{parts.scheme}://{parts.hostname}"  # no password in the message

@@ -8,6 +8,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -41,21 +42,34 @@ def _default_data_dir() -> Path:
     return Path(base) / "streamdet"
 
 
-def check_webhook_url(url: str) -> str:
-    """``url`` if it is an absolute http(s) URL.
+def check_webhook_url(
+    url: str, field: str = "webhooks", setting: str = " (setting STREAMDET_WEBHOOKS)"
+) -> str:
+    """``url`` if it is an absolute http(s) URL with a host and port a request can go to.
 
     Raises:
-        ValueError: naming the setting.
+        ValueError: naming ``field`` and the ``setting`` (its password and token masked).
     """
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        from streams.sources import redact  # its password and token: the error is shown
+    from streams.sources import redact  # its password and token: the error is shown
 
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises on a port that is no number or out of range
+    except ValueError as exc:
+        raise ValueError(f"{field}: {redact(url)!r}: {exc}{setting}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{field}: {redact(url)!r} is not an http:// or https:// URL{setting}")
+    # Accepted, then failed on every try for ever ("Invalid port", "All connection attempts
+    # failed"): a port of 0, a host with a space or other characters no host name has.
+    if port == 0 or not _HOST.fullmatch(parts.hostname):
         raise ValueError(
-            f"webhooks: {redact(url)!r} is not an http:// or https:// URL"
-            " (setting STREAMDET_WEBHOOKS)"
+            f"{field}: {redact(url)!r}: not a host and port a request can go to{setting}"
         )
     return url
+
+
+_HOST = re.compile(r"[A-Za-z0-9._~%!$&'()*+,;=:-]+")
+"""What a URL's host may hold (RFC 3986's reg-name, an IPv4 or an IPv6 address)."""
 
 
 def check_public_url(url: str) -> str:

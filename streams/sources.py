@@ -256,14 +256,22 @@ def _secret_values(parts: Any) -> list[str]:
     return found
 
 
+_USERINFO = re.compile(r"(^|[/\s])([^\s/@:]*):[^\s@]+@")
+"""``user:password@`` in text that is no URL urlsplit reads (its password masked)."""
+
+
 def redact(url: str) -> str:
     """``url`` with any secret replaced by ``***`` (for logs and the API): its password, or a
     user part that has none (a token given as the user name), and the values of query and
     path (``;password=``) parameters named as secrets (:func:`_is_secret`)."""
     try:
         parts = urlsplit(url)
-    except ValueError:
-        return url
+    except ValueError:  # "http://user:pw@[::1/x"
+        return _USERINFO.sub(r"\1\2:***@", url)
+    if "@" not in parts.netloc and "@" in url:
+        # No authority it could read (a scheme mistyped: "mqtt//user:pw@host", "https:/..."),
+        # which errors echo: a password before an "@" is masked all the same.
+        return _USERINFO.sub(r"\1\2:***@", url)
     if parts.password is not None:
         user = parts.username or ""
         host = parts.netloc.rpartition("@")[2]

@@ -545,6 +545,10 @@ def test_a_job_calls_back_when_it_ends_signed_and_retried(tmp_path: Path) -> Non
         with TestClient(file_stream_app(tmp_path, webhook_secret="s3cret")) as c:
             bad = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "callback_url": "ftp://x"})
             assert bad.status_code == 422 and "callback_url" in bad.text
+            port = c.post(  # accepted, then failed on every try: "Invalid port"
+                "/jobs", json={"url": f"file://{BOTTLE_CLIP}", "callback_url": "http://h:abc/"}
+            )
+            assert port.status_code == 422 and "Port could not be cast" in port.text, port.text
             created = c.post(
                 "/jobs",
                 json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.25, "callback_url": receiver.url},

@@ -350,6 +350,9 @@ def test_mqtt_settings_are_checked() -> None:
         "mqtt://u:p@broker/?token=secret",  # the query was shown, its token in clear
         "mqtt://u:pass/secret@broker",  # the password's start was shown as the port
         "mqtt://u:secret#x@broker",
+        # A mistyped scheme: the whole URL was echoed, password and all.
+        "mqtt//user:secret@host",
+        "ha_user:secret@192.168.1.5",
     ):
         with pytest.raises(ValueError, match="STREAMDET_MQTT_URL"):
             Settings(mqtt_url=url)

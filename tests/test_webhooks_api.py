@@ -55,6 +55,12 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
         with server, httpx.Client(base_url=server.base_url, timeout=60) as c:
             for body, words in (
                 ({"url": "ftp://x/hook"}, "is not an http:// or https:// URL"),
+                # Accepted, kept and tried for ever: "Invalid port", "All connection attempts"
+                ({"url": "http://127.0.0.1:abc/x"}, "url: 'http://127.0.0.1:abc/x': Port could"),
+                ({"url": "http://127.0.0.1:99999/x"}, "Port out of range"),
+                ({"url": "http://exa mple.com/x"}, "not a host and port a request can go to"),
+                # A mistyped scheme's error echoed the password
+                ({"url": "https:/hookuser:pwSECRET@hooks.example.com/x"}, ":***@hooks.example"),
                 ({"url": receiver.url, "filter": {"type": "zone_enter,bogus"}}, "['bogus']"),
                 ({"url": receiver.url, "filter": {"classes": ["unicorn"]}}, "'unicorn'"),
                 ({"url": receiver.url, "filter": {"classes": [True]}}, "classes"),  # not 1
@@ -66,6 +72,7 @@ def test_a_webhook_added_at_run_time_gets_only_its_events_signed_across_a_restar
             ):
                 refused = c.post("/webhooks", json=body)
                 assert refused.status_code == 422 and words in refused.text, refused.text
+                assert "pwSECRET" not in refused.text
             added = c.post(
                 "/webhooks",
                 json={

@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -45,6 +44,7 @@ from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.longpoll import wait_unless_gone
 from server.routes.paths import root_of
 from server.routes.streams import DetectIn, printable
+from server.settings import check_webhook_url
 from server.state import AppState, get_state
 from streams.detect import StreamDetect
 from streams.events import COUNT_KEYS, count_events
@@ -112,10 +112,8 @@ class JobIn(DetectIn):
     @field_validator("callback_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            parts = urlsplit(value)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"{value!r} is not an http:// or https:// URL")
+        if value is not None:  # a port or host no request can reach failed every try
+            check_webhook_url(value, "callback_url", "")
         return value
 
     @model_validator(mode="after")
