@@ -135,6 +135,15 @@ async def post_json(
         headers[SIGNATURE_HEADER] = sign(secret, body)
     try:
         response = await client.post(url, content=body, headers=headers)
+    except httpx.TimeoutException as exc:  # httpx's have no message: it said "ReadTimeout"
+        limits = client.timeout
+        what, waited = {
+            httpx.ConnectTimeout: ("no connection", limits.connect),
+            httpx.WriteTimeout: ("the request not sent", limits.write),
+            httpx.PoolTimeout: ("no connection free", limits.pool),
+        }.get(type(exc), ("no answer", limits.read))
+        within = f" within {waited:g} s" if waited else ""
+        return f"{type(exc).__name__}: {what}{within} (setting STREAMDET_WEBHOOK_TIMEOUT_S)"
     except Exception as exc:  # any failure is the caller's to retry
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if not 200 <= response.status_code < 300:

@@ -231,3 +231,19 @@ async def test_a_delivery_answered_with_a_redirect_fails_and_is_not_sent_on(
         server.shutdown()
         server.server_close()
     assert receiver.events() == [{"id": 2}]
+
+
+async def test_a_receiver_that_answers_too_slowly_is_said_to_with_the_setting() -> None:
+    """A receiver slower than --webhook-timeout-s was reported as "ReadTimeout" alone (httpx's
+    timeouts have no message): not told from a network fault, nor the setting to raise."""
+    from server.webhooks import http_client, post_json
+    from tests.helpers import silent_camera
+
+    silent = silent_camera()  # accepts the connection, never answers
+    try:
+        async with http_client(0.3) as client:
+            port = silent.getsockname()[1]
+            why = await post_json(client, f"http://127.0.0.1:{port}/hook", {"events": []}, None)
+    finally:
+        silent.close()
+    assert why == "ReadTimeout: no answer within 0.3 s (setting STREAMDET_WEBHOOK_TIMEOUT_S)"
