@@ -95,15 +95,19 @@ class Discovery:
                 f"{zone} objects",
                 self._state(stream_id, "zones", level(zone)),
             )
-        return configs
+        return {topic: _entity_id(topic, config) for topic, config in configs.items()}
 
     def thumbnail(self, stream_id: str, name: str, class_name: str) -> tuple[str, dict[str, Any]]:
         """The config topic and config of the camera showing a class's newest thumbnail."""
         key = f"thumbnail_{object_id(class_name)}"
-        return self._topic("camera", stream_id, key), {
-            **self._base(stream_id, name, key, class_name),
-            "topic": self._state(stream_id, level(class_name), "thumbnail"),
-        }
+        topic = self._topic("camera", stream_id, key)
+        return topic, _entity_id(
+            topic,
+            {
+                **self._base(stream_id, name, key, class_name),
+                "topic": self._state(stream_id, level(class_name), "thumbnail"),
+            },
+        )
 
     def subscriptions(self) -> list[str]:
         """Topic filters that match every config this server can have announced (and those
@@ -174,6 +178,16 @@ class Discovery:
 
     def _state(self, stream_id: str, *levels: str) -> str:
         return "/".join((self.prefix, stream_id, *levels))
+
+
+def _entity_id(topic: str, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` naming its entity's id: ``default_entity_id`` (Home Assistant 2025.10 on)
+    and ``object_id`` (before; removed in 2026.4), both from its ``unique_id``. With
+    ``unique_id`` alone Home Assistant names an entity after its device and name
+    (``switch.streamdet_gate_detection``), not ``streamdet_<stream id>_<object>``."""
+    component = topic.split("/")[-4]
+    unique = config["unique_id"]
+    return {**config, "object_id": unique, "default_entity_id": f"{component}.{unique}"}
 
 
 def level(name: str) -> str:

@@ -419,6 +419,10 @@ def test_discovery_names_entities_as_home_assistant_allows() -> None:
     zone = configs[f"ha/sensor/{node}/{key}/config"]
     assert zone["state_topic"].startswith("cams/door/zones/loading_dock _2_")  # one level
     assert zone["unique_id"] == f"{node}_{key}"
+    # Its entity id as the README says (with unique_id alone, Home Assistant named it after
+    # the device and the sensor's name): default_entity_id, and object_id for older ones.
+    assert zone["default_entity_id"] == f"sensor.{node}_{key}"
+    assert zone["object_id"] == f"{node}_{key}"
     assert zone["device"]["name"] == "streamdet Front door"
     assert zone["device"]["identifiers"] == [node]
     assert set(configs) == {
