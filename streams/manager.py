@@ -722,9 +722,13 @@ class StreamManager:
         """The objects in the zones of a stream that shows nothing now leave them, ``lost``:
         their exits logged (before what stopped it) and counted."""
         names = self._pool.engine.names
-        exits = reader.end_stays(lambda c: names.get(int(c), str(int(c))))
+
+        def name_of(class_id: int) -> str:
+            return names.get(int(class_id), str(int(class_id)))
+
+        exits = reader.end_stays(name_of)
         if exits:
-            self.events.add(stream_id, name, at, exits, lambda c: names.get(int(c), str(int(c))))
+            self.events.add(stream_id, name, at, exits, name_of)
 
     def _reader_of(self, frame: ProcessedFrame, token: object) -> StreamReader | None:
         """The reader of ``frame`` if it is still the one that read it (``token``); None for
