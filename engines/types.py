@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,8 +90,13 @@ def class_ids(tokens: Iterable[str | int], names: Mapping[int, str]) -> frozense
             ids.add(cid)
         elif text.lower() in by_name:
             ids.add(by_name[text.lower()])
-        else:
-            raise ValueError(f"classes: unknown class name {text!r}; see GET /model")
+        else:  # a hint that holds without a server too (streamdet analyze)
+            close = difflib.get_close_matches(text.lower(), by_name, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            raise ValueError(
+                f"classes: unknown class name {text!r}; {hint}the model has {len(names)} class"
+                " names (a server's GET /model lists them)"
+            )
     return frozenset(ids)
 
 

@@ -168,7 +168,10 @@ class Settings(BaseSettings):
     threads_per_worker: int = Field(
         0, ge=0, le=256, description="intra-op threads per CPU worker; 0 = cores / workers"
     )
-    cache_dir: Path = Field(default_factory=_default_cache_dir, description="exported models")
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir,
+        description="exported models (default $XDG_CACHE_HOME/streamdet, ~/.cache/streamdet)",
+    )
 
     # HTTP
     host: str = "127.0.0.1"
@@ -259,7 +262,9 @@ class Settings(BaseSettings):
 
     # Live streams (streams/, server/routes/streams.py, server/routes/ws.py)
     data_dir: Path = Field(
-        default_factory=_default_data_dir, description="where the stream list is kept (SQLite)"
+        default_factory=_default_data_dir,
+        description="the server's own data: its streams, events and their snapshots and clips,"
+        " video jobs, webhooks (default $XDG_DATA_HOME/streamdet, ~/.local/share/streamdet)",
     )
     allowed_file_dir: Path | None = Field(
         None, description="directory file:// streams may come from; unset = no file streams"

@@ -357,3 +357,14 @@ def test_a_cache_directory_that_cannot_be_written_is_named_with_its_setting(
     ran = run_serve("--model", str(MODEL_PT), "--cache-dir", "/proc/nocache", timeout_s=120)
     assert ran.returncode == 2 and "cache directory /proc/nocache" in ran.stderr, ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def test_an_unknown_class_name_is_answered_with_the_names_it_is_close_to() -> None:
+    """Its hint was "see GET /model", which ``streamdet analyze`` (no server) has not."""
+    from engines.types import class_ids
+
+    names = {0: "person", 2: "car", 7: "truck"}
+    with pytest.raises(ValueError, match=r"unknown class name 'carr'; did you mean 'car'\?"):
+        class_ids(["carr"], names)
+    with pytest.raises(ValueError, match=r"'unicorn'; the model has 3 class names \(a server"):
+        class_ids(["unicorn"], names)

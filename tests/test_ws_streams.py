@@ -169,6 +169,9 @@ async def test_control_api_and_websocket(
                 assert "detections" in json.loads(await asyncio.wait_for(plain.recv(), 30))
         assert await close_code(f"{stream_ws}?states=maybe") == 4400
         assert await close_code(f"{stream_ws}?max_fsp=1") == 4400  # every frame, was sent
+        assert await close_code(f"{stream_ws}?max_fps=1&max_fps=2") == 4400  # one kept
+        repeated = "&".join(["access_token=a"] * 17)  # counted once: over 16 all the same
+        assert await close_code(f"{stream_ws}?{repeated}") == 4400
         many = "&".join(f"p{n}=1" for n in range(16))
         assert await close_code(f"{stream_ws}?{many}&states=true") == 4400  # states was ignored
 

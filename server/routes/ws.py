@@ -58,10 +58,14 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
     if manager is None or state.shutting_down:
         await websocket.close(WS_GOING_AWAY, "server shutting down")
         return
-    options = dict(websocket.query_params.items())
+    given = websocket.query_params.multi_items()
+    options = dict(given)
     try:  # ?frames=jpeg: the viewer page also wants each frame's picture (server/routes/viewer.py)
-        if len(options) > MAX_OPTIONS:  # those past it were ignored, a bad states= too
-            raise ValueError(f"{len(options)} query options: at most {MAX_OPTIONS}")
+        if len(given) > MAX_OPTIONS:  # those past it were ignored, a bad states= too
+            raise ValueError(f"{len(given)} query options: at most {MAX_OPTIONS}")
+        if len(options) < len(given):  # of max_fps=1&max_fps=2 one was kept, unsaid
+            twice = sorted({name for name, _ in given if [n for n, _ in given].count(name) > 1})
+            raise ValueError(f"{', '.join(twice)[:40]}: given more than once")
         unknown = sorted(set(options) - {*WS_OPTIONS, *ALWAYS})
         if unknown:  # a misspelt max_fps sent every frame
             raise ValueError(
