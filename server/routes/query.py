@@ -30,22 +30,32 @@ def declared_query(request: Request) -> tuple[str, ...]:
     return tuple(names)
 
 
+def query_problem(
+    items: Sequence[tuple[str, str]], options: Sequence[str], lists: Sequence[str] = ()
+) -> str | None:
+    """What is wrong with query ``items`` for a route taking ``options`` (and :data:`ALWAYS`):
+    a parameter it does not take, or one given more than once that is not one of ``lists``;
+    None where nothing is. The HTTP routes' check and the WebSocket's options share it."""
+    names = [name for name, _ in items if name not in ALWAYS]
+    unknown = sorted({name for name in names if name not in options})
+    if unknown:
+        return (
+            f"query: {', '.join(map(repr, unknown))}: not an option here; the options are"
+            f" {', '.join(options)}"
+        )
+    twice = sorted({n for n in names if names.count(n) > 1 and n not in lists})
+    if twice:
+        return f"query: {', '.join(map(repr, twice))} given more than once"
+    return None
+
+
 def check_query(request: Request, *, lists: Sequence[str] = ()) -> None:
     """HTTP 422 for a query parameter the route does not declare, or one given more than
-    once that is not one of ``lists``.
+    once that is not one of ``lists`` (:func:`query_problem`).
 
     Raises:
         HTTPException: 422 naming the parameters and the route's options.
     """
-    options = declared_query(request)
-    names = [name for name, _ in request.query_params.multi_items() if name not in ALWAYS]
-    unknown = sorted({name for name in names if name not in options})
-    if unknown:
-        raise HTTPException(
-            422,
-            f"query: {', '.join(map(repr, unknown))}: not an option here; the options are"
-            f" {', '.join(options)}",
-        )
-    twice = sorted({n for n in names if names.count(n) > 1 and n not in lists})
-    if twice:
-        raise HTTPException(422, f"query: {', '.join(map(repr, twice))} given more than once")
+    problem = query_problem(request.query_params.multi_items(), declared_query(request), lists)
+    if problem is not None:
+        raise HTTPException(422, problem)

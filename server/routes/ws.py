@@ -25,7 +25,7 @@ import logging
 from fastapi import APIRouter, FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from server.routes.query import ALWAYS
+from server.routes.query import query_problem
 from server.routes.viewer import FRAMES_OPTION, WS_BAD_OPTION, JpegFrames, Pace
 from server.settings import Settings
 from server.state import get_state
@@ -63,14 +63,9 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
     try:  # ?frames=jpeg: the viewer page also wants each frame's picture (server/routes/viewer.py)
         if len(given) > MAX_OPTIONS:  # those past it were ignored, a bad states= too
             raise ValueError(f"{len(given)} query options: at most {MAX_OPTIONS}")
-        if len(options) < len(given):  # of max_fps=1&max_fps=2 one was kept, unsaid
-            twice = sorted({name for name, _ in given if [n for n, _ in given].count(name) > 1})
-            raise ValueError(f"{', '.join(twice)[:40]}: given more than once")
-        unknown = sorted(set(options) - {*WS_OPTIONS, *ALWAYS})
-        if unknown:  # a misspelt max_fps sent every frame
-            raise ValueError(
-                f"{', '.join(unknown)[:40]}: not an option; the options are {', '.join(WS_OPTIONS)}"
-            )
+        # A misspelt max_fps sent every frame; of max_fps=1&max_fps=2 one was kept, unsaid.
+        if (problem := query_problem(given, WS_OPTIONS)) is not None:
+            raise ValueError(problem)
         jpeg = JpegFrames.from_options(options)
         pace = jpeg or Pace.of_json(options)
         wants_states(options)
