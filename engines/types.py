@@ -100,6 +100,11 @@ def class_ids(tokens: Iterable[str | int], names: Mapping[int, str]) -> frozense
     return frozenset(ids)
 
 
+def class_name(names: Mapping[int, str], class_id: int) -> str:
+    """A class id's name in ``names``; the id itself where the model names no such class."""
+    return names.get(int(class_id), str(int(class_id)))
+
+
 @dataclass(frozen=True, slots=True)
 class Detections:
     """Detections of one image, boxes in source-image pixels.
@@ -151,7 +156,7 @@ class Detections:
 
     def name_of(self, class_id: int) -> str:
         """A class id's name; the id itself where the model names no such class."""
-        return self.names.get(int(class_id), str(int(class_id)))
+        return class_name(self.names, class_id)
 
     def to_json(self) -> list[dict[str, Any]]:
         """The API form: one dict per detection (DESIGN §4), with ``track_id`` where the

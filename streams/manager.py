@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from engines.pool import EnginePool
+from engines.types import class_name
 from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
 from streams.decode_child import SLOTS
 from streams.decode_procs import DecodeHub
@@ -721,11 +722,7 @@ class StreamManager:
     def _end_stays(self, stream_id: str, reader: StreamReader, name: str, at: float) -> None:
         """The objects in the zones of a stream that shows nothing now leave them, ``lost``:
         their exits logged (before what stopped it) and counted."""
-        names = self._pool.engine.names
-
-        def name_of(class_id: int) -> str:
-            return names.get(int(class_id), str(int(class_id)))
-
+        name_of = functools.partial(class_name, self._pool.engine.names)
         exits = reader.end_stays(name_of)
         if exits:
             self.events.add(stream_id, name, at, exits, name_of)
