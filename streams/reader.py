@@ -166,20 +166,30 @@ class _Pending:
 
 
 class RateMeter:
-    """Events per second over the last ``window`` events (bounded, no timers)."""
+    """Events per second over the last ``window`` events (bounded, no timers): those of the
+    last ``horizon_s``; where fewer than two fell in it (a stream at ``max_fps`` 0.2), those
+    of the last ``slow_horizon_s``, while the next is not overdue (twice their interval
+    since the last). A stream processing a frame every 4 s read 0 frames a second."""
 
-    def __init__(self, window: int = 50, horizon_s: float = 3.0) -> None:
+    def __init__(
+        self, window: int = 50, horizon_s: float = 3.0, slow_horizon_s: float = 60.0
+    ) -> None:
         self._times: deque[float] = deque(maxlen=window)
         self._horizon_s = horizon_s
+        self._slow_horizon_s = slow_horizon_s
 
     def tick(self, now: float) -> None:
         self._times.append(now)
 
     def rate(self, now: float) -> float:
         recent = [t for t in self._times if now - t <= self._horizon_s]
-        if len(recent) < 2:
+        if len(recent) >= 2:
+            return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
+        slow = [t for t in self._times if now - t <= self._slow_horizon_s]
+        if len(slow) < 2:
             return 0.0
-        return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
+        interval = max(slow[-1] - slow[0], 1e-6) / (len(slow) - 1)
+        return 0.0 if now - slow[-1] > 2 * interval else 1 / interval
 
 
 OUTAGE_SUMMARY_S = 300.0

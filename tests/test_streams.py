@@ -48,6 +48,7 @@ from streams.outbox import OUTBOX_PER_STREAM, Outbox
 from streams.pacing import FilePacer, RateSampler, frame_interval
 from streams.reader import (
     FILE_ENDED,
+    RateMeter,
     ReaderOptions,
     StreamConfig,
     StreamReader,
@@ -1429,3 +1430,20 @@ async def test_objects_in_zones_leave_them_lost_when_the_stream_shows_nothing(
         if how != "removed":
             assert inside() == 0
         assert info["id"] == "road"
+
+
+def test_a_slow_stream_s_rate_is_read_from_its_last_frames_until_the_next_is_overdue() -> None:
+    """A stream processing a frame every 4 s (max_fps 0.25) read 0 frames a second: fewer
+    than two frames fell in the 3 s the rate was taken over."""
+    meter = RateMeter()
+    assert meter.rate(0.0) == 0.0
+    for t in (0.0, 4.0, 8.0, 12.0):
+        meter.tick(t)
+    assert meter.rate(12.5) == pytest.approx(0.25)
+    assert meter.rate(19.9) == pytest.approx(0.25)  # the next is due at 16 s, not overdue
+    assert meter.rate(20.5) == 0.0  # it stopped
+    fast = RateMeter()
+    for i in range(30):
+        fast.tick(100 + i / 10)
+    assert fast.rate(103.0) == pytest.approx(10.0)
+    assert fast.rate(106.0) == 0.0  # stopped: its last 3 s are empty and the next overdue
