@@ -377,6 +377,7 @@ class StreamReader:
         self._lost = False  # it was live and failed: going live again is a reconnect
         self._got_frames = False  # frames came since the source was last opened
         self._polling = False  # fetching such a picture again, the stream live
+        self._replaying = False  # opening a looped file again, the stream live
         self._frame_no = 0
         self.detect = config.detect
         """What the next frames detect; one reference swap, read by the decode thread."""
@@ -559,20 +560,25 @@ class StreamReader:
                 # One that sent frames before it failed starts its backoff afresh: a camera
                 # dropping once a day went on counting attempts, to --reconnect-max-attempts.
                 got_frames = self._got_frames
-                was_live = got_frames or self._polling  # a snapshot URL is live between fetches
-                self._polling = False
+                # A snapshot URL is live between fetches, a looped file between its passes:
+                # a file that failed to open again (moved, its HTTP server down) was lost, and
+                # its coming back a reconnect.
+                replaying = self._replaying
+                was_live = got_frames or self._polling or replaying
+                self._polling = self._replaying = False
                 error = redact_in(self._explain(exc), self.config.spec.url)
                 self._set_state(StreamState.RECONNECTING, error)
                 if was_live:
                     self._lost = True
-                if got_frames:
+                if got_frames or replaying:
                     self.outage.lost(self._last_frame_mono)
                 self.outage.failed(redact(self.config.spec.url), error, self._attempt_s())
             else:
                 if self._stop.is_set():
                     break
-                was_polling = self._polling
+                was_polling = self._polling or self._replaying
                 self._polling = got_frames and self._still
+                self._replaying = False
                 if self._polling:
                     # A snapshot URL: one picture a fetch, and the stream stays live between
                     # them (it was "source ended", a reconnect and a state event each time).
@@ -584,6 +590,7 @@ class StreamReader:
                 if self._recorded and got_frames:
                     if self.config.spec.loop:
                         attempt = 0  # played: the next outage's backoff starts afresh
+                        self._replaying = True
                         continue  # clip ended: start it again at once
                     # Played once, as asked: not reopened as a camera would be.
                     self._set_state(StreamState.STOPPED, FILE_ENDED)

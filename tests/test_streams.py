@@ -796,6 +796,30 @@ async def test_a_file_without_loop_plays_once_and_stops_saying_so(
 
 
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_looped_file_that_fails_to_open_again_is_lost_and_its_return_a_reconnect(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A looped file is live between its passes: moved away, it is lost at its next pass,
+    and its coming back is a reconnect (the failed reopen had sent no frame yet, so it was
+    not counted: ``reconnects`` stayed 0)."""
+    clip = tmp_path / "videos" / "short.mp4"
+    clip.parent.mkdir()
+    make_clip(CAR_CLIP, clip, width=384, height=216, fps=25, gop=25, frames=12)  # 24 frames
+    away = tmp_path / "away.mp4"
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=clip.parent, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{clip}", loop=True)
+        await published_frames(m, info["id"], 1)
+        clip.rename(away)
+        assert await m.wait_state(info["id"], {StreamState.RECONNECTING}, 30)
+        away.rename(clip)
+        assert await m.wait_state(info["id"], {StreamState.LIVE}, 30)
+        stats = m.describe(info["id"])
+    assert stats is not None and stats["reconnects"] == 1, stats
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
 async def test_a_video_file_over_http_plays_at_its_rate_and_ends_as_a_file(
     pool: EnginePool, tmp_path: Path, decode_processes: int
 ) -> None:
