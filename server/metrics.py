@@ -540,18 +540,21 @@ class Metrics:
             ["outcome"],
             registry=reg,
         )
+        # Exported once an MQTT publisher starts (show_mqtt): a server without a broker
+        # showed streamdet_mqtt_connected 0, and an alert on it fired on each such server.
         self.mqtt_events = Counter(
             "streamdet_mqtt_events",
             "Events published to the MQTT broker (sent), or that left the event log before it"
             " could take them (missed)",
             ["outcome"],
-            registry=reg,
+            registry=None,
         )
         self.mqtt_connected = Gauge(
             "streamdet_mqtt_connected",
             "1 while the MQTT broker (setting STREAMDET_MQTT_URL) is connected, else 0",
-            registry=reg,
+            registry=None,
         )
+        self._mqtt_shown = False
         self.webhook_failures = Counter(
             "streamdet_webhook_failures",
             "Webhook POSTs that failed (no answer in time, or not 2xx); each is retried",
@@ -566,6 +569,13 @@ class Metrics:
         reg.register(_ScrapeCollector(self))
         if gpu is not None:
             reg.register(gpu)
+
+    def show_mqtt(self) -> None:
+        """Export the MQTT publisher's metrics (once; only a server with a broker has them)."""
+        if not self._mqtt_shown:
+            self._mqtt_shown = True
+            self.registry.register(self.mqtt_events)
+            self.registry.register(self.mqtt_connected)
 
     def bind_pool(self, pool: EnginePool, ready: Callable[[], bool] | None = None) -> None:
         """Read queue depth from ``pool`` and record every batch it runs; ``ready`` says what

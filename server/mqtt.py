@@ -236,6 +236,8 @@ class MqttPublisher:
         self._port = parts.port or _default_port(parts.scheme)
         self._reader = LogReader(f"mqtt {self.name}/{self.prefix}", events, self._count)
         self._metrics = metrics
+        if metrics is not None:
+            metrics.show_mqtt()
         self._connected = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None

@@ -347,3 +347,11 @@ def test_the_shutdowns_503_under_v2_answers_error_as_kserve_clients_read(root_pa
     body = json.loads(sent[1]["body"])
     assert body.keys() == {"error"}
     assert "STREAMDET_SHUTDOWN_TIMEOUT_S" in body["error"]
+
+
+def test_a_server_without_a_broker_exports_no_mqtt_metrics(client: TestClient) -> None:
+    """``streamdet_mqtt_connected`` was 0 on every server without ``--mqtt-url``: an alert
+    on it fired for a broker none of them has. (tests/test_mqtt.py: exported with one.)"""
+    names = scrape(client)
+    assert "streamdet_ready" in names
+    assert not [name for name in names if name.startswith("streamdet_mqtt")], sorted(names)

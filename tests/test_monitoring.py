@@ -43,7 +43,11 @@ def _dashboard_queries() -> list[tuple[str, str]]:
 
 def _concrete(expr: str) -> str:
     """A dashboard query as Grafana sends it: its variables given values."""
-    return expr.replace("$__rate_interval", INTERVAL).replace("$stream", ".*")
+    return (
+        expr.replace("$__rate_interval", INTERVAL)
+        .replace("$stream", ".*")
+        .replace("$instance", ".*")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +93,11 @@ evaluation_interval: 1m
 tests:
   - interval: 1m  # 2060 calls a minute (1000 /detect, 1060 KServe), 60 refused: 2.9%
     input_series:
-      - series: 'streamdet_rejections_total{reason="deadline"}'
+      - series: 'streamdet_rejections_total{instance="a:8000",reason="deadline"}'
         values: '0+60x20'
-      - series: 'streamdet_inference_calls_total'
+      - series: 'streamdet_inference_calls_total{instance="a:8000"}'
         values: '0+2060x20'
-      - series: 'streamdet_http_requests_total{route="/detect",method="POST",status="200"}'
+      - series: 'streamdet_http_requests_total{instance="a:8000",route="/detect",status="200"}'
         values: '0+1000x20'
     alert_rule_test:
       - eval_time: 15m
@@ -101,28 +105,48 @@ tests:
         exp_alerts: []
   - interval: 1m  # Triton clients alone, every call refused: no /detect series at all
     input_series:
-      - series: 'streamdet_rejections_total{reason="deadline"}'
+      - series: 'streamdet_rejections_total{instance="a:8000",reason="deadline"}'
         values: '0+100x20'
-      - series: 'streamdet_inference_calls_total'
+      - series: 'streamdet_inference_calls_total{instance="a:8000"}'
         values: '0+100x20'
     alert_rule_test:
       - eval_time: 15m
         alertname: StreamdetRejecting
         exp_alerts:
-          - exp_labels: {severity: warning}
+          - exp_labels: {severity: warning, instance: "a:8000"}
+  - interval: 1m  # two servers: b refuses 20% of its calls, a none of its many more
+    input_series:
+      - series: 'streamdet_rejections_total{instance="b:8000",reason="deadline"}'
+        values: '0+20x20'
+      - series: 'streamdet_inference_calls_total{instance="b:8000"}'
+        values: '0+100x20'
+      - series: 'streamdet_inference_calls_total{instance="a:8000"}'
+        values: '0+5000x20'
+    alert_rule_test:
+      - eval_time: 15m
+        alertname: StreamdetRejecting
+        exp_alerts:
+          - exp_labels: {severity: warning, instance: "b:8000"}
 """
 
 
-def test_the_refusal_alert_counts_every_call_for_inference(
+def test_the_refusal_alert_counts_every_call_for_inference_of_each_server(
     prometheus_bin: str, tmp_path: Path
 ) -> None:
     """``StreamdetRejecting`` divided every refusal (KServe's too) by ``/detect``'s calls
-    alone: it fired at 2.9% refused, and never where only Triton clients called."""
+    alone: it fired at 2.9% refused, and never where only Triton clients called. And it
+    summed every server's calls: one refusing 20% beside a busy healthy one never fired,
+    and one that did fire could not say which server it was."""
     rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
     (rule,) = (r for r in rules if r.get("alert") == "StreamdetRejecting")
     spec = yaml.safe_load(REJECTING_TESTS)
     spec["rule_files"] = [str(ALERTS)]
-    spec["tests"][1]["alert_rule_test"][0]["exp_alerts"][0]["exp_annotations"] = rule["annotations"]
+    for test in spec["tests"][1:]:
+        (alert,) = test["alert_rule_test"][0]["exp_alerts"]
+        instance = alert["exp_labels"]["instance"]
+        alert["exp_annotations"] = {
+            k: v.replace("{{ $labels.instance }}", instance) for k, v in rule["annotations"].items()
+        }
     tests = tmp_path / "rejecting.yml"
     tests.write_text(yaml.safe_dump(spec))
     checked = subprocess.run(

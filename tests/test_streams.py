@@ -1037,7 +1037,10 @@ async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
     assert stats[slow["id"]]["keyframes_only"] is True
     decoded, came = stats[slow["id"]]["frames_decoded"], stats[slow["id"]]["frames_in"]
     assert came >= 180 and decoded <= 60 + sampled, (decoded, came)  # the first group, then keys
-    assert stats[slow["id"]]["skipped"] == came - sampled  # the others counted as sampled out
+    # Each keyframe taken in is sampled, the others counted as sampled out (counted by the
+    # keyframes taken in: under load one past the last seen may not be published yet).
+    keyframes = sum(i % 377 % 60 == 0 for i in range(came))  # 377 frames a pass
+    assert stats[slow["id"]]["skipped"] == came - keyframes, (came, sampled)
     # /metrics accounts for every frame received too (it had no skipped series: 95 % of a
     # max_fps stream's frames were in none of its counters).
     exported = _exported(file_manager, slow["id"])
