@@ -1017,6 +1017,28 @@ def test_a_file_played_to_its_end_shows_no_picture_and_is_no_error(
                 "played to its end: nothing to show", timeout=UI_TIMEOUT_MS
             )
             wait_for_blank(pg, canvas_id, "stopped")
+            # A frame decoded before it ended that comes after the state message (it was in
+            # the engine then) is not drawn: the picture came back after "played to its end".
+            late = pg.evaluate(
+                """async (id) => {
+                  const tile = window.streamdet.tiles.get(id);
+                  const canvas = new OffscreenCanvas(8, 8);
+                  canvas.getContext("2d").fillRect(0, 0, 8, 8);
+                  const blob = await canvas.convertToBlob();
+                  const meta = { frame: tile.blankFrame, captured_at: 0, width: 8, height: 8,
+                                 detections: [] };
+                  await tile.show({ meta, blob, number: tile.received + 1 });
+                  return [tile.blankFrame, tile.current === null];
+                }""",
+                stream_id,
+            )
+            assert late[0] > 0 and late[1] is True, late
+            # Nor does its last picture: it shows nothing now (it answered 200, its last frame).
+            shown = api.get(f"/streams/{stream_id}/latest.jpg")
+            assert shown.status_code == 503 and "Retry-After" not in shown.headers, shown
+            assert (
+                shown.json()["detail"] == f"stream {stream_id!r} is stopped: it shows nothing now"
+            )
             figure.screenshot(path=artifacts / "viewer-tile-played-to-its-end.png")
             expect(pg.locator(f'#errors [data-key="stream:{stream_id}"]')).to_have_count(
                 0, timeout=UI_TIMEOUT_MS
@@ -1124,6 +1146,37 @@ def test_a_watched_stream_removed_and_added_again_is_watched_again(
                 pg.wait_for_timeout(200)
         finally:
             api.delete("/streams/again")
+    assert errors.errors == []
+
+
+def test_a_watched_stream_listed_gone_then_added_again_is_watched_again(
+    live_server: ServerProcess, clips: Path, live_page: tuple[Page, PageErrors]
+) -> None:
+    """The same, with the page's list read between the DELETE and the POST (its WebSocket's
+    close asks for one at once): the stream left the list, and was forgotten, unticked."""
+    pg, errors = live_page
+    body = {"id": "back", "url": f"file://{clips / 'bottles-3s.mp4'}", "name": "back"}
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        add_stream(api, **body, max_fps=5)
+        try:
+            watch(pg, "back")
+            wait_for_boxes(pg, "tile-back")
+            assert api.delete("/streams/back").status_code == 204
+            expect(pg.locator('#stream-rows tr[data-id="back"]')).to_have_count(
+                0, timeout=UI_TIMEOUT_MS
+            )
+            removed_at = time.time()
+            add_stream(api, **body, max_fps=5)
+            expect(pg.locator('#stream-rows tr[data-id="back"] input.watch')).to_be_checked(
+                timeout=UI_TIMEOUT_MS
+            )
+            pg.wait_for_function(
+                "([id, t]) => { const d = window.streamdet.drawn[id];"
+                " return d && d.blank === null && d.shapes.length > 0 && d.capturedAt > t; }",
+                arg=["tile-back", removed_at],
+            )
+        finally:
+            api.delete("/streams/back")
     assert errors.errors == []
 
 

@@ -287,15 +287,18 @@ async def latest_jpeg(
     info = manager.describe(stream_id)
     if info is None:
         raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
+    now = info["state"]
+    if now in ("disabled", "failed", "stopped"):
+        # It shows nothing now, whatever it showed before (a file played to its end answered
+        # its last picture): no Retry-After, it comes back only when someone changes it.
+        raise HTTPException(503, f"stream {stream_id!r} is {now}: it shows nothing now")
     frame = manager.latest(stream_id)
     if frame is None:
-        now = info["state"]
-        detail = f"stream {stream_id!r} has no processed frame yet (state {now})"
-        retry: dict[str, str] | None = {"Retry-After": "1"}
-        if now in ("disabled", "failed", "stopped"):  # it had frames, maybe: none shown now
-            # No Retry-After: it comes back only when someone changes it, not in a second.
-            detail, retry = f"stream {stream_id!r} is {now}: it shows nothing now", None
-        raise HTTPException(503, detail, headers=retry)
+        raise HTTPException(
+            503,
+            f"stream {stream_id!r} has no processed frame yet (state {now})",
+            headers={"Retry-After": "1"},
+        )
     render = _renderer(manager, stream_id, info, boxes=boxes)
     jpeg, _, _ = await asyncio.to_thread(render, frame, max_width, quality)
     headers = {

@@ -460,6 +460,7 @@ class Tile {
     this.received = 0; // frames received (picture and metadata), numbered in order
     this.receivedAt = -Infinity; // when the last one came (performance.now())
     this.blankUpTo = 0; // frames received up to this one are not drawn: the stream stopped showing after them
+    this.blankFrame = 0; // nor frames of the stream's numbers up to this one (decoded before it stopped showing)
     this.state = stream.state; // the stream's state, from the list or the WebSocket
     this.stateError = null; // and its error
     this.lastDrawn = null; // the frame, capture time and size of the last picture drawn
@@ -797,8 +798,11 @@ class Tile {
         bitmap.close();
         return;
       }
-      if (pair.number <= this.blankUpTo) {
-        bitmap.close(); // from before the stream stopped showing
+      if (pair.number <= this.blankUpTo || pair.meta.frame <= this.blankFrame) {
+        // From before the stream stopped showing: received before its state message, or
+        // decoded before it (a file's last frame, still in the engine when the file ended,
+        // comes after the message that it was played to its end).
+        bitmap.close();
       } else {
         this.current?.bitmap.close();
         this.current = { meta: pair.meta, bitmap };
@@ -819,13 +823,16 @@ class Tile {
     if (next && !this.closed) this.show(next);
   }
 
-  // A state change from the WebSocket (?states=true), in order with the frames: a stream that
-  // shows nothing now (disabled, failed, played to its end) drops its picture right after its
-  // last frame.
+  // A state change from the WebSocket (?states=true): a stream that shows nothing now
+  // (disabled, failed, played to its end) drops its picture, and frames decoded before the
+  // change that come after it (in the engine then) are not drawn.
   onState(msg) {
     this.state = msg.state;
     this.stateError = msg.error ?? null;
-    if (NOT_SHOWING.has(msg.state)) this.setBlank();
+    if (NOT_SHOWING.has(msg.state)) {
+      this.blankFrame = Math.max(this.blankFrame, msg.frame ?? 0);
+      this.setBlank();
+    }
     this.renderPlaceholder();
   }
 
@@ -1035,9 +1042,16 @@ function streamObjects(stream) {
 function renderStreams(list, asked) {
   const rows = $("#stream-rows");
   const seen = new Set();
+  for (const [id, at] of leftWatched) {
+    if (asked - at > REWATCH_MS) leftWatched.delete(id);
+  }
   for (const stream of list) {
     seen.add(stream.id);
     streams.set(stream.id, stream);
+    if (leftWatched.delete(stream.id)) {
+      watched.add(stream.id);
+      saveWatched();
+    }
     let row = rows.querySelector(`tr[data-id="${CSS.escape(stream.id)}"]`);
     if (!row) {
       row = document.createElement("tr");
@@ -1096,7 +1110,14 @@ function renderStreams(list, asked) {
   updateEventStreams();
 }
 
+// Watched streams that left the list, and when: one added again under its id soon after (a
+// script's DELETE then POST, the page's list read between the two: its WebSocket's close
+// asks for one at once) is watched again. It was forgotten, unticked, its tile gone.
+const REWATCH_MS = 60000;
+const leftWatched = new Map();
+
 function forgetStream(id) {
+  if (watched.has(id)) leftWatched.set(id, performance.now());
   streams.delete(id);
   $(`#stream-rows tr[data-id="${CSS.escape(id)}"]`)?.remove();
   clearError(`stream:${id}`);
