@@ -368,6 +368,9 @@ class StreamReader:
         self.outage = OutageLog(config.id)
         """How its source's failures are logged (its ``clock`` injectable in tests)."""
         self._pacer = FilePacer(options.file_fps)  # across a looped file's passes
+        # max_fps across them too (and across a camera's reopenings): each pass took its
+        # first frame, however soon after the last one taken.
+        self._sampler = RateSampler()
         self._opened_at = 0.0  # when the source was last opened (monotonic)
         self._still = False  # it answers one picture an opening (a snapshot URL)
         self._recorded = False  # a recording (a file, or a video file over HTTP), not live
@@ -724,7 +727,7 @@ class StreamReader:
 
         paced = self._recorded and self._opt.file_fps != 0
         interval = frame_interval(stream.average_rate or stream.guessed_rate)
-        sampler = RateSampler()
+        sampler = self._sampler
         last_key: float | None = None  # when the last keyframe was (seconds of the stream)
         reorders = bool(stream.codec_context.has_b_frames)
         self.keyframes_only = False
@@ -751,8 +754,17 @@ class StreamReader:
                         gop, self.max_fps, reorders or self._gpu_decode is not None
                     )
             elif self.keyframes_only and packet.size:
-                # A frame of the camera all the same: counted in, and as sampled out.
-                self._count_in(time.monotonic(), self.width, self.height, decoded=False)
+                # A frame of the camera all the same: counted in, and as sampled out; a file's
+                # played at its time too (they went by at once: a looped file ran at 1.5x).
+                now = time.monotonic()
+                if paced:
+                    known = packet.pts is not None and packet.time_base
+                    shown = float(packet.pts * packet.time_base) if known else None
+                    due = self._pacer.due(shown, now, interval)
+                    if due - now > 0 and self._stop.wait(due - now):
+                        return self._got_frames
+                    now = time.monotonic()
+                self._count_in(now, self.width, self.height, decoded=False)
                 continue
             try:
                 frames = packet.decode()

@@ -796,6 +796,35 @@ async def test_a_file_without_loop_plays_once_and_stops_saying_so(
 
 
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+async def test_a_looped_file_decoded_keyframes_only_plays_at_its_rate_and_keeps_max_fps(
+    pool: EnginePool, tmp_path: Path, decode_processes: int
+) -> None:
+    """A 3 s file with a keyframe a second, looped at ``max_fps`` 0.5: only its keyframes are
+    decoded, and it still plays at 25 frames a second (the frames between, never decoded,
+    went by at once: 37-49 a second) and gives 0.5 frames a second (each pass took its first
+    frame: 1 a second)."""
+    clip = tmp_path / "videos" / "short.mp4"
+    clip.parent.mkdir()
+    make_clip(BOTTLE_CLIP, clip, width=320, height=180, fps=25, gop=25, frames=75)
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=clip.parent, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{clip}", loop=True, max_fps=0.5)
+        await published_frames(m, info["id"], 1)
+        first = m.describe(info["id"])
+        started = time.monotonic()
+        await asyncio.sleep(8.0)
+        stats = m.describe(info["id"])
+        played_s = time.monotonic() - started
+    assert first is not None and stats is not None
+    assert stats["keyframes_only"] is True, stats
+    came = stats["frames_in"] - first["frames_in"]
+    assert 25 * played_s - 30 <= came <= 25 * played_s + 30, (came, played_s)
+    taken = stats["frames_processed"] - first["frames_processed"]
+    assert taken <= 0.5 * played_s + 1.5, (taken, played_s)
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
 async def test_a_looped_file_that_fails_to_open_again_is_lost_and_its_return_a_reconnect(
     pool: EnginePool, tmp_path: Path, decode_processes: int
 ) -> None:

@@ -1149,6 +1149,28 @@ def test_a_watched_stream_removed_and_added_again_is_watched_again(
     assert errors.errors == []
 
 
+def test_a_slow_stream_s_rate_is_shown(
+    live_server: ServerProcess, clips: Path, live_page: tuple[Page, PageErrors]
+) -> None:
+    """A stream at max_fps 0.5 says about 0.5 frames a second, in its tile and the list:
+    both took the rate over the last 3 s, which held fewer than two of its frames ("0.0")."""
+    pg, errors = live_page
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as api:
+        stream_id = add_stream(api, url=f"file://{clips / 'bottles-3s.mp4'}", max_fps=0.5)
+        try:
+            watch(pg, stream_id)
+            rate = re.compile(r"^0\.[3-7] fps shown")
+            figure = pg.locator(f'figure[data-stream-id="{stream_id}"]')
+            expect(figure.locator(".tile-fps")).to_have_text(rate, timeout=UI_TIMEOUT_MS)
+            row = pg.locator(f'#stream-rows tr[data-id="{stream_id}"]')
+            expect(row.locator("td.fps")).to_have_text(
+                re.compile(r"^0\.[3-7]$"), timeout=UI_TIMEOUT_MS
+            )
+        finally:
+            api.delete(f"/streams/{stream_id}")
+    assert errors.errors == []
+
+
 def test_a_watched_stream_listed_gone_then_added_again_is_watched_again(
     live_server: ServerProcess, clips: Path, live_page: tuple[Page, PageErrors]
 ) -> None:

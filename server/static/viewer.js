@@ -496,10 +496,11 @@ class Tile {
     const badge = $(".tile-state", this.element);
     badge.textContent = stream.state ?? "?";
     badge.dataset.state = stream.state ?? "";
-    // The rate shown is the frames drawn in the last 3 s: with none coming (the camera lost,
-    // the stream disabled) it said the rate from before for as long as the outage lasted.
+    // The rate shown is of the last frames drawn: with none coming (the camera lost, the
+    // stream disabled) it said the rate from before for as long as the outage lasted. None
+    // is overdue before twice their interval (a stream at max_fps 0.25 draws one each 4 s).
     const lastShown = this.shownAt[this.shownAt.length - 1];
-    if (stream.state !== "live" || (lastShown !== undefined && performance.now() - lastShown > 3000)) {
+    if (stream.state !== "live" || (lastShown !== undefined && performance.now() - lastShown > this.shownDueMs())) {
       this.shownAt = [];
       $(".tile-fps", this.element).textContent = stream.state === "live" ? "0.0 fps shown" : "";
     }
@@ -908,10 +909,22 @@ class Tile {
     };
   }
 
+  // When the next frame is overdue: after twice the last frames' interval, 3 s at least.
+  shownDueMs() {
+    const times = this.shownAt;
+    if (times.length < 2) return 3000;
+    return Math.max(3000, (2 * (times[times.length - 1] - times[0])) / (times.length - 1));
+  }
+
+  // The rate of the frames drawn in the last 3 s; where fewer than two were (a stream at
+  // max_fps 0.25: it said "0.0 fps shown" for ever), of the last ones within a minute.
   countFrame(meta) {
     const now = performance.now();
     this.shownAt.push(now);
-    while (this.shownAt.length && now - this.shownAt[0] > 3000) this.shownAt.shift();
+    const recent = this.shownAt.filter((t) => now - t <= 3000);
+    while (this.shownAt.length > 1 && (now - this.shownAt[0] > 60000 || (recent.length >= 2 && now - this.shownAt[0] > 3000) || this.shownAt.length > 50)) {
+      this.shownAt.shift();
+    }
     const span = (now - this.shownAt[0]) / 1000;
     const fps = span > 0 ? (this.shownAt.length - 1) / span : 0;
     const latency = meta.latency_ms != null ? ` · ${Math.round(meta.latency_ms)} ms` : "";
