@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
@@ -50,7 +51,7 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
     from streams.jobs import FramesTooLarge, JobError, probe
 
     source = str(args.video)
-    out: Path = args.out or Path(f"{Path(source).name}.streamdet")
+    out: Path = args.out or default_out(source)
     try:
         job_in: JobIn = settings_of(args.settings, "--settings")
     except HTTPException as exc:
@@ -62,12 +63,13 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
             message = str(error["msg"]).removeprefix("Value error, ")  # pydantic's wording
             print(f"streamdet analyze: {where}: {message}", file=sys.stderr)
         return 2
-    if job_in.callback_url is not None:
-        print(
-            "streamdet analyze: callback_url: for POST /jobs; here the counts go to stdout",
-            file=sys.stderr,
-        )
-        return 2
+    for field, why in (
+        ("callback_url", "here the counts go to stdout"),
+        ("url", "here the video is the VIDEO argument"),  # it was ignored
+    ):
+        if getattr(job_in, field) is not None:
+            print(f"streamdet analyze: {field}: for POST /jobs; {why}", file=sys.stderr)
+            return 2
     try:  # frames over the pixel limit refused here, from the codec's parameters (exit 2)
         video = probe(source, max_pixels=settings.max_image_pixels)
     except FramesTooLarge as exc:
@@ -80,7 +82,11 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
         print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
         return 2
     # The folders made here, to remove again if nothing is written into them.
-    made = _missing_dirs(out)
+    try:
+        made = _missing_dirs(out)
+    except OSError as exc:  # a name too long: a traceback
+        print(f"streamdet analyze: --out: {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     # Before the model loads (it was made after: a traceback once the model had loaded).
     unusable = unusable_dir(out)
     if unusable is not None:
@@ -94,6 +100,14 @@ def run_analyze(settings: Settings, args: argparse.Namespace) -> int:
         if code != 0:
             _remove_empty(made)
     return code
+
+
+def default_out(source: str) -> Path:
+    """``<video>.streamdet`` beside where it runs: a URL's last path segment, without its
+    query (a signed URL's token was written to disk as a folder's name, too long to make)."""
+    parts = urlsplit(source)
+    name = Path(parts.path if parts.scheme and len(parts.scheme) > 1 else source).name
+    return Path(f"{name or 'video'}.streamdet")
 
 
 def _missing_dirs(out: Path) -> list[Path]:
@@ -169,8 +183,14 @@ def _run(
                 sink=sink,
             )
         except JobError as exc:
-            print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
-            return 1
+            if exc.counts is None:  # before any frame: nothing to keep
+                print(f"streamdet analyze: {source}: {exc}", file=sys.stderr)
+                return 1
+            # Part way: its results so far are kept, and job.json with their counts.
+            failed: JobError | None = exc
+            counts = exc.counts
+        else:
+            failed = None
         finally:
             done.set()
             progress.freeze()
@@ -180,11 +200,15 @@ def _run(
             "progress": progress.to_json(),
             "counts": counts,
             "results": str(out),
+            **({} if failed is None else {"error": str(failed)}),
         }
         try:
             (out / "job.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
         except OSError as exc:
             print(f"streamdet analyze: --out: {out}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        if failed is not None:
+            print(f"streamdet analyze: {source}: {failed}", file=sys.stderr)
             return 1
         print(json.dumps(summary, indent=2))
         return 0

@@ -53,7 +53,13 @@ class AnnotatedVideo:
         if self._container is None:
             self._open(drawn.shape[1], drawn.shape[0])
         width, height = self._size
-        frame = av.VideoFrame.from_ndarray(drawn[:height, :width], format="rgb24")
+        if drawn.shape[0] - height > 1 or drawn.shape[1] - width > 1:
+            # A video that grew (a stream may change size at a keyframe): the whole picture,
+            # scaled to the video's size (it was cut to its top-left corner).
+            frame = av.VideoFrame.from_ndarray(drawn, format="rgb24")
+            frame = frame.reformat(width=width, height=height)
+        else:  # its size, less an odd side's last row or column
+            frame = av.VideoFrame.from_ndarray(drawn[:height, :width], format="rgb24")
         self._last_pts = max(self._last_pts + 1, round(pts / TIME_BASE))
         frame.pts, frame.time_base = self._last_pts, TIME_BASE
         for packet in self._stream.encode(frame):

@@ -538,6 +538,7 @@ class JobManager:
             ended, error = JobState.CANCELLED, None
         except JobError as exc:
             ended, error = JobState.FAILED, str(exc)
+            job.counts = exc.counts  # of the frames it finished, where it failed part way
         except Exception as exc:  # a bug must cost this job, not the runner
             if storage_failure(exc):
                 log.error("job %s: cannot write its results: %s", job.id, exc)
@@ -684,7 +685,7 @@ class JobManager:
         self._end(job, JobState.FAILED, error)
         # What its last run wrote before the crash goes: its progress says it ran no frame
         # (GET /jobs/{id}/frames served 125 of a run its progress did not count).
-        for partial in (FRAMES_FILE, EVENTS_FILE):
+        for partial in (FRAMES_FILE, EVENTS_FILE, VIDEO_FILE):  # its video: a 48-byte 200
             with contextlib.suppress(OSError):
                 (self.directory_of(job.id) / partial).unlink(missing_ok=True)
         try:

@@ -86,6 +86,9 @@ class JobCancelled(Exception):
 class JobError(RuntimeError):
     """The video cannot be read; the message says why."""
 
+    counts: dict[str, Any] | None = None
+    """Where it failed part way: the counts of the frames it finished (its results so far)."""
+
 
 class FramesTooLarge(JobError):
     """The video's frames have more pixels than allowed (``STREAMDET_MAX_IMAGE_PIXELS``)."""
@@ -565,9 +568,10 @@ def run_job(
                         done(finish(pending.popleft()))
             except PoolClosed:
                 raise JobCancelled(interrupted=True) from None
-            except JobError:  # the video failed part way: the frames sent to run are kept
+            except JobError as exc:  # the video failed part way: the frames sent to run are kept
                 while pending:
                     done(finish(pending.popleft()))
+                exc.counts = _whole_video_counts(analytics)  # and counted (it was null)
                 raise
             while pending:
                 done(finish(pending.popleft()))
@@ -589,6 +593,11 @@ def run_job(
             job_id,
             progress.gaps_s,
         )
+    return _whole_video_counts(analytics)
+
+
+def _whole_video_counts(analytics: StreamAnalytics) -> dict[str, Any]:
+    """A job's counts: the analytics' without what only a last frame means."""
     counts = analytics.snapshot()
     for last_frame in ("objects", "stationary"):  # meaningless for a whole video
         counts.pop(last_frame, None)

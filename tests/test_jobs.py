@@ -35,6 +35,7 @@ from engines.batching import DeadlineExceeded, WorkItem, WorkResult
 from engines.types import DetectParams, Engine, ModelInfo
 from engines.yolo import resize
 from loadtest.server import free_port
+from server.job_video import VIDEO_FILE, AnnotatedVideo
 from server.jobs import Job, JobManager, JobState
 from server.webhooks import sign
 from streams.detect import StreamDetect
@@ -491,13 +492,19 @@ def test_streamdet_analyze_runs_a_job_without_a_server(tmp_path: Path) -> None:
         ([str(tmp_path / "shelf" / "job.json")], "not a video FFmpeg can read"),
         ([str(BOTTLE_CLIP), "--settings", '{"motion": true}'], "motion: a live stream's setting"),
         ([str(BOTTLE_CLIP), "--settings", '{"classes": "unicorn"}'], "unicorn"),
+        (  # it was ignored, the VIDEO argument read
+            [str(BOTTLE_CLIP), "--settings", '{"url": "file:///tmp/x.mp4"}'],
+            "url: for POST /jobs",
+        ),
+        ([str(BOTTLE_CLIP), "--out", str(tmp_path / ("x" * 300))], "File name too long"),
         (  # refused before it is read, naming the setting (exit 1, "Invalid argument")
             [str(BOTTLE_CLIP), "--max-image-pixels", "10000"],
             "exceed 10000 pixels (setting STREAMDET_MAX_IMAGE_PIXELS)",
         ),
     ):
+        out_args = [] if "--out" in args else ["--out", str(tmp_path / "bad")]
         bad = subprocess.run(
-            [streamdet, "analyze", *args, *common, "--out", str(tmp_path / "bad")],
+            [streamdet, "analyze", *args, *common, *out_args],
             capture_output=True,
             text=True,
             timeout=300,
@@ -838,6 +845,7 @@ async def test_a_job_the_server_keeps_dying_during_fails_instead_of_running_agai
     thrice = _kept(manager, JobState.RUNNING, crashed_runs=3, callback_url="http://127.0.0.1:9/")
     for partial in (FRAMES_FILE, EVENTS_FILE):  # what its last run wrote before the crash
         (tmp_path / thrice.id / partial).write_text('{"frame": 0}\n' * 125)
+    (tmp_path / thrice.id / VIDEO_FILE).write_bytes(b"\0\0\0\x20ftypisom" + bytes(36))
     fresh = _manager(tmp_path, frames)
     await fresh.start()
     try:
@@ -849,6 +857,7 @@ async def test_a_job_the_server_keeps_dying_during_fails_instead_of_running_agai
         assert failed.progress.frames_processed == 0
         assert not (tmp_path / thrice.id / FRAMES_FILE).exists()
         assert not (tmp_path / thrice.id / EVENTS_FILE).exists()
+        assert not (tmp_path / thrice.id / VIDEO_FILE).exists()  # a 48-byte 200 video/mp4
         again = fresh.get(twice.id)
         assert again is not None
         await fresh.wait(again, 30)
@@ -920,6 +929,12 @@ def test_a_video_cut_short_fails_its_job_with_its_results_so_far(tmp_path: Path)
         assert job["progress"]["frames_processed"] == job["progress"]["frames_read"], job
         frames = c.get(f"/jobs/{job['id']}/frames").text.splitlines()
         assert len(frames) == job["progress"]["frames_processed"]
+        # Their counts too (null: the totals of 140 frames were lost).
+        counts = job["counts"]
+        assert counts is not None, job
+        assert sum(counts["detections"].values()) == sum(
+            len(json.loads(line)["detections"]) for line in frames
+        )
         whole = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 0.5})
         done = c.get(f"/jobs/{whole.json()['id']}", params={"wait_s": 60}).json()
         assert done["state"] == "done" and done["error"] is None, done
@@ -1116,6 +1131,19 @@ def test_a_bad_job_is_refused_for_what_is_wrong_with_it_even_when_the_server_is_
             headers={"content-type": "video/mp4"},
         )
         assert query.status_code == 422 and "fps" in query.text, query.text
+        # A misspelt or repeated option is named (setting= ran the job on every class,
+        # settings twice took the last, wait= did not wait).
+        for params, named in (
+            ([("setting", '{"classes": "person"}')], "'setting': not an option here"),
+            ([("settings", '{"fps": 1}'), ("settings", '{"fps": 50}')], "'settings' given more"),
+        ):
+            misspelt = c.post(
+                "/jobs", content=b"\x00" * 100, params=params, headers={"content-type": "video/mp4"}
+            )
+            assert misspelt.status_code == 422 and named in misspelt.text, misspelt.text
+        waited = c.get(f"/jobs/{running.json()['id']}", params={"wait": 30})
+        assert waited.status_code == 422 and "'wait': not an option" in waited.text, waited.text
+        assert "wait_s" in waited.text
         full = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 1})
         assert full.status_code == 429 and "STREAMDET_MAX_JOBS" in full.text, full.text
         assert c.delete(f"/jobs/{running.json()['id']}").status_code == 204
@@ -1135,3 +1163,33 @@ def test_a_video_with_a_part_missing_says_how_much(tmp_path: Path) -> None:
     whole = JobProgress()
     list(sampled_frames(JobSpec(str(CAR_CLIP), StreamDetect(), fps=2.0), whole, lambda: None))
     assert whole.gaps_s == 0.0
+
+
+def test_a_rendered_video_that_grows_keeps_its_whole_picture(tmp_path: Path) -> None:
+    """A video whose frames grow part way (a stream may change size at a keyframe) is drawn
+    whole, scaled to the size the rendered video opened at: every later frame was cut to its
+    top-left corner."""
+    small = np.zeros((72, 128, 3), np.uint8)
+    large = np.zeros((144, 256, 3), np.uint8)
+    large[:, 128:] = 255  # its right half white: cut to 128x72, nothing white was left
+    video = AnnotatedVideo(tmp_path / VIDEO_FILE, StreamDetect(), None, {"fps": 10.0})
+    counts: dict[str, Any] = {"crossings": {}, "zones": {}}
+    for i, image in enumerate((small, small, large, large)):
+        video.write(image, None, i / 10, counts)
+    video.close()
+    frames = _decoded((tmp_path / VIDEO_FILE).read_bytes())
+    assert len(frames) == 4
+    last = frames[-1][1]
+    assert last.shape[:2] == (72, 128)
+    assert last[:, 80:].mean() > 200 and last[:, :48].mean() < 50, last.mean(axis=(0, 2))
+
+
+def test_analyze_names_its_results_by_a_url_s_path_without_its_query() -> None:
+    """A signed URL's token was written to disk as the results folder's name (and one too
+    long to make was a traceback)."""
+    from server.analyze_cli import default_out
+
+    signed = "https://cam.example/rec/car.mp4?X-Amz-Signature=" + "f" * 300
+    assert default_out(signed) == Path("car.mp4.streamdet")
+    assert default_out("clips/car.mp4") == Path("car.mp4.streamdet")
+    assert default_out("https://cam.example/") == Path("video.streamdet")

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
@@ -43,6 +43,7 @@ from server.routes.detect import capped_stream, megabytes
 from server.routes.events import MAX_INTERVAL_S, count_members, counts_answer
 from server.routes.longpoll import wait_unless_gone
 from server.routes.paths import root_of
+from server.routes.query import check_query
 from server.routes.streams import DetectIn, printable
 from server.settings import check_webhook_url
 from server.state import AppState, get_state
@@ -55,7 +56,16 @@ from streams.sources import SourceError, open_options, parse_source, redact, upl
 from streams.store import private_dir
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+
+
+def _checked_query(request: Request) -> None:
+    """Every job route's query checked (:mod:`server.routes.query`): ``setting=`` (for
+    ``settings``) ran a job on every class, ``wait=`` (for ``wait_s``) did not wait."""
+    # POST /jobs reads its video's settings and name from the query itself.
+    check_query(request, extra=("settings", "filename") if request.method == "POST" else ())
+
+
+router = APIRouter(dependencies=[Depends(_checked_query)])
 
 VIDEO_TYPES = {
     "video/mp4": ".mp4",

@@ -49,13 +49,14 @@ def query_problem(
     return None
 
 
-def check_query(request: Request, *, lists: Sequence[str] = ()) -> None:
-    """HTTP 422 for a query parameter the route does not declare, or one given more than
-    once that is not one of ``lists`` (:func:`query_problem`).
+def check_query(request: Request, *, lists: Sequence[str] = (), extra: Sequence[str] = ()) -> None:
+    """HTTP 422 for a query parameter the route does not declare (nor ``extra``: one it reads
+    itself), or one given more than once that is not one of ``lists`` (:func:`query_problem`).
 
     Raises:
         HTTPException: 422 naming the parameters and the route's options.
     """
-    problem = query_problem(request.query_params.multi_items(), declared_query(request), lists)
+    options = (*declared_query(request), *extra)
+    problem = query_problem(request.query_params.multi_items(), options, lists)
     if problem is not None:
         raise HTTPException(422, problem)
