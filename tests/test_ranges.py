@@ -4,7 +4,11 @@ Starlette serves ranges."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -58,3 +62,37 @@ def test_a_range_the_server_cannot_use_gets_the_whole_file(tmp_path: Path) -> No
         assert part.headers["content-range"] == f"bytes 10-19/{len(data)}"
         past = c.get("/clip.mp4", headers={"Range": f"bytes={len(data)}-"})
         assert past.status_code == 416
+
+
+async def test_a_file_deleted_while_it_is_served_is_served_whole_or_404_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """A clip pruned (or deleted) while a player downloads it: Starlette read its size, then
+    opened it by name, so the download was a 500, or a 200 cut off part way. It is held open
+    from the start: deleted once the answer started, it is served whole; deleted before, a
+    404 saying so."""
+    data = bytes(range(256)) * 1024
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    scope = {"type": "http", "method": "GET", "headers": [], "asgi": {"spec_version": "2.3"}}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(60)  # the client stays connected
+        return {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
+        if message["type"] == "http.response.start":
+            path.unlink(missing_ok=True)  # gone as the answer starts
+
+    response = RangedFile(path, media_type="video/mp4", gone="no clip 7: gone")
+    response.chunk_size = 4096  # many chunks
+    await response(scope, receive, send)
+    assert sent[0]["status"] == 200
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == data
+    sent.clear()
+    late = RangedFile(path, media_type="video/mp4", gone="no clip 7: gone")  # made, then gone
+    await late(scope, receive, send)
+    assert sent[0]["status"] == 404
+    assert json.loads(sent[1]["body"]) == {"detail": "no clip 7: gone"}

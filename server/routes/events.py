@@ -456,4 +456,9 @@ async def event_clip(clip_id: int, request: Request) -> FileResponse:
             retry = str(max(1, round(manager.clips.options.post_s)))
             raise HTTPException(503, found, headers={"Retry-After": retry})
         raise HTTPException(404, found)
-    return RangedFile(found, media_type="video/mp4", headers={"Cache-Control": "max-age=3600"})
+    return RangedFile(
+        found,
+        media_type="video/mp4",
+        headers={"Cache-Control": "max-age=3600"},
+        gone=f"no clip {clip_id}: deleted meanwhile (a DELETE, or kept clips pruned)",
+    )

@@ -565,7 +565,9 @@ async def _results(
             _follow(request, jobs, job, path), media_type=NDJSON, headers=streamed
         )
     if output == "ndjson" and job.finished.is_set() and path.is_file():
-        return RangedFile(path, media_type=NDJSON, headers=headers)
+        return RangedFile(
+            path, media_type=NDJSON, headers=headers, gone=f"no job {job_id!r}: deleted meanwhile"
+        )
 
     def as_csv() -> str:
         columns, rows = (
@@ -666,7 +668,12 @@ async def job_video(request: Request, job_id: str) -> FileResponse:
     path = _jobs(state).directory_of(job.id) / VIDEO_FILE
     if not await asyncio.to_thread(path.is_file):
         raise HTTPException(404, f"job {job_id!r} ended ({job.state}) before any frame was drawn")
-    return RangedFile(path, media_type="video/mp4", headers={"X-Job-State": str(job.state)})
+    return RangedFile(
+        path,
+        media_type="video/mp4",
+        headers={"X-Job-State": str(job.state)},
+        gone=f"no job {job_id!r}: deleted meanwhile",
+    )
 
 
 @router.delete("/jobs/{job_id}", status_code=204)
