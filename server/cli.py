@@ -266,11 +266,25 @@ def port_taken(host: str, port: int) -> tuple[bool, str] | None:
     return None
 
 
+def _cannot_listen(settings: Settings, flag: str, host_fault: bool, why: str) -> int:
+    """Say why the server cannot listen on ``--flag``'s port, naming the setting; exit 2."""
+    port = settings.grpc_port if flag == "grpc-port" else settings.port
+    named = "host" if host_fault else flag  # it named the port for a host it lacks
+    setting = named.replace("-", "_").upper()
+    print(
+        f"streamdet: --{named}: {settings.host}:{port}: {why} (setting STREAMDET_{setting})",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def _serve(settings: Settings) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.auth import ApiKeys
     from server.http_limits import head_limited
+    from server.loading import LoadingResponder, bind_listener
     from server.routes.ws import going_away, viewers_gone
     from server.runtime import build_pool
 
@@ -313,28 +327,34 @@ def _serve(settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
-    for flag, port in (("port", settings.port), ("grpc-port", settings.grpc_port)):
-        taken = port_taken(settings.host, port) if port else None
-        if taken is not None:  # before the model loads (and the cameras open): at once
-            host_fault, why = taken
-            named = "host" if host_fault else flag  # it named the port for a host it lacks
-            setting = named.replace("-", "_").upper()
-            print(
-                f"streamdet: --{named}: {settings.host}:{port}: {why} (setting"
-                f" STREAMDET_{setting})",
-                file=sys.stderr,
-            )
-            return 2
+    # The port bound before the model loads (and the cameras open): taken, it fails at once;
+    # free, it answers the probes while the model loads (server/loading.py).
+    try:
+        listener = bind_listener(settings.host, settings.port)
+    except OSError as exc:
+        why = f"cannot listen there: {exc.strerror or exc}"
+        return _cannot_listen(settings, "port", exc.errno in HOST_ERRNOS, why)
+    if settings.grpc_port and (taken := port_taken(settings.host, settings.grpc_port)):
+        listener.close()
+        return _cannot_listen(settings, "grpc-port", *taken)
+    loading = LoadingResponder(
+        listener, settings.root_path, ApiKeys(settings.api_keys, settings.api_keys_readonly)
+    )
+    loading.start()
     try:
         pool = build_pool(settings)
     except EngineError as exc:
         log.error("cannot start: %s", exc)
+        listener.close()
         return 2
+    finally:
+        loading.stop()
     if settings.streams_file is not None:  # its classes, now that the model says its own
         problems = check_streams_file(settings.streams_file, os.environ, pool.engine.names)
         for problem in problems:
             print(f"streamdet: {problem}", file=sys.stderr)
         if problems:
+            listener.close()
             pool.stop(settings.shutdown_timeout_s)
             return 2
     app = create_app(settings, pool=pool)
@@ -373,21 +393,9 @@ def _serve(settings: Settings) -> int:
         )
     )
     try:
-        server.run()
-    except SystemExit:
-        if server.started:
-            raise
-        # The port, free when checked, taken while the model loaded: uvicorn logged its
-        # bind error and exited 3, naming no setting.
-        taken = port_taken(settings.host, settings.port)
-        print(
-            f"streamdet: --port: {settings.host}:{settings.port}:"
-            f" {taken[1] if taken else 'cannot listen there'} (taken while the model loaded;"
-            " setting STREAMDET_PORT)",
-            file=sys.stderr,
-        )
-        pool.stop(settings.shutdown_timeout_s)
-        return 2
+        server.run(sockets=[listener])  # the one bound before the model loaded
+    finally:
+        listener.close()
     return 0
 
 

@@ -645,35 +645,52 @@ def test_analyze_and_bench_ignore_the_variables_of_settings_they_do_not_use(
         cli.settings_from_args(argparse.Namespace())
 
 
-def test_a_port_taken_while_the_model_loads_is_named_with_its_setting(
+def test_the_port_answers_the_probes_while_the_model_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Free when checked, the port was taken by another program while the model loaded:
-    uvicorn logged its bind error and the server exited 3, naming no setting."""
+    """The port was bound only once the model had loaded: /healthz and /readyz refused
+    connections for as long (a liveness probe killed the pod mid-load, Prometheus' up was 0
+    and StreamdetNotReady could never fire). It is bound first and answers the probes as the
+    app will: alive, not ready, streamdet_ready 0, anything else 503 saying why."""
     import socket
 
-    from server import runtime
+    import httpx
 
     port = free_port()
-    taker = socket.socket()
-    real_build = runtime.build_pool
+    seen: dict[str, httpx.Response] = {}
 
     def build_pool(settings: Settings) -> Any:
-        pool = real_build(settings)
-        taker.bind(("127.0.0.1", port))  # another program, meanwhile
-        taker.listen(1)
-        return pool
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            for path in ("/healthz", "/readyz", "/metrics", "/model"):
+                seen[path] = c.get(path)
+            seen["POST /detect"] = c.post("/detect", content=b"x")
+            seen["/base/readyz"] = c.get("/base/readyz")
+            seen["keyed /metrics"] = c.get("/metrics", headers={"Authorization": "Bearer k1"})
+        raise EngineError("the test's: no model")
 
     monkeypatch.setattr("server.runtime.build_pool", build_pool)
     settings = Settings(
-        model=str(MODEL_PT), cache_dir=CACHE_DIR, data_dir=tmp_path / "data", port=port
+        model=str(MODEL_PT),
+        cache_dir=CACHE_DIR,
+        data_dir=tmp_path / "data",
+        port=port,
+        root_path="/base",
+        api_keys=["k1"],
     )
     before = sys.getswitchinterval()
     try:
-        assert cli.serve(settings) == 2
+        assert cli.serve(settings) == 2  # the model failed: exit 2, the port let go
     finally:
-        taker.close()
         sys.setswitchinterval(before)
-    err = capsys.readouterr().err
-    assert f"--port: 127.0.0.1:{port}: cannot listen there" in err, err
-    assert "(taken while the model loaded; setting STREAMDET_PORT)" in err
+    assert seen["/healthz"].status_code == 200
+    assert seen["/healthz"].json() == {"status": "ok", "model": "loading"}
+    for path in ("/readyz", "/model", "POST /detect", "/base/readyz"):
+        answer = seen[path]
+        assert answer.status_code == 503 and answer.headers["Retry-After"] == "5", path
+        assert "the model is loading" in answer.json()["detail"], path
+    assert seen["/metrics"].status_code == 401  # keys set: a key to read it
+    assert seen["keyed /metrics"].status_code == 200
+    assert "streamdet_ready 0.0" in seen["keyed /metrics"].text
+    with socket.socket() as again:  # let go: free for the next server (as uvicorn binds)
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
