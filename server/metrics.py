@@ -529,7 +529,7 @@ class Metrics:
         self.event_snapshots = Counter(
             "streamdet_event_snapshots",
             "Frames with events drawn as JPEG snapshots (made), or not because too many were"
-            " being drawn (skipped)",
+            " being drawn (skipped), or that could not be written (failed)",
             ["outcome"],
             registry=reg,
         )

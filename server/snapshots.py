@@ -80,6 +80,11 @@ class SnapshotStore:
         self._log = events
         self._metrics = metrics
         self._drawing: dict[int, asyncio.Future[bytes]] = {}
+        self._drawn_for: dict[int, list[int]] = {}  # the events of each frame being drawn
+        # Events whose snapshot could not be written (a full disk, an unwritable folder):
+        # listed without it, and their 404 says why (it stayed linked, its 404 blaming the
+        # number of snapshots kept).
+        self._lost: set[int] = set()
         private_dir(directory)  # snapshots of people: this user's only (they were 0644)
         # Made once, at startup (nothing is being drawn yet): a .part left by a crash, or by
         # a write that failed before _write cleaned up after itself, is no snapshot.
@@ -97,6 +102,28 @@ class SnapshotStore:
             self._delete(orphan)
         self._kept = sorted(kept)  # frames on disk, by first event id, oldest first
         self._prune()
+        self._lost_before_start()
+
+    def _lost_before_start(self) -> None:
+        """Events logged with a snapshot that is not on disk, above the oldest kept (one that
+        failed before a restart, a file deleted by hand): lost, as if it failed now."""
+        kept, since = set(self._kept), self.kept_from()
+        for event in self._log.held():
+            event_id = int(event.get("id", -1))
+            if "snapshot" in event and event_id >= since:
+                first = self._log.frame_start(event_id)
+                if first is None or first not in kept:
+                    self._lost.add(event_id)
+
+    def lost(self) -> frozenset[int]:
+        """Events whose snapshot could not be written, of those above :meth:`kept_from`."""
+        since = self.kept_from()
+        self._lost = {event_id for event_id in self._lost if event_id >= since}
+        return frozenset(self._lost)
+
+    def failed(self, event_id: int) -> bool:
+        """Whether ``event_id``'s snapshot could not be written."""
+        return event_id in self._lost
 
     @property
     def enabled(self) -> bool:
@@ -143,6 +170,7 @@ class SnapshotStore:
         )
         drawn = asyncio.get_running_loop().run_in_executor(self._executor, draw)
         self._drawing[first] = drawn
+        self._drawn_for[first] = [int(e["id"]) for e in events if "snapshot" in e]
         drawn.add_done_callback(functools.partial(self._drawn, frame.stream_id, first))
 
     def _draw(
@@ -166,11 +194,14 @@ class SnapshotStore:
 
     def _drawn(self, stream_id: str, first: int, drawn: asyncio.Future[bytes]) -> None:
         self._drawing.pop(first, None)
+        events = self._drawn_for.pop(first, [])
         if drawn.cancelled():
             return
         if (error := drawn.exception()) is not None:
             log.warning("stream %s: snapshot of event %d failed: %s", stream_id, first, error)
             self._delete(first)  # thumbnails written before it failed
+            self._lost.update(events)
+            self._count("failed")
             return
         self._count("made")
         bisect.insort(self._kept, first)  # drawings may finish out of order

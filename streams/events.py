@@ -108,6 +108,8 @@ class EventFilter:
     has_clip: bool | None = None
     has_snapshot: bool | None = None
     snapshots_from: int = 0
+    snapshots_lost: frozenset[int] = frozenset()
+    """Events above ``snapshots_from`` whose snapshot could not be written (a full disk)."""
     clips_from: int = 0
     clips_lost: frozenset[int] = frozenset()
 
@@ -150,7 +152,12 @@ def has_clip(event: dict[str, Any], wanted: EventFilter) -> bool:
 def has_snapshot(event: dict[str, Any], wanted: EventFilter) -> bool:
     """Whether ``event`` (as logged) has its snapshot still: it was made one, and is not
     below ``wanted.snapshots_from`` (:meth:`server.snapshots.SnapshotStore.kept_from`)."""
-    return "snapshot" in event and int(event["id"]) >= wanted.snapshots_from
+    event_id = int(event.get("id", -1))
+    return (
+        "snapshot" in event
+        and event_id >= wanted.snapshots_from
+        and event_id not in wanted.snapshots_lost
+    )
 
 
 EVERY_EVENT = EventFilter()

@@ -13,6 +13,7 @@ import hmac
 import io
 import json
 import logging
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -1128,6 +1129,41 @@ def test_events_whose_snapshots_were_deleted_no_longer_claim_one(tmp_path: Path)
         assert [("snapshot" in e, "thumbnail" in e) for e in listed[:2]] == [(False, False)] * 2
         lost = c.get("/events", params={"type": "manual", "has_snapshot": False}).json()
         assert [e["label"] for e in lost["events"]] == ["n0", "n1"]
+
+
+def test_an_event_whose_snapshot_could_not_be_written_claims_none(tmp_path: Path) -> None:
+    """A snapshot that failed to write (a full disk, a folder in the way) stayed linked and
+    listed by ``has_snapshot=true``, its 404 blaming the number of snapshots kept; after a
+    restart too."""
+    snapshots = tmp_path / "data" / "snapshots"
+    with TestClient(file_stream_app(tmp_path)) as c:
+        sid = c.post("/streams", json={"url": f"file://{BOTTLE_CLIP}", "max_fps": 4}).json()["id"]
+        deadline = time.monotonic() + 60
+        while c.get(f"/streams/{sid}/latest.jpg").status_code != 200:
+            assert time.monotonic() < deadline, "the stream never had a frame"
+            time.sleep(0.1)
+        kept = c.post(f"/streams/{sid}/events", json={"label": "kept"}).json()
+        assert c.get(kept["snapshot"]).status_code == 200
+        shutil.rmtree(snapshots)
+        snapshots.write_text("in the way")  # ENOTDIR for every snapshot from now on
+        failed = c.post(f"/streams/{sid}/events", json={"label": "failed"}).json()
+        missing = c.get(failed["snapshot"])
+        assert missing.status_code == 404, missing.text
+        assert "could not be written" in missing.json()["detail"], missing.text
+        assert "STREAMDET_DATA_DIR" in missing.json()["detail"]
+        listed = c.get("/events", params={"type": "manual"}).json()["events"]
+        claims = [(e["label"], "snapshot" in e) for e in listed]
+        assert claims == [("kept", True), ("failed", False)]
+        having = c.get("/events", params={"type": "manual", "has_snapshot": True}).json()
+        assert [e["label"] for e in having["events"]] == ["kept"]
+        c.delete(f"/streams/{sid}")
+    snapshots.unlink()
+    with TestClient(file_stream_app(tmp_path)) as c:  # restarted: the snapshot is still lost
+        listed = c.get("/events", params={"type": "manual"}).json()["events"]
+        assert [(e["label"], "snapshot" in e) for e in listed] == [
+            ("kept", False),  # its folder went with the file in the way
+            ("failed", False),
+        ]
 
 
 def test_a_webhook_that_missed_events_is_logged_by_its_masked_name(

@@ -49,6 +49,7 @@ from streams.events import (
     has_clip,
     has_snapshot,
 )
+from streams.storage import DATA_DIR_HINT
 
 router = APIRouter()
 HEARTBEAT_S = 15.0
@@ -175,6 +176,7 @@ async def wanted_events(
         has_clip=has_clip,
         has_snapshot=has_snapshot,
         snapshots_from=snapshots.kept_from() if (snapshots := get_state(request).snapshots) else 0,
+        snapshots_lost=snapshots.lost() if snapshots else frozenset(),
         clips_from=clips_from,
         clips_lost=clips_lost,
     )
@@ -398,6 +400,11 @@ async def _picture(request: Request, event_id: int, *, thumbnail: bool) -> Respo
             why = (
                 f"no event {event_id}: unknown, or older than the last {kept} events the log"
                 " keeps (setting STREAMDET_EVENT_LOG_SIZE)"
+            )
+        elif store is not None and store.failed(event_id):
+            why = (
+                f"no {'thumbnail' if thumbnail else 'snapshot'} of event {event_id}: it could"
+                f" not be written (the server log says why; {DATA_DIR_HINT})"
             )
         else:
             what = "thumbnail" if thumbnail else "snapshot"
