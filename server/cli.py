@@ -366,6 +366,13 @@ def _serve(settings: Settings) -> int:
             app.state.exiting = True  # a call cancelled from now on is the shutdown's
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if sockets is not None and self.started:
+                # It says "Uvicorn running on ..." only for a socket it bound itself: this one
+                # was bound before the model loaded. Scripts and tests wait for the line.
+                self._log_started_message(sockets)
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             # The 1001s queued above are sent by the viewers' own tasks: let them go out
             # before uvicorn closes whatever is still open with 1012.

@@ -582,11 +582,6 @@ def _clip_ids(directory: Path) -> list[int]:
     return ids
 
 
-def _lowest_clip(directory: Path) -> int | None:
-    """The id of the oldest clip on disk; None for none."""
-    return min(_clip_ids(directory), default=None)
-
-
 def list_clips(directory: Path, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
     """The newest ``limit`` clips (of ``stream_id``, or of every stream), newest first."""
     found: list[dict[str, Any]] = []
@@ -688,14 +683,11 @@ class ClipIndex:
     def writing(self, clip_id: int) -> bool:
         return clip_id in self._writing
 
-    async def presence(self, next_id: int) -> tuple[int, frozenset[int]]:
-        """Which clips are still to be had: those from the first id returned on (clips go
-        oldest first, for ``--event-clips-max-mb`` or their age; ``next_id`` where none is
-        on disk or being written), less the set returned (deleted by a caller, or failed).
-        An event still names a clip that went: it answered 404, and ``has_clip`` passed it."""
-        lowest = await asyncio.to_thread(_lowest_clip, self.options.directory)
-        held = [*([] if lowest is None else [lowest]), *self._writing]
-        return min(held, default=next_id), frozenset(self._deleted) | frozenset(self._failed)
+    async def presence(self) -> frozenset[int]:
+        """The clips still to be had: on disk, or being written. An event still names a clip
+        that went (pruned, deleted, failed): it answered 404, and ``has_clip`` passed it."""
+        on_disk = await asyncio.to_thread(_clip_ids, self.options.directory)
+        return frozenset(on_disk) | frozenset(self._writing)
 
     async def listing(self, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
         """See :func:`list_clips` (read in a worker thread)."""
@@ -750,5 +742,7 @@ class ClipIndex:
             return f"no clip {clip_id}: it was deleted (DELETE /clips/{clip_id}.mp4)"
         return (
             f"no clip {clip_id}: unknown, or deleted to keep clips under"
-            f" {self.options.max_bytes // (1024 * 1024)} MB (setting STREAMDET_EVENT_CLIPS_MAX_MB)"
+            f" {self.options.max_bytes // (1024 * 1024)} MB (setting"
+            " STREAMDET_EVENT_CLIPS_MAX_MB), by a DELETE or for its age before the server last"
+            " started, or not made then (its log says why)"
         )

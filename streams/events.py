@@ -94,8 +94,7 @@ class EventFilter:
         has_clip: whether the event has a video clip.
         has_snapshot: whether the event has a snapshot.
         snapshots_from: events below this id lost their snapshots (deleted since).
-        clips_from: clips below this id are gone (deleted for their size or age).
-        clips_lost: clips gone above it (deleted by a caller, or failed).
+        clips_present: the clips to be had (on disk, or being written); None: any named.
     """
 
     streams: frozenset[str] | None = None
@@ -110,8 +109,7 @@ class EventFilter:
     snapshots_from: int = 0
     snapshots_lost: frozenset[int] = frozenset()
     """Events above ``snapshots_from`` whose snapshot could not be written (a full disk)."""
-    clips_from: int = 0
-    clips_lost: frozenset[int] = frozenset()
+    clips_present: frozenset[int] | None = None
 
     def matches(self, event: dict[str, Any]) -> bool:
         """Whether ``event`` (as logged) passes every criterion given."""
@@ -138,7 +136,9 @@ class EventFilter:
 
 def has_clip(event: dict[str, Any], wanted: EventFilter) -> bool:
     """Whether ``event`` (as logged) has its clip still: it was made one (its ``clip`` path,
-    ``/clips/{id}.mp4``), not deleted since (:meth:`streams.clips.ClipIndex.presence`)."""
+    ``/clips/{id}.mp4``), which is on disk or being written
+    (:meth:`streams.clips.ClipIndex.presence`): not pruned, deleted or failed, before a
+    restart too (those were known only to the run they happened in)."""
     path = event.get("clip")
     if not isinstance(path, str):
         return False
@@ -146,7 +146,7 @@ def has_clip(event: dict[str, Any], wanted: EventFilter) -> bool:
         clip_id = int(path.rsplit("/", 1)[-1].removesuffix(".mp4"))
     except ValueError:
         return True
-    return clip_id >= wanted.clips_from and clip_id not in wanted.clips_lost
+    return wanted.clips_present is None or clip_id in wanted.clips_present
 
 
 def has_snapshot(event: dict[str, Any], wanted: EventFilter) -> bool:

@@ -293,7 +293,8 @@ async def test_the_index_waits_for_a_clip_being_written_and_says_why_one_is_miss
 
     assert await index.find(43, 0.1) == (
         "no clip 43: unknown, or deleted to keep clips under 2048 MB"
-        " (setting STREAMDET_EVENT_CLIPS_MAX_MB)"
+        " (setting STREAMDET_EVENT_CLIPS_MAX_MB), by a DELETE or for its age before the server"
+        " last started, or not made then (its log says why)"
     )
     late = index.request(recorder, BASE + 40.0, 44)  # will never begin: the source goes
     recorder.source_closed("camera gone")
@@ -681,22 +682,22 @@ def test_a_clip_beginning_untimed_takes_no_absurd_rate_for_its_first_frame(
     )
 
 
-async def test_clips_pruned_oldest_first_are_gone_for_the_events_that_named_them(
-    tmp_path: Path,
-) -> None:
-    """Clips go oldest first (``--event-clips-max-mb``, their age): one id bounds those left,
-    so an event of a clip below it no longer claims one (``has_clip``, its link)."""
+async def test_clips_gone_are_gone_for_the_events_that_named_them(tmp_path: Path) -> None:
+    """Clips go oldest first (``--event-clips-max-mb``, their age), by a DELETE, or fail: an
+    event of a clip that is not on disk (nor being written) no longer claims one
+    (``has_clip``, its link), before a restart too (those deleted or failed then were
+    claimed again after it: they were known only to the run they happened in)."""
     from streams.events import EventFilter, has_clip
 
     directory = tmp_path / "clips"
     directory.mkdir()
     index = ClipIndex(ClipOptions(directory))
-    assert await index.presence(100) == (100, frozenset())  # none: every clip named went
+    assert await index.presence() == frozenset()  # none: every clip named went
     for clip_id in (5, 9):
         (directory / f"{clip_id}.mp4").write_bytes(b"\x00" * 10)
-    clips_from, lost = await index.presence(100)
-    assert (clips_from, lost) == (5, frozenset())
-    wanted = EventFilter(has_clip=True, clips_from=clips_from, clips_lost=lost)
-    named = [{"id": i, "clip": f"/clips/{i}.mp4"} for i in (3, 5, 9)]
-    assert [has_clip(event, wanted) for event in named] == [False, True, True]
+    wanted = EventFilter(has_clip=True, clips_present=await index.presence())
+    named = [{"id": i, "clip": f"/clips/{i}.mp4"} for i in (3, 5, 7, 9, 11)]
+    # 3: pruned; 7: deleted or failed in an earlier run; 11: not made
+    assert [has_clip(event, wanted) for event in named] == [False, True, False, True, False]
     assert not has_clip({"id": 1}, wanted)
+    assert has_clip(named[0], EventFilter())  # no clip index: as logged

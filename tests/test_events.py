@@ -1144,6 +1144,8 @@ def test_an_event_whose_snapshot_could_not_be_written_claims_none(tmp_path: Path
             time.sleep(0.1)
         kept = c.post(f"/streams/{sid}/events", json={"label": "kept"}).json()
         assert c.get(kept["snapshot"]).status_code == 200
+        asked = c.head(kept["snapshot"])  # HEAD too (it was 405)
+        assert asked.status_code == 200 and asked.headers["content-type"] == "image/jpeg"
         shutil.rmtree(snapshots)
         snapshots.write_text("in the way")  # ENOTDIR for every snapshot from now on
         failed = c.post(f"/streams/{sid}/events", json={"label": "failed"}).json()

@@ -96,3 +96,42 @@ async def test_a_file_deleted_while_it_is_served_is_served_whole_or_404_before_i
     await late(scope, receive, send)
     assert sent[0]["status"] == 404
     assert json.loads(sent[1]["body"]) == {"detail": "no clip 7: gone"}
+
+
+def test_a_range_set_is_served_for_what_it_can_and_a_client_s_copy_is_not_sent_again(
+    tmp_path: Path,
+) -> None:
+    """A set with a range past the end was 416 whole (RFC 9110: satisfiable if any range in
+    it is); If-None-Match and If-Modified-Since were ignored, the whole clip sent again."""
+    data = bytes(range(256)) * 4
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    app = FastAPI()
+
+    @app.get("/clip.mp4")
+    async def clip() -> RangedFile:
+        return RangedFile(path, media_type="video/mp4")
+
+    with TestClient(app) as c:
+        part = c.get("/clip.mp4", headers={"Range": "bytes=0-9, 99999999-"})
+        assert (part.status_code, part.content) == (206, data[:10])
+        assert part.headers["content-range"] == f"bytes 0-9/{len(data)}"
+        assert c.get("/clip.mp4", headers={"Range": "bytes=5000-,6000-"}).status_code == 416
+        whole = c.get("/clip.mp4")
+        etag, modified = whole.headers["etag"], whole.headers["last-modified"]
+        for asked in (
+            {"If-None-Match": etag},
+            {"If-None-Match": f'"x", W/{etag}'},
+            {"If-None-Match": "*"},
+            {"If-Modified-Since": modified},
+        ):
+            same = c.get("/clip.mp4", headers=asked)
+            assert (same.status_code, same.content) == (304, b""), asked
+            assert same.headers["etag"] == etag
+        for asked in (
+            {"If-None-Match": '"other"'},
+            {"If-Modified-Since": "Mon, 01 Jan 2001 00:00:00 GMT"},
+            {"If-Modified-Since": "yesterday"},
+        ):
+            again = c.get("/clip.mp4", headers=asked)
+            assert (again.status_code, again.content) == (200, data), asked

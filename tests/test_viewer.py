@@ -197,7 +197,12 @@ def test_playground_draws_boxes_for_bus(
         ).json()["detections"]
     pg.goto(server.base_url + "/")
     expect(pg.locator("#server-status")).to_have_text("connected")
-    pg.set_input_files("#pick", bus)
+    # From the keyboard: the drop zone, reached with Tab, opens the picker with Enter (its
+    # input is hidden: the playground was mouse-only).
+    pg.locator("#drop-zone").focus()
+    with pg.expect_file_chooser() as chooser:
+        pg.keyboard.press("Enter")
+    chooser.value.set_files(bus)
     wait_for_playground(pg)
     expect(pg.locator("#pg-list li")).to_have_count(len(expected))
     drawn = pg.evaluate("() => window.streamdet.drawn['pg-canvas'].shapes")

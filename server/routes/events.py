@@ -162,9 +162,7 @@ async def wanted_events(
     start, end = unix_s(since), unix_s(until)
     if start is not None and end is not None and end <= start:
         raise HTTPException(422, "until: must be after since")
-    clips_from, clips_lost = 0, frozenset[int]()
-    if manager.clips is not None:
-        clips_from, clips_lost = await manager.clips.presence(manager.events.last_id + 1)
+    clips_present = None if manager.clips is None else await manager.clips.presence()
     return EventFilter(
         streams=streams,
         types=parse_types(event_type),
@@ -177,8 +175,7 @@ async def wanted_events(
         has_snapshot=has_snapshot,
         snapshots_from=snapshots.kept_from() if (snapshots := get_state(request).snapshots) else 0,
         snapshots_lost=snapshots.lost() if snapshots else frozenset(),
-        clips_from=clips_from,
-        clips_lost=clips_lost,
+        clips_present=clips_present,
     )
 
 
@@ -361,6 +358,8 @@ async def _event_stream(
         await log.wait(cursor, sent_at + HEARTBEAT_S - now)
 
 
+# HEAD too, as clips have (it was 405): a client may ask whether one is there first.
+@router.head("/events/{event_id}/snapshot.jpg", include_in_schema=False)
 @router.get(
     "/events/{event_id}/snapshot.jpg",
     response_class=Response,
@@ -372,6 +371,7 @@ async def event_snapshot(event_id: int, request: Request) -> Response:
     return await _picture(request, event_id, thumbnail=False)
 
 
+@router.head("/events/{event_id}/thumbnail.jpg", include_in_schema=False)
 @router.get(
     "/events/{event_id}/thumbnail.jpg",
     response_class=Response,

@@ -1297,6 +1297,16 @@ function setUpPlayground() {
     const [file] = event.target.files;
     if (file) runPlayground(file);
   });
+  // The drop zone takes the keyboard's focus: Enter or Space opens the file picker (its input
+  // is hidden, so the Tab order never reached it, and the playground was mouse-only).
+  zone.setAttribute("role", "button");
+  zone.setAttribute("aria-label", "pick an image to detect on, or drop one here");
+  zone.addEventListener("keydown", (event) => {
+    if (event.target === zone && (event.key === "Enter" || event.key === " ")) {
+      event.preventDefault();
+      $("#pick").click();
+    }
+  });
   zone.addEventListener("dragover", (event) => {
     event.preventDefault();
     zone.classList.add("over");
