@@ -41,10 +41,8 @@ def test_usable_ranges(value: str, usable: bool) -> None:
     assert usable_range(value) is usable
 
 
-def test_a_range_the_server_cannot_use_gets_the_whole_file(tmp_path: Path) -> None:
-    """``items=0-1``, ``bytes=abc`` and ``bytes=50-10`` answered 400; RFC 9110 asks for the
-    whole file. A usable range is still 206, one past the end 416."""
-    data = bytes(range(256)) * 4
+def _clip_client(tmp_path: Path, data: bytes) -> TestClient:
+    """A client of an app serving ``data`` as ``/clip.mp4``."""
     path = tmp_path / "clip.mp4"
     path.write_bytes(data)
     app = FastAPI()
@@ -53,7 +51,14 @@ def test_a_range_the_server_cannot_use_gets_the_whole_file(tmp_path: Path) -> No
     async def clip() -> RangedFile:
         return RangedFile(path, media_type="video/mp4")
 
-    with TestClient(app) as c:
+    return TestClient(app)
+
+
+def test_a_range_the_server_cannot_use_gets_the_whole_file(tmp_path: Path) -> None:
+    """``items=0-1``, ``bytes=abc`` and ``bytes=50-10`` answered 400; RFC 9110 asks for the
+    whole file. A usable range is still 206, one past the end 416."""
+    data = bytes(range(256)) * 4
+    with _clip_client(tmp_path, data) as c:
         for ignored in ("items=0-1", "bytes=abc", "bytes=50-10"):
             whole = c.get("/clip.mp4", headers={"Range": ignored})
             assert (whole.status_code, whole.content) == (200, data), ignored
@@ -104,15 +109,7 @@ def test_a_range_set_is_served_for_what_it_can_and_a_client_s_copy_is_not_sent_a
     """A set with a range past the end was 416 whole (RFC 9110: satisfiable if any range in
     it is); If-None-Match and If-Modified-Since were ignored, the whole clip sent again."""
     data = bytes(range(256)) * 4
-    path = tmp_path / "clip.mp4"
-    path.write_bytes(data)
-    app = FastAPI()
-
-    @app.get("/clip.mp4")
-    async def clip() -> RangedFile:
-        return RangedFile(path, media_type="video/mp4")
-
-    with TestClient(app) as c:
+    with _clip_client(tmp_path, data) as c:
         part = c.get("/clip.mp4", headers={"Range": "bytes=0-9, 99999999-"})
         assert (part.status_code, part.content) == (206, data[:10])
         assert part.headers["content-range"] == f"bytes 0-9/{len(data)}"
