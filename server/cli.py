@@ -329,8 +329,12 @@ def _serve(settings: Settings) -> int:
         return 2
     # The port bound before the model loads (and the cameras open): taken, it fails at once;
     # free, it answers the probes while the model loads (server/loading.py).
+    if not settings.host:  # an empty one binds every address
+        return _cannot_listen(settings, "port", True, "no host given")
     try:
         listener = bind_listener(settings.host, settings.port)
+    except socket.gaierror as exc:
+        return _cannot_listen(settings, "port", True, f"cannot resolve the host: {exc}")
     except OSError as exc:
         why = f"cannot listen there: {exc.strerror or exc}"
         return _cannot_listen(settings, "port", exc.errno in HOST_ERRNOS, why)

@@ -684,8 +684,9 @@ class ClipIndex:
         return clip_id in self._writing
 
     async def presence(self) -> frozenset[int]:
-        """The clips still to be had: on disk, or being written. An event still names a clip
-        that went (pruned, deleted, failed): it answered 404, and ``has_clip`` passed it."""
+        """The clips still to be had: on disk, or being written (and those of events logged
+        since: see :class:`streams.events.EventFilter`). An event still names a clip that
+        went (pruned, deleted, failed): it answered 404, and ``has_clip`` passed it."""
         on_disk = await asyncio.to_thread(_clip_ids, self.options.directory)
         return frozenset(on_disk) | frozenset(self._writing)
 

@@ -95,6 +95,8 @@ class EventFilter:
         has_snapshot: whether the event has a snapshot.
         snapshots_from: events below this id lost their snapshots (deleted since).
         clips_present: the clips to be had (on disk, or being written); None: any named.
+        clips_new_from: clips from this id on are of events logged after ``clips_present``
+            was read (a long poll's, say): to be had.
     """
 
     streams: frozenset[str] | None = None
@@ -110,6 +112,7 @@ class EventFilter:
     snapshots_lost: frozenset[int] = frozenset()
     """Events above ``snapshots_from`` whose snapshot could not be written (a full disk)."""
     clips_present: frozenset[int] | None = None
+    clips_new_from: int = 0
 
     def matches(self, event: dict[str, Any]) -> bool:
         """Whether ``event`` (as logged) passes every criterion given."""
@@ -146,7 +149,8 @@ def has_clip(event: dict[str, Any], wanted: EventFilter) -> bool:
         clip_id = int(path.rsplit("/", 1)[-1].removesuffix(".mp4"))
     except ValueError:
         return True
-    return wanted.clips_present is None or clip_id in wanted.clips_present
+    present = wanted.clips_present
+    return present is None or clip_id in present or clip_id >= wanted.clips_new_from
 
 
 def has_snapshot(event: dict[str, Any], wanted: EventFilter) -> bool:

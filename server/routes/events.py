@@ -162,6 +162,7 @@ async def wanted_events(
     start, end = unix_s(since), unix_s(until)
     if start is not None and end is not None and end <= start:
         raise HTTPException(422, "until: must be after since")
+    clips_new_from = manager.events.last_id + 1  # events logged from now on: their clips are
     clips_present = None if manager.clips is None else await manager.clips.presence()
     return EventFilter(
         streams=streams,
@@ -176,6 +177,7 @@ async def wanted_events(
         snapshots_from=snapshots.kept_from() if (snapshots := get_state(request).snapshots) else 0,
         snapshots_lost=snapshots.lost() if snapshots else frozenset(),
         clips_present=clips_present,
+        clips_new_from=clips_new_from,
     )
 
 
