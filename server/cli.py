@@ -341,9 +341,7 @@ def _serve(settings: Settings) -> int:
     if settings.grpc_port and (taken := port_taken(settings.host, settings.grpc_port)):
         listener.close()
         return _cannot_listen(settings, "grpc-port", *taken)
-    loading = LoadingResponder(
-        listener, settings.root_path, ApiKeys(settings.api_keys, settings.api_keys_readonly)
-    )
+    loading = LoadingResponder(listener, ApiKeys(settings.api_keys, settings.api_keys_readonly))
     loading.start()
     try:
         pool = build_pool(settings)

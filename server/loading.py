@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from server.auth import Access, ApiKeys
 
@@ -53,7 +53,6 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
-    root_path = ""
     keys = ApiKeys()
 
 
@@ -78,28 +77,27 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, body: dict[str, str], retry: bool = False) -> None:
         self._answer(status, json.dumps(body).encode(), "application/json", retry)
 
-    def _allowed(self, query: str) -> bool:
-        """Whether the request may read ``/metrics`` (any key, where keys are set)."""
+    def _allowed(self) -> bool:
+        """Whether the request may read ``/metrics``: any key, where keys are set, sent as
+        the app takes it there (a bearer token; not ``access_token``, which it refuses)."""
         keys = self.server.keys
         if not keys.enabled:
             return True
         scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            token = (parse_qs(query).get("access_token") or [""])[0]
-        return bool(token) and keys.check(token.strip()) is not Access.NONE
+        return scheme.lower() == "bearer" and keys.check(token.strip()) is not Access.NONE
 
     def do_GET(self) -> None:
-        parts = urlsplit(self.path)
-        path = parts.path
-        root = self.server.root_path
-        if root and (path == root or path.startswith(root + "/")):
-            path = path[len(root) :] or "/"
+        # Paths as the app takes them: a proxy strips --root-path (the app answers 404
+        # under it), so nor are they answered under it here.
+        path = urlsplit(self.path).path
         if path == "/healthz":
             self._json(200, {"status": "ok", "model": "loading"})
+        elif path == "/v2/health/live":  # KServe's liveness: as the app, an empty 200
+            self._answer(200, b"", "text/plain")
         elif path == "/readyz":
             self._json(503, {"status": "not ready", "detail": LOADING}, retry=True)
         elif path == "/metrics" and self.command in ("GET", "HEAD"):
-            if not self._allowed(parts.query):
+            if not self._allowed():
                 self._json(401, {"detail": "missing or unknown API key"})
                 return
             text = (
@@ -118,15 +116,13 @@ class LoadingResponder:
 
     Args:
         sock: the listening socket uvicorn serves on once the model is ready.
-        root_path: ``--root-path``: the probes are answered under it too.
         keys: the API keys: ``/metrics`` needs one where any is set.
     """
 
-    def __init__(self, sock: socket.socket, root_path: str = "", keys: ApiKeys | None = None):
+    def __init__(self, sock: socket.socket, keys: ApiKeys | None = None):
         server = _Server(sock.getsockname()[:2], _Handler, bind_and_activate=False)
         server.socket.close()  # its own, unbound: the listening one serves instead
         server.socket = sock
-        server.root_path = root_path.rstrip("/")
         server.keys = keys or ApiKeys()
         self._server = server
         self._thread = threading.Thread(

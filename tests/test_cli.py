@@ -664,7 +664,8 @@ def test_the_port_answers_the_probes_while_the_model_loads(
             for path in ("/healthz", "/readyz", "/metrics", "/model"):
                 seen[path] = c.get(path)
             seen["POST /detect"] = c.post("/detect", content=b"x")
-            seen["/base/readyz"] = c.get("/base/readyz")
+            seen["/v2/health/live"] = c.get("/v2/health/live")
+            seen["token /metrics"] = c.get("/metrics", params={"access_token": "k1"})
             seen["keyed /metrics"] = c.get("/metrics", headers={"Authorization": "Bearer k1"})
         raise EngineError("the test's: no model")
 
@@ -684,11 +685,13 @@ def test_the_port_answers_the_probes_while_the_model_loads(
         sys.setswitchinterval(before)
     assert seen["/healthz"].status_code == 200
     assert seen["/healthz"].json() == {"status": "ok", "model": "loading"}
-    for path in ("/readyz", "/model", "POST /detect", "/base/readyz"):
+    assert seen["/v2/health/live"].status_code == 200  # KServe's liveness, as the app's
+    for path in ("/readyz", "/model", "POST /detect"):
         answer = seen[path]
         assert answer.status_code == 503 and answer.headers["Retry-After"] == "5", path
         assert "the model is loading" in answer.json()["detail"], path
     assert seen["/metrics"].status_code == 401  # keys set: a key to read it
+    assert seen["token /metrics"].status_code == 401  # as a bearer token, as the app takes it
     assert seen["keyed /metrics"].status_code == 200
     assert "streamdet_ready 0.0" in seen["keyed /metrics"].text
     with socket.socket() as again:  # let go: free for the next server (as uvicorn binds)

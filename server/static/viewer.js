@@ -747,6 +747,9 @@ class Tile {
     ws.binaryType = "blob";
     this.ws = ws;
     this.meta = null;
+    // A new connection sends no frame from before it, and after a server restart frame
+    // numbers start again from 0: the tile stayed blank until they passed the old ones.
+    this.blankFrame = 0;
     ws.onopen = () => {
       this.backoffMs = RECONNECT_MIN_MS;
       this.connError = null;
