@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 BACKLOG = 2048
 """uvicorn's own (``--backlog``): connections waiting to be accepted."""
 RETRY_S = 5
+DRAINED_BYTES = 64 * 1024 * 1024
 LOADING = "the model is loading: GET /readyz answers 200 once it is ready"
 
 
@@ -59,11 +60,23 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.0"  # one request a connection: none is left open at handover
+    timeout = 10.0  # a client that sends nothing holds a thread no longer
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("while loading: " + format, *args)
 
+    def _drain(self) -> None:
+        """Read the request's body (up to :data:`DRAINED_BYTES`) before answering: a socket
+        closed with a body unread is reset, and the client sees no answer, not the 503."""
+        try:
+            left = min(int(self.headers.get("Content-Length") or 0), DRAINED_BYTES)
+            while left > 0 and (chunk := self.rfile.read(min(left, 65536))):
+                left -= len(chunk)
+        except (ValueError, OSError):
+            pass
+
     def _answer(self, status: int, body: bytes, media_type: str, retry: bool = False) -> None:
+        self._drain()
         self.send_response(status)
         self.send_header("Content-Type", media_type)
         self.send_header("Content-Length", str(len(body)))

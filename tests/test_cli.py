@@ -663,7 +663,7 @@ def test_the_port_answers_the_probes_while_the_model_loads(
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
             for path in ("/healthz", "/readyz", "/metrics", "/model"):
                 seen[path] = c.get(path)
-            seen["POST /detect"] = c.post("/detect", content=b"x")
+            seen["POST /detect"] = c.post("/detect", content=b"x" * 4_000_000)  # a body, read
             seen["/v2/health/live"] = c.get("/v2/health/live")
             seen["token /metrics"] = c.get("/metrics", params={"access_token": "k1"})
             seen["keyed /metrics"] = c.get("/metrics", headers={"Authorization": "Bearer k1"})
