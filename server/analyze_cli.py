@@ -9,6 +9,7 @@ video. The counts go to stdout as JSON, progress to stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 
-from engines.types import EngineError
+from engines.types import EngineError, class_name
 from server.settings import Settings
 from streams.detect import StreamDetect
 
@@ -175,7 +176,7 @@ def _run(
                 ),
                 pool.submit_background,
                 out,
-                lambda class_id: names.get(class_id, str(class_id)),
+                functools.partial(class_name, names),
                 inflight=settings.job_inflight or pool.workers * pool.max_batch,
                 cancel=threading.Event(),
                 interrupt=threading.Event(),

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.batching import WorkItem
+from engines.types import class_name
 from server.job_video import VIDEO_FILE, AnnotatedVideo
 from server.routes.paths import link_base
 from server.webhooks import http_client, label, post_json
@@ -516,7 +517,7 @@ class JobManager:
                     spec,
                     self._submit,
                     self.directory_of(job.id),
-                    lambda class_id: self._names.get(class_id, str(class_id)),
+                    functools.partial(class_name, self._names),
                     inflight=self._inflight,
                     cancel=job.cancel,
                     interrupt=self._interrupt,

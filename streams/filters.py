@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.types import Detections, class_ids
+from engines.types import Detections, class_ids, class_name
 
 MAX_FILTERS = 80
 FIELDS = ("min_conf", "min_area", "max_area", "min_ratio", "max_ratio")
@@ -94,7 +94,7 @@ class ObjectFilters:
         return cls(tuple(sorted(found.items())))
 
     def to_json(self, names: Mapping[int, str]) -> dict[str, dict[str, float]]:
-        return {names.get(c, str(c)): f.to_json() for c, f in self.by_class}
+        return {class_name(names, c): f.to_json() for c, f in self.by_class}
 
     def lowest_conf(self) -> float | None:
         """The lowest class confidence given, if any (the engine must run at most at it)."""
