@@ -532,6 +532,9 @@ def decode_sweep_processes(clips: list[Path], args: argparse.Namespace) -> dict[
     }
 
 
+PYTHON_SWITCH_S = 0.005  # the interpreter's default GIL switch interval
+
+
 def saturate_by_switch_interval(
     pool: EnginePool, clips: list[Path], args: argparse.Namespace
 ) -> tuple[StreamStats, BusySampler, dict[str, Any]]:
@@ -544,7 +547,8 @@ def saturate_by_switch_interval(
     (``python -m benchmarks.gil_bench``). The faster setting stays for the paced run; both
     figures are recorded.
     """
-    default_s = sys.getswitchinterval()
+    default_s = PYTHON_SWITCH_S  # set, not read: code run before here may have changed it
+    sys.setswitchinterval(default_s)
     sat, busy = saturate(pool, clips, args, args.decode)
     by_ms = {f"{default_s * 1000:g}": round(sat.done / args.seconds, 1)}
     sys.setswitchinterval(args.short_switch_ms / 1000)

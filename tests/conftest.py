@@ -3,6 +3,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,3 +109,13 @@ def pool(model_info: ModelInfo) -> Iterator[EnginePool]:
     p = start_ort_pool(model_info, max_wait_ms=5)
     yield p
     p.stop(5)
+
+
+@pytest.fixture(autouse=True)
+def _gil_switch_interval() -> Iterator[None]:
+    """Each test starts at the interpreter's GIL switch interval as the one before found it:
+    the server's and the benchmarks' code run here sets it (``--gil-switch-ms``), and which tests
+    ran before in this process (one of the parallel workers) must not change what a test sees."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
