@@ -58,6 +58,7 @@ from starlette.websockets import WebSocket
 
 from server.request_ids import request_id
 from server.routes.paths import app_path, is_v2_path
+from streams.fanout import close_reason
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +332,7 @@ async def websocket_allowed(websocket: WebSocket) -> bool:
     if failure is None:
         return True
     log.info("websocket %s refused: %s", sent_path(websocket.scope), failure.detail)
-    await websocket.close(code=WS_POLICY_VIOLATION, reason=failure.detail[:120])
+    await websocket.close(code=WS_POLICY_VIOLATION, reason=close_reason(failure.detail))
     return False
 
 
@@ -492,7 +493,7 @@ class ApiKeyMiddleware:
                 {
                     "type": "websocket.close",
                     "code": WS_POLICY_VIOLATION,
-                    "reason": failure.detail[:120],
+                    "reason": close_reason(failure.detail),
                 }
             )
 

@@ -18,10 +18,11 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from server.auth import Access, ApiKeys
+from server.auth import Access, ApiKeys, AuthFailure
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,14 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, OSError):
             pass
 
-    def _answer(self, status: int, body: bytes, media_type: str, retry: bool = False) -> None:
+    def _answer(
+        self,
+        status: int,
+        body: bytes,
+        media_type: str,
+        retry: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self._drain()
         self.send_response(status)
         self.send_header("Content-Type", media_type)
@@ -83,6 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         if retry:
             self.send_header("Retry-After", str(RETRY_S))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
@@ -90,14 +100,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, body: dict[str, str], retry: bool = False) -> None:
         self._answer(status, json.dumps(body).encode(), "application/json", retry)
 
-    def _allowed(self) -> bool:
-        """Whether the request may read ``/metrics``: any key, where keys are set, sent as
-        the app takes it there (a bearer token; not ``access_token``, which it refuses)."""
+    def _refused(self) -> AuthFailure | None:
+        """Why the request may not read ``/metrics``, or None: any key may, where keys are set,
+        sent as the app takes it there (a bearer token; not ``access_token``, which it
+        refuses)."""
         keys = self.server.keys
         if not keys.enabled:
-            return True
+            return None
         scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-        return scheme.lower() == "bearer" and keys.check(token.strip()) is not Access.NONE
+        if scheme.lower() == "bearer" and keys.check(token.strip()) is not Access.NONE:
+            return None
+        return AuthFailure(401, "missing or unknown API key", presented=bool(token.strip()))
 
     def do_GET(self) -> None:
         # Paths as the app takes them: a proxy strips --root-path (the app answers 404
@@ -110,8 +123,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/readyz":
             self._json(503, {"status": "not ready", "detail": LOADING}, retry=True)
         elif path == "/metrics" and self.command in ("GET", "HEAD"):
-            if not self._allowed():
-                self._json(401, {"detail": "missing or unknown API key"})
+            if (refused := self._refused()) is not None:  # WWW-Authenticate as the app's
+                body = json.dumps({"detail": refused.detail}).encode()
+                self._answer(401, body, "application/json", headers=refused.headers)
                 return
             text = (
                 "# HELP streamdet_ready 1 once the model is loaded and warmed, else 0\n"

@@ -22,6 +22,16 @@ from streams.track import STATIONARY_S
 
 WS_NORMAL = 1000
 WS_GOING_AWAY = 1001
+CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is at most 125 bytes, 2 the code
+
+
+def close_reason(text: str) -> str:
+    """``text`` cut to what a WebSocket close frame holds, in UTF-8 bytes and whole characters
+    (an id of 64 "é" in a reason cut by characters made the close frame too long: no close
+    code reached the viewer, and a traceback was logged)."""
+    return text.encode()[:CLOSE_REASON_BYTES].decode(errors="ignore")
+
+
 STATES_OPTION = "states"
 MAX_CARRIED = 1024
 """Events kept for a viewer that is not reading; the oldest go beyond this (a viewer that far
@@ -218,7 +228,7 @@ class Subscriber:
         """End the subscription; the reader gets :class:`Closed` after nothing else."""
         if self.closed is not None:
             return
-        self.closed = Closed(code, reason)
+        self.closed = Closed(code, close_reason(reason))
         while not self._queue.empty():  # a closing viewer needs no backlog, but its events
             old = self._queue.get_nowait()
             if isinstance(old, ProcessedFrame):

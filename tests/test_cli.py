@@ -691,6 +691,8 @@ def test_the_port_answers_the_probes_while_the_model_loads(
         assert answer.status_code == 503 and answer.headers["Retry-After"] == "5", path
         assert "the model is loading" in answer.json()["detail"], path
     assert seen["/metrics"].status_code == 401  # keys set: a key to read it
+    # the challenge as the app's (RFC 6750: no error code where no key came)
+    assert seen["/metrics"].headers["WWW-Authenticate"] == 'Bearer realm="streamdet"'
     assert seen["token /metrics"].status_code == 401  # as a bearer token, as the app takes it
     assert seen["keyed /metrics"].status_code == 200
     assert "streamdet_ready 0.0" in seen["keyed /metrics"].text

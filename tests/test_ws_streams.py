@@ -133,6 +133,9 @@ async def test_control_api_and_websocket(
         assert one["state"] == "live" and one["frames_processed"] > 0 and one["name"] == "car"
 
         assert await close_code(f"{server.ws_url}/ws/streams/nope") == 4404
+        # Reasons cut to a close frame's 123 bytes, not characters: no close code came, and
+        # a traceback was logged.
+        assert await close_code(f"{server.ws_url}/ws/streams/{'%C3%A9' * 100}") == 4404
         assert (await client.get(f"{base}/streams/nope")).status_code == 404
 
         # ?states=true: told why the frames stop (disabled here, a camera lost alike) and that
@@ -169,6 +172,7 @@ async def test_control_api_and_websocket(
                 assert "detections" in json.loads(await asyncio.wait_for(plain.recv(), 30))
         assert await close_code(f"{stream_ws}?states=maybe") == 4400
         assert await close_code(f"{stream_ws}?max_fsp=1") == 4400  # every frame, was sent
+        assert await close_code(f"{stream_ws}?{'%F0%9F%98%80' * 60}=1") == 4400
         assert await close_code(f"{stream_ws}?max_fps=1&max_fps=2") == 4400  # one kept
         repeated = "&".join(["access_token=a"] * 17)  # counted once: over 16 all the same
         assert await close_code(f"{stream_ws}?{repeated}") == 4400

@@ -37,6 +37,7 @@ from streams.fanout import (
     ProcessedFrame,
     StateMessage,
     Subscriber,
+    close_reason,
     wants_states,
 )
 
@@ -70,13 +71,12 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
         pace = jpeg or Pace.of_json(options)
         wants_states(options)
     except ValueError as exc:
-        await websocket.close(WS_BAD_OPTION, str(exc)[:120])
+        await websocket.close(WS_BAD_OPTION, close_reason(str(exc)))
         return
     sub = manager.subscribe(stream_id, options)
     if sub is None:
-        await websocket.close(
-            WS_UNKNOWN_STREAM, f"unknown stream id {stream_id[:64]!r}; see GET /streams"
-        )
+        why = f"unknown stream id {stream_id[:64]!r}; see GET /streams"
+        await websocket.close(WS_UNKNOWN_STREAM, close_reason(why))
         return
     log.info("stream %s: viewer connected (%s)", stream_id, websocket.client)
     timeout_s = state.settings.ws_send_timeout_s
