@@ -52,7 +52,8 @@ from urllib.parse import unquote_plus, urlsplit
 
 from starlette.datastructures import Headers, QueryParams
 from starlette.requests import HTTPConnection
-from starlette.routing import Match, Router
+from starlette.routing import BaseRoute, Match, Mount, Router
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
@@ -258,6 +259,8 @@ def route_of(scope: Scope) -> tuple[Routed, str]:
     partial = False
     for candidate in router.routes:
         match, _ = candidate.matches(scope)
+        if match is Match.FULL and _static_refuses(candidate, scope):
+            return Routed.NONE, path  # a mount matches every method; its files answer 405
         if match is Match.FULL:
             return Routed.HANDLER, path
         partial = partial or match is Match.PARTIAL
@@ -267,6 +270,16 @@ def route_of(scope: Scope) -> tuple[Routed, str]:
         if any(c.matches(redirect)[0] is not Match.NONE for c in router.routes):
             return Routed.REDIRECT, twin
     return Routed.NONE, path
+
+
+def _static_refuses(route: BaseRoute, scope: Scope) -> bool:
+    """Whether ``route`` is a mount of static files (the viewer's) and the request a method
+    they answer ``405``: nothing is written, so a read-only key gets the ``405`` too."""
+    return (
+        isinstance(route, Mount)
+        and isinstance(route.app, StaticFiles)
+        and scope.get("method") not in ("GET", "HEAD")
+    )
 
 
 def _opened_without_headers(path: str) -> bool:

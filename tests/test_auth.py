@@ -114,6 +114,8 @@ def raw_request(
         ("POST", "//v2/models/yolov8n/infer"),  # no such route: 404 for every key
         ("POST", "//detect"),
         ("GET", "//v2/models/yolov8n"),
+        ("POST", "/static/viewer.js"),  # the viewer's files: 405 (a mount matches any method)
+        ("DELETE", "/static/nothing"),
     ],
 )
 def test_a_read_only_key_gets_what_a_full_key_gets_where_no_handler_writes(
