@@ -29,11 +29,14 @@ def check_name(name: str, what: str) -> None:
 def unprintable(char: str) -> bool:
     """Whether ``char`` is a control character (U+0000, a tab...), half of a surrogate pair
     or a noncharacter (U+FFFE...): MQTT refuses each in a topic (a zone's name is a topic
-    level), and a lone surrogate cannot be written as UTF-8 at all."""
+    level), and a lone surrogate cannot be written as UTF-8 at all. Unicode's line and
+    paragraph separators (U+2028, U+2029) too: ``str.splitlines`` and log viewers break lines
+    there, so a name holding one wrote a log line of the caller's own."""
     code = ord(char)
     return (
         code < 0x20
         or 0x7F <= code <= 0x9F
+        or code in (0x2028, 0x2029)
         or 0xD800 <= code <= 0xDFFF
         or 0xFDD0 <= code <= 0xFDEF
         or (code & 0xFFFE) == 0xFFFE
@@ -47,8 +50,8 @@ def check_text(name: str, what: str) -> None:
     bad = next((c for c in name if unprintable(c)), None)
     if bad is not None:
         raise ValueError(
-            f"{what}: name {name!r} holds {bad!r}: control characters and lone surrogates"
-            " are not allowed in a name"
+            f"{what}: name {name!r} holds {bad!r}: control characters, line separators and"
+            " lone surrogates are not allowed in a name"
         )
 
 
