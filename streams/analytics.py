@@ -50,6 +50,14 @@ class Analysed:
     stationary_s: float = STATIONARY_S
 
 
+def _shape_names(detect: StreamDetect) -> tuple[frozenset[str], frozenset[str]]:
+    """The names of ``detect``'s lines and of its zones."""
+    return (
+        frozenset(line.name for line in detect.lines),
+        frozenset(zone.name for zone in detect.zones),
+    )
+
+
 class StreamAnalytics:
     """A stream's tracker, line and zone counters, and everything they counted."""
 
@@ -106,28 +114,15 @@ class StreamAnalytics:
         if detect.zones:
             zoned = self._zones.update(detections, detect.zones, live, t, frame)
             members, dwell, zone_events = zoned.members, zoned.dwell, zoned.events
-        else:
-            self._zones.clear()
+        else:  # the last zone removed: the objects in it leave it (their entries unpaired)
+            zone_events = self._zones.end(frame)
         name = detections.name_of
         names = [name(c) for c in detections.class_ids.tolist()]
         if detect is not self._shaped_by:  # the same settings object frame after frame
-            self._shaped_by = detect
-            self._shapes_now = (
-                frozenset(line.name for line in detect.lines),
-                frozenset(zone.name for zone in detect.zones),
-            )
+            self._shaped_by, self._shapes_now = detect, _shape_names(detect)
         shapes = self._shapes_now
         with self._lock:
-            if shapes != self._shapes:
-                # A line or zone removed (or renamed) takes its counts with it: they stay
-                # bounded, and so do the metric series built from them.
-                self._shapes = shapes
-                self._crossings = Counter(
-                    {k: n for k, n in self._crossings.items() if k[0] in shapes[0]}
-                )
-                self._zone_moves = Counter(
-                    {k: n for k, n in self._zone_moves.items() if k[0] in shapes[1]}
-                )
+            self._prune(shapes)
             # Counted by hand: Counter.update's type checks cost more than a frame's few boxes.
             objects: dict[str, int] = {}
             for n in names:
@@ -155,7 +150,9 @@ class StreamAnalytics:
                     zone: {name(c): n for c, n in counts.items()}
                     for zone, counts in zoned.occupancy.items()
                 }
-                self._zone_moves.update((e.zone, e.kind, name(e.class_id)) for e in zone_events)
+                self._zone_moves.update(  # not a removed zone's (its objects' last exits)
+                    (e.zone, e.kind, name(e.class_id)) for e in zone_events if e.zone in shapes[1]
+                )
             else:
                 self._zone_now = {}
         if crossings or zone_events:  # where each object was goes with its events
@@ -170,6 +167,25 @@ class StreamAnalytics:
             still,
             detect.stationary_after_s,
         )
+
+    def reshape(self, detect: StreamDetect) -> None:
+        """The counts of lines and zones ``detect`` no longer has go at once: a stream that is
+        not running (ended, disabled) has no next frame to drop them, and kept them (and
+        their metric series) until it ran again."""
+        shapes = _shape_names(detect)  # not the cache: the event loop calls this
+        with self._lock:
+            self._prune(shapes)
+
+    def _prune(self, shapes: tuple[frozenset[str], frozenset[str]]) -> None:
+        """Under the lock: a line or zone removed (or renamed) takes its counts with it, so
+        they stay bounded, and so do the metric series built from them."""
+        if shapes == self._shapes:
+            return
+        self._shapes = shapes
+        lines, zones = shapes
+        self._crossings = Counter({k: n for k, n in self._crossings.items() if k[0] in lines})
+        self._zone_moves = Counter({k: n for k, n in self._zone_moves.items() if k[0] in zones})
+        self._zone_now = {k: now for k, now in self._zone_now.items() if k in zones}
 
     def end(self, frame: int, name_of: Callable[[int], str]) -> list[ZoneEvent]:
         """The objects still in zones leave them, ``lost``, at ``frame`` (the last): a video

@@ -74,11 +74,18 @@ class ObjectFilters:
         if len(raw) > MAX_FILTERS:
             raise ValueError(f"filters: at most {MAX_FILTERS} classes")
         found: dict[int, ObjectFilter] = {}
+        keys: dict[int, str] = {}
         for key, bounds in raw.items():
             try:
                 (class_id,) = class_ids([key], names)
             except ValueError as exc:
                 raise ValueError(f"filters: {exc}") from None
+            if class_id in keys:  # by id and by name: the one given last was kept, unsaid
+                raise ValueError(
+                    f"filters: {keys[class_id]!r} and {key!r} are the same class"
+                    f" ({class_name(names, class_id)}); give its bounds once"
+                )
+            keys[class_id] = key
             if not isinstance(bounds, Mapping):
                 raise ValueError(f"filters: {key!r}: an object of bounds, not {bounds!r}")
             unknown = set(bounds) - set(FIELDS)

@@ -180,20 +180,23 @@ class LineCounter:
             return []
         tall = heights(detections).tolist()
         crossings: list[Crossing] = []
-        seen: set[int] = set()
+        boxes: dict[int, list[int]] = {}  # a second class on the same object: one object
         for i, track_id in enumerate(ids.tolist()):
-            if track_id in seen:
-                continue  # a second class on the same object: one crossing
-            seen.add(track_id)
-            point = (xs[i], ys[i])
-            class_id = int(detections.class_ids[i])
-            band = BAND * tall[i]
+            boxes.setdefault(track_id, []).append(i)
+        names = [detections.name_of(c) for c in detections.class_ids.tolist()]
+        for track_id, rows in boxes.items():
             for line in lines:
-                if line.classes and detections.name_of(class_id) not in line.classes:
-                    # Called another class this frame: on neither side (as zones count it),
-                    # so a car the model calls a cell phone as it crosses is counted when it
-                    # is a car again beyond the line (its side was taken and the crossing lost).
+                # Its first box of a class the line counts (a car also called a cell phone,
+                # listed first, is a car in this frame: its crossing came a frame late). Of
+                # none: on neither side (as zones count it), so a car the model calls a cell
+                # phone as it crosses is counted when it is a car again beyond the line (its
+                # side was taken and the crossing lost).
+                i = next((r for r in rows if not line.classes or names[r] in line.classes), -1)
+                if i < 0:
                     continue
+                point = (xs[i], ys[i])
+                class_id = int(detections.class_ids[i])
+                band = BAND * tall[i]
                 distance = line.distance(point)
                 key = (track_id, line.name)
                 before = self._sides.get(key)
@@ -209,6 +212,6 @@ class LineCounter:
                 if direction is not None:
                     crossings.append(Crossing(line.name, direction, track_id, class_id, frame))
         alive = set(live)
-        names = {line.name for line in lines}
-        self._sides = {k: v for k, v in self._sides.items() if k[0] in alive and k[1] in names}
+        kept = {line.name for line in lines}
+        self._sides = {k: v for k, v in self._sides.items() if k[0] in alive and k[1] in kept}
         return crossings

@@ -400,7 +400,7 @@ class StreamManager:
         self._records[stream_id] = record
         reader.max_fps = record.max_fps
         if detect is not None:
-            reader.detect = detect
+            reader.set_detect(detect)
         # Switched on where it is on but failed (gave up reconnecting, a file that was no
         # video): tried again, as switching it off and on did (it stayed failed).
         revive = changes.get("enabled") is True and reader.state is StreamState.FAILED
@@ -474,7 +474,8 @@ class StreamManager:
         # streams file applied again) is tried again; it stayed failed.
         failed = record.enabled and reader.state is StreamState.FAILED
         if same and not failed and stream_id not in self._bad_detect:
-            reader.max_fps, reader.detect = record.max_fps, detect
+            reader.max_fps = record.max_fps
+            reader.set_detect(detect)
             return self._describe(record)
         await self._relaunch(record, reader)
         return self.describe(stream_id)

@@ -416,6 +416,13 @@ class StreamReader:
             self._last_result_frame = old._last_result_frame
             self._analytics = old._analytics
             self._result_lock = old._result_lock
+        self._analytics.reshape(self.detect)  # where it does not run (switched off)
+
+    def set_detect(self, detect: StreamDetect) -> None:
+        """What its next frames detect, from now; the counts of lines and zones ``detect``
+        no longer has go now (one that is not running has no next frame to drop them)."""
+        self.detect = detect
+        self._analytics.reshape(detect)
 
     def end_stays(self, name_of: Callable[[int], str]) -> list[ZoneEvent]:
         """Its objects leave the zones they stand in, ``lost``, at its last processed frame:

@@ -269,12 +269,16 @@ class ZoneCounter:
                 occupancy[zone.name] = counts
                 continue
             stays = self._stays.setdefault(zone.name, {})
+            # Each object's first box of a class the zone counts (a car also called a cell
+            # phone, listed first, is a car in this frame: its step waited a frame).
+            counted_first: dict[int, int] = {}
+            for i, track_id in enumerate(ids):
+                if counted_class[i]:
+                    counted_first.setdefault(track_id, i)
             on_edge = self._on_edge(
-                zone, detections, xs=xs, ys=ys, inside=inside, first=first, stays=stays
+                zone, detections, xs=xs, ys=ys, inside=inside, first=counted_first, stays=stays
             )
-            for track_id, i in first.items():
-                if not counted_class[i]:
-                    continue
+            for track_id, i in counted_first.items():
                 events += self._step(
                     zone,
                     stays,
@@ -297,18 +301,32 @@ class ZoneCounter:
                 if track_id not in counted and counted_class[i]:
                     counted.add(track_id)
                     counts[classes[i]] += 1
+                # Its time inside, to its last frame there: frames seen outside before its
+                # exit (``inertia``) are no stay (one out after 1.95 s loitered at 2.4 s).
                 if dwell is not None:
-                    dwell[i][zone.name] = round(t - stay.since, 3)
+                    dwell[i][zone.name] = stay.dwell
                 loiter = zone.loiter_s
-                if loiter is not None and not stay.loitered and t - stay.since >= loiter:
+                if (
+                    loiter is not None
+                    and not stay.loitered
+                    and stay.outside == 0
+                    and stay.last_in - stay.since >= loiter
+                ):
                     stay.loitered = True
-                    stayed = round(t - stay.since, 3)
                     events.append(
-                        ZoneEvent(zone.name, "loiter", track_id, stay.class_id, frame, stayed)
+                        ZoneEvent(zone.name, "loiter", track_id, stay.class_id, frame, stay.dwell)
                     )
             occupancy[zone.name] = counts
         for name in set(self._stays) - {zone.name for zone in zones}:
-            del self._stays[name]  # a zone that was removed
+            # A zone removed (or renamed): the objects in it leave it, ``lost``, as where
+            # tracking stops; its entries stayed unpaired.
+            for track_id, gone in self._stays.pop(name).items():
+                if gone.entered:
+                    events.append(
+                        ZoneEvent(
+                            name, "exit", track_id, gone.class_id, frame, gone.dwell, lost=True
+                        )
+                    )
         return ZoneFrame(members, occupancy, events, dwell)
 
     @staticmethod

@@ -347,6 +347,9 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             ({"roi": [[0, 0], [1, 1]]}, "roi: 2 points"),
             ({"roi": [[0, 0], [1, 0], [1.2, 1]]}, "outside [0, 1]"),
             ({"roi": [[0, 0], [1, 0], [1]]}, "roi"),
+            # Numbers, not booleans: true was 1 ("its two points are the same"; min_conf 1.0).
+            ({"track": True, "lines": [{"name": "g", "points": [[True, 0.5], [1, 0.5]]}]}, "lines"),
+            ({"filters": {"bottle": {"min_conf": True}}}, "min_conf"),
             ({"lines": [{"name": "gate", "points": [[0, 0.5], [1, 0.5]]}]}, "track set to true"),
             ({"track": True, "lines": [{"name": "gate", "points": [[0, 0.5]]}]}, "points"),
             ({"track": True, "lines": [{"name": "g", "points": [[0, 0], [1, 1]], "x": 1}]}, "x"),

@@ -59,6 +59,8 @@ def test_filters_keep_each_classes_sizes_shapes_and_confidence() -> None:
         ({"car": {"min_area": 2}}, "min_area: from 0 to 1"),
         ({"car": {"max_ratio": 0}}, "max_ratio: a width over a height above 0"),
         ({"car": {"size": 1}}, "unknown size"),
+        # by id and by name: the one given last was kept, unsaid (key order decided)
+        ({"2": {"min_conf": 0.5}, "Car": {"min_conf": 0.3}}, "'2' and 'Car' are the same class"),
     ):
         with pytest.raises(ValueError, match=words):
             ObjectFilters.parse(raw, SYNTHETIC_NAMES)

@@ -1486,6 +1486,10 @@ async def test_objects_in_zones_leave_them_lost_when_the_stream_shows_nothing(
             assert all(i < last_state for i in lost), kinds  # before the change
         if how != "removed":
             assert inside() == 0
+            # Its zone removed while it shows nothing: its counts go now (with no next
+            # frame, they stayed, and their metric series, until it ran again).
+            await m.update("road", {"detect": StreamDetect(track=True)})
+            assert (m.describe("road") or {})["zones"] == {}
         assert info["id"] == "road"
 
 

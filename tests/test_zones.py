@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from engines.types import DetectParams, Engine
 from streams.analytics import StreamAnalytics
 from streams.detect import StreamDetect
 from streams.files import iter_video_frames
-from streams.lines import Line
+from streams.lines import Line, LineCounter
 from streams.track import Tracker
 from streams.zones import Zone, ZoneCounter, ZoneEvent, ZoneFrame, parse_zones
 from tests.helpers import BOTTLE_CLIP, SHELF, SHELF_STREAM, file_stream_app, infer_frames
@@ -174,7 +175,9 @@ def test_removed_zones_are_forgotten_and_bad_zones_refused() -> None:
     left = Zone("left", LEFT.points, inertia=1)
     frame = tracker.update(dets([[100, 100, 200, 200]]), 0.0).detections
     assert [e.kind for e in zones.update(frame, [left], tracker.live_ids()).events] == ["enter"]
-    zones.update(frame, [], tracker.live_ids())  # the zone was removed
+    # The zone removed: the object in it leaves it, lost (its entry stayed unpaired).
+    (gone,) = zones.update(frame, [], tracker.live_ids(), frame=7).events
+    assert (gone.zone, gone.kind, gone.lost, gone.frame) == ("left", "exit", True, 7)
     assert [e.kind for e in zones.update(frame, [left], tracker.live_ids()).events] == ["enter"]
     square = [[0, 0], [1, 0], [1, 1], [0, 1]]
     for raw, message in (
@@ -467,3 +470,55 @@ def test_a_zone_left_empty_reads_0_in_the_metrics_not_nothing() -> None:
         },
     }
     assert _zone_objects(info) == {("dock", "car"): 0, ("dock", "person"): 1, ("bay", "car"): 0}
+
+
+def test_an_object_on_its_way_out_neither_loiters_nor_stays_longer() -> None:
+    """The frames an object is seen outside before its exit (``inertia``) are no stay: one
+    inside 1.0 s with ``loiter_s`` 1.2 loitered at 1.2 s, seen outside, then exited with 1.0 s."""
+    lot = Zone("left", LEFT.points, loiter_s=1.2)
+    path = [300.0] * 9 + [380.0, 460.0, 540.0, 620.0, 700.0]  # inside to frame 10, 0.1 s each
+    tracker, zones = Tracker(), ZoneCounter()
+    got: list[ZoneEvent] = []
+    dwell: list[float] = []
+    for k, x in enumerate(path):
+        found = tracker.update(dets([[x - 100, 300, x + 100, 400]]), k / 10).detections
+        zoned = zones.update(found, [lot], tracker.live_ids(), k / 10, k)
+        got += zoned.events
+        assert zoned.dwell is not None
+        dwell += [d["left"] for d in zoned.dwell if "left" in d]
+    assert [(e.kind, e.frame, e.dwell_s) for e in got] == [("enter", 2, None), ("exit", 13, 1.0)]
+    assert max(dwell) == 1.0  # it grew to 1.2 while the car was outside
+
+
+def test_a_shape_for_cars_takes_the_cars_box_of_an_object_listed_after_another_class() -> None:
+    """Two boxes of one object (a car also called a cell phone, listed first): a line and a
+    zone for cars took the first box, were skipped, and counted the car a frame late."""
+    cars_line = Line("gate", (0.0, 0.5), (1.0, 0.5), classes=("car",))
+    cars_zone = Zone("bottom", BOTTOM.points, inertia=1, classes=("car",))
+    lines, zones = LineCounter(), ZoneCounter()
+    crossed: list[int] = []
+    entered: list[int] = []
+    for k, y in enumerate([300.0, 400.0, 700.0]):  # down across y=500 and into BOTTOM
+        # The car alone, then the person's box first (another class, the same track).
+        car = [300.0, y - 100, 400.0, y]
+        classes, boxes = ([2], [car]) if k < 2 else ([0, 2], [[300.0, 200.0, 400.0, 300.0], car])
+        frame = replace(dets(boxes, classes), track_ids=np.ones(len(boxes), np.int64))
+        crossed += [c.frame for c in lines.update(frame, [cars_line], [1], k)]
+        entered += [e.frame for e in zones.update(frame, [cars_zone], [1], 0.1 * k, k).events]
+    assert crossed == [2] and entered == [2]
+
+
+def test_a_removed_zone_or_line_takes_its_counts_at_once_where_no_frame_comes() -> None:
+    """A stream not running (ended, disabled) has no next frame: a line or zone removed kept
+    its counts, and their metric series, until it ran again."""
+    analytics = StreamAnalytics()
+    gate = Line("gate", (0.0, 0.5), (1.0, 0.5))
+    settings = StreamDetect(track=True, lines=(gate,), zones=(BOTTOM,))
+    for k in range(10):  # down the picture, through the gate into BOTTOM
+        y = 300 + 50 * k
+        analytics.process(dets([[600, y - 100, 700, y]]), settings, 0.1 * k, k)
+    counts = analytics.snapshot()
+    assert counts["crossings"]["gate"]["in"] == {"car": 1} and "bottom" in counts["zones"]
+    analytics.reshape(StreamDetect(track=True))
+    counts = analytics.snapshot()
+    assert counts["crossings"] == {} and counts["zones"] == {}

@@ -29,6 +29,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -90,7 +91,7 @@ class LineIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), printable("lines")]
-    points: Annotated[list[tuple[float, float]], Field(min_length=2, max_length=2)]
+    points: Annotated[list[tuple[StrictFloat, StrictFloat]], Field(min_length=2, max_length=2)]
     classes: Annotated[
         list[StrictInt | StrictStr] | str | None,
         Field(description="class ids or names it counts; null: every class"),
@@ -103,7 +104,7 @@ class ZoneIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME), printable("zones")]
-    points: Annotated[list[tuple[float, float]], Field(min_length=3, max_length=64)]
+    points: Annotated[list[tuple[StrictFloat, StrictFloat]], Field(min_length=3, max_length=64)]
     inertia: Annotated[
         int,
         Field(
@@ -134,20 +135,20 @@ class FilterIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     min_conf: Annotated[
-        float | None,
+        StrictFloat | None,
         Field(ge=0.0, le=1.0, description="this class's minimum confidence (instead of conf)"),
     ] = None
     min_area: Annotated[
-        float | None, Field(ge=0.0, le=1.0, description="smallest box, a share of the frame")
+        StrictFloat | None, Field(ge=0.0, le=1.0, description="smallest box, a share of the frame")
     ] = None
     max_area: Annotated[
-        float | None, Field(ge=0.0, le=1.0, description="largest box, a share of the frame")
+        StrictFloat | None, Field(ge=0.0, le=1.0, description="largest box, a share of the frame")
     ] = None
     min_ratio: Annotated[
-        float | None, Field(gt=0.0, description="narrowest box: its width over its height")
+        StrictFloat | None, Field(gt=0.0, description="narrowest box: its width over its height")
     ] = None
     max_ratio: Annotated[
-        float | None, Field(gt=0.0, description="widest box: its width over its height")
+        StrictFloat | None, Field(gt=0.0, description="widest box: its width over its height")
     ] = None
 
 
@@ -164,7 +165,7 @@ class DetectIn(BaseModel):
     ] = None
     max_det: Annotated[int, Field(ge=1, le=1000, description="most detections")] = 300
     roi: Annotated[
-        list[tuple[float, float]] | None,
+        list[tuple[StrictFloat, StrictFloat]] | None,
         Field(
             description="region of interest: [[x, y], ...] in 0..1 of the frame, 3 to 64 points;"
             " detections whose box's bottom centre is outside are dropped; null: whole frame"
@@ -226,7 +227,7 @@ class DetectIn(BaseModel):
         ),
     ] = None
     motion_mask: Annotated[
-        list[list[tuple[float, float]]] | None,
+        list[list[tuple[StrictFloat, StrictFloat]]] | None,
         Field(
             max_length=MAX_MASKS,
             description="polygons ([[x, y], ...] in 0..1 of the frame) whose changes are not"
