@@ -7,9 +7,11 @@ import functools
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -50,9 +52,12 @@ from server.state import AppState
 from server.streams_file import StreamsFileError
 from server.webhook_store import WebhookStore
 from server.webhooks import Webhooks, WebhookSender, load_name_key
+from streams.manager import StreamManager
 from streams.storage import DATA_DIR_HINT, storage_failure
 
 log = logging.getLogger(__name__)
+MIN_STOP_S = 0.5
+"""What each part stopping gets at the least, its drain time spent (its threads to join)."""
 
 
 async def client_went_away(request: Request, exc: Exception) -> Response:
@@ -114,166 +119,187 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         app.state.streamdet = state
         metrics.bind_pool(engine_pool, lambda: state.ready)
         app.state.admission = AdmissionController(engine_pool, settings, metrics)
-        # Streams start after the pool (they feed it) and stop before it.
-        manager = streams.build_manager(settings, engine_pool)
-        await manager.start()
-        state.streams = manager
-        names = engine_pool.engine.names
-        if settings.streams_file is not None:
-            try:
-                await streams.apply_streams_file(manager, settings.streams_file, names, os.environ)
-            except StreamsFileError as exc:
-                log.error("cannot start: %s", exc)
-                await manager.stop(settings.shutdown_timeout_s)
+        # What has started, stopped again by stop(): after a run, and where the start
+        # fails part way (a data dir's file in the way), whose streams' threads held the
+        # process up for good, its port open and unanswered, its cameras still recorded.
+        manager: StreamManager | None = None
+        reloads: streams.StreamsFileReloads | None = None
+        webhooks: Webhooks | None = None
+        publisher: MqttPublisher | None = None
+        job_manager: JobManager | None = None
+        grpc_server: Any = None
+        tasks: list[asyncio.Task[None]] = []
+
+        async def stop() -> None:
+            # Stop intake, drain within the timeout, then fail what is left. One drain time
+            # from the signal (server/cli.py), or from now: each part gets what is left of
+            # it (each took it whole, and a SIGTERM took twice the setting or more).
+            stop_by = getattr(app.state, "stop_by", None)
+            stop_by = time.monotonic() + settings.shutdown_timeout_s if stop_by is None else stop_by
+
+            def left() -> float:
+                return max(MIN_STOP_S, stop_by - time.monotonic())
+
+            state.shutting_down = True
+            if grpc_server is not None:
+                await grpc_server.stop(min(left(), 5.0))
+            for task in tasks:
+                task.cancel()
+            if reloads is not None:
+                reloads.uninstall()
+            if job_manager is not None:
+                await job_manager.stop(left())  # they run again at start
+            if manager is not None:
+                await manager.stop(left())
+                # The streams' last events are logged: webhooks and MQTT deliver them and end
+                # (they ended as shutdown began, leaving those for the next start).
                 manager.events.finish()
-                if manager.events.store is not None:  # closed, not left as a crash's
-                    await asyncio.to_thread(manager.events.store.close)
-                await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
-                raise
-        reloads = streams.StreamsFileReloads(manager, settings.streams_file, names)
-        reloads.install()  # SIGHUP applies the streams file again
-        snapshots = SnapshotStore(
-            settings.event_snapshots,
-            settings.event_snapshot_width,
-            executor,
-            manager.detect,
-            directory=settings.data_dir / "snapshots",
-            events=manager.events,
-            metrics=metrics,
-        )
-        if snapshots.enabled:
-            manager.event_extras.append(snapshots.extra)
-            manager.event_observers.append(snapshots.capture)
-        state.snapshots = snapshots
-        if manager.clips is not None:
-            manager.clips.on_outcome = lambda outcome: metrics.event_clips.labels(outcome).inc()
-        load_name_key(settings.data_dir)  # before any webhook is named
-        webhooks = Webhooks(
-            [
-                WebhookSender(
-                    url,
-                    manager.events,
-                    settings.webhook_secret,
-                    settings.webhook_timeout_s,
-                    metrics,
-                    root_path=settings.root_path,
-                    public_url=settings.public_url,
+            if webhooks is not None:
+                await webhooks.stop(left())  # the last events go out
+            if publisher is not None:
+                await publisher.stop(left())
+            if manager is not None and manager.events.store is not None:
+                await asyncio.to_thread(manager.events.store.close)  # events, cursors to disk
+            await asyncio.to_thread(engine_pool.stop, left())
+            executor.shutdown(wait=False, cancel_futures=True)
+
+        try:
+            # Streams start after the pool (they feed it) and stop before it.
+            manager = streams.build_manager(settings, engine_pool)
+            await manager.start()
+            state.streams = manager
+            names = engine_pool.engine.names
+            if settings.streams_file is not None:
+                await streams.apply_streams_file(manager, settings.streams_file, names, os.environ)
+            reloads = streams.StreamsFileReloads(manager, settings.streams_file, names)
+            reloads.install()  # SIGHUP applies the streams file again
+            snapshots = SnapshotStore(
+                settings.event_snapshots,
+                settings.event_snapshot_width,
+                executor,
+                manager.detect,
+                directory=settings.data_dir / "snapshots",
+                events=manager.events,
+                metrics=metrics,
+            )
+            if snapshots.enabled:
+                manager.event_extras.append(snapshots.extra)
+                manager.event_observers.append(snapshots.capture)
+            state.snapshots = snapshots
+            if manager.clips is not None:
+                manager.clips.on_outcome = lambda outcome: metrics.event_clips.labels(outcome).inc()
+            load_name_key(settings.data_dir)  # before any webhook is named
+            webhooks = Webhooks(
+                [
+                    WebhookSender(
+                        url,
+                        manager.events,
+                        settings.webhook_secret,
+                        settings.webhook_timeout_s,
+                        metrics,
+                        root_path=settings.root_path,
+                        public_url=settings.public_url,
+                    )
+                    for url in settings.webhooks
+                ]
+            )
+            webhook_store = WebhookStore(settings.data_dir)
+            for record in await asyncio.to_thread(webhook_store.load):  # added before a restart
+                webhooks.add(
+                    make_sender(
+                        record,
+                        manager.events,
+                        settings.webhook_timeout_s,
+                        metrics,
+                        root_path=settings.root_path,
+                        public_url=settings.public_url,
+                    )
                 )
-                for url in settings.webhooks
-            ]
-        )
-        webhook_store = WebhookStore(settings.data_dir)
-        for record in await asyncio.to_thread(webhook_store.load):  # added before a restart
-            webhooks.add(
-                make_sender(
-                    record,
+            state.webhooks, state.webhook_store = webhooks, webhook_store
+            webhooks.start()
+            publisher = (
+                None
+                if settings.mqtt_url is None
+                else MqttPublisher(
+                    settings.mqtt_url,
+                    settings.mqtt_topic,
                     manager.events,
-                    settings.webhook_timeout_s,
                     metrics,
+                    manager.detect,
+                    thumbnail_of=functools.partial(snapshots.get, thumbnail=True),
+                    enable=functools.partial(streams.set_enabled, manager),
+                    roster=manager.roster,
+                    name_of=manager.name_of,
+                    discovery=Discovery(
+                        settings.mqtt_topic,
+                        settings.mqtt_discovery_prefix,
+                        # The viewer, each device's "Visit" link in Home Assistant.
+                        configuration_url=None
+                        if settings.public_url is None
+                        else settings.public_url + "/",
+                    )
+                    if settings.mqtt_discovery
+                    else None,
                     root_path=settings.root_path,
                     public_url=settings.public_url,
                 )
             )
-        state.webhooks, state.webhook_store = webhooks, webhook_store
-        webhooks.start()
-        publisher = (
-            None
-            if settings.mqtt_url is None
-            else MqttPublisher(
-                settings.mqtt_url,
-                settings.mqtt_topic,
-                manager.events,
-                metrics,
-                manager.detect,
-                thumbnail_of=functools.partial(snapshots.get, thumbnail=True),
-                enable=functools.partial(streams.set_enabled, manager),
-                roster=manager.roster,
-                name_of=manager.name_of,
-                discovery=Discovery(
-                    settings.mqtt_topic,
-                    settings.mqtt_discovery_prefix,
-                    # The viewer, each device's "Visit" link in Home Assistant.
-                    configuration_url=None
-                    if settings.public_url is None
-                    else settings.public_url + "/",
-                )
-                if settings.mqtt_discovery
-                else None,
+            if publisher is not None:
+                publisher.start()
+                manager.frame_observers.append(publisher.observe_frame)
+            job_manager = JobManager(
+                settings.data_dir / "jobs",
+                engine_pool.submit_background,
+                names,
+                max_jobs=settings.max_jobs,
+                max_bytes=settings.jobs_max_mb * 1024 * 1024,
+                concurrency=settings.job_concurrency,
+                inflight=settings.job_inflight or engine_pool.workers * engine_pool.max_batch,
+                max_pixels=settings.max_image_pixels,
+                decode_max_side=settings.decode_side(engine_pool.engine.input_size),
+                # A video over HTTP that stops answering: the streams' waits (they were 10 s and
+                # 5 s whatever the settings, which its error named).
+                source_timeout_s=(settings.stream_open_timeout_s, settings.stream_read_timeout_s),
+                frames=manager.job_frames(),
+                callback_secret=settings.webhook_secret,
+                callback_timeout_s=settings.webhook_timeout_s,
                 root_path=settings.root_path,
                 public_url=settings.public_url,
             )
-        )
-        if publisher is not None:
-            publisher.start()
-            manager.frame_observers.append(publisher.observe_frame)
-        job_manager = JobManager(
-            settings.data_dir / "jobs",
-            engine_pool.submit_background,
-            names,
-            max_jobs=settings.max_jobs,
-            max_bytes=settings.jobs_max_mb * 1024 * 1024,
-            concurrency=settings.job_concurrency,
-            inflight=settings.job_inflight or engine_pool.workers * engine_pool.max_batch,
-            max_pixels=settings.max_image_pixels,
-            decode_max_side=settings.decode_side(engine_pool.engine.input_size),
-            # A video over HTTP that stops answering: the streams' waits (they were 10 s and
-            # 5 s whatever the settings, which its error named).
-            source_timeout_s=(settings.stream_open_timeout_s, settings.stream_read_timeout_s),
-            frames=manager.job_frames(),
-            callback_secret=settings.webhook_secret,
-            callback_timeout_s=settings.webhook_timeout_s,
-            root_path=settings.root_path,
-            public_url=settings.public_url,
-        )
-        await job_manager.start()
-        state.jobs = job_manager
-        metrics.set_job_source(job_manager.counts)
-        metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
-        metrics.set_decode_source(manager.decode_stats)
-        manager.frame_observers.append(metrics.observe_stream_frame)
-        lag_watch = asyncio.create_task(metrics_module.watch_loop_lag(metrics))
-        retention = None
-        if settings.event_retain_days > 0:
-            retention = asyncio.create_task(
-                keep_for(
-                    settings.event_retain_days * DAY_S, manager.events, snapshots, manager.clips
+            await job_manager.start()
+            state.jobs = job_manager
+            metrics.set_job_source(job_manager.counts)
+            metrics.set_stream_source(functools.partial(streams.metric_samples, manager))
+            metrics.set_decode_source(manager.decode_stats)
+            manager.frame_observers.append(metrics.observe_stream_frame)
+            tasks.append(asyncio.create_task(metrics_module.watch_loop_lag(metrics)))
+            if settings.event_retain_days > 0:
+                retain_s = settings.event_retain_days * DAY_S
+                tasks.append(
+                    asyncio.create_task(
+                        keep_for(retain_s, manager.events, snapshots, manager.clips)
+                    )
                 )
+            keys = app.state.api_keys
+            log.info(
+                "API keys: %s",
+                f"{keys.counts[0]} full, {keys.counts[1]} read-only"
+                if keys.enabled
+                else "none, every call is allowed (setting STREAMDET_API_KEYS)",
             )
-        keys = app.state.api_keys
-        log.info(
-            "API keys: %s",
-            f"{keys.counts[0]} full, {keys.counts[1]} read-only"
-            if keys.enabled
-            else "none, every call is allowed (setting STREAMDET_API_KEYS)",
-        )
-        grpc_server = None
-        if settings.grpc_port:
-            from server import grpc_v2
+            if settings.grpc_port:
+                from server import grpc_v2
 
-            grpc_server = await grpc_v2.start(app, settings)
+                grpc_server = await grpc_v2.start(app, settings)
+        except BaseException as exc:
+            if isinstance(exc, StreamsFileError):
+                log.error("cannot start: %s", exc)
+            await stop()
+            raise
         try:
             yield
         finally:
-            # Stop intake, drain within the timeout, then fail what is left.
-            state.shutting_down = True
-            if grpc_server is not None:
-                await grpc_server.stop(min(settings.shutdown_timeout_s, 5.0))
-            lag_watch.cancel()
-            if retention is not None:
-                retention.cancel()
-            reloads.uninstall()
-            await job_manager.stop(settings.shutdown_timeout_s)  # they run again at start
-            await manager.stop(settings.shutdown_timeout_s)
-            # The streams' last events are logged: webhooks and MQTT deliver them and end
-            # (they ended as shutdown began, leaving those for the next start).
-            manager.events.finish()
-            await webhooks.stop(settings.shutdown_timeout_s)  # the last events go out
-            if publisher is not None:
-                await publisher.stop(settings.shutdown_timeout_s)
-            if manager.events.store is not None:  # the last events and cursors to disk
-                await asyncio.to_thread(manager.events.store.close)
-            await asyncio.to_thread(engine_pool.stop, settings.shutdown_timeout_s)
-            executor.shutdown(wait=False, cancel_futures=True)
+            await stop()
             log.info("shutdown complete")
 
     # A proxy's prefix (--root-path) comes as the ASGI root_path uvicorn sets (server/cli.py):

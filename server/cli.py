@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -366,6 +367,10 @@ def _serve(settings: Settings) -> int:
             # Viewers get 1001 (going away) now, before uvicorn drops sockets with 1012.
             going_away(app)
             app.state.exiting = True  # a call cancelled from now on is the shutdown's
+            if getattr(app.state, "stop_by", None) is None:  # the first signal's
+                # One drain time for it all: uvicorn's wait for open calls, then each part
+                # the app stops, from what is left (each took it whole: 2x or more).
+                app.state.stop_by = time.monotonic() + settings.shutdown_timeout_s
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:

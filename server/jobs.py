@@ -654,8 +654,15 @@ class JobManager:
             try:
                 job = self._from_record(json.loads(path.read_text(encoding="utf-8")))
                 job.bytes = _size(where)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("job %s: not loaded (%s); its files are kept", where.name, exc)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                # (AttributeError: a field of another type, a "callback" string: it stopped
+                # the server's start)
+                log.warning(
+                    "job %s: not loaded (%s: %s); its files are kept",
+                    where.name,
+                    path,
+                    exc,
+                )
                 continue
             if job.state is JobState.QUEUED and job.crashed_runs >= CRASHED_RUNS_MAX:
                 self._give_up(job)

@@ -699,3 +699,37 @@ def test_the_port_answers_the_probes_while_the_model_loads(
     with socket.socket() as again:  # let go: free for the next server (as uvicorn binds)
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", port))
+
+
+def test_a_start_that_fails_after_the_streams_started_stops_them_and_exits(
+    tmp_path: Path,
+) -> None:
+    """A data dir whose jobs folder could not be made (a file in its place, or root's after
+    a run as root) failed the start after the streams and webhooks had started: their
+    threads and tasks held the process up for good, its port open and unanswered, its camera
+    still decoded. It exits, saying why."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "jobs").write_text("in the way")
+    path = tmp_path / "streams.yaml"
+    entry = {"id": "road", "url": f"file://{CAR_CLIP}", "loop": True}
+    path.write_text(yaml.safe_dump({"streams": [entry]}))
+    done = run_cli(
+        "serve",
+        "--model",
+        str(MODEL_PT),
+        "--cache-dir",
+        str(CACHE_DIR),
+        "--streams-file",
+        str(path),
+        "--allowed-file-dir",
+        str(CAR_CLIP.parent),
+        "--data-dir",
+        str(data),
+        "--port",
+        str(free_port()),
+        "--webhooks",  # its sender, started too, retrying a receiver that is not there
+        f"http://127.0.0.1:{free_port()}/hook",
+    )
+    assert done.returncode != 0, done.stderr
+    assert "jobs" in done.stderr, done.stderr

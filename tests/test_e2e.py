@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from loadtest.server import ServerProcess
-from tests.helpers import CACHE_DIR, MODEL_PT, ultralytics_assets
+from tests.helpers import BOTTLE_CLIP, CACHE_DIR, MODEL_PT, ultralytics_assets
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +81,42 @@ def test_concurrent_clients_all_answered(server: str) -> None:
             return list(await asyncio.gather(*(one() for _ in range(8))))
 
     assert asyncio.run(run()) == [200] * 8
+
+
+def test_a_sigterm_stops_it_all_within_one_drain_time(tmp_path: Path) -> None:
+    """uvicorn's wait for an unfinished call, then the webhooks' last delivery, each took the
+    whole --shutdown-timeout-s: 2x the setting (a `docker stop`'s 10 s killed it half way,
+    its webhook cursors and last events unsaved). Each part gets what is left of one."""
+    with socket.socket() as receiver:  # takes the webhook's calls, never answers
+        receiver.bind(("127.0.0.1", 0))
+        receiver.listen(16)
+        settings: dict[str, object] = {
+            "model": str(MODEL_PT),
+            "cache_dir": str(CACHE_DIR),
+            "data_dir": str(tmp_path / "data"),
+            "allowed_file_dir": str(BOTTLE_CLIP.parent),
+            "webhooks": [f"http://127.0.0.1:{receiver.getsockname()[1]}/hook"],
+            "webhook_timeout_s": 30,
+            "shutdown_timeout_s": 4,
+        }
+        srv = ServerProcess(settings, log_path=tmp_path / "server.log", ready_timeout_s=180)
+        srv.start()
+        try:
+            with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+                made = c.post("/streams", json={"url": f"file://{BOTTLE_CLIP}", "id": "b"})
+                assert made.status_code == 201, made.text
+                assert c.post("/streams/b/events", json={"label": "bell"}).status_code == 201
+            with socket.create_connection(("127.0.0.1", srv.port)) as stalled:  # a call unfinished
+                stalled.sendall(
+                    b"POST /detect HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                    b"Content-Length: 100000\r\n\r\n" + b"x" * 1000
+                )
+                time.sleep(1.0)
+                started = time.monotonic()
+                code = srv.stop(60)
+                took = time.monotonic() - started
+        finally:
+            srv.stop(5)
+    assert code in (0, -signal.SIGTERM), srv.log_text()
+    assert "shutdown complete" in srv.log_text()
+    assert took < 4 + 2.5, (took, srv.log_text()[-3000:])  # 4 s and the parts' floors; was 8+
