@@ -378,3 +378,26 @@ def test_a_viewer_that_stops_reading_is_dropped_after_the_send_timeout(
     log = server.log_text()
     assert "(setting STREAMDET_WS_SEND_TIMEOUT_S)" in log, log
     assert "graceful shutdown exceeded" not in log
+
+
+def test_viewers_whose_close_fitted_behind_their_unsent_frames_hold_up_no_shutdown(
+    tmp_path: Path,
+) -> None:
+    """A stalled viewer's close frame that fitted behind its unsent bytes ended its sender,
+    and its abort was put off by the whole --ws-send-timeout-s: uvicorn waited for its
+    connection that long on SIGTERM, with nothing in flight."""
+    server = clip_server(tmp_path, ws_send_timeout_s=20, shutdown_timeout_s=30)
+    with server, httpx.Client(base_url=server.base_url, timeout=30) as c:
+        sid = c.post("/streams", json=STALLING_STREAM).json()["id"]
+        viewers = []
+        for _ in range(12):  # some stall before their close, some after it
+            viewers.append(stalled_viewer(server.port, sid, "frames=jpeg&max_width=320"))
+            time.sleep(0.3)
+        started = time.monotonic()
+        assert server.stop(60) in (0, -signal.SIGTERM)
+        took = time.monotonic() - started
+        for sock in viewers:
+            sock.close()
+    log = server.log_text()
+    assert took < 10, (took, log[-3000:])  # was the 20 s send timeout
+    assert "shutdown complete" in log

@@ -119,8 +119,12 @@ async def watch_stream(websocket: WebSocket, stream_id: str) -> None:
                 stuck,
             )
         # A stalled viewer's socket would keep its unsent bytes (and the connection, which
-        # the server's shutdown waits for) until its peer reads them: abort it.
-        abort_later(websocket._send, 0.0 if stuck is not None else timeout_s)
+        # the server's shutdown waits for) until its peer reads them: abort it. On shutdown
+        # within CLOSE_GRACE_S: a close that fitted behind a stalled viewer's unsent bytes
+        # held the exit up for the whole send timeout.
+        exiting = getattr(websocket.app.state, "exiting", False) or state.shutting_down
+        grace = min(timeout_s, CLOSE_GRACE_S) if exiting else timeout_s
+        abort_later(websocket._send, 0.0 if stuck is not None else grace)
         log.info(
             "stream %s: viewer gone, %d message(s) and %d event(s) dropped for it",
             stream_id,
