@@ -70,6 +70,8 @@ class ManagerOptions:
         clips: where event clips go and how long they are (``None``: no clips).
         decode_processes: processes that decode streams (0: decode threads in this process);
             streams that decode with NVDEC decode here all the same.
+        streams_file: whether a streams file declares streams in this run: without one, a
+            stream an earlier run's file declared is the API's (``from_file`` false).
     """
 
     reader: ReaderOptions
@@ -80,6 +82,7 @@ class ManagerOptions:
     event_log_size: int = 10_000
     clips: ClipOptions | None = None
     decode_processes: int = 0
+    streams_file: bool = False
 
 
 class StreamChanges(TypedDict, total=False):
@@ -575,7 +578,8 @@ class StreamManager:
             "transport": record.transport,
             "loop": record.loop,
             "enabled": record.enabled,
-            "from_file": record.from_file,
+            # (the viewer locked an earlier run's, which the API let change)
+            "from_file": record.from_file and self._opt.streams_file,
             "created_at": record.created_at,
             "detect": self._readers[record.id].detect.describe(self._pool.engine.names),
             **self._readers[record.id].snapshot(),

@@ -446,6 +446,8 @@ def test_a_file_stream_is_the_apis_once_the_server_runs_without_the_file(
         refused = c.delete("/streams/shelf")
         assert refused.status_code == 409 and "SIGHUP" in refused.text
     with TestClient(file_stream_app(tmp_path)) as c:
+        # Said so: the viewer page locked it (from_file true) while the API let it change.
+        assert c.get("/streams/shelf").json()["from_file"] is False
         assert c.patch("/streams/shelf", json={"max_fps": 4}).json()["max_fps"] == 4
         assert c.delete("/streams/shelf").status_code == 204
 

@@ -788,6 +788,7 @@ def build_manager(settings: Settings, pool: EnginePool) -> StreamManager:
         stop_timeout_s=settings.stream_open_timeout_s + settings.stream_read_timeout_s,
         event_log_size=settings.event_log_size,
         decode_processes=settings.decode_processes,
+        streams_file=settings.streams_file is not None,
         clips=ClipOptions(
             settings.data_dir / "clips",
             pre_s=settings.event_clip_pre_s,
