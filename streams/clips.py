@@ -582,14 +582,31 @@ def _clip_ids(directory: Path) -> list[int]:
     return ids
 
 
+_DAMAGED_SAID: set[Path] = set()
+
+
+def _damaged(path: Path, why: str) -> None:
+    """Say once that the clip of the description at ``path`` is not listed, and why."""
+    if path not in _DAMAGED_SAID and len(_DAMAGED_SAID) < 4096:
+        _DAMAGED_SAID.add(path)
+        log.warning("clips: %s: %s; its clip is not listed (its video is kept)", path, why)
+
+
 def list_clips(directory: Path, stream_id: str | None, limit: int) -> list[dict[str, Any]]:
     """The newest ``limit`` clips (of ``stream_id``, or of every stream), newest first."""
     found: list[dict[str, Any]] = []
     for clip_id in sorted(_clip_ids(directory), reverse=True):
+        path = directory / f"{clip_id}.json"
         try:
-            info = json.loads((directory / f"{clip_id}.json").read_text())
-        except (OSError, ValueError):
-            continue  # deleted meanwhile, or unreadable: not listed
+            info = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue  # deleted meanwhile
+        except (OSError, ValueError) as exc:
+            _damaged(path, str(exc))
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("stream_id"), str):
+            _damaged(path, "not a clip's description")  # a [1, 2] was listed as a clip
+            continue
         if stream_id is None or info.get("stream_id") == stream_id:
             found.append(info)
             if len(found) >= limit:

@@ -703,3 +703,17 @@ async def test_clips_gone_are_gone_for_the_events_that_named_them(tmp_path: Path
     assert claimed == [False, True, False, True, False, True]
     assert not has_clip({"id": 1}, wanted)
     assert has_clip(named[0], EventFilter())  # no clip index: as logged
+
+
+def test_a_damaged_clip_description_is_not_listed_and_is_named_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A description that was [1, 2] was listed as a clip, and broke GET /clips?stream_id=
+    (500); one cut short vanished from the list without a word."""
+    for clip_id, text in ((1, json.dumps({"id": 1, "stream_id": "s"})), (2, "[1, 2]"), (3, "{cut")):
+        (tmp_path / f"{clip_id}.mp4").write_bytes(b"x")
+        (tmp_path / f"{clip_id}.json").write_text(text)
+    assert [c["id"] for c in list_clips(tmp_path, None, 10)] == [1]
+    assert [c["id"] for c in list_clips(tmp_path, "s", 10)] == [1]
+    said = [r.getMessage() for r in caplog.records if "is not listed" in r.getMessage()]
+    assert len(said) == 2 and str(tmp_path / "2.json") in said[1], said  # once each
