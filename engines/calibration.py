@@ -118,6 +118,20 @@ def parse_sources(specs: Sequence[str], flag: str = "--calib") -> list[FrameSour
     return sources
 
 
+def check_sources(specs: Sequence[str], flag: str) -> None:
+    """That ``flag``'s sources exist and their videos can be read, before an export or an
+    evaluation of minutes (an unreadable one failed after them, with a traceback).
+
+    Raises:
+        CalibrationError: naming the source and ``flag``.
+    """
+    for source in parse_sources(specs, flag):
+        try:
+            source_length(source)
+        except CalibrationError as exc:
+            raise CalibrationError(f"{_purpose(flag)} source {exc} ({flag})") from None
+
+
 def _purpose(flag: str) -> str:
     return "calibration" if flag == "--calib" else "evaluation"
 
@@ -161,9 +175,18 @@ def _folder_images(path: Path) -> list[Path]:
 
 
 def source_length(source: FrameSource) -> int | None:
-    """Frames a file source holds; ``None`` for a live source."""
+    """Frames a file source holds; ``None`` for a live source.
+
+    Raises:
+        CalibrationError: a video FFmpeg cannot read (a traceback, after an export).
+    """
     if source.kind == "video":
-        return video_frame_count(source.location)
+        try:
+            return video_frame_count(source.location)
+        except Exception as exc:  # PyAV raises its own error family
+            raise CalibrationError(
+                f"video {source.location}: not a video FFmpeg can read ({exc})"
+            ) from exc
     if source.kind == "images":
         return len(_folder_images(Path(source.location)))
     return None

@@ -31,6 +31,7 @@ from loadtest.frames import default_videos, shared_dir
 from loadtest.profiles import SCENARIOS, Profile, ProfileError, load_profile
 from loadtest.report import evaluate, format_table, passed, read_stats
 from loadtest.server import ServerError, ServerProcess
+from server.argtypes import number
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ def add_loadtest_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="report folder")
     parser.add_argument("--model", default=None, help="model for the started server")
     parser.add_argument("--scenario", choices=SCENARIOS, default=None, help="override")
-    parser.add_argument("--users", type=int, default=None, help="override detect users")
-    parser.add_argument("--live-users", type=int, default=None, help="override live users")
+    parser.add_argument("--users", type=number(int, 0), default=None, help="override detect users")
+    parser.add_argument(
+        "--live-users", type=number(int, 0), default=None, help="override live users"
+    )
     parser.add_argument(
         "--run-time", type=int, default=None, help="override seconds (whole seconds)"
     )

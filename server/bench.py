@@ -15,53 +15,38 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import av
 import httpx
 
 from engines.registry import load_backend, prepare_model, usable_cores
-from engines.types import Image
+from engines.types import Image, ModelError
 from engines.yolo import preprocess, rect_shape
 from loadtest.client import Phase, closed_loop
 from loadtest.frames import shared_dir
 from loadtest.server import ServerError, ServerProcess, free_port
+from server.argtypes import positive
 from server.runtime import engine_config
 from server.settings import Settings
 from streams.files import encode_jpeg, sample_video_frames
 
 
-def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
-    """An argparse type: a number of ``kind`` above 0 (``--frames 0`` ran 1 frame a clip)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0 or math.isinf(value):
-            raise argparse.ArgumentTypeError(f"{text!r}: give a number above 0")
-        return value
-
-    return parse
-
-
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--videos", nargs="+", default=None, help="clips to take frames from")
-    parser.add_argument("--frames", type=_positive(int), default=40, help="frames per clip")
-    parser.add_argument("--clients", type=_positive(int), default=8, help="concurrent clients")
+    parser.add_argument("--frames", type=positive(int), default=40, help="frames per clip")
+    parser.add_argument("--clients", type=positive(int), default=8, help="concurrent clients")
     parser.add_argument(
-        "--seconds", type=_positive(float), default=20.0, help="load time per server"
+        "--seconds", type=positive(float), default=20.0, help="load time per server"
     )
-    parser.add_argument("--warmup-seconds", type=_positive(float), default=3.0)
+    parser.add_argument("--warmup-seconds", type=positive(float), default=3.0)
     parser.add_argument("--skip-seed", action="store_true", help="skip the seed design")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
 
@@ -189,7 +174,24 @@ def run_bench(settings: Settings, args: argparse.Namespace) -> int:
     if not videos:
         print("bench: no videos found; pass --videos CLIP.mp4 ...", file=sys.stderr)
         return 2
-    frames = [f for v in videos for f in sample_video_frames(v, args.frames)]
+    try:  # the model first: it was found missing after the frames were sampled, a traceback
+        prepare_model(settings.model, settings.cache_dir, settings.imgsz)
+    except ModelError as exc:
+        print(f"streamdet bench: {exc}", file=sys.stderr)
+        return 2
+    frames: list[Image] = []
+    for video in videos:
+        try:
+            frames += sample_video_frames(video, args.frames)
+        except (av.error.FFmpegError, OSError, ValueError) as exc:  # a traceback, exit 1
+            print(
+                f"streamdet bench: --videos: {video}: not a video FFmpeg can read: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+    if not frames:
+        print(f"streamdet bench: --videos: no frame decodes in {videos}", file=sys.stderr)
+        return 2
     jpegs = [encode_jpeg(f) for f in frames]
     print(f"bench: {len(jpegs)} JPEG frames from {len(videos)} clip(s), {args.clients} clients")
 

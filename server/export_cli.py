@@ -24,6 +24,7 @@ from engines.export import (
     TARGETS,
 )
 from engines.types import EngineError
+from server.argtypes import number
 
 log = logging.getLogger(__name__)
 
@@ -45,25 +46,28 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--eval-frames",
-        type=int,
+        type=number(int, 0),
         default=DEFAULT_EVAL_FRAMES,
         help=f"held-out frames compared with FP32 (default {DEFAULT_EVAL_FRAMES}; 0 skips)",
     )
     p.add_argument(
         "--eval-sets",
-        type=int,
+        type=number(int, 1),
         default=DEFAULT_EVAL_SETS,
         help="disjoint held-out sets of --eval-frames frames each, every one reported and held to"
         f" --min-score (default {DEFAULT_EVAL_SETS}; set k skips calibration and sets 1..k-1)",
     )
     p.add_argument(
         "--min-score",
-        type=float,
+        type=number(float, 0, 1),
         default=ACCURACY_BAR,
         help=f"recall and precision vs FP32 below this exit with {EXIT_BELOW_BAR}",
     )
     p.add_argument(
-        "--threads", type=int, default=0, help="ONNX Runtime threads when timing; 0 = all cores"
+        "--threads",
+        type=number(int, 0),
+        default=0,
+        help="ONNX Runtime threads when timing; 0 = all cores",
     )
     p.add_argument(
         "--report", type=Path, default=None, help="also write the accuracy report as JSON"
@@ -197,6 +201,15 @@ def _export(args: argparse.Namespace) -> int:
     if not _report_writable(args):
         return 2
     sources = args.eval or args.calib
+    from engines.calibration import check_sources
+
+    try:  # before the export, not a traceback after it
+        for specs, flag in ((args.calib, "--calib"), (args.eval, "--eval")):
+            if specs:
+                check_sources(specs, flag)
+    except CalibrationError as exc:
+        print(f"streamdet export: {exc}", file=sys.stderr)
+        return 2
     if args.precision != "fp32" and args.eval_frames > 0 and sources and args.calib:
         from engines.calibration import check_frame_budget
 
@@ -240,6 +253,13 @@ def _evaluate(args: argparse.Namespace) -> int:
     from engines.model import resolve_onnx
 
     if not _report_writable(args):
+        return 2
+    from engines.calibration import check_sources
+
+    try:
+        check_sources(args.frames, "--frames")
+    except CalibrationError as exc:
+        print(f"streamdet evaluate: {exc}", file=sys.stderr)
         return 2
     imgsz = args.imgsz or 640
     reference = resolve_onnx(
