@@ -51,6 +51,9 @@ _SCHEMA = (
 PRUNE_EVERY = 500
 """Events written between two prunings of those beyond the log's size."""
 RESERVE_IDS = 10_000
+MAX_AHEAD_IDS = 1_000 * RESERVE_IDS
+"""How far past the database's ids (or the clock's) ``events.ids`` may be: a thousand runs
+killed before their first event reached the disk; past it the file is damaged."""
 """Ids a running server may give ahead of the last ``reserved`` written (renewed at half)."""
 RETRY_FIRST_S = 0.25
 RETRY_MAX_S = 5.0
@@ -338,9 +341,23 @@ class EventStore:
             gone.append((meta["first_id"], meta["last_id"]))  # not closed at init: now
             marks.close_run = True
         given, reserved = self._marks.read()
-        known = [given, reserved, meta.get("last_id", 0), meta.get("reserved", 0)]
+        known = [meta.get("last_id", 0), meta.get("reserved", 0)]
         known += [int(rows[0][0])] if rows else []
         known += [last for _, last in gone] + list(skips.values())
+        # A run that did not close gave ids at most its reservations past what the database
+        # or the clock says: marks beyond that (a damaged file) made ids jump by 7e18, every
+        # webhook "missing" as many, or overflowed 64 bits and stopped the start.
+        bound = max([start, *known]) + MAX_AHEAD_IDS
+        if not 0 <= given <= bound or not 0 <= reserved <= bound:
+            log.warning(
+                "event store %s: its marks (%d, %d) are past any id given or reserved; ignored"
+                " (a damaged file)",
+                self._marks.path,
+                given,
+                reserved,
+            )
+            given = reserved = 0
+        known += [given, reserved]
         next_id = max(known) + 1  # a clean close leaves no reservation
         if rows:  # carry on the run
             first = meta.get("first_id", int(rows[-1][0]))

@@ -16,6 +16,7 @@ import logging
 import shutil
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
 import threading
@@ -247,6 +248,34 @@ def test_the_event_log_and_delivery_cursors_survive_a_restart(tmp_path: Path) ->
     assert [e["id"] for e in again.add("a", "", 2.0, [_crossing(9)], _name)] == [105]
     reopened.close()
     assert EventLog(size=3).read(0, 1).events == []  # without a store: in memory only
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"garbagegarbage12345\n",
+        struct.pack("<qq", 2**63 - 50, 2**63 - 50),
+        struct.pack("<qq", -5, 3),
+    ],
+    ids=["text", "near-the-limit", "negative"],
+)
+def test_damaged_id_marks_are_ignored_and_said(
+    tmp_path: Path, damage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Text in events.ids made ids jump by 7e18 (each webhook "missing" as many events); a
+    mark near the 64-bit limit overflowed and stopped the server's start."""
+    store = EventStore(tmp_path, size=10)
+    log = EventLog(size=10, start_id=100, store=store)
+    log.add("a", "door", 1.0, [_crossing(f) for f in range(5)], _name)  # 100-104
+    store.close()
+    (tmp_path / "events.ids").write_bytes(damage)
+    reopened = EventStore(tmp_path, size=10)
+    again = EventLog(size=10, store=reopened)
+    assert [e["id"] for e in again.add("a", "", 2.0, [_crossing(9)], _name)] == [105]
+    assert again.read(0, 10).missed == 0
+    reopened.close()
+    said = [r.getMessage() for r in caplog.records if "events.ids" in r.getMessage()]
+    assert said and "damaged" in said[0], said
 
 
 def test_a_restart_deletes_the_stored_events_past_the_log_size(tmp_path: Path) -> None:
