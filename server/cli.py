@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import logging
@@ -235,11 +236,63 @@ def check_streams_file(
 def serve(settings: Settings) -> int:
     """Run the server until it is stopped; the exit status (2: a setting is wrong)."""
     previous_hup = _ignore_early_hup()  # first: loading the model takes seconds
+    lock = DataDirLock(settings.data_dir)
     try:
+        if (holder := lock.acquire()) is not None:
+            print(
+                f"streamdet: --data-dir: {settings.data_dir}: in use by another streamdet server"
+                f" ({holder}); give each server a data dir of its own (setting"
+                " STREAMDET_DATA_DIR)",
+                file=sys.stderr,
+            )
+            return 2
         return _serve(settings)
     finally:
+        lock.release()
         if previous_hup is not None:
             signal.signal(signal.SIGHUP, previous_hup)
+
+
+class DataDirLock:
+    """``<data-dir>/server.lock``, held (``flock``) while a server runs: two servers on one
+    data dir opened the same cameras, sent each event to the webhooks twice under two ids,
+    and interleaved their logs. The kernel lets go of it however the process ends."""
+
+    NAME = "server.lock"
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Hold it; who holds it instead (``pid N``), or None. A data dir it cannot be made
+        in is left to the server's own check of the dir, which says why."""
+        import fcntl
+
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            return f"pid {holder}" if holder.isdigit() else "its lock is held"
+        except OSError:  # a file system without locks: as before, unlocked
+            os.close(fd)
+            return None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 HOST_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT})

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from engines.types import EngineError
 from loadtest.server import free_port
 from server import cli
+from server.cli import DataDirLock
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO
 
@@ -780,3 +781,22 @@ def test_export_and_evaluate_name_a_frame_source_ffmpeg_cannot_read(
     err = capsys.readouterr().err
     assert code == 2 and f"{text}: not a video FFmpeg can read" in err, err
     assert "Traceback" not in err and not out.exists(), err
+
+
+def test_a_second_server_on_a_data_dir_in_use_is_refused_naming_it(tmp_path: Path) -> None:
+    """Two servers on one data dir opened the same cameras, sent each event to the webhooks
+    twice under two ids, and interleaved their event logs. The second is refused at once."""
+    data = tmp_path / "data"
+    first = DataDirLock(data)
+    assert first.acquire() is None
+    try:
+        done = run_cli("serve", "--data-dir", str(data), "--port", str(free_port()))
+        assert done.returncode == 2, done.stderr
+        said = done.stderr.strip().splitlines()[-1]
+        assert f"--data-dir: {data}: in use by another streamdet server (pid {os.getpid()})" in said
+        assert "STREAMDET_DATA_DIR" in said
+    finally:
+        first.release()
+    again = DataDirLock(data)  # let go: the next server takes it
+    assert again.acquire() is None
+    again.release()
