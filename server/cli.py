@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import errno
 import logging
@@ -23,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engines.types import EngineError
+from server.data_dir import DataDirLock, data_dir_problems
 from server.settings import Settings, public_url_mismatch, unknown_env_settings
 
 log = logging.getLogger("streamdet")
@@ -253,48 +253,6 @@ def serve(settings: Settings) -> int:
             signal.signal(signal.SIGHUP, previous_hup)
 
 
-class DataDirLock:
-    """``<data-dir>/server.lock``, held (``flock``) while a server runs: two servers on one
-    data dir opened the same cameras, sent each event to the webhooks twice under two ids,
-    and interleaved their logs. The kernel lets go of it however the process ends."""
-
-    NAME = "server.lock"
-
-    def __init__(self, data_dir: Path) -> None:
-        self.path = data_dir / self.NAME
-        self._fd: int | None = None
-
-    def acquire(self) -> str | None:
-        """Hold it; who holds it instead (``pid N``), or None. A data dir it cannot be made
-        in is left to the server's own check of the dir, which says why."""
-        import fcntl
-
-        try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            return f"pid {holder}" if holder.isdigit() else "its lock is held"
-        except OSError:  # a file system without locks: as before, unlocked
-            os.close(fd)
-            return None
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-        return None
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
 HOST_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT})
 """Bind errors that are the host's (an address this machine lacks), not the port's."""
 
@@ -366,6 +324,11 @@ def _serve(settings: Settings) -> int:
                 file=sys.stderr,
             )
             return 2
+    damaged = data_dir_problems(settings.data_dir)  # before the model loads, not a traceback
+    for problem in damaged:
+        print(f"streamdet: --data-dir: {problem}", file=sys.stderr)
+    if damaged:
+        return 2
     if settings.grpc_port:  # before the model loads: a missing extra fails at once
         from server.grpc_v2 import GrpcUnavailable, grpc_modules
 

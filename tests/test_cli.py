@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from engines.types import EngineError
 from loadtest.server import free_port
 from server import cli
-from server.cli import DataDirLock
+from server.data_dir import DataDirLock
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO
 
@@ -800,3 +800,23 @@ def test_a_second_server_on_a_data_dir_in_use_is_refused_naming_it(tmp_path: Pat
     again = DataDirLock(data)  # let go: the next server takes it
     assert again.acquire() is None
     again.release()
+
+
+def test_a_damaged_store_in_the_data_dir_is_named_before_the_model_loads(
+    tmp_path: Path,
+) -> None:
+    """A database that was not one, or a file where a folder goes, failed the start with a
+    traceback naming neither the file nor the setting (exit 3, after the model loaded)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "streams.sqlite3").write_bytes(os.urandom(4096))
+    (data / "webhooks.sqlite3").mkdir()
+    (data / "snapshots").write_text("in the way")
+    done = run_cli("serve", "--data-dir", str(data), "--port", str(free_port()))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("streamdet:")]
+    assert len(said) == 3, said
+    assert f"--data-dir: {data / 'snapshots'}: not a folder; move it aside" in said[0]
+    assert f"{data / 'streams.sqlite3'}: not a database SQLite can read" in said[1]
+    assert f"{data / 'webhooks.sqlite3'}: not a file" in said[2]
+    assert all("STREAMDET_DATA_DIR" in line for line in said), said

@@ -1,0 +1,89 @@
+"""The data dir as a server starts on it: held by one server at a time
+(:class:`DataDirLock`), and its stores checked before the model loads
+(:func:`data_dir_problems`): a damaged database, or a file where a folder goes, failed the
+start with a traceback that named neither the file nor the setting."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+DATABASES = ("streams.sqlite3", "events.sqlite3", "webhooks.sqlite3")
+FOLDERS = ("jobs", "snapshots", "clips")
+MOVE_ASIDE = (
+    "move it aside to start without what it held, or put back a copy that works (setting"
+    " STREAMDET_DATA_DIR)"
+)
+
+
+def data_dir_problems(data_dir: Path) -> list[str]:
+    """What in ``data_dir`` would stop the server's start: each a line naming the file."""
+    problems: list[str] = []
+    for name in FOLDERS:
+        path = data_dir / name
+        if path.exists() and not path.is_dir():
+            problems.append(f"{path}: not a folder; {MOVE_ASIDE}")
+    for name in DATABASES:
+        path = data_dir / name
+        if not path.exists():
+            continue
+        if not path.is_file():
+            problems.append(f"{path}: not a file; {MOVE_ASIDE}")
+            continue
+        if not os.access(path, os.R_OK | os.W_OK):
+            problems.append(
+                f"{path}: this user ({os.getuid()}) cannot read and write it; give it to the"
+                " server's user (chown), or run the server as its owner"
+            )
+            continue
+        try:  # read only, and as little as tells a database from something else
+            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+                db.execute("SELECT name FROM sqlite_master").fetchall()
+        except sqlite3.Error as exc:
+            problems.append(f"{path}: not a database SQLite can read ({exc}); {MOVE_ASIDE}")
+    return problems
+
+
+class DataDirLock:
+    """``<data-dir>/server.lock``, held (``flock``) while a server runs: two servers on one
+    data dir opened the same cameras, sent each event to the webhooks twice under two ids,
+    and interleaved their logs. The kernel lets go of it however the process ends."""
+
+    NAME = "server.lock"
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Hold it; who holds it instead (``pid N``), or None. A data dir it cannot be made
+        in is left to the server's own check of the dir, which says why."""
+        import fcntl
+
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            return f"pid {holder}" if holder.isdigit() else "its lock is held"
+        except OSError:  # a file system without locks: as before, unlocked
+            os.close(fd)
+            return None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
