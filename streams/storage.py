@@ -7,7 +7,9 @@ import errno
 import sqlite3
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-SQLITE_STORAGE_WORDS = ("full", "readonly", "disk i/o")
+SQLITE_STORAGE_WORDS = ("full", "readonly", "disk i/o", "no such table", "unable to open")
+"""SQLite's words for a store it cannot write: the last two, its file or the whole data dir
+deleted (or replaced) while the server ran (a 500 naming no setting)."""
 DATA_DIR_HINT = (
     "free space in, or fix the permissions of, the data directory: setting STREAMDET_DATA_DIR"
 )

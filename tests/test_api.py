@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import re
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -561,6 +562,20 @@ def test_a_data_dir_that_cannot_be_written_is_507_naming_the_setting(
     assert resp.status_code == 507, resp.text
     assert "STREAMDET_DATA_DIR" in resp.json()["detail"]
     assert client.get("/streams").json()["streams"] == []
+
+
+def test_a_data_dir_deleted_while_the_server_runs_is_507_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    """``rm -rf`` of the data dir under a running server: the write routes were a 500
+    ("no such table: streams"), naming no setting."""
+    with TestClient(file_stream_app(tmp_path)) as c:
+        shutil.rmtree(tmp_path / "data")
+        for path in ("/streams", "/webhooks"):
+            body = {"url": "rtsp://camera.invalid/a" if path == "/streams" else "http://h/"}
+            resp = c.post(path, json=body)
+            assert resp.status_code == 507, (path, resp.text)
+            assert "STREAMDET_DATA_DIR" in resp.json()["detail"], resp.text
 
 
 def test_a_removal_the_data_dir_refuses_changes_nothing(
