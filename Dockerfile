@@ -61,5 +61,5 @@ WORKDIR /cache
 EXPOSE 8000 8001
 # Ready = model loaded and warmed (engine builds on first start can take minutes).
 HEALTHCHECK --interval=15s --timeout=3s --start-period=600s --retries=3 \
-  CMD ["python3", "-c", "import os, sys, urllib.request; port = os.environ.get('STREAMDET_PORT', '8000'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/readyz', timeout=2).status == 200 else 1)"]
+  CMD ["python3", "-m", "server.healthcheck"]
 ENTRYPOINT ["streamdet", "serve"]
