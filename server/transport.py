@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 from typing import Protocol, cast
 
 CLOSE_GRACE_S = 1.0
@@ -65,14 +66,26 @@ def abort_later(send: object, delay_s: float) -> None:
     if transport is None:
         return
     if delay_s <= 0:
-        transport.abort()
+        _reset(transport)
     elif transport.get_write_buffer_size():
         asyncio.get_running_loop().call_later(delay_s, _abort_if_unsent, transport)
 
 
 def _abort_if_unsent(transport: Transport) -> None:
     if transport.get_write_buffer_size():
-        transport.abort()
+        _reset(transport)
+
+
+def _reset(transport: Transport) -> None:
+    """Abort, with a reset (``SO_LINGER`` 0): a plain close left the kernel trying to send a
+    stalled viewer the bytes in its socket for minutes (FIN-WAIT-1), the viewer none the
+    wiser, its connection still open to it."""
+    sock = transport.get_extra_info("socket")
+    if isinstance(sock, socket.socket) or hasattr(sock, "setsockopt"):
+        sock = cast(socket.socket, sock)  # asyncio's TransportSocket wraps one
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def transport_of(send: object) -> Transport | None:
