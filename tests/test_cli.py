@@ -820,3 +820,14 @@ def test_a_damaged_store_in_the_data_dir_is_named_before_the_model_loads(
     assert f"{data / 'streams.sqlite3'}: not a database SQLite can read" in said[1]
     assert f"{data / 'webhooks.sqlite3'}: not a file" in said[2]
     assert all("STREAMDET_DATA_DIR" in line for line in said), said
+
+
+def test_a_bad_setting_from_the_environment_is_named_as_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """STREAMDET_PORT=abc was told as "--port: ...", a flag its user never typed."""
+    monkeypatch.setenv("STREAMDET_PORT", "abc")
+    assert cli.main(["serve", "--model", str(MODEL_PT)]) == 2
+    assert "streamdet: STREAMDET_PORT='abc' (--port): " in capsys.readouterr().err
+    assert cli.main(["serve", "--model", str(MODEL_PT), "--port", "x"]) == 2  # the flag's own
+    assert "streamdet: --port: " in capsys.readouterr().err
