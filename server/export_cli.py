@@ -35,8 +35,12 @@ EXIT_BELOW_BAR = 3
 
 
 def _default_cache_dir() -> Path:
+    """``STREAMDET_CACHE_DIR``, as ``serve``, ``bench`` and ``analyze`` take it (it was
+    ignored here), else the settings' default."""
     from server.settings import Settings
 
+    if given := os.environ.get("STREAMDET_CACHE_DIR", "").strip():
+        return Path(given).expanduser()
     return Settings.model_fields["cache_dir"].default_factory()  # type: ignore[call-arg,misc,no-any-return]
 
 

@@ -831,3 +831,16 @@ def test_a_bad_setting_from_the_environment_is_named_as_the_variable(
     assert "streamdet: STREAMDET_PORT='abc' (--port): " in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(MODEL_PT), "--port", "x"]) == 2  # the flag's own
     assert "streamdet: --port: " in capsys.readouterr().err
+
+
+def test_export_and_evaluate_take_the_cache_dir_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve``, ``bench`` and ``analyze`` took STREAMDET_CACHE_DIR; ``export`` and
+    ``evaluate`` exported the .pt again under ~/.cache/streamdet."""
+    from server.export_cli import _default_cache_dir
+
+    monkeypatch.setenv("STREAMDET_CACHE_DIR", str(CACHE_DIR))
+    assert _default_cache_dir() == CACHE_DIR
+    monkeypatch.delenv("STREAMDET_CACHE_DIR")
+    assert _default_cache_dir() == Settings.model_fields["cache_dir"].default_factory()  # type: ignore[call-arg,misc]
