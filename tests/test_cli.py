@@ -708,38 +708,38 @@ def test_the_port_answers_the_probes_while_the_model_loads(
         again.bind(("127.0.0.1", port))
 
 
-def test_a_start_that_fails_after_the_streams_started_stops_them_and_exits(
-    tmp_path: Path,
+def test_a_start_that_fails_after_the_streams_started_stops_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A data dir whose jobs folder could not be made (a file in its place, or root's after
-    a run as root) failed the start after the streams and webhooks had started: their
-    threads and tasks held the process up for good, its port open and unanswered, its camera
-    still decoded. It exits, saying why."""
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "jobs").write_text("in the way")
+    """A start that failed after the streams and webhooks had started (a jobs folder root
+    made, the server run as another user) left their threads running: the process never
+    exited, its port open and unanswered, its camera still decoded and recorded. What had
+    started is stopped, and the error goes on to uvicorn (exit 3)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from server.jobs import JobManager
+    from tests.helpers import file_stream_app
+
+    async def refused(self: JobManager) -> None:
+        raise PermissionError(13, "Permission denied", str(self.directory))
+
+    monkeypatch.setattr(JobManager, "start", refused)
+    before = set(threading.enumerate())
     path = tmp_path / "streams.yaml"
     entry = {"id": "road", "url": f"file://{CAR_CLIP}", "loop": True}
     path.write_text(yaml.safe_dump({"streams": [entry]}))
-    done = run_cli(
-        "serve",
-        "--model",
-        str(MODEL_PT),
-        "--cache-dir",
-        str(CACHE_DIR),
-        "--streams-file",
-        str(path),
-        "--allowed-file-dir",
-        str(CAR_CLIP.parent),
-        "--data-dir",
-        str(data),
-        "--port",
-        str(free_port()),
-        "--webhooks",  # its sender, started too, retrying a receiver that is not there
-        f"http://127.0.0.1:{free_port()}/hook",
+    app = file_stream_app(
+        tmp_path, streams_file=path, webhooks=[f"http://127.0.0.1:{free_port()}/hook"]
     )
-    assert done.returncode != 0, done.stderr
-    assert "jobs" in done.stderr, done.stderr
+    with pytest.raises(PermissionError), TestClient(app):
+        pass
+    deadline = time.monotonic() + 10
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The stream's decode thread, the engine's workers and the event store's writer went on.
+    assert not left, left
 
 
 def test_bench_names_a_video_or_model_it_cannot_read_without_a_traceback(
@@ -812,13 +812,15 @@ def test_a_damaged_store_in_the_data_dir_is_named_before_the_model_loads(
     (data / "streams.sqlite3").write_bytes(os.urandom(4096))
     (data / "webhooks.sqlite3").mkdir()
     (data / "snapshots").write_text("in the way")
+    (data / "jobs").write_text("in the way")  # (the start failed after the streams started)
     done = run_cli("serve", "--data-dir", str(data), "--port", str(free_port()))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("streamdet:")]
-    assert len(said) == 3, said
-    assert f"--data-dir: {data / 'snapshots'}: not a folder; move it aside" in said[0]
-    assert f"{data / 'streams.sqlite3'}: not a database SQLite can read" in said[1]
-    assert f"{data / 'webhooks.sqlite3'}: not a file" in said[2]
+    assert len(said) == 4, said
+    assert f"--data-dir: {data / 'jobs'}: not a folder; move it aside" in said[0]
+    assert f"--data-dir: {data / 'snapshots'}: not a folder; move it aside" in said[1]
+    assert f"{data / 'streams.sqlite3'}: not a database SQLite can read" in said[2]
+    assert f"{data / 'webhooks.sqlite3'}: not a file" in said[3]
     assert all("STREAMDET_DATA_DIR" in line for line in said), said
 
 
