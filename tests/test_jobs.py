@@ -770,6 +770,10 @@ async def test_a_start_deletes_uploads_a_crash_cut_off_and_keeps_unreadable_jobs
     (tmp_path / "unreadable").mkdir()
     (tmp_path / "unreadable" / "job.json").write_text("{")
     (tmp_path / "unreadable" / "source.mp4").write_bytes(b"x" * 10)
+    # A field of another type (a callback as a string) failed the whole start.
+    (tmp_path / "mistyped").mkdir()
+    record = json.loads((tmp_path / kept.id / "job.json").read_text())
+    (tmp_path / "mistyped" / "job.json").write_text(json.dumps({**record, "callback": "x"}))
     (tmp_path / "notes.txt").write_text("not a job")
     fresh = _manager(tmp_path)
     await fresh.start()
@@ -779,7 +783,8 @@ async def test_a_start_deletes_uploads_a_crash_cut_off_and_keeps_unreadable_jobs
         assert fresh.bytes_used() == size
     finally:
         await fresh.stop(1)
-    assert _names(tmp_path) == sorted([kept.id, "notes.txt", "unreadable"])
+    assert _names(tmp_path) == sorted([kept.id, "mistyped", "notes.txt", "unreadable"])
+    assert f"{tmp_path / 'mistyped' / 'job.json'}" in caplog.text
     assert _names(tmp_path / "unreadable") == ["job.json", "source.mp4"]
     assert f"{tmp_path / 'cutoff'} (4096 bytes)" in caplog.text
     assert f"{tmp_path / 'empty'} (0 bytes)" in caplog.text
