@@ -305,6 +305,13 @@ def _serve(settings: Settings) -> int:
     mismatch = public_url_mismatch(settings.public_url, settings.root_path)
     if mismatch is not None:  # a warning: an outer proxy may add a prefix of its own
         log.warning("%s", mismatch)
+    allowed = settings.allowed_file_dir
+    if allowed is not None and not allowed.is_dir():  # a warning: it may be mounted later
+        log.warning(
+            "--allowed-file-dir: %s is not a folder (yet): every file:// source is refused until"
+            " it is (setting STREAMDET_ALLOWED_FILE_DIR)",
+            allowed,
+        )
     if settings.streams_file is not None:  # before the model loads: a typo fails at once
         problems = check_streams_file(settings.streams_file, os.environ, settings=settings)
         for problem in problems:

@@ -846,3 +846,18 @@ def test_export_and_evaluate_take_the_cache_dir_from_the_environment(
     assert _default_cache_dir() == CACHE_DIR
     monkeypatch.delenv("STREAMDET_CACHE_DIR")
     assert _default_cache_dir() == Settings.model_fields["cache_dir"].default_factory()  # type: ignore[call-arg,misc]
+
+
+def test_an_allowed_file_dir_that_is_no_folder_is_warned_of(tmp_path: Path) -> None:
+    """It started without a word, every file:// stream refused later."""
+    done = run_cli(
+        "serve",
+        "--allowed-file-dir",
+        str(tmp_path / "videos"),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--model",
+        str(tmp_path / "gone.pt"),  # ends the start once the settings are checked
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"--allowed-file-dir: {tmp_path / 'videos'} is not a folder (yet)" in done.stderr
