@@ -580,6 +580,15 @@ class Settings(BaseSettings):
                 )
         return value
 
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        # Checked as a setting, before the model loads (after it, and without the flag's
+        # name, --device gpu was refused).
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", value.strip()):
+            raise ValueError(f"{value!r}: give cpu, cuda or cuda:N (setting STREAMDET_DEVICE)")
+        return value.strip()
+
     @field_validator("allowed_file_dir", "streams_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:

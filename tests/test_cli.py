@@ -861,3 +861,13 @@ def test_an_allowed_file_dir_that_is_no_folder_is_warned_of(tmp_path: Path) -> N
     )
     assert done.returncode == 2, done.stderr
     assert f"--allowed-file-dir: {tmp_path / 'videos'} is not a folder (yet)" in done.stderr
+
+
+def test_a_device_that_is_no_torch_device_is_refused_before_the_model_loads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--device gpu was refused after the model's export and the workers' start, without the
+    flag's name."""
+    assert cli.main(["serve", "--backend", "torch", "--device", "gpu", "--model", "x.pt"]) == 2
+    assert "streamdet: --device: 'gpu': give cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert Settings(backend="torch", device="cuda:1").device == "cuda:1"
