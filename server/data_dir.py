@@ -48,9 +48,15 @@ def data_dir_problems(data_dir: Path) -> list[str]:
 
 
 class DataDirLock:
-    """``<data-dir>/server.lock``, held (``flock``) while a server runs: two servers on one
-    data dir opened the same cameras, sent each event to the webhooks twice under two ids,
-    and interleaved their logs. The kernel lets go of it however the process ends."""
+    """The data dir, held (``flock`` on the folder itself) while a server runs: two servers
+    on one data dir opened the same cameras, sent each event to the webhooks twice under two
+    ids, and interleaved their logs. The kernel lets go of it however the process ends.
+    ``<data-dir>/server.lock`` says which process holds it (a lock on that file was lost
+    when it was deleted: the next server made another and took that).
+
+    A data dir deleted whole and made again while its server runs is another folder: a
+    second server can take it.
+    """
 
     NAME = "server.lock"
 
@@ -65,21 +71,25 @@ class DataDirLock:
 
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
+            try:
+                holder = self.path.read_text(errors="replace").strip()
+            except OSError:
+                holder = ""
             return f"pid {holder}" if holder.isdigit() else "its lock is held"
         except OSError:  # a file system without locks: as before, unlocked
             os.close(fd)
             return None
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(f"{os.getpid()}\n")
+            tmp.replace(self.path)
         self._fd = fd
         return None
 

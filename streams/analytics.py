@@ -76,6 +76,9 @@ class StreamAnalytics:
         self._shapes: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
         self._shaped_by: StreamDetect | None = None  # the settings _shapes_now is of
         self._shapes_now = self._shapes
+        # The shapes of the settings given last (reshape), None before any: a frame still in
+        # flight with older settings counts none that they removed (it brought them back).
+        self._latest: tuple[frozenset[str], frozenset[str]] | None = None
 
     def process(
         self, detections: Detections, detect: StreamDetect, t: float, frame: int
@@ -122,6 +125,8 @@ class StreamAnalytics:
             self._shaped_by, self._shapes_now = detect, _shape_names(detect)
         shapes = self._shapes_now
         with self._lock:
+            if self._latest is not None and shapes != self._latest:
+                shapes = (shapes[0] & self._latest[0], shapes[1] & self._latest[1])
             self._prune(shapes)
             # Counted by hand: Counter.update's type checks cost more than a frame's few boxes.
             objects: dict[str, int] = {}
@@ -144,11 +149,16 @@ class StreamAnalytics:
             if new_objects:
                 self._tracked.update(name(c) for c in new_objects)
             if crossings:
-                self._crossings.update((c.line, c.direction, name(c.class_id)) for c in crossings)
+                self._crossings.update(
+                    (c.line, c.direction, name(c.class_id))
+                    for c in crossings
+                    if c.line in shapes[0]
+                )
             if detect.zones:
                 self._zone_now = {
                     zone: {name(c): n for c, n in counts.items()}
                     for zone, counts in zoned.occupancy.items()
+                    if zone in shapes[1]
                 }
                 self._zone_moves.update(  # not a removed zone's (its objects' last exits)
                     (e.zone, e.kind, name(e.class_id)) for e in zone_events if e.zone in shapes[1]
@@ -174,6 +184,7 @@ class StreamAnalytics:
         their metric series) until it ran again."""
         shapes = _shape_names(detect)  # not the cache: the event loop calls this
         with self._lock:
+            self._latest = shapes
             self._prune(shapes)
 
     def _prune(self, shapes: tuple[frozenset[str], frozenset[str]]) -> None:

@@ -871,3 +871,16 @@ def test_a_device_that_is_no_torch_device_is_refused_before_the_model_loads(
     assert cli.main(["serve", "--backend", "torch", "--device", "gpu", "--model", "x.pt"]) == 2
     assert "streamdet: --device: 'gpu': give cpu, cuda or cuda:N" in capsys.readouterr().err
     assert Settings(backend="torch", device="cuda:1").device == "cuda:1"
+
+
+def test_the_data_dirs_lock_holds_when_its_pid_file_is_deleted(tmp_path: Path) -> None:
+    """The lock was on server.lock: deleted (it stays on disk after every exit), the next
+    server made another, took it, and opened the running server's cameras."""
+    data = tmp_path / "data"
+    first = DataDirLock(data)
+    assert first.acquire() is None
+    try:
+        (data / DataDirLock.NAME).unlink()
+        assert DataDirLock(data).acquire() == "its lock is held"
+    finally:
+        first.release()

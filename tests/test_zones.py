@@ -522,3 +522,7 @@ def test_a_removed_zone_or_line_takes_its_counts_at_once_where_no_frame_comes() 
     analytics.reshape(StreamDetect(track=True))
     counts = analytics.snapshot()
     assert counts["crossings"] == {} and counts["zones"] == {}
+    # A frame still in flight, taken with the old settings, brings none of them back.
+    analytics.process(dets([[600, 700, 700, 800]]), settings, 1.0, 10)
+    counts = analytics.snapshot()
+    assert counts["crossings"] == {} and counts["zones"] == {}
