@@ -525,11 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            where = f"--{loc.replace('_', '-')}: " if loc else ""  # a rule across settings
+            flag = f"--{loc.replace('_', '-')}"
+            where = f"{flag}: " if loc else ""  # no loc: a rule across settings
             variable = f"STREAMDET_{loc.upper()}"
             if loc and getattr(args, loc, None) is None and variable in os.environ:
                 # From the environment: a user who never typed --port was told of it only.
-                where = f"{variable}={os.environ[variable]!r} (--{loc.replace('_', '-')}): "
+                where = f"{variable}={os.environ[variable]!r} ({flag}): "
             message = err["msg"].removeprefix("Value error, ")  # pydantic's, for ValueErrors
             print(f"streamdet: {where}{message}", file=sys.stderr)
         return 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from contextlib import closing
 from pathlib import Path
 
 DATABASES = ("streams.sqlite3", "events.sqlite3", "webhooks.sqlite3")
@@ -40,7 +39,7 @@ def data_dir_problems(data_dir: Path) -> list[str]:
             )
             continue
         try:  # read only, and as little as tells a database from something else
-            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
                 db.execute("SELECT name FROM sqlite_master").fetchall()
         except sqlite3.Error as exc:
             problems.append(f"{path}: not a database SQLite can read ({exc}); {MOVE_ASIDE}")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engines.calibration import CalibrationError
+from engines.calibration import CalibrationError, check_sources
 from engines.evaluate import EvalReport
 from engines.export import (
     CALIB_METHODS,
@@ -205,14 +205,7 @@ def _export(args: argparse.Namespace) -> int:
     if not _report_writable(args):
         return 2
     sources = args.eval or args.calib
-    from engines.calibration import check_sources
-
-    try:  # before the export, not a traceback after it
-        for specs, flag in ((args.calib, "--calib"), (args.eval, "--eval")):
-            if specs:
-                check_sources(specs, flag)
-    except CalibrationError as exc:
-        print(f"streamdet export: {exc}", file=sys.stderr)
+    if not _sources_readable(args, (args.calib, "--calib"), (args.eval, "--eval")):
         return 2
     if args.precision != "fp32" and args.eval_frames > 0 and sources and args.calib:
         from engines.calibration import check_frame_budget
@@ -234,6 +227,20 @@ def _export(args: argparse.Namespace) -> int:
         print("no --eval sources: accuracy report skipped", file=sys.stderr)
         return 0
     return _report(args, result.path, result.reference, sources)
+
+
+def _sources_readable(args: argparse.Namespace, *given: tuple[list[str] | None, str]) -> bool:
+    """Whether each flag's frame sources exist and their videos can be read, checked before
+    the export or evaluation (an unreadable one failed after them, with a traceback); prints
+    why not."""
+    try:
+        for specs, flag in given:
+            if specs:
+                check_sources(specs, flag)
+    except CalibrationError as exc:
+        print(f"streamdet {args.command}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _report_writable(args: argparse.Namespace) -> bool:
@@ -258,12 +265,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     if not _report_writable(args):
         return 2
-    from engines.calibration import check_sources
-
-    try:
-        check_sources(args.frames, "--frames")
-    except CalibrationError as exc:
-        print(f"streamdet evaluate: {exc}", file=sys.stderr)
+    if not _sources_readable(args, (args.frames, "--frames")):
         return 2
     imgsz = args.imgsz or 640
     reference = resolve_onnx(

@@ -51,10 +51,10 @@ _SCHEMA = (
 PRUNE_EVERY = 500
 """Events written between two prunings of those beyond the log's size."""
 RESERVE_IDS = 10_000
+"""Ids a running server may give ahead of the last ``reserved`` written (renewed at half)."""
 MAX_AHEAD_IDS = 1_000 * RESERVE_IDS
 """How far past the database's ids (or the clock's) ``events.ids`` may be: a thousand runs
 killed before their first event reached the disk; past it the file is damaged."""
-"""Ids a running server may give ahead of the last ``reserved`` written (renewed at half)."""
 RETRY_FIRST_S = 0.25
 RETRY_MAX_S = 5.0
 """A failed write is tried again after these (doubling), with what came meanwhile."""

@@ -212,20 +212,19 @@ class ZoneCounter:
     def __init__(self) -> None:
         self._stays: dict[str, dict[int, _Stay]] = {}  # zone -> track id -> its stay
 
-    def clear(self) -> None:
-        self._stays.clear()
-
     def end(self, frame: int) -> list[ZoneEvent]:
         """Every object in a zone leaves it, ``lost``, at ``frame``: its tracks end (tracking
-        turned off, a video job's end). Each entry gets its exit: they stayed unpaired."""
-        events = [
-            ZoneEvent(zone, "exit", track_id, stay.class_id, frame, stay.dwell, lost=True)
-            for zone, stays in self._stays.items()
-            for track_id, stay in stays.items()
+        turned off, the last zone removed, a video job's end). Each entry gets its exit: they
+        stayed unpaired."""
+        return [event for name in list(self._stays) for event in self._leave(name, frame)]
+
+    def _leave(self, name: str, frame: int) -> list[ZoneEvent]:
+        """The zone ``name`` forgotten, the objects in it leaving it ``lost`` at ``frame``."""
+        return [
+            self._exit(name, track_id, stay, frame, lost=True)
+            for track_id, stay in self._stays.pop(name).items()
             if stay.entered
         ]
-        self._stays.clear()
-        return events
 
     def update(
         self,
@@ -291,7 +290,7 @@ class ZoneCounter:
             for track_id in [k for k in stays if k not in first and k not in alive]:
                 gone = stays.pop(track_id)  # its track ended while it was in the zone
                 if gone.entered:
-                    events.append(self._exit(zone, track_id, gone, frame, lost=True))
+                    events.append(self._exit(zone.name, track_id, gone, frame, lost=True))
             counted: set[int] = set()
             for i, track_id in enumerate(ids):
                 stay = stays.get(track_id)
@@ -320,13 +319,7 @@ class ZoneCounter:
         for name in set(self._stays) - {zone.name for zone in zones}:
             # A zone removed (or renamed): the objects in it leave it, ``lost``, as where
             # tracking stops; its entries stayed unpaired.
-            for track_id, gone in self._stays.pop(name).items():
-                if gone.entered:
-                    events.append(
-                        ZoneEvent(
-                            name, "exit", track_id, gone.class_id, frame, gone.dwell, lost=True
-                        )
-                    )
+            events += self._leave(name, frame)
         return ZoneFrame(members, occupancy, events, dwell)
 
     @staticmethod
@@ -390,8 +383,8 @@ class ZoneCounter:
         if stay.outside < zone.inertia:
             return []
         del stays[track_id]
-        return [ZoneCounter._exit(zone, track_id, stay, frame, lost=False)]
+        return [ZoneCounter._exit(zone.name, track_id, stay, frame, lost=False)]
 
     @staticmethod
-    def _exit(zone: Zone, track_id: int, stay: _Stay, frame: int, *, lost: bool) -> ZoneEvent:
-        return ZoneEvent(zone.name, "exit", track_id, stay.class_id, frame, stay.dwell, lost)
+    def _exit(zone: str, track_id: int, stay: _Stay, frame: int, *, lost: bool) -> ZoneEvent:
+        return ZoneEvent(zone, "exit", track_id, stay.class_id, frame, stay.dwell, lost)
