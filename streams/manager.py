@@ -410,7 +410,7 @@ class StreamManager:
         if (
             record.enabled != was_enabled
             or revive
-            or (detect is not None and stream_id in self._bad_detect)
+            or (stream_id in self._bad_detect and (detect is not None or "max_fps" in changes))
         ):
             await self._relaunch(record, reader)
         log.info("stream %s: updated %s", stream_id, sorted(changes))
@@ -858,7 +858,14 @@ class StreamManager:
             error = f"detect settings {record.detect} do not fit this model: {exc}"
             self._bad_detect.add(record.id)
             log.error("stream %s: %s", record.id, error)
-        config = StreamConfig(record.id, spec or placeholder, record.name, record.max_fps, detect)
+        max_fps = record.max_fps
+        if not _a_rate(max_fps):
+            # Written into the database by hand: the decode thread failed on it at each try.
+            wrong = f"max_fps {max_fps!r} stored for it is no frame rate in (0, 1000]; PATCH it"
+            error, spec, max_fps = f"{error}; {wrong}" if error else wrong, None, None
+            self._bad_detect.add(record.id)
+            log.error("stream %s: %s", record.id, error)
+        config = StreamConfig(record.id, spec or placeholder, record.name, max_fps, detect)
         token = self._tokens[record.id] = object()
         publish = functools.partial(self._publish_threadsafe, token)
         on_state = functools.partial(self._state_threadsafe, (record.id, token))
@@ -909,3 +916,12 @@ async def _until(done: Callable[[], bool], at: float, end: float) -> None:
     50 ms."""
     while not done() and time.monotonic() < min(at, end):  # noqa: ASYNC110 - threads' ends
         await asyncio.sleep(0.05)
+
+
+def _a_rate(max_fps: object) -> bool:
+    """Whether a stored ``max_fps`` is one the API could have taken: none, or in (0, 1000]."""
+    if max_fps is None:
+        return True
+    if isinstance(max_fps, bool) or not isinstance(max_fps, int | float):
+        return False
+    return 0 < max_fps <= 1000

@@ -10,6 +10,7 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from tests.helpers import (
     file_stream_app,
     match_reference,
     ultralytics_assets,
+    wait_until,
 )
 
 
@@ -452,6 +454,27 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         resp = c.patch("/streams/nope", json={"conf": 0.3})
         assert resp.status_code == 404 and "nope" in resp.text
         assert c.delete(f"/streams/{sid}").status_code == 204
+
+
+def test_a_max_fps_written_into_the_database_by_hand_fails_its_stream_until_patched(
+    tmp_path: Path,
+) -> None:
+    """A stored ``max_fps`` no API call could give (text written into streams.sqlite3 by
+    hand) failed the stream's decode thread at each try: the stream went on "reconnecting"
+    with a TypeError. It is failed, naming max_fps, and a PATCH with a rate starts it."""
+    url = f"file://{VIDEOS[0]}"
+    with TestClient(file_stream_app(tmp_path)) as c:
+        sid = c.post("/streams", json={"url": url, "loop": True, "max_fps": 5}).json()["id"]
+    with closing(sqlite3.connect(tmp_path / "data" / "streams.sqlite3")) as db, db:
+        db.execute("UPDATE streams SET max_fps = 'fast' WHERE id = ?", (sid,))
+    with TestClient(file_stream_app(tmp_path)) as c:
+        shown = c.get(f"/streams/{sid}").json()
+        assert shown["state"] == "failed", shown
+        assert "max_fps 'fast' stored for it is no frame rate" in shown["last_error"], shown
+        resp = c.patch(f"/streams/{sid}", json={"max_fps": 4})
+        assert resp.status_code == 200 and resp.json()["max_fps"] == 4.0, resp.text
+        assert resp.json()["state"] != "failed", resp.text
+        wait_until(lambda: c.get(f"/streams/{sid}").json()["state"] == "live", "stream live")
 
 
 def test_cars_crossing_a_line_are_counted_by_the_api_and_metrics(tmp_path: Path) -> None:
