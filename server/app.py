@@ -24,6 +24,7 @@ from engines.pool import EnginePool
 from server import metrics as metrics_module
 from server.admission import AdmissionController
 from server.auth import ApiKeyMiddleware, ApiKeys, TokenFilter, with_bearer_scheme
+from server.head import HeadAsGet
 from server.jobs import JobManager
 from server.metrics import Metrics, RequestMetricsMiddleware, nvml_collector
 from server.mqtt import MqttPublisher
@@ -331,6 +332,7 @@ def create_app(settings: Settings | None = None, pool: EnginePool | None = None)
         schema_of = app.openapi
         app.openapi = lambda: with_bearer_scheme(schema_of())  # type: ignore[method-assign]
     # Outermost last: CORS answers preflights and decorates 401s; metrics count refusals.
+    app.add_middleware(HeadAsGet, routes=app.router.routes)  # innermost: HEAD is seen as HEAD
     app.add_middleware(JsonBodyLimit)  # inside the key check: a stranger gets 401 first
     app.add_middleware(
         ApiKeyMiddleware,

@@ -31,6 +31,7 @@ from tests.helpers import (
     clip_server,
     decode_jpeg,
     file_stream_app,
+    wait_until,
 )
 
 SOURCE_FPS = 12.5  # car-detection.mp4
@@ -327,3 +328,40 @@ def test_mjpeg_stream_of_a_stream_for_img_tags_and_camera_cards(tmp_path: Path) 
     # 4 a second from a 30 fps clip: frames skipped between parts, ~1.25 s for 5 gaps.
     assert frames[-1] - frames[0] >= 5 * 3, frames
     assert elapsed >= 0.5, elapsed
+
+
+def test_every_get_route_answers_head_with_its_headers_and_no_body(tmp_path: Path) -> None:
+    """A real server: ``HEAD`` on a ``GET`` route answers the GET's status and headers
+    without a body (FastAPI's routes refused it with a 405: ``HEAD /streams``, a stream's
+    ``latest.jpg``, the viewer page), and an endless answer (MJPEG, server-sent events) ends
+    at its headers instead of hanging; a 405's ``Allow`` lists HEAD beside GET."""
+    server = clip_server(tmp_path)
+    with server, httpx.Client(base_url=server.base_url, timeout=30) as c:
+        sid = c.post("/streams", json={"url": f"file://{BOTTLE_CLIP}", "loop": True}).json()["id"]
+        wait_until(lambda: c.get(f"/streams/{sid}/latest.jpg").status_code == 200, "a frame")
+        for path, kind in (
+            ("/streams", "application/json"),
+            (f"/streams/{sid}", "application/json"),
+            (f"/streams/{sid}/latest.jpg", "image/jpeg"),
+            ("/", "text/html"),
+            ("/metrics", "text/plain"),
+            ("/events", "application/json"),
+            (f"/streams/{sid}/mjpeg", "multipart/x-mixed-replace"),
+            ("/events", "text/event-stream"),  # server-sent events: endless
+        ):
+            accept = {"accept": kind} if kind == "text/event-stream" else {}
+            head = c.head(path, headers=accept)
+            assert head.status_code == 200, (path, head.status_code, head.text)
+            assert head.headers["content-type"].startswith(kind), (path, head.headers)
+            assert head.content == b"", path
+        got = c.get(f"/streams/{sid}")
+        head = c.head(f"/streams/{sid}")
+        assert head.headers["content-length"] == got.headers["content-length"]  # same answer
+        assert c.head("/streams/nope").status_code == 404
+        assert c.head("/healthz").status_code == 200  # its own HEAD route
+        refused = c.request("OPTIONS", "/streams")
+        assert refused.status_code == 405
+        assert refused.headers["allow"] == "GET, HEAD, POST", refused.headers
+        assert c.get("/healthz").status_code == 200  # nothing hangs behind them
+        # The MJPEG answer's viewer left with it.
+        wait_until(lambda: c.get(f"/streams/{sid}").json()["subscribers"] == 0, "no viewer")

@@ -12,8 +12,8 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
+from server.head import answers
 from server.routes.bodies import FASTAPI_PARSE_ERROR, UNREADABLE, why_unreadable
 from server.routes.paths import app_path, is_v2_path
 
@@ -66,13 +66,10 @@ def allowed_methods(request: Request) -> str:
     """Every method the request's path answers, for a 405's ``Allow``: Starlette's names only
     those of the first route of the path (``GET /streams`` and ``POST /streams`` are two), so
     ``Allow: POST`` left ``GET`` out (RFC 9110 asks for all of them)."""
-    methods = []
-    for method in HTTP_METHODS:
-        scope = {**request.scope, "method": method}
-        if "fastapi" in scope:  # FastAPI's routers note their matching there
-            scope["fastapi"] = dict(scope["fastapi"])
-        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
-            methods.append(method)
+    routes = request.app.router.routes
+    methods = [m for m in HTTP_METHODS if answers(routes, request.scope, m)]
+    if "GET" in methods and "HEAD" not in methods:  # server.head answers it
+        methods.insert(methods.index("GET") + 1, "HEAD")
     return ", ".join(methods)
 
 
