@@ -41,9 +41,48 @@ def data_dir_problems(data_dir: Path) -> list[str]:
         try:  # read only, and as little as tells a database from something else
             with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
                 db.execute("SELECT name FROM sqlite_master").fetchall()
+                lacking = _lacking_columns(db, name)
         except sqlite3.Error as exc:
             problems.append(f"{path}: not a database SQLite can read ({exc}); {MOVE_ASIDE}")
+            continue
+        if lacking:
+            problems.append(
+                f"{path}: not streamdet's ({lacking}): another program's database, or one"
+                f" damaged by hand; {MOVE_ASIDE}"
+            )
     return problems
+
+
+def _lacking_columns(db: sqlite3.Connection, name: str) -> str:
+    """What ``db``'s tables lack of the columns streamdet's store ``name`` reads (those its
+    later releases add to an older file aside): a file of the same name from another program
+    failed the start after the model loaded, with a traceback ("no such column: id")."""
+    from server.webhook_store import SCHEMA as WEBHOOKS
+    from streams.event_store import SCHEMA as EVENTS
+    from streams.store import ADDED_COLUMNS
+    from streams.store import SCHEMA as STREAMS
+
+    statements, added = {
+        "streams.sqlite3": ((STREAMS,), {"streams": ADDED_COLUMNS}),
+        "events.sqlite3": (EVENTS, {}),
+        "webhooks.sqlite3": ((WEBHOOKS,), {}),
+    }[name]
+    with contextlib.closing(sqlite3.connect(":memory:")) as wanted:
+        for statement in statements:
+            wanted.execute(statement)
+        tables = [row[0] for row in wanted.execute("SELECT name FROM sqlite_master")]
+        tables = [t for t in tables if not t.startswith("sqlite_")]  # its indexes
+        lacking = []
+        for table in tables:
+            have = _columns(db, table)
+            need = _columns(wanted, table) - set(added.get(table, ()))
+            if have and need - have:  # a table that is not there yet is made
+                lacking.append(f"table {table} has no {', '.join(sorted(need - have))}")
+    return "; ".join(lacking)
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute("SELECT * FROM pragma_table_info(?)", (table,))}
 
 
 class DataDirLock:

@@ -13,7 +13,7 @@ from typing import Any
 
 from streams.store import keep_private
 
-_SCHEMA = """
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS webhooks (
     id TEXT PRIMARY KEY,
     url TEXT NOT NULL,
@@ -44,7 +44,7 @@ class WebhookStore:
         self.path = data_dir / "webhooks.sqlite3"
         keep_private(self.path)  # webhook URLs (tokens) and secrets
         with closing(self._connect()) as db, db:
-            db.execute(_SCHEMA)
+            db.execute(SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=10.0)

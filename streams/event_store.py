@@ -43,7 +43,7 @@ from streams.store import keep_private
 
 log = logging.getLogger(__name__)
 
-_SCHEMA = (
+SCHEMA = (
     "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, body TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS cursors (name TEXT PRIMARY KEY, cursor INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL)",
@@ -266,7 +266,7 @@ class EventStore:
         with closing(self._connect()) as db:
             with db:
                 db.execute("PRAGMA journal_mode=WAL")
-                for statement in _SCHEMA:
+                for statement in SCHEMA:
                     db.execute(statement)
             try:
                 with db:

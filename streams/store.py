@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_SCHEMA = """
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS streams (
     id TEXT PRIMARY KEY,
     url TEXT NOT NULL,
@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS streams (
 )
 """
 # Columns added after the first release, with their definitions: an older file gains them.
-_ADDED_COLUMNS = {
+ADDED_COLUMNS = {
     "detect": "TEXT NOT NULL DEFAULT '{}'",
     "from_file": "INTEGER NOT NULL DEFAULT 0",
     "enabled": "INTEGER NOT NULL DEFAULT 1",
@@ -91,9 +91,9 @@ class StreamStore:
         self.path = data_dir / "streams.sqlite3"
         keep_private(self.path)  # camera URLs, passwords and all
         with closing(self._connect()) as db, db:
-            db.execute(_SCHEMA)
+            db.execute(SCHEMA)
             have = {row[1] for row in db.execute("PRAGMA table_info(streams)")}
-            for column, definition in _ADDED_COLUMNS.items():
+            for column, definition in ADDED_COLUMNS.items():
                 if column not in have:
                     db.execute(f"ALTER TABLE streams ADD COLUMN {column} {definition}")
 

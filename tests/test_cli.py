@@ -10,10 +10,12 @@ import contextlib
 import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +27,7 @@ from pydantic import ValidationError
 from engines.types import EngineError
 from loadtest.server import free_port
 from server import cli
-from server.data_dir import DataDirLock
+from server.data_dir import DataDirLock, data_dir_problems
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, CAR_CLIP, MODEL_PT, REPO
 
@@ -822,6 +824,33 @@ def test_a_damaged_store_in_the_data_dir_is_named_before_the_model_loads(
     assert f"{data / 'streams.sqlite3'}: not a database SQLite can read" in said[2]
     assert f"{data / 'webhooks.sqlite3'}: not a file" in said[3]
     assert all("STREAMDET_DATA_DIR" in line for line in said), said
+
+
+def test_another_programs_database_in_the_data_dir_is_named_before_the_model_loads(
+    tmp_path: Path,
+) -> None:
+    """A database SQLite reads but not streamdet's (a file of the same name from another
+    program, a table damaged by hand) failed the start after the model loaded, with a
+    traceback ("no such column: id", exit 3). An older release's file (a column later
+    releases add missing) still starts."""
+    data = tmp_path / "data"
+    data.mkdir()
+    with closing(sqlite3.connect(data / "events.sqlite3")) as db, db:
+        db.execute("CREATE TABLE events (ts REAL, what TEXT)")
+    done = run_cli("serve", "--data-dir", str(data), "--port", str(free_port()))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("streamdet:")]
+    assert len(said) == 1, said
+    assert f"{data / 'events.sqlite3'}: not streamdet's (table events has no body, id)" in said[0]
+    assert "STREAMDET_DATA_DIR" in said[0]
+    (data / "events.sqlite3").unlink()
+    with closing(sqlite3.connect(data / "streams.sqlite3")) as db, db:  # the first release's
+        db.execute(
+            "CREATE TABLE streams (id TEXT PRIMARY KEY, url TEXT NOT NULL, name TEXT NOT NULL"
+            " DEFAULT '', max_fps REAL, transport TEXT NOT NULL DEFAULT 'tcp', loop INTEGER NOT"
+            " NULL DEFAULT 1, created_at REAL NOT NULL)"
+        )
+    assert data_dir_problems(data) == []
 
 
 def test_a_bad_setting_from_the_environment_is_named_as_the_variable(
