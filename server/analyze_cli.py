@@ -42,7 +42,10 @@ def add_analyze_args(parser: argparse.ArgumentParser) -> None:
         ' "track": true, "fps": 5, "lines": [...], "render": true}\'',
     )
     parser.add_argument(
-        "--out", type=Path, default=None, help="where the results go (default: <video>.streamdet/)"
+        "--out",
+        type=Path,
+        default=None,
+        help="where the results go (default: <video's file name>.streamdet/ in the current folder)",
     )
 
 
