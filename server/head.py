@@ -56,4 +56,9 @@ class HeadAsGet:
                 return {"type": "http.disconnect"}
             return await receive()
 
-        await self.app({**scope, "method": "GET"}, head_receive, head_send)
+        as_get = {**scope, "method": "GET"}
+        try:
+            await self.app(as_get, head_receive, head_send)
+        finally:
+            if "route" in as_get:  # the route matched, for the metrics' label
+                scope["route"] = as_get["route"]

@@ -354,14 +354,15 @@ def test_every_get_route_answers_head_with_its_headers_and_no_body(tmp_path: Pat
             assert head.status_code == 200, (path, head.status_code, head.text)
             assert head.headers["content-type"].startswith(kind), (path, head.headers)
             assert head.content == b"", path
-        got = c.get(f"/streams/{sid}")
-        head = c.head(f"/streams/{sid}")
-        assert head.headers["content-length"] == got.headers["content-length"]  # same answer
+        head = c.head("/model")  # an answer that does not change: the same length
+        assert head.headers["content-length"] == c.get("/model").headers["content-length"]
         assert c.head("/streams/nope").status_code == 404
         assert c.head("/healthz").status_code == 200  # its own HEAD route
         refused = c.request("OPTIONS", "/streams")
         assert refused.status_code == 405
         assert refused.headers["allow"] == "GET, HEAD, POST", refused.headers
         assert c.get("/healthz").status_code == 200  # nothing hangs behind them
+        counted = 'streamdet_http_requests_total{method="HEAD",route="/streams/{stream_id}",'
+        assert counted in c.get("/metrics").text  # by its route, not as an unrouted call
         # The MJPEG answer's viewer left with it.
         wait_until(lambda: c.get(f"/streams/{sid}").json()["subscribers"] == 0, "no viewer")
