@@ -15,6 +15,10 @@ from streams.frames import decoded_size
 
 # We check the pixel count ourselves, with our own setting and a clear error.
 PILImage.MAX_IMAGE_PIXELS = None
+# A PNG's text chunks are inflated as its header is read: up to Pillow's own 64 MB of them,
+# 0.4 s of a decode thread for a 66 kB picture (64 in one call held it 25 s). A photo's
+# metadata is kilobytes; more is refused as an unreadable header.
+PngImagePlugin.MAX_TEXT_MEMORY = 4 * 1024 * 1024
 
 ALLOWED_FORMATS = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp"}
 IMAGE_CONTENT_TYPES = set(ALLOWED_FORMATS.values()) | {"image/jpg", "application/octet-stream"}

@@ -9,6 +9,8 @@ import functools
 import queue
 import struct
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -292,6 +294,65 @@ def test_a_call_of_several_images_is_run_on_an_idle_server_and_bounded_before_de
     )
 
 
+def test_a_calls_encoded_images_are_read_in_decode_threads_not_on_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading a call's BYTES elements and its images' headers ran on the event loop: a
+    PNG's text chunks are inflated as its header is read (64 crafted ones held every stream,
+    viewer and /healthz 31 s), and 5 million empty elements held it 4 s before a count of
+    more than 256 was refused. Both run in a decode thread, and the count is refused from
+    the shape before any element is read."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from fastapi import HTTPException
+
+    from server.routes import v2_tensors
+
+    where: dict[str, str] = {}
+
+    def noting(name: str, read: Any) -> Any:
+        def run(*args: Any) -> Any:
+            where[name] = threading.current_thread().name
+            return read(*args)
+
+        return run
+
+    monkeypatch.setattr(v2_tensors, "bytes_elements", noting("elements", v2_tensors.bytes_elements))
+    monkeypatch.setattr(v2_tensors, "decoded_pixels", noting("headers", v2_tensors.decoded_pixels))
+    png = _png(32, 32)
+    state: Any = SimpleNamespace(
+        settings=SimpleNamespace(max_image_pixels=50_000_000),
+        pool=SimpleNamespace(
+            engine=SimpleNamespace(input_size=640), queue=SimpleNamespace(max_interactive=64)
+        ),
+        decode_executor=ThreadPoolExecutor(2, thread_name_prefix="decode"),
+    )
+
+    def call(count: int) -> dict[str, Any]:
+        tensor = {"name": "image_bytes", "datatype": "BYTES", "shape": [count]}
+        return {"inputs": [{**tensor, "parameters": {"binary_data_size": 4 + len(png)}}]}
+
+    async def run(count: int) -> Any:
+        packed = struct.pack("<I", len(png)) + png
+        return await v2_tensors.request_images(
+            state, call(count), packed, asyncio.get_running_loop()
+        )
+
+    try:
+        images, _ = asyncio.run(run(1))
+        assert images[0][1] == (32, 32)
+        assert where["elements"].startswith("decode"), where
+        assert where["headers"].startswith("decode"), where
+        where.clear()
+        with pytest.raises(HTTPException) as refused:
+            asyncio.run(run(5_000_000))
+        assert refused.value.detail == "1 to 256 images a request, not 5000000"
+        assert where == {}  # refused before any element was read
+    finally:
+        state.decode_executor.shutdown()
+
+
 def test_malformed_v2_requests_are_400s_naming_what_is_wrong(server: ServerProcess) -> None:
     """Each was a plain-text 500 (the header's ``isdigit`` takes "²"; ``parameters`` not an
     object); a bad output is refused before the images are run."""
@@ -522,6 +583,35 @@ def test_grpc_streams_and_the_aio_clients_detect(
         [reply] = list(stub.ModelStreamInfer(iter([junk]), timeout=60))
     assert "not a decodable image" in reply.error_message, reply.error_message
     assert reply.infer_response.id == "junk-1"
+    # A message that is no ModelInferRequest: what came before it is answered, then the
+    # stream ends saying so (it stayed open and silent for good, past the client's deadline).
+    bus = (ultralytics_assets() / "bus.jpg").read_bytes()
+    good = service_pb2.ModelInferRequest(model_name=MODEL, id="good-1")
+    good.inputs.add(name="image_bytes", datatype="BYTES", shape=[1])
+    good.raw_input_contents.append(struct.pack("<I", len(bus)) + bus)
+
+    def messages() -> Iterator[bytes]:
+        yield good.SerializeToString()
+        time.sleep(0.5)  # read after the first: its answer comes first
+        yield b"\xff\xff\xff\xff\x0f not a protobuf message"
+        yield good.SerializeToString()
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        raw = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=lambda b: b,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        answered: list[str] = []
+
+        def read_all() -> None:
+            answered.extend(answer.infer_response.id for answer in raw(messages(), timeout=60))
+
+        with pytest.raises(grpc.RpcError) as ended:
+            read_all()
+    assert answered == ["good-1"]
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ended.value
+    assert "a message of the stream is not a ModelInferRequest" in str(ended.value.details())
     assert not grpc_client.is_model_ready("other") and not grpc_client.is_model_ready(MODEL, "2")
 
     import tritonclient.grpc.aio as grpc_aio
