@@ -307,6 +307,7 @@ def test_a_calls_encoded_images_are_read_in_decode_threads_not_on_the_event_loop
 
     from fastapi import HTTPException
 
+    from server.images import decoded_pixels
     from server.routes import v2_tensors
 
     where: dict[str, str] = {}
@@ -319,7 +320,7 @@ def test_a_calls_encoded_images_are_read_in_decode_threads_not_on_the_event_loop
         return run
 
     monkeypatch.setattr(v2_tensors, "bytes_elements", noting("elements", v2_tensors.bytes_elements))
-    monkeypatch.setattr(v2_tensors, "decoded_pixels", noting("headers", v2_tensors.decoded_pixels))
+    monkeypatch.setattr(v2_tensors, "decoded_pixels", noting("headers", decoded_pixels))
     png = _png(32, 32)
     state: Any = SimpleNamespace(
         settings=SimpleNamespace(max_image_pixels=50_000_000),

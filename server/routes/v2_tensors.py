@@ -139,7 +139,7 @@ async def request_images(
             except ImageError as exc:
                 raise _of_element(exc, index, len(items)) from None
 
-        def pixels() -> int:
+        def header_pixels() -> int:
             return sum(element(index, decoded_pixels) for index in range(len(items)))
 
         try:
@@ -147,7 +147,7 @@ async def request_images(
             # took 2 GB and 18 s of the decode threads, then the call was refused anyway). In
             # a decode thread too: a PNG's text chunks are inflated as its header is read
             # (64 of them, 0.4 s each, held the event loop 31 s).
-            total = await loop.run_in_executor(decode, pixels)
+            total = await loop.run_in_executor(decode, header_pixels)
             if total > CALL_PIXELS * limit:
                 raise HTTPException(
                     413,
