@@ -530,7 +530,9 @@ class MqttPublisher:
         for stream_id, (name, on) in roster.items():
             self._retain_enabled(stream_id, on)
             self._announce_stream(stream_id, name)
-            if (state := self._states.get(stream_id)) is not None:
+            # One kept disabled across a restart logged no change to learn it from.
+            state = self._states.get(stream_id, None if on else "disabled")
+            if state is not None:
                 self._retain_state(stream_id, state)
 
     def _start_sweep(self, generation: int) -> None:

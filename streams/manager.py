@@ -29,7 +29,7 @@ from streams.clips import CLIP_PATH, ClipIndex, ClipOptions
 from streams.decode_child import SLOTS
 from streams.decode_procs import DecodeHub
 from streams.detect import StreamDetect
-from streams.events import EventLog, ManualEvent, StateEvent, StreamEvent
+from streams.events import EventFilter, EventLog, ManualEvent, StateEvent, StreamEvent
 from streams.fanout import WS_GOING_AWAY, WS_NORMAL, ProcessedFrame, StateMessage, Subscriber
 from streams.jobs import FrameSource
 from streams.outbox import Outbox
@@ -495,14 +495,18 @@ class StreamManager:
         await self._let_go(old, record.id)
         if self._closing:
             return  # the manager is stopping its readers: a new one would run on
-        self._latest.pop(record.id, None)
-        if not record.enabled:
-            self._launch(record, None, carry=old, previous=was)
-            return
         try:
-            self._launch(record, self._spec(record), carry=old)
-        except SourceError as exc:
-            self._launch(record, None, error=str(exc), carry=old, previous=was)
+            if not record.enabled:
+                self._launch(record, None, carry=old, previous=was)
+                return
+            try:
+                self._launch(record, self._spec(record), carry=old)
+            except SourceError as exc:
+                self._launch(record, None, error=str(exc), carry=old, previous=was)
+        finally:
+            # Its last frame shown no more; after the launch, whose lost zone exits (a
+            # stream disabled, failed) go to its viewers with it.
+            self._latest.pop(record.id, None)
         log.info("stream %s: opened on %s", record.id, redact(record.url))
 
     async def _let_go(self, reader: StreamReader, stream_id: str) -> None:
@@ -724,13 +728,31 @@ class StreamManager:
                 if sub.wants_states:
                     sub.offer(message)
 
+    def _recall_state(self, stream_id: str) -> None:
+        """The change that left a stream disabled, from the log, for its viewers: one kept
+        disabled across a restart logs none, and its viewers were told nothing (those of one
+        disabled in the same run were told why no frames come)."""
+        wanted = EventFilter(streams=frozenset({stream_id}), types=frozenset({"stream_state"}))
+        found = self.events.latest(1, wanted).events
+        if found and found[0].get("state") == StreamState.DISABLED.value:
+            message = StateMessage(json.dumps(found[0], separators=(",", ":")))
+            self._last_state[stream_id] = (StreamState.DISABLED.value, message)
+
     def _end_stays(self, stream_id: str, reader: StreamReader, name: str, at: float) -> None:
         """The objects in the zones of a stream that shows nothing now leave them, ``lost``:
-        their exits logged (before what stopped it) and counted."""
+        their exits logged (before what stopped it) and counted, and sent to its viewers
+        with its last frame again (no frame comes after them: they reached every channel
+        but the WebSocket, whose overlays kept the objects in their zones)."""
         name_of = functools.partial(class_name, self._pool.engine.names)
         exits = reader.end_stays(name_of)
-        if exits:
-            self.events.add(stream_id, name, at, exits, name_of)
+        if not exits:
+            return
+        self.events.add(stream_id, name, at, exits, name_of)
+        last = self._latest.get(stream_id)
+        if last is not None:
+            again = dataclasses.replace(last, events=tuple(exits), _json=None)
+            for sub in self._subs.get(stream_id, ()):
+                sub.offer(again)
 
     def _reader_of(self, frame: ProcessedFrame, token: object) -> StreamReader | None:
         """The reader of ``frame`` if it is still the one that read it (``token``); None for
@@ -900,6 +922,8 @@ class StreamManager:
             if (added or carry is not None) and previous is not StreamState.DISABLED:
                 disabled = StateEvent(previous.value, reader.state.value, None, reader.frame_no)
                 self._state_changed(record.id, record.name, time.time(), disabled)
+            elif record.id not in self._last_state:
+                self._recall_state(record.id)
             return
         if spec is None:
             reader.state = StreamState.FAILED

@@ -620,6 +620,36 @@ def _config(source: str, available: str = "streamdet/available", name: str = "x"
     )
 
 
+class Disabled(Streams):
+    """Streams all disabled: kept so across a restart, with no state change logged."""
+
+    def roster(self) -> dict[str, tuple[str, bool]]:
+        return {sid: (name, False) for sid, name in self.names.items()}
+
+
+@pytest.mark.mqtt
+async def test_a_stream_kept_disabled_across_a_restart_has_its_state_on_the_broker(
+    broker: Broker,
+) -> None:
+    """A stream disabled before the server restarted logs no change at the start: a broker
+    that kept nothing (restarted, or a new one) got its switch OFF but no state and no
+    counts (Home Assistant showed "unknown"). Its state is "disabled", its counts 0."""
+    broker.start()
+    listener = Listener(broker.port)
+    try:
+        streams = Disabled(door="Front door")
+        log = EventLog(100)
+        publisher = streams.publisher(broker.port, log)
+        publisher.start()
+        await eventually(lambda: listener.last("streamdet/door/state") == "disabled")
+        assert listener.last("streamdet/door/enabled/state") == "OFF"
+        await eventually(lambda: listener.last("streamdet/door/objects") == '{"all":0}')
+        log.finish()
+        await publisher.stop(2)
+    finally:
+        listener.close()
+
+
 @pytest.mark.mqtt
 async def test_what_streams_and_zones_gone_left_retained_is_cleared_on_connect(
     tmp_path: Path, broker: Broker, caplog: pytest.LogCaptureFixture

@@ -389,6 +389,45 @@ def test_zones_through_the_api_websocket_and_metrics(tmp_path: Path) -> None:
         assert resp.status_code == 200 and resp.json()["detect"]["zones"] == []
 
 
+def test_viewers_get_the_lost_exits_of_a_stream_switched_off_or_restarted_disabled(
+    tmp_path: Path,
+) -> None:
+    """A stream switched off with a tracked bottle on its shelf logs the bottle's exit,
+    ``lost``: GET /events, webhooks and MQTT had it, the WebSocket never (its overlay kept the
+    bottle on the shelf); it comes with the stream's last frame, before the state change. A
+    viewer of a stream kept disabled across a restart is told so first, as one of a stream
+    disabled in the same run is (it was told nothing)."""
+    stream = {**SHELF_STREAM, "id": "shelf", "track": True}
+    with TestClient(file_stream_app(tmp_path)) as c:
+        assert c.post("/streams", json=stream).status_code == 201
+        with c.websocket_connect("/ws/streams/shelf?states=true") as ws:
+            for _ in range(200):  # until the bottle has entered the shelf
+                message = ws.receive_json()
+                if any(e["type"] == "zone_enter" for e in message.get("events", ())):
+                    break
+            else:
+                raise AssertionError("no bottle entered the shelf")
+            off = c.patch("/streams/shelf", json={"enabled": False})
+            assert off.status_code == 200, off.text
+            events: list[dict[str, Any]] = []
+            while (message := ws.receive_json()).get("type") != "stream_state":
+                events += message.get("events", [])
+            assert message["state"] == "disabled", message
+        lost = [e for e in events if e["type"] == "zone_exit"]
+        assert len(lost) == 1 and lost[0]["lost"] is True, events
+        logged = c.get("/events", params={"type": "zone_exit"}).json()["events"]
+        assert [(e["track_id"], e["frame"]) for e in logged] == [
+            (lost[0]["track_id"], lost[0]["frame"])
+        ]
+    with (
+        TestClient(file_stream_app(tmp_path)) as c,
+        c.websocket_connect("/ws/streams/shelf?states=true") as ws,
+    ):
+        told = ws.receive_json()
+        assert (told["type"], told["state"]) == ("stream_state", "disabled"), told
+        assert told["id"] == c.get("/events", params={"latest": "true"}).json()["events"][-1]["id"]
+
+
 def test_a_car_parked_across_a_zone_edge_is_one_stay_however_long() -> None:
     """A parked car's anchor on LEFT's edge, a few pixels either way for 30 s at 5 fps: one
     stay (inertia 3 alone gave one stay per run of 3 frames inside: 8 entries in 30 s)."""
