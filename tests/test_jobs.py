@@ -1155,6 +1155,18 @@ def test_a_bad_job_is_refused_for_what_is_wrong_with_it_even_when_the_server_is_
         full = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}", "fps": 1})
         assert full.status_code == 429 and "STREAMDET_MAX_JOBS" in full.text, full.text
         assert c.delete(f"/jobs/{running.json()['id']}").status_code == 204
+        # Settings where they are not read: the job ran on every class and every frame.
+        video = {"video": ("car.mp4", b"\x00" * 100, "video/mp4")}
+        queried = c.post("/jobs", files=video, params={"settings": '{"fps": 1}'})
+        assert queried.status_code == 422 and "query: settings: read only" in queried.text
+        for field in ("fps", "setting"):
+            form = c.post("/jobs", files=video, data={field: "3"})
+            assert form.status_code == 422, form.text
+            assert f"multipart field {field!r}: send only" in form.text, form.text
+        unnamed = c.post("/jobs", json={"url": f"file://{BOTTLE_CLIP}"}, params={"filename": "x"})
+        assert unnamed.status_code == 422, unnamed.text
+        assert "query: filename: read only beside the video itself" in unnamed.text
+        assert c.get("/jobs").json()["jobs"] == []  # none was made
 
 
 def test_a_video_with_a_part_missing_says_how_much(tmp_path: Path) -> None:

@@ -58,6 +58,27 @@ from streams.store import private_dir
 log = logging.getLogger(__name__)
 
 
+def _no_unread_query(request: Request, ctype: str) -> None:
+    """HTTP 422 for ``settings`` or ``filename`` in the query of a ``POST /jobs`` whose body
+    is not the video itself: read only there, the job ran on every class and frame."""
+    if ctype in VIDEO_TYPES or ctype.startswith("video/"):
+        return
+    for name in ("settings", "filename"):
+        if name in request.query_params:
+            where = (
+                "the uploaded file's name is the job's"
+                if name == "filename"
+                else "send the settings as the multipart field 'settings'"
+            )
+            if ctype != "multipart/form-data":
+                where = "a url's job takes its settings as the JSON body's own fields"
+            raise HTTPException(
+                422,
+                f"query: {name}: read only beside the video itself as the body (video/mp4,"
+                f" ...); {where}",
+            )
+
+
 def _checked_query(request: Request) -> None:
     """Every job route's query checked (:mod:`server.routes.query`): ``setting=`` (for
     ``settings``) ran a job on every class, ``wait=`` (for ``wait_s``) did not wait."""
@@ -260,6 +281,13 @@ async def _receive(
             status = 422 if exc.message.startswith("Too many") else status
             raise HTTPException(status, f"multipart body: {exc.message}") from None
         try:
+            unread = sorted(set(form.keys()) - {"video", "settings"})
+            if unread:  # fps=3 or setting={...} beside the video: a job on everything
+                raise HTTPException(
+                    422,
+                    f"multipart field {unread[0][:64]!r}: send only the file field 'video' and"
+                    " the field 'settings' (JSON text: classes, fps, ...)",
+                )
             video = form.get("video")
             if not isinstance(video, UploadFile):
                 got = ", ".join(sorted(form.keys())) or "none"
@@ -342,6 +370,7 @@ async def create_job(request: Request, response: Response) -> dict[str, Any]:
     job_id = jobs.new_id()
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     uploaded = ctype == "multipart/form-data" or ctype in VIDEO_TYPES or ctype.startswith("video/")
+    _no_unread_query(request, ctype)
     if uploaded:  # room held before the upload arrives; its query's settings checked first
         if ctype != "multipart/form-data":
             settings_of(request.query_params.get("settings"), "settings")
