@@ -13,6 +13,7 @@ import argparse
 import fractions
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import av
@@ -35,10 +36,12 @@ def make_clip(
     frames: int = 0,
     codec: str = "h264",
     start: int = 0,
+    keyframes: Collection[int] = (),
 ) -> int:
     """Write ``source`` (``frames`` of it from its frame ``start``; 0: to its end) to ``out``
     at ``width`` x ``height``,
-    ``fps`` (frames repeated to reach it), a keyframe every ``gop`` frames, in ``codec``
+    ``fps`` (frames repeated to reach it), a keyframe every ``gop`` frames and at each frame
+    of ``keyframes`` (as a camera adds one at a change of scene), in ``codec``
     (``h264`` by x264, ``hevc`` by x265, as H.265 cameras send); returns the frames
     written."""
     if codec not in CODECS:
@@ -76,6 +79,8 @@ def make_clip(
             for _ in range(repeat):
                 scaled = av.VideoFrame.from_ndarray(picture, format="yuv420p")
                 scaled.pts, scaled.time_base = written, fractions.Fraction(1, fps)
+                if written in keyframes:
+                    scaled.pict_type = av.video.frame.PictureType.I
                 written += 1
                 for packet in stream.encode(scaled):
                     dst.mux(packet)

@@ -64,9 +64,9 @@ KEYFRAME_SLACK = 1.05
 def keyframes_suffice(gop_s: float | None, max_fps: float | None, reorders: bool) -> bool:
     """Whether decoding only a stream's keyframes gives the frames its sampling takes: it
     samples at most ``max_fps`` frames a second and a keyframe comes every ``gop_s`` seconds
-    (the last group of pictures), at least as often; never for a stream that reorders frames
-    (B-frames: its decoder holds each picture back until the next one, a keyframe would wait
-    a whole group)."""
+    (the longest of the last groups of pictures), at least as often; never for a stream that
+    reorders frames (B-frames: its decoder holds each picture back until the next one, a
+    keyframe would wait a whole group)."""
     if not max_fps or gop_s is None or gop_s <= 0 or reorders:
         return False
     return gop_s <= KEYFRAME_SLACK / max_fps

@@ -87,6 +87,17 @@ NOT_SHOWING = frozenset({StreamState.DISABLED, StreamState.FAILED, StreamState.S
 """States in which a stream shows nothing now: its ``objects`` and zones' ``now`` are empty."""
 
 
+GOP_MEMORY = 8
+"""Groups of pictures whose longest decides whether keyframes alone give a stream's samples."""
+
+
+def _undecodable(exc: Exception) -> bool:
+    """Whether FFmpeg found the data it read no video (``InvalidDataError``)."""
+    import av
+
+    return isinstance(exc, av.error.InvalidDataError)
+
+
 class FatalSourceError(RuntimeError):
     """The source opened but can never work (no video, frames too large): no retry."""
 
@@ -184,7 +195,10 @@ class RateMeter:
     def rate(self, now: float) -> float:
         recent = [t for t in self._times if now - t <= self._horizon_s]
         if len(recent) >= 2:
-            return (len(recent) - 1) / max(recent[-1] - recent[0], 1e-6)
+            interval = max(recent[-1] - recent[0], 1e-6) / (len(recent) - 1)
+            # Stopped (a camera lost): it read on, then rose as its last frames aged out of
+            # the window, the closest ones last (25 fps read 93 fps, reconnecting).
+            return 0.0 if now - recent[-1] > max(2 * interval, 1.0) else 1 / interval
         slow = [t for t in self._times if now - t <= self._slow_horizon_s]
         if len(slow) < 2:
             return 0.0
@@ -577,6 +591,16 @@ class StreamReader:
                 was_live = got_frames or self._polling or replaying
                 self._polling = self._replaying = False
                 error = redact_in(self._explain(exc), self.config.spec.url)
+                if self.config.spec.is_file and not was_live and _undecodable(exc):
+                    # Its header read, its frames not (zeroed, cut off): reopened as a lost
+                    # camera is, for ever.
+                    error = (
+                        f"{redact(self.config.spec.url)}: not one frame of its video decodes"
+                        f" (a damaged file: {error})"
+                    )
+                    log.error("stream %s: %s; not retrying", sid, error)
+                    self._set_state(StreamState.FAILED, error)
+                    return
                 self._set_state(StreamState.RECONNECTING, error)
                 if was_live:
                     self._lost = True
@@ -736,6 +760,10 @@ class StreamReader:
         interval = frame_interval(stream.average_rate or stream.guessed_rate)
         sampler = self._sampler
         last_key: float | None = None  # when the last keyframe was (seconds of the stream)
+        # The last groups' lengths: a camera whose keyframes come unevenly (an extra one at a
+        # change of scene) gave a short group, the next was decoded keyframe only, and a
+        # stream at max_fps 2 took 1.3 frames a second.
+        groups: deque[float] = deque(maxlen=GOP_MEMORY)
         reorders = bool(stream.codec_context.has_b_frames)
         self.keyframes_only = False
         packets = container.demux(stream)
@@ -752,13 +780,16 @@ class StreamReader:
             if packet.is_keyframe:
                 if packet.pts is not None and packet.time_base:
                     # Each group of pictures is decoded whole or keyframe only, decided at its
-                    # keyframe from the last group's length: a decoder fed a P-frame whose
-                    # references it skipped would show garbage.
+                    # keyframe from the longest of the last groups: a decoder fed a P-frame
+                    # whose references it skipped would show garbage.
                     at = float(packet.pts * packet.time_base)
-                    gop = None if last_key is None else at - last_key
+                    if last_key is not None:
+                        groups.append(at - last_key)
                     last_key = at
                     self.keyframes_only = self._opt.keyframe_decode and keyframes_suffice(
-                        gop, self.max_fps, reorders or self._gpu_decode is not None
+                        max(groups, default=None),
+                        self.max_fps,
+                        reorders or self._gpu_decode is not None,
                     )
             elif self.keyframes_only and packet.size:
                 # A frame of the camera all the same: counted in, and as sampled out; a file's
@@ -816,6 +847,13 @@ class StreamReader:
                         self.motion_skipped += 1
                     continue
                 self._deliver(frame, pts, now)
+        spec = self.config.spec
+        if spec.is_file and not self._got_frames and not self._stop.is_set():
+            # Opened, then at its end without one frame (its data zeroed, cut off after the
+            # header): it was reopened as a lost camera is, "source ended", for ever.
+            raise FatalSourceError(
+                f"{redact(spec.url)}: not one frame of its video decodes (a damaged or empty file)"
+            )
         return self._got_frames
 
     def _live_packets(self, packets: Iterator[Any]) -> Iterator[Any]:

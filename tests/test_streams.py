@@ -235,6 +235,31 @@ async def test_a_file_that_is_no_video_fails_its_stream_at_once(
 
 
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+@pytest.mark.parametrize("loop", [False, True])
+async def test_a_file_whose_frames_do_not_decode_fails_its_stream(
+    pool: EnginePool, tmp_path: Path, decode_processes: int, loop: bool
+) -> None:
+    """The car clip with its header whole and its frames' bytes zeroed: it opens, then ends
+    without a frame. It was reopened as a lost camera is, "reconnecting" with "source ended",
+    for ever (``loop`` false too); it fails, saying that no frame decodes."""
+    allowed = tmp_path / "videos"
+    allowed.mkdir()
+    data = bytearray(CAR_CLIP.read_bytes())
+    media = data.index(b"mdat") + 4
+    data[media:] = bytes(len(data) - media)
+    zeroed = allowed / "zeroed.mp4"
+    zeroed.write_bytes(bytes(data))
+    async with started_file_manager(
+        pool, tmp_path / "data", allowed_dir=allowed, decode_processes=decode_processes
+    ) as m:
+        info = await m.add(f"file://{zeroed}", loop=loop)
+        assert await m.wait_state(info["id"], {StreamState.FAILED}, 30), m.describe(info["id"])
+        stats = m.describe(info["id"])
+        assert stats is not None and "not one frame of its video decodes" in stats["last_error"]
+        assert stats["reconnects"] == 0 and stats["frames_processed"] == 0, stats
+
+
+@pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
 async def test_a_directory_swapped_for_a_link_out_after_the_check_is_not_played(
     pool: EnginePool, tmp_path: Path, decode_processes: int
 ) -> None:
@@ -1085,6 +1110,27 @@ async def test_only_keyframes_are_decoded_where_the_sampling_takes_no_more(
         assert stats[other["id"]]["frames_decoded"] == stats[other["id"]]["frames_in"] > 0
 
 
+async def test_a_camera_whose_keyframes_come_unevenly_is_decoded_whole(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Keyframes every second and one more at 1.4 s (a camera adds one at a change of
+    scene), sampled twice a second: the short group made the next, a whole second, decoded
+    keyframe only, one sample where two were due (a real camera's stream at max_fps 2 took
+    1.3 frames a second). Decided from the longest of the last groups, every frame is
+    decoded."""
+    allowed = tmp_path / "videos"
+    allowed.mkdir()
+    clip = allowed / "uneven.mp4"
+    make_clip(CAR_CLIP, clip, width=320, height=180, fps=10, gop=10, frames=60, keyframes={14})
+    async with started_file_manager(pool, tmp_path / "data", allowed_dir=allowed) as m:
+        info = await m.add(f"file://{clip}", max_fps=2.0, loop=True)
+        await published_frames(m, info["id"], 8)  # past the short group, 4 s in
+        stats = m.describe(info["id"])
+        assert stats is not None and stats["frames_in"] >= 30, stats
+        assert stats["keyframes_only"] is False
+        assert stats["frames_decoded"] == stats["frames_in"], stats
+
+
 async def test_each_stream_has_its_own_detection_parameters(
     pool: EnginePool, tmp_path: Path
 ) -> None:
@@ -1509,3 +1555,10 @@ def test_a_slow_stream_s_rate_is_read_from_its_last_frames_until_the_next_is_ove
         fast.tick(100 + i / 10)
     assert fast.rate(103.0) == pytest.approx(10.0)
     assert fast.rate(106.0) == 0.0  # stopped: its last 3 s are empty and the next overdue
+    # Stopped, as its last frames age out of the 3 s: 0 from a second on, not their rate
+    # rising (a camera killed at 25 fps read 25, then 93 frames a second, reconnecting).
+    camera = RateMeter()
+    for i in range(100):
+        camera.tick(200 + i / 25 + (0.02 if i % 2 else 0.0))  # jittered, 25 a second
+    assert camera.rate(204.0) == pytest.approx(25, rel=0.05)
+    assert [camera.rate(204 + s) for s in (1.1, 2.0, 2.9)] == [0.0, 0.0, 0.0]
