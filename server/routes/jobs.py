@@ -281,6 +281,10 @@ async def _receive(
             status = 422 if exc.message.startswith("Too many") else status
             raise HTTPException(status, f"multipart body: {exc.message}") from None
         try:
+            video = form.get("video")
+            if not isinstance(video, UploadFile):
+                got = ", ".join(sorted(form.keys())) or "none"
+                raise HTTPException(422, f"multipart form needs a file field 'video' (got: {got})")
             unread = sorted(set(form.keys()) - {"video", "settings"})
             if unread:  # fps=3 or setting={...} beside the video: a job on everything
                 raise HTTPException(
@@ -288,10 +292,6 @@ async def _receive(
                     f"multipart field {unread[0][:64]!r}: send only the file field 'video' and"
                     " the field 'settings' (JSON text: classes, fps, ...)",
                 )
-            video = form.get("video")
-            if not isinstance(video, UploadFile):
-                got = ", ".join(sorted(form.keys())) or "none"
-                raise HTTPException(422, f"multipart form needs a file field 'video' (got: {got})")
             text = form.get("settings")
             if text is not None and not isinstance(text, str):
                 raise HTTPException(422, "multipart field 'settings' must be JSON text, not a file")
