@@ -365,13 +365,26 @@ def _serve(settings: Settings) -> int:
     if settings.grpc_port and (taken := port_taken(settings.host, settings.grpc_port)):
         listener.close()
         return _cannot_listen(settings, "grpc-port", *taken)
-    loading = LoadingResponder(listener, ApiKeys(settings.api_keys, settings.api_keys_readonly))
+    keys = ApiKeys(settings.api_keys, settings.api_keys_readonly)
+    loading = LoadingResponder(listener, keys)
     loading.start()
+    grpc_loading: Any = None  # gRPC's port alike, until the app's server takes it
     try:
+        if settings.grpc_port:
+            from server.grpc_v2 import start_loading
+
+            try:
+                grpc_loading = start_loading(settings, keys)
+            except RuntimeError as exc:  # taken since it was looked at
+                print(f"streamdet: --grpc-port: {exc}", file=sys.stderr)
+                listener.close()
+                return 2
         pool = build_pool(settings)
     except EngineError as exc:
         log.error("cannot start: %s", exc)
         listener.close()
+        if grpc_loading is not None:
+            grpc_loading.stop(None)
         return 2
     finally:
         loading.stop()
@@ -381,9 +394,12 @@ def _serve(settings: Settings) -> int:
             print(f"streamdet: {problem}", file=sys.stderr)
         if problems:
             listener.close()
+            if grpc_loading is not None:
+                grpc_loading.stop(None)
             pool.stop(settings.shutdown_timeout_s)
             return 2
     app = create_app(settings, pool=pool)
+    app.state.grpc_loading = grpc_loading
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -433,6 +449,8 @@ def _serve(settings: Settings) -> int:
         server.run(sockets=[listener])  # the one bound before the model loaded
     finally:
         listener.close()
+        if (still := getattr(app.state, "grpc_loading", None)) is not None:
+            still.stop(None)  # the app failed to start before its gRPC server took over
     return 0
 
 

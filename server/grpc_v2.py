@@ -385,6 +385,72 @@ def make_servicer(app: FastAPI) -> Any:
     return Servicer()
 
 
+SERVICE = "/inference.GRPCInferenceService/"
+
+
+def start_loading(settings: Settings, keys: ApiKeys) -> Any:
+    """gRPC's port while the model loads, as HTTP's (:mod:`server.loading`): bound before
+    the model loads, ``ServerLive`` true, ``ServerReady`` and ``ModelReady`` false, every
+    other call ``UNAVAILABLE`` saying why (API keys asked for as the app asks). The port
+    refused connections until the model had loaded: a gRPC liveness probe killed a server
+    mid-load (a TensorRT build takes minutes). Returns the server: ``stop(None)`` it before
+    the app's takes the port (:func:`start`).
+
+    Raises:
+        RuntimeError: the port cannot be bound (the message names the setting).
+    """
+    from concurrent import futures
+
+    grpc, pb, _, _ = grpc_modules()
+    from server.loading import LOADING
+
+    def answer(response: Any, request_type: Any) -> Any:
+        return grpc.unary_unary_rpc_method_handler(
+            lambda request, context: response,
+            request_deserializer=request_type.FromString,
+            response_serializer=type(response).SerializeToString,
+        )
+
+    def refused(code: Any, why: str, streaming: bool) -> Any:
+        def refuse(request: Any, context: Any) -> Any:
+            context.abort(code, why)
+
+        if streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+    class Loading(grpc.GenericRpcHandler):  # type: ignore[misc,name-defined]
+        def service(self, details: Any) -> Any:
+            if not details.method.startswith(SERVICE):
+                return None  # UNIMPLEMENTED, as the app answers
+            method = details.method.removeprefix(SERVICE)
+            streaming = method == "ModelStreamInfer"
+            if keys.enabled and (why := grpc_key_failure(keys, details.invocation_metadata)):
+                return refused(grpc.StatusCode.UNAUTHENTICATED, why, streaming)
+            if method == "ServerLive":
+                return answer(pb.ServerLiveResponse(live=True), pb.ServerLiveRequest)
+            if method == "ServerReady":
+                return answer(pb.ServerReadyResponse(ready=False), pb.ServerReadyRequest)
+            if method == "ModelReady":
+                return answer(pb.ModelReadyResponse(ready=False), pb.ModelReadyRequest)
+            return refused(grpc.StatusCode.UNAVAILABLE, LOADING, streaming)
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(2, thread_name_prefix="grpc-loading"),
+        handlers=[Loading()],
+        options=[("grpc.so_reuseport", 0)],
+    )
+    address = f"{settings.host}:{settings.grpc_port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"cannot serve gRPC on {address} (setting STREAMDET_GRPC_PORT): {exc}"
+        ) from None
+    server.start()
+    return server
+
+
 async def start(app: FastAPI, settings: Settings) -> Any:
     """Serve ``GRPCInferenceService`` on ``settings.grpc_port``; returns the server (stop it
     with ``await server.stop(grace_s)``).
@@ -412,6 +478,10 @@ async def start(app: FastAPI, settings: Settings) -> Any:
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(app), server)
     address = f"{settings.host}:{settings.grpc_port}"
+    loading = getattr(app.state, "grpc_loading", None)
+    if loading is not None:  # the port's, while the model loaded: this one takes it now
+        app.state.grpc_loading = None
+        loading.stop(None)
     try:
         server.add_insecure_port(address)
     except RuntimeError as exc:

@@ -132,6 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
                 "# TYPE streamdet_ready gauge\nstreamdet_ready 0.0\n"
             )
             self._answer(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+        elif path.startswith("/v2/"):  # KServe's errors are {"error"}: tritonclient reads it
+            self._json(503, {"error": LOADING}, retry=True)
         else:
             self._json(503, {"detail": LOADING}, retry=True)
 

@@ -664,13 +664,37 @@ def test_the_port_answers_the_probes_while_the_model_loads(
     import socket
 
     import httpx
+    import tritonclient.grpc as triton_grpc
+    from tritonclient.utils import InferenceServerException
 
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     seen: dict[str, httpx.Response] = {}
+    over_grpc: dict[str, Any] = {}
+
+    def grpc_calls() -> None:
+        """gRPC's port while the model loads: it refused connections (a probe killed the
+        server mid-load); live, not ready, the rest UNAVAILABLE saying why, keys asked."""
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        keyed = {"authorization": "Bearer k1"}
+        try:
+            over_grpc["live"] = client.is_server_live(headers=keyed)
+            over_grpc["ready"] = client.is_server_ready(headers=keyed)
+            over_grpc["model ready"] = client.is_model_ready("yolov8n", headers=keyed)
+            for name, call in (
+                ("metadata", lambda: client.get_model_metadata("yolov8n", headers=keyed)),
+                ("no key", client.is_server_live),
+            ):
+                try:
+                    call()
+                except InferenceServerException as exc:
+                    over_grpc[name] = (exc.status(), exc.message())
+        finally:
+            client.close()
 
     def build_pool(settings: Settings) -> Any:
+        grpc_calls()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
-            for path in ("/healthz", "/readyz", "/metrics", "/model"):
+            for path in ("/healthz", "/readyz", "/metrics", "/model", "/v2/models/yolov8n"):
                 seen[path] = c.get(path)
             seen["POST /detect"] = c.post("/detect", content=b"x" * 4_000_000)  # a body, read
             seen["/v2/health/live"] = c.get("/v2/health/live")
@@ -684,6 +708,7 @@ def test_the_port_answers_the_probes_while_the_model_loads(
         cache_dir=CACHE_DIR,
         data_dir=tmp_path / "data",
         port=port,
+        grpc_port=grpc_port,
         root_path="/base",
         api_keys=["k1"],
     )
@@ -695,6 +720,13 @@ def test_the_port_answers_the_probes_while_the_model_loads(
     assert seen["/healthz"].status_code == 200
     assert seen["/healthz"].json() == {"status": "ok", "model": "loading"}
     assert seen["/v2/health/live"].status_code == 200  # KServe's liveness, as the app's
+    v2 = seen["/v2/models/yolov8n"]  # KServe's errors are {"error"}: tritonclient reads it
+    assert v2.status_code == 503 and "the model is loading" in v2.json()["error"], v2.text
+    assert over_grpc["live"] is True
+    assert over_grpc["ready"] is False and over_grpc["model ready"] is False
+    status, message = over_grpc["metadata"]
+    assert status == "StatusCode.UNAVAILABLE" and "the model is loading" in message
+    assert over_grpc["no key"][0] == "StatusCode.UNAUTHENTICATED", over_grpc
     for path in ("/readyz", "/model", "POST /detect"):
         answer = seen[path]
         assert answer.status_code == 503 and answer.headers["Retry-After"] == "5", path
@@ -705,9 +737,10 @@ def test_the_port_answers_the_probes_while_the_model_loads(
     assert seen["token /metrics"].status_code == 401  # as a bearer token, as the app takes it
     assert seen["keyed /metrics"].status_code == 200
     assert "streamdet_ready 0.0" in seen["keyed /metrics"].text
-    with socket.socket() as again:  # let go: free for the next server (as uvicorn binds)
-        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        again.bind(("127.0.0.1", port))
+    for freed in (port, grpc_port):  # let go: free for the next server (as uvicorn binds)
+        with socket.socket() as again:
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            again.bind(("127.0.0.1", freed))
 
 
 def test_a_start_that_fails_after_the_streams_started_stops_them(
