@@ -384,6 +384,10 @@ def test_malformed_v2_requests_are_400s_naming_what_is_wrong(server: ServerProce
             ({"inputs": [{**pixel, "data": [True, False, True]}]}, "true/false among"),
             ({"inputs": [{**pixel, "data": [0, 256, 0]}]}, "values from 0 to 256"),
             ({"inputs": [{**pixel, "data": None}]}, "no 'data' given (nor binary_data_size)"),
+            ({"inputs": [{**pixel, "data": []}]}, "data is not UINT8: no values given"),
+            ({"inputs": [{**pixel, "shape": [1, 0, 2, 3]}]}, "2x0 images have no pixels"),
+            # A misspelt parameter ran the call with the default (/detect refuses it).
+            ({"inputs": [pixel], "parameters": {"cof": 0.9}}, "parameter 'cof': not one"),
         ):
             bad = c.post(url, json=body)
             assert bad.status_code == 400 and words in bad.json()["error"], bad.text

@@ -77,6 +77,8 @@ def _uint8(data: Any) -> npt.NDArray[np.uint8]:
     if data is None:
         raise ValueError("no 'data' given (nor binary_data_size)")
     values = np.asarray(data)
+    if not values.size:  # an empty list reads as floats: it was "a fraction among the values"
+        raise ValueError("no values given (over gRPC, UINT8 values go in uint_contents)")
     if values.dtype.kind not in "iu":  # floats, true/false, text, numbers past 64 bits
         kinds = {"f": "a fraction", "b": "true/false", "U": "text"}
         raise ValueError(f"{kinds.get(values.dtype.kind, 'a value')} among the values")
@@ -170,9 +172,11 @@ async def request_images(
             raise HTTPException(400, f"input 'images': UINT8 [N, H, W, 3], not {datatype} {shape}")
         n, height, width = shape[:3]
         check_count(n, state)
-        if height * width > state.settings.max_image_pixels or not height or not width:
+        if not height or not width:  # it was told the pixel limit
+            raise HTTPException(400, f"input 'images': {width}x{height} images have no pixels")
+        if height * width > state.settings.max_image_pixels:
             raise HTTPException(
-                413 if height * width else 400,
+                413,
                 f"input 'images': {width}x{height} images; at most"
                 f" {state.settings.max_image_pixels} pixels (setting STREAMDET_MAX_IMAGE_PIXELS)",
             )
@@ -217,8 +221,34 @@ def check_count(n: int, state: AppState) -> None:
     check_queue_room(state, n)
 
 
+DETECT_PARAMETERS = ("conf", "iou", "classes", "max_det")
+PROTOCOL_PARAMETERS = frozenset(
+    {
+        "timeout",
+        "binary_data_output",
+        # Triton's, which tritonclient sends where given; a detector has no sequences and
+        # one priority: read and let be.
+        "priority",
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "triton_enable_empty_final_response",
+    }
+)
+
+
 def request_params(request: dict[str, Any], names: Mapping[int, str]) -> DetectParams:
+    """The request's detection parameters; HTTP 400 for one out of range, or one that is
+    none of them nor the protocol's (``cof`` ran the call with the default, as ``/detect``
+    refuses it)."""
     given = parameters_of(request, "the request")
+    unknown = sorted(k for k in given if k not in DETECT_PARAMETERS + tuple(PROTOCOL_PARAMETERS))
+    if unknown:
+        raise HTTPException(
+            400,
+            f"parameter {unknown[0][:64]!r}: not one this model reads (it takes"
+            f" {', '.join(DETECT_PARAMETERS)}; and the protocol's timeout)",
+        )
 
     def number(key: str, default: float, low: float, high: float) -> float:
         value = given.get(key, default)
