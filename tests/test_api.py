@@ -456,6 +456,42 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         assert c.delete(f"/streams/{sid}").status_code == 204
 
 
+def test_misspelt_options_and_form_bodies_are_refused_naming_them(tmp_path: Path) -> None:
+    """``GET /clips?stream=door`` listed every stream's clips, ``latest.jpg?maxwidth=100``
+    answered the full picture, ``GET /streams?bogus=1`` a 200 (``/events`` and ``/detect``
+    refused such typos); a body sent as a form (curl's ``-d``) was a 422 whose message named
+    no type: it is a 415 naming it."""
+    url = f"file://{VIDEOS[0]}"
+    with TestClient(file_stream_app(tmp_path)) as c:
+        sid = c.post("/streams", json={"url": url, "loop": True}).json()["id"]
+        for path, named in (
+            ("/clips?stream=door", "'stream': not an option here"),
+            (f"/streams/{sid}/latest.jpg?maxwidth=100", "'maxwidth': not an option here"),
+            ("/streams?bogus=1", "'bogus'"),
+            (f"/streams/{sid}?fields=id", "'fields'"),
+            ("/webhooks?limit=1", "'limit'"),
+        ):
+            got = c.get(path)
+            assert got.status_code == 422 and named in got.text, (path, got.text)
+        assert c.get("/streams", params={"access_token": "x", "_": "1"}).status_code == 200
+        form = {"content-type": "application/x-www-form-urlencoded"}
+        for method, path in (
+            ("POST", "/streams"),
+            ("PATCH", f"/streams/{sid}"),
+            ("PUT", f"/streams/{sid}"),
+            ("POST", f"/streams/{sid}/events"),
+            ("POST", "/webhooks"),
+        ):
+            got = c.request(method, path, content=b'{"url": "x"}', headers=form)
+            assert got.status_code == 415, (method, path, got.text)
+            assert "'application/x-www-form-urlencoded': send the body as JSON" in got.text
+        typed = {"content-type": "application/merge-patch+json"}  # JSON by another name
+        patched = c.patch(f"/streams/{sid}", content=b'{"name": "door"}', headers=typed)
+        assert patched.status_code == 200 and patched.json()["name"] == "door", patched.text
+        untyped = c.patch(f"/streams/{sid}", content=b'{"name": "gate"}')
+        assert untyped.status_code == 415 and "no Content-Type: send" in untyped.text
+
+
 def test_a_max_fps_written_into_the_database_by_hand_fails_its_stream_until_patched(
     tmp_path: Path,
 ) -> None:

@@ -37,7 +37,7 @@ from server.ranges import RangedFile
 from server.routes.detect import parse_classes
 from server.routes.longpoll import wait_unless_gone
 from server.routes.paths import root_of, served_event
-from server.routes.query import check_query
+from server.routes.query import check_query, check_query_and_body_type
 from server.routes.streams import get_manager
 from server.state import get_state
 from streams.events import (
@@ -51,7 +51,7 @@ from streams.events import (
 )
 from streams.storage import DATA_DIR_HINT
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(check_query_and_body_type)])
 HEARTBEAT_S = 15.0
 MAX_LIMIT = 1000
 MAX_WAIT_S = 60.0

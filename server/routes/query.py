@@ -60,3 +60,22 @@ def check_query(request: Request, *, lists: Sequence[str] = (), extra: Sequence[
     problem = query_problem(request.query_params.multi_items(), options, lists)
     if problem is not None:
         raise HTTPException(422, problem)
+
+
+def check_query_and_body_type(request: Request) -> None:
+    """A router's dependency: :func:`check_query`, and a ``POST``/``PUT``/``PATCH`` body sent
+    as anything but JSON refused with a ``415`` naming its type (curl's ``-d`` sends a form:
+    FastAPI took its text as the body and answered a 422 that named no type)."""
+    check_query(request)
+    headers = request.headers
+    sent = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+    if request.method not in ("POST", "PUT", "PATCH") or not sent:
+        return
+    media = headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        given = f"Content-Type {media[:64]!r}" if media else "no Content-Type"
+        raise HTTPException(
+            415,
+            f"{given}: send the body as JSON (Content-Type: application/json; curl: --json,"
+            " or -H 'Content-Type: application/json')",
+        )

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -41,6 +41,7 @@ from engines.types import DetectParams
 from server import streams_file
 from server.routes.detect import parse_classes
 from server.routes.paths import root_of, served_event
+from server.routes.query import check_query_and_body_type
 from server.settings import Settings
 from server.state import get_state
 from streams.clips import ClipOptions
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     from server.metrics import StreamSample
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(check_query_and_body_type)])
 
 
 def printable(what: str) -> BeforeValidator:

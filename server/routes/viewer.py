@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import fastapi_offline
-from fastapi import APIRouter, HTTPException, Query, Request, WebSocket
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, WebSocket
 from fastapi.openapi.docs import (
     get_redoc_html,
     get_swagger_ui_html,
@@ -36,6 +36,7 @@ from starlette.types import Message, Send
 
 from server.render import line_label, render_jpeg, zone_label
 from server.routes.paths import root_of
+from server.routes.query import check_query_and_body_type
 from server.routes.streams import get_manager
 from server.state import get_state
 from server.transport import CLOSE_GRACE_S, abort_later, hold_little_unsent
@@ -263,6 +264,7 @@ def _number(
 
 @router.get(
     "/streams/{stream_id}/latest.jpg",
+    dependencies=[Depends(check_query_and_body_type)],
     response_class=Response,
     responses={200: {"content": {"image/jpeg": {}}}},
 )
@@ -340,6 +342,7 @@ MJPEG_BOUNDARY = "frame"
 
 @router.get(
     "/streams/{stream_id}/mjpeg",
+    dependencies=[Depends(check_query_and_body_type)],
     response_class=StreamingResponse,
     responses={200: {"content": {f"multipart/x-mixed-replace; boundary={MJPEG_BOUNDARY}": {}}}},
 )

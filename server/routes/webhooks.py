@@ -17,12 +17,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from server.metrics import Metrics, get_metrics
 from server.routes.detect import parse_classes
 from server.routes.events import names, parse_types
+from server.routes.query import check_query_and_body_type
 from server.routes.streams import get_manager
 from server.settings import check_webhook_url
 from server.state import get_state
@@ -30,7 +31,7 @@ from server.webhook_store import WebhookRecord, WebhookStore
 from server.webhooks import Webhooks, WebhookSender
 from streams.events import EventFilter, EventLog
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(check_query_and_body_type)])
 MAX_WEBHOOKS = 64
 Names = list[str] | str | None
 
