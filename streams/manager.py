@@ -833,7 +833,9 @@ class StreamManager:
             return None
         reader = self._readers[stream_id]
         frame = self._latest.get(stream_id)
-        event = ManualEvent(label, 0 if frame is None else frame.frame, data)
+        # Without a frame shown now (disabled, failed): at its last frame all the same (it
+        # said frame 0, a frame number like any other).
+        event = ManualEvent(label, reader.frame_no if frame is None else frame.frame, data)
         extra = functools.partial(
             self._event_extra, frame, reader, time.monotonic(), clip=clip and reader.live
         )

@@ -453,6 +453,14 @@ def test_an_event_created_from_outside_gets_the_latest_frame_and_the_video_aroun
             resp = c.post(f"/streams/{sid}/events", json=bad)
             assert resp.status_code == 422 and field in resp.text, resp.text
         assert c.post("/streams/nope/events", json={"label": "x"}).status_code == 404
+        # Switched off: no video comes to clip (asked for, it was dropped without a word),
+        # and the event is at its last frame (it said frame 0).
+        assert c.patch(f"/streams/{sid}", json={"enabled": False}).status_code == 200
+        off = c.post(f"/streams/{sid}/events", json={"label": "x", "clip": True})
+        assert off.status_code == 409 and "is disabled: no video comes" in off.text, off.text
+        later = c.post(f"/streams/{sid}/events", json={"label": "x"})
+        assert later.status_code == 201 and "clip" not in later.json(), later.text
+        assert later.json()["frame"] >= event["frame"] > 0, later.text
     path = tmp_path / "manual.mp4"
     path.write_bytes(clip.content)
     seconds = len(clip_frames(path)) / 12.5

@@ -578,6 +578,13 @@ async def create_event(stream_id: str, body: EventIn, request: Request) -> dict[
             f"clip: stream {stream_id} keeps no clips; turn them on with PATCH"
             f' /streams/{stream_id} {{"clips": true}}',
         )
+    if body.clip and (state := (manager.describe(stream_id) or {}).get("state")) != "live":
+        # Asked for, where no video comes (it was dropped without a word).
+        raise HTTPException(
+            409,
+            f"clip: stream {stream_id} is {state}: no video comes to clip; send the event"
+            ' without "clip", or once it is live',
+        )
     event = manager.trigger(stream_id, body.label, body.data, clip=body.clip is not False)
     if event is None:  # removed meanwhile
         raise HTTPException(404, f"no stream {stream_id[:64]!r}; list streams with GET /streams")
