@@ -18,8 +18,10 @@ Everything here runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -221,6 +223,9 @@ class EventLog:
         self.closed = False
         self.finished = False
         self.store = store
+        # Filtered readers (a webhook's filter): told of each event that leaves the log
+        # before they took it that their filter passes over, so their ``missed`` is theirs.
+        self._filtered: weakref.WeakSet[LogReader] = weakref.WeakSet()
         if store is not None:
             resumed = store.resume(first)
             kept = resumed.events[-size:]
@@ -279,6 +284,7 @@ class EventLog:
         dropped = 0
         events = self._events
         while self._head < len(events) and events[self._head]["captured_at"] < cutoff:
+            self._left(events[self._head])
             self._head += 1
             dropped += 1
         if dropped:
@@ -287,6 +293,16 @@ class EventLog:
             if self.store is not None:
                 self.store.forget_before(self.oldest_id)
         return dropped
+
+    def watch_unwanted(self, reader: LogReader) -> None:
+        """Tell ``reader`` (:meth:`LogReader.passed_over`) of each event that leaves the log
+        before it read it and that its filter passes over."""
+        self._filtered.add(reader)
+
+    def _left(self, event: dict[str, Any]) -> None:
+        for reader in self._filtered:
+            if event["id"] > reader.cursor and not reader.wanted.matches(event):
+                reader.passed_over += 1
 
     @property
     def last_id(self) -> int:
@@ -324,6 +340,8 @@ class EventLog:
         if logged:
             over = len(self._ids) - self._head - self._size
             if over > 0:
+                for gone in self._events[self._head : self._head + over]:
+                    self._left(gone)
                 self._head += over
                 self._whole_after = max(self._whole_after, self._ids[self._head] - 1)
                 self._compact()
@@ -537,6 +555,11 @@ class LogReader:
         self._save_at = 0.0  # when a cursor moved past unwanted events may be saved next
         self.sent = self.missed = 0
         self._count = count
+        self.passed_over = 0
+        """Events its filter passes over that left the log before it read past them: not
+        missed (a filtered webhook's ``missed`` counted every other stream's events)."""
+        if wanted is not EVERY_EVENT:
+            events.watch_unwanted(self)
 
     @property
     def pending(self) -> int:
@@ -553,6 +576,11 @@ class LogReader:
         (once: the cursor moves past them) and logged. A page ends before events the log
         lacks after its first (ids can have gaps): they are counted as the next page's."""
         page = self.log.read(self.cursor, limit, self.wanted, to_gap=True)
+        if self.passed_over:
+            # Those of its page's gap: every event that left the log above its cursor lies
+            # before the first the log holds, in the page.
+            page = dataclasses.replace(page, missed=max(0, page.missed - self.passed_over))
+            self.passed_over = 0
         if page.missed:
             self.missed += page.missed
             if self._count is not None:

@@ -343,6 +343,33 @@ async def test_sinks_deliver_what_the_streams_log_as_they_stop() -> None:
     assert await asyncio.wait_for(reader.take(10, 30.0), 5.0) is None  # finished: it ends
 
 
+def test_a_filtered_sink_counts_as_missed_only_the_events_its_filter_takes() -> None:
+    """A webhook of stream "a" whose receiver was down while stream "b" logged past the
+    log's size: its ``missed`` (and the metric, and the warning) counted every event that
+    left the log, b's too (31 where it lost 1); only a's count, by size or by retention."""
+    log = EventLog(size=5, start_id=1)
+    counted: list[tuple[str, int]] = []
+    reader = LogReader(
+        "webhook a", log, lambda kind, n: counted.append((kind, n)), EventFilter(frozenset("a"))
+    )
+    everything = LogReader("webhook all", log)
+    log.add("a", "", 1.0, [_crossing(1)], _name)  # its one event, never delivered
+    for n in range(10):
+        log.add("b", "", 2.0 + n, [_crossing(n)], _name)
+    page = reader.next_page(10)
+    assert (page.missed, page.events, reader.missed) == (1, [], 1)
+    assert counted == [("missed", 1)]
+    assert everything.next_page(10).missed == 6  # unfiltered: every event it lost
+    log.add("a", "", 20.0, [_crossing(2)], _name)  # read on: nothing more is missed
+    page = reader.next_page(10)
+    assert page.missed == 0 and [e["stream_id"] for e in page.events] == ["a"]
+    reader.delivered(page.events[-1]["id"], 1)
+    for n in range(3):  # b's left by retention: not a's either
+        log.add("b", "", 30.0 + n, [_crossing(n)], _name)
+    log.forget_before(40.0)
+    assert reader.next_page(10).missed == 0 and reader.missed == 1
+
+
 def test_events_api_refuses_bad_queries_and_long_polls_for_a_real_zone_entry(
     tmp_path: Path,
 ) -> None:
