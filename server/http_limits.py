@@ -29,6 +29,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
+LINE_KEPT = 256
+"""Bytes of a head kept to tell its path by (a refusal under ``/v2`` is KServe's form)."""
 """The most bytes a request line and its headers may take: browsers send a few kB (cookies
 included), API keys and proxies' ``X-Forwarded-*`` add a few hundred bytes."""
 
@@ -51,6 +53,7 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
     """Set by :func:`head_limited` from ``--head-timeout-s``."""
     _head_pending = False
     _head_bytes = 0
+    _line = b""  # the start of the head being read: its request line's path
     _awaiting_head = True  # a head is the next thing the client sends (not a body)
     _tail = b""  # the last bytes of a head's last chunk (its end may span two chunks)
     _refused = False
@@ -76,7 +79,7 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
-        self._awaiting_head, self._head_bytes, self._tail = True, 0, b""
+        self._awaiting_head, self._head_bytes, self._tail, self._line = True, 0, b"", b""
         super().on_message_complete()
 
     def data_received(self, data: bytes) -> None:
@@ -96,6 +99,8 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         """Counts the head's bytes in ``data`` (up to its blank line, found across chunks),
         before the parser sees them: a head that ended in the chunk it was sent in was not
         counted (one of 200 kB sent in one write was answered 200)."""
+        if len(self._line) < LINE_KEPT:
+            self._line += data[: LINE_KEPT - len(self._line)]
         end = (self._tail + data).find(b"\r\n\r\n")
         if end < 0:
             self._head_bytes += len(data)
@@ -137,7 +142,11 @@ class HeadLimitedHttpTools(HttpToolsProtocol):
         )
 
     def _refuse(self, status: bytes, text: str) -> None:
-        message = json.dumps({"detail": text}).encode()  # as every other 4XX of the API
+        # As every other 4XX of the API; under /v2 KServe's {"error"}, which tritonclient
+        # reads (it failed on "error" missing).
+        parts = self._line.split(b" ", 2)
+        v2 = len(parts) > 1 and parts[1].split(b"?")[0].startswith(b"/v2/")
+        message = json.dumps({"error" if v2 else "detail": text}).encode()
         self.transport.write(
             b"HTTP/1.1 " + status + b"\r\n"
             b"content-type: application/json\r\n"

@@ -279,6 +279,11 @@ def test_a_request_head_over_64_kb_is_refused_431_by_the_real_server(tmp_path: P
             refused = _answer_to(server.port, head, rest)
             assert refused.startswith(b"HTTP/1.1 431"), refused[:200]
             assert b'{"detail": "request line and headers larger than 64 kB"}' in refused
+        # Under /v2 in KServe's form, which tritonclient reads ("error": it failed on it).
+        v2 = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70_000
+        refused = _answer_to(server.port, v2 + b"\r\n\r\n", 0)
+        assert refused.startswith(b"HTTP/1.1 431"), refused[:200]
+        assert b'{"error": "request line and headers larger than 64 kB"}' in refused
         # A body of any size is the routes' own to limit; the connection after is served.
         body = httpx.post(f"{server.base_url}/detect", content=b"x" * 200_000)
         assert body.status_code == 400 and "not a decodable image" in body.text
