@@ -440,6 +440,17 @@ def start_loading(settings: Settings, keys: ApiKeys) -> Any:
         handlers=[Loading()],
         options=[("grpc.so_reuseport", 0)],
     )
+    _bind(server, settings)
+    server.start()
+    return server
+
+
+def _bind(server: Any, settings: Settings) -> str:
+    """Bind ``server`` (sync or aio) to ``--grpc-port``; its address.
+
+    Raises:
+        RuntimeError: the port cannot be bound (the message names the setting).
+    """
     address = f"{settings.host}:{settings.grpc_port}"
     try:
         server.add_insecure_port(address)
@@ -447,8 +458,7 @@ def start_loading(settings: Settings, keys: ApiKeys) -> Any:
         raise RuntimeError(
             f"cannot serve gRPC on {address} (setting STREAMDET_GRPC_PORT): {exc}"
         ) from None
-    server.start()
-    return server
+    return address
 
 
 async def start(app: FastAPI, settings: Settings) -> Any:
@@ -477,17 +487,11 @@ async def start(app: FastAPI, settings: Settings) -> Any:
         ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(app), server)
-    address = f"{settings.host}:{settings.grpc_port}"
     loading = getattr(app.state, "grpc_loading", None)
     if loading is not None:  # the port's, while the model loaded: this one takes it now
         app.state.grpc_loading = None
         loading.stop(None)
-    try:
-        server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"cannot serve gRPC on {address} (setting STREAMDET_GRPC_PORT): {exc}"
-        ) from None
+    address = _bind(server, settings)
     await server.start()
     log.info("KServe v2 gRPC on %s (model %s)", address, served_name(app.state.streamdet))
     return server
