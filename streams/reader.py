@@ -91,6 +91,17 @@ GOP_MEMORY = 8
 """Groups of pictures whose longest decides whether keyframes alone give a stream's samples."""
 
 
+def _sized(container: Any) -> bool:
+    """Whether an HTTP source is a file of a known size (its ``Content-Length``): an MPEG-TS
+    recording from a server without range requests (``python -m http.server``) has no
+    duration, and was read as a camera: at 3x its rate, live and reconnecting at each end.
+    Never an MJPEG stream (a camera's ``multipart/x-mixed-replace`` may state any length)."""
+    if container.format.name in ("mpjpeg", "mjpeg"):
+        return False
+    size = getattr(container, "size", 0)
+    return isinstance(size, int) and size > 0
+
+
 def _undecodable(exc: Exception) -> bool:
     """Whether FFmpeg found the data it read no video (``InvalidDataError``)."""
     import av
@@ -744,7 +755,9 @@ class StreamReader:
             # RTSP is a camera even where its server states a length (an NVR's playback):
             # at its end it reconnects, as before.
             web = spec.scheme in ("http", "https")
-            self._recorded = spec.is_file or (web and not self._still and bool(container.duration))
+            self._recorded = spec.is_file or (
+                web and not self._still and (bool(container.duration) or _sized(container))
+            )
             if not self._polling:  # the next picture of a snapshot URL is compared with its last
                 self._motion.reset()
             return self._read(container, stream)

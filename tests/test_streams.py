@@ -874,22 +874,25 @@ async def test_a_looped_file_that_fails_to_open_again_is_lost_and_its_return_a_r
 
 
 @pytest.mark.parametrize("decode_processes", [0, 1], ids=["decode-thread", "decode-process"])
+@pytest.mark.parametrize("suffix", ["mp4", "ts"])
 async def test_a_video_file_over_http_plays_at_its_rate_and_ends_as_a_file(
-    pool: EnginePool, tmp_path: Path, decode_processes: int
+    pool: EnginePool, tmp_path: Path, decode_processes: int, suffix: str
 ) -> None:
     """An MP4 served over HTTP is a recording: it plays at its own frame rate and, with
     ``"loop": false``, stops at its end. (It decoded at 35x real time, then went reconnecting
-    and live again at each end, two state events a pass, for ever.)"""
+    and live again at each end, two state events a pass, for ever.) So is an MPEG-TS file
+    from a server without range requests (``python -m http.server``), which states no
+    duration, only its size: it was read as a camera."""
     import functools
     import http.server
 
-    clip = tmp_path / "site" / "short.mp4"
+    clip = tmp_path / "site" / f"short.{suffix}"
     clip.parent.mkdir()
     make_clip(CAR_CLIP, clip, width=384, height=216, fps=25, gop=25, frames=12)  # 24 frames
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=clip.parent)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/short.mp4"
+    url = f"http://127.0.0.1:{server.server_address[1]}/short.{suffix}"
     try:
         async with started_file_manager(
             pool, tmp_path / "data", decode_processes=decode_processes
