@@ -209,7 +209,10 @@ def authorize(
     ):
         return None  # the router only redirects to an open page (/docs/ to /docs)
     token = bearer_token(headers)
-    headerless = method == "WEBSOCKET" or (method == "GET" and _opened_without_headers(path))
+    # HEAD as GET: a checker asks first with the same URL (it was 401 where GET was 200).
+    headerless = method == "WEBSOCKET" or (
+        method in ("GET", "HEAD") and _opened_without_headers(path)
+    )
     if token is None and headerless and query is not None:
         token = query.get("access_token") or None
     if token is None:

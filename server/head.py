@@ -10,8 +10,10 @@ events) stops there as it does when a viewer leaves."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,25 +42,45 @@ class HeadAsGet:
         ):
             await self.app(scope, receive, send)
             return
-        ended = False
+        ended = asyncio.Event()
 
         async def head_send(message: Message) -> None:
-            nonlocal ended
-            if ended:
-                return  # an endless answer's later parts, until it sees the disconnect
+            if ended.is_set():  # an endless answer's next part: it ends here
+                raise HeadSent("HEAD: only the headers are sent")
             if message["type"] == "http.response.body":
-                ended = True
+                ended.set()
                 message = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(message)
 
         async def head_receive() -> Message:
-            if ended:
-                return {"type": "http.disconnect"}
-            return await receive()
+            """The client's messages, and a disconnect once the headers are sent: a wait
+            begun before (a streaming answer's watch for the client leaving) is woken too;
+            behind a pipelined request the server never woke it, and the answer ran on."""
+            if ended.is_set():
+                return DISCONNECT
+            received = asyncio.ensure_future(receive())
+            sent = asyncio.ensure_future(ended.wait())
+            await asyncio.wait((received, sent), return_when=asyncio.FIRST_COMPLETED)
+            sent.cancel()
+            if received.done():
+                return received.result()
+            received.cancel()
+            return DISCONNECT
 
         as_get = {**scope, "method": "GET"}
         try:
             await self.app(as_get, head_receive, head_send)
+        except (HeadSent, ClientDisconnect):
+            if not ended.is_set():
+                raise
         finally:
             if "route" in as_get:  # the route matched, for the metrics' label
                 scope["route"] = as_get["route"]
+
+
+class HeadSent(OSError):
+    """Raised to an answer that sends more after a ``HEAD``'s headers went out (an OSError:
+    as a client gone, which Starlette's streaming answers end on)."""
+
+
+DISCONNECT: Message = {"type": "http.disconnect"}

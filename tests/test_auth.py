@@ -333,6 +333,7 @@ def test_pictures_take_the_key_in_the_query_and_the_log_masks_it(
     for route in ("/streams/nope/latest.jpg", "/streams/nope/mjpeg"):
         assert http.get(route).status_code == 401
         assert http.get(route, params={"access_token": READONLY}).status_code == 404
+        assert http.head(route, params={"access_token": READONLY}).status_code == 404  # 401
         # The name percent-encoded is the same parameter to the server: masked as well.
         assert http.get(f"{route}?max_width=640&access%5Ftoken={READONLY}").status_code == 404
     assert http.get("/model", params={"access_token": FULL}).status_code == 401  # header only

@@ -366,3 +366,63 @@ def test_every_get_route_answers_head_with_its_headers_and_no_body(tmp_path: Pat
         assert counted in c.get("/metrics").text  # by its route, not as an unrouted call
         # The MJPEG answer's viewer left with it.
         wait_until(lambda: c.get(f"/streams/{sid}").json()["subscribers"] == 0, "no viewer")
+
+
+async def test_head_ends_an_endless_answer_whose_server_never_says_the_client_left() -> None:
+    """Behind a pipelined request uvicorn never woke a HEAD's streaming answer's wait for
+    its client (it signals the connection's newest request): an MJPEG answer ran on, its
+    viewer counted, until a send failed. The wait is woken once the headers are sent."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from starlette.types import Message
+
+    from server.head import HeadAsGet
+
+    async def endless() -> Any:
+        while True:
+            yield b"--frame\r\n"
+            await asyncio.sleep(0.01)
+
+    app = FastAPI()
+
+    @app.get("/live")
+    async def live() -> StreamingResponse:
+        return StreamingResponse(endless(), media_type="multipart/x-mixed-replace")
+
+    head = HeadAsGet(app, app.router.routes)
+    asked = False
+
+    async def receive() -> Message:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # never woken, as behind a pipelined request
+        raise AssertionError("unreachable")
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "HEAD",
+        "scheme": "http",
+        "path": "/live",
+        "raw_path": b"/live",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    await asyncio.wait_for(head(scope, receive, send), 10)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 200 and sent[1] == {
+        "type": "http.response.body",
+        "body": b"",
+        "more_body": False,
+    }
