@@ -366,7 +366,6 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
                 {"zones": [{"name": "z", "points": [[0, 0], [1, 0], [1, 1]], "loiter_s": 5}]},
                 "zones: 'z': loiter_s needs track set to true",
             ),
-            ({"stationary_s": 5}, "stationary_s needs track set to true"),
             (
                 {
                     "classes": "person",
@@ -413,14 +412,10 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
         resp = c.patch(f"/streams/{sid}", json={"max_det": 5})  # only what is given changes
         assert resp.status_code == 200, resp.text
         assert resp.json()["detect"] == {**detect, "max_det": 5}
-        resp = c.patch(f"/streams/{sid}", json={"stationary_s": 30})  # untracked: nothing is
-        assert resp.status_code == 422 and "stationary_s needs track" in resp.text
-        resp = c.patch(f"/streams/{sid}", json={"track": True, "stationary_s": 30})  # a car park
-        assert resp.json()["detect"] == {**detect, "max_det": 5, "track": True, "stationary_s": 30}
+        resp = c.patch(f"/streams/{sid}", json={"stationary_s": 30})  # a car park's wait
+        assert resp.json()["detect"] == {**detect, "max_det": 5, "stationary_s": 30}
         resp = c.patch(f"/streams/{sid}", json={"stationary_s": 0})
         assert resp.status_code == 422 and "stationary_s" in resp.text
-        resp = c.patch(f"/streams/{sid}", json={"track": False})  # its stationary_s is kept
-        assert resp.json()["detect"] == {**detect, "max_det": 5, "stationary_s": 30}
         resp = c.patch(f"/streams/{sid}", json={"stationary_s": None})
         assert resp.json()["detect"] == {**detect, "max_det": 5}
         resp = c.patch(f"/streams/{sid}", json={"classes": None})

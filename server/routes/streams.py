@@ -241,7 +241,7 @@ class DetectIn(BaseModel):
             gt=0,
             le=86_400,
             description="seconds a tracked object stands still before it is 'stationary'"
-            " (short at a doorway, long in a car park; needs track); null: 10",
+            " (short at a doorway, long in a car park); null: 10",
         ),
     ] = None
 
@@ -295,11 +295,6 @@ class DetectIn(BaseModel):
                 raw = {k: f.model_dump(exclude_none=True) for k, f in (self.filters or {}).items()}
                 filters = ObjectFilters.parse(raw, names) if raw else None
             still = self.stationary_s if "stationary_s" in given else current.stationary_s
-            if "stationary_s" in given and still is not None and not track:
-                raise ValueError(
-                    "stationary_s needs track set to true (how long an object stands still is"
-                    " counted per tracked object)"
-                )
             _check_shape_classes(params.classes, names, (("lines", lines), ("zones", zones)))
             detect = StreamDetect(
                 params, roi, track, lines, zones, clips, motion, masks, area, level, filters, still
