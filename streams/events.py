@@ -301,8 +301,7 @@ class EventLog:
 
     def _left(self, event: dict[str, Any]) -> None:
         for reader in self._filtered:
-            if event["id"] > reader.cursor and not reader.wanted.matches(event):
-                reader.passed_over += 1
+            reader.note_left(event)
 
     @property
     def last_id(self) -> int:
@@ -555,11 +554,34 @@ class LogReader:
         self._save_at = 0.0  # when a cursor moved past unwanted events may be saved next
         self.sent = self.missed = 0
         self._count = count
-        self.passed_over = 0
-        """Events its filter passes over that left the log before it read past them: not
-        missed (a filtered webhook's ``missed`` counted every other stream's events)."""
+        # The ids of events its filter passes over that left the log above its cursor, as
+        # runs [first, last] of consecutive ids: not missed (a filtered webhook's ``missed``
+        # counted every other stream's events). A run ends at an event it wants.
+        self._passed_over: list[list[int]] = []
         if wanted is not EVERY_EVENT:
             events.watch_unwanted(self)
+
+    def note_left(self, event: dict[str, Any]) -> None:
+        """``event`` left the log (by its size or retention)."""
+        event_id = int(event["id"])
+        if event_id <= self.cursor or self.wanted.matches(event):
+            return
+        runs = self._passed_over
+        if runs and runs[-1][1] == event_id - 1:
+            runs[-1][1] = event_id
+        else:
+            runs.append([event_id, event_id])
+
+    def _passed_over_in(self, after: int, upto: int) -> int:
+        """Events its filter passes over that left the log, with ids in ``(after, upto]``."""
+        return sum(_overlap(first, last, after, upto) for first, last in self._passed_over)
+
+    def _forget_passed_over(self) -> None:
+        """Let go of those at or below its cursor: no read from it counts them."""
+        runs = [run for run in self._passed_over if run[1] > self.cursor]
+        if runs and runs[0][0] <= self.cursor:
+            runs[0] = [self.cursor + 1, runs[0][1]]
+        self._passed_over = runs
 
     @property
     def pending(self) -> int:
@@ -576,11 +598,9 @@ class LogReader:
         (once: the cursor moves past them) and logged. A page ends before events the log
         lacks after its first (ids can have gaps): they are counted as the next page's."""
         page = self.log.read(self.cursor, limit, self.wanted, to_gap=True)
-        if self.passed_over:
-            # Those of its page's gap: every event that left the log above its cursor lies
-            # before the first the log holds, in the page.
-            page = dataclasses.replace(page, missed=max(0, page.missed - self.passed_over))
-            self.passed_over = 0
+        if page.missed and self._passed_over:
+            unwanted = self._passed_over_in(self.cursor, page.next)
+            page = dataclasses.replace(page, missed=max(0, page.missed - unwanted))
         if page.missed:
             self.missed += page.missed
             if self._count is not None:
@@ -599,6 +619,7 @@ class LogReader:
                 self._save_at = time.monotonic() + 1.0
                 self.log.save_cursor(self.sink, moved)
             self.cursor = moved
+            self._forget_passed_over()
         return page
 
     async def take(self, limit: int, wait_s: float) -> EventPage | None:
@@ -615,6 +636,7 @@ class LogReader:
     def delivered(self, through: int, n: int) -> None:
         """Every event up to id ``through`` was delivered, ``n`` of them just now."""
         self.cursor = through
+        self._forget_passed_over()
         self.sent += n
         self.log.save_cursor(self.sink, through)
         if self._count is not None and n:
