@@ -345,6 +345,12 @@ def test_stream_detection_parameters_are_validated_and_patched(tmp_path: Path) -
             ({"classes": [" "]}, "classes: give at least one class, or null for every"),
             ({"classes": [True]}, "classes"),  # a class id, not a boolean (it was 1: bicycle)
             ({"conf": 1.5}, "conf"),
+            # Numbers, not booleans nor text: true was 1 (every frame moved), "0.1" 0.1.
+            ({"conf": True}, '"conf"],"msg":"Input should be a valid number'),
+            ({"max_fps": "5"}, '"max_fps"],"msg":"Input should be a valid number'),
+            ({"motion_threshold": True}, '"motion_threshold"],"msg":"Input should be a valid int'),
+            ({"motion_min_area": "0.1"}, '"motion_min_area"],"msg":"Input should be a valid num'),
+            ({"max_det": 5.0}, '"max_det"],"msg":"Input should be a valid integer'),
             ({"max_det": 0}, "max_det"),
             ({"clases": ["bottle"]}, "clases"),  # misspelt: refused, not ignored
             ({"roi": [[0, 0], [1, 1]]}, "roi: 2 points"),

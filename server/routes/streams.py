@@ -158,13 +158,14 @@ class DetectIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, not ignored
 
-    conf: Annotated[float, Field(ge=0.0, le=1.0, description="minimum confidence")] = 0.25
-    iou: Annotated[float, Field(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7
+    # Strict: true was taken as 1, "0.5" as 0.5 (a streams file's quoted value too).
+    conf: Annotated[StrictFloat, Field(ge=0.0, le=1.0, description="minimum confidence")] = 0.25
+    iou: Annotated[StrictFloat, Field(ge=0.0, le=1.0, description="NMS IoU threshold")] = 0.7
     classes: Annotated[
         list[StrictInt | StrictStr] | str | None,
         Field(description="class ids or names, a list or a comma string; null: every class"),
     ] = None
-    max_det: Annotated[int, Field(ge=1, le=1000, description="most detections")] = 300
+    max_det: Annotated[StrictInt, Field(ge=1, le=1000, description="most detections")] = 300
     roi: Annotated[
         list[tuple[StrictFloat, StrictFloat]] | None,
         Field(
@@ -210,7 +211,7 @@ class DetectIn(BaseModel):
         ),
     ] = False
     motion_threshold: Annotated[
-        int | None,
+        StrictInt | None,
         Field(
             ge=1,
             le=255,
@@ -219,7 +220,7 @@ class DetectIn(BaseModel):
         ),
     ] = None
     motion_min_area: Annotated[
-        float | None,
+        StrictFloat | None,
         Field(
             gt=0.0,
             le=1.0,
@@ -236,7 +237,7 @@ class DetectIn(BaseModel):
         ),
     ] = None
     stationary_s: Annotated[
-        float | None,
+        StrictFloat | None,
         Field(
             gt=0,
             le=86_400,
@@ -341,7 +342,7 @@ class StreamPatch(DetectIn):
 
     name: Annotated[str, Field(max_length=200), printable("name")] = ""
     max_fps: Annotated[
-        float | None,
+        StrictFloat | None,
         Field(gt=0, le=1000, description="sample at most this many frames/s; null: every frame"),
     ] = None
     enabled: Annotated[
