@@ -72,8 +72,11 @@ def read_entries(path: Path, environ: Mapping[str, str]) -> list[dict[str, Any]]
         entry = _substitute(raw, environ, f"{where}: {label}")
         sid = entry.get("id")
         if isinstance(sid, (int, float)) and not isinstance(sid, bool):
+            # Quoted as written: a variable's "007" read as 7 is quoted as "${CAMID}" (the
+            # advice id: "7" lost its zeros).
+            written = named if isinstance(named, str) else sid
             raise StreamsFileError(
-                f'{where}: stream {number}: its id {sid} is a number; quote it (id: "{sid}")'
+                f'{where}: stream {number}: its id {sid} is a number; quote it (id: "{written}")'
             )
         if not isinstance(sid, str) or not sid:
             raise StreamsFileError(f"{where}: stream {number}: give it an id (e.g. front_door)")

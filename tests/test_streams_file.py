@@ -120,6 +120,9 @@ def test_a_value_that_is_only_a_variable_takes_its_type_from_its_text(tmp_path: 
         read_entries(tmp_path / "v.yaml", {})
     with pytest.raises(StreamsFileError, match="its id 7 is a number; quote it"):
         read_entries(tmp_path / "v.yaml", {**env, "CAM": "7"})
+    # Quoted as written: the advice id: "7" lost a variable's 007 zeros.
+    with pytest.raises(StreamsFileError, match=r'quote it \(id: "\$\{CAM\}"\)'):
+        read_entries(tmp_path / "v.yaml", {**env, "CAM": "007"})
 
 
 def test_streams_with_ids_are_put_replaced_and_reopened_keeping_their_viewers(
