@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import logging
@@ -11,6 +12,7 @@ import math
 import os
 import signal
 import socket
+import sqlite3
 import sys
 import tempfile
 import time
@@ -170,6 +172,26 @@ def unusable_dir(path: Path) -> str | None:
     return None
 
 
+def _api_streams(data_dir: Path, declared: set[str]) -> int:
+    """Streams the data dir keeps that were added through the API and are not among the
+    ``declared`` ids; read only (a database that is not streamdet's is named later)."""
+    path = data_dir / "streams.sqlite3"
+    if not path.is_file():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            columns = {row[1] for row in db.execute("SELECT * FROM pragma_table_info('streams')")}
+            query = (
+                "SELECT id, from_file FROM streams"
+                if "from_file" in columns
+                else ("SELECT id, 0 FROM streams")
+            )
+            rows = db.execute(query).fetchall()
+    except sqlite3.Error:
+        return 0
+    return sum(1 for sid, from_file in rows if not from_file and sid not in declared)
+
+
 def check_streams_file(
     path: Path,
     environ: Mapping[str, str],
@@ -199,6 +221,16 @@ def check_streams_file(
             f"--streams-file: {path}: {len(entries)} streams, over the limit"
             f" {settings.max_streams} (setting STREAMDET_MAX_STREAMS)"
         )
+    elif settings is not None:
+        # With those added through the API (kept in the data dir): the start failed once the
+        # model had loaded, with a traceback (exit 3).
+        api = _api_streams(settings.data_dir, {str(e.get("id")) for e in entries})
+        if len(entries) + api > settings.max_streams:
+            problems.append(
+                f"--streams-file: {path}: {len(entries)} streams and {api} added through the"
+                f" API are more than {settings.max_streams} (setting STREAMDET_MAX_STREAMS):"
+                " raise it, or delete streams"
+            )
     for entry in entries:
         try:
             body = StreamIn.model_validate(entry)

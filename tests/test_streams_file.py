@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient
 from loadtest.server import ServerProcess
 from server.streams_file import StreamsFileError, read_entries, to_text
 from streams.sources import redact
+from streams.store import StreamStore, new_record
 from tests.helpers import (
     BOTTLE_CLIP,
     CACHE_DIR,
@@ -325,6 +326,21 @@ def test_streamdet_serve_refuses_a_broken_streams_file_before_loading_the_model(
     assert "stream 'port': url: malformed url: Port out of range" in lines[1]
     assert "stream 'scheme': url: scheme 'rtspx' is not allowed" in lines[2]
     assert "stream 'outside': url: file /etc/passwd is outside the allowed directory" in lines[3]
+    # Within the limit alone, over it with a stream the API added (kept in the data dir):
+    # it failed once the model had loaded, with a traceback and exit 3.
+    api = new_record("api", f"file://{CAR_CLIP}", name="", max_fps=None, transport="tcp", loop=True)
+    StreamStore(tmp_path / "data").add(api)
+    path = write(tmp_path / "one.yaml", [{"id": "a", "url": f"file://{CAR_CLIP}"}])
+    given = ["--streams-file", str(path), "--data-dir", str(tmp_path / "data")]
+    done = subprocess.run(
+        [*serve, *given, "--allowed-file-dir", str(CAR_CLIP.parent), "--max-streams", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "1 streams and 1 added through the API are more than 1" in done.stderr
 
 
 def test_sighup_applies_a_changed_streams_file_and_keeps_the_streams_on_a_broken_one(
