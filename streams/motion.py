@@ -86,7 +86,7 @@ class MotionGate:
     def __init__(self, options: MotionOptions) -> None:
         self.options = options
         self._average: npt.NDArray[np.float32] | None = None
-        self._last_inferred = float("-inf")
+        self._idle_due = float("-inf")  # when a still frame is to be inferred next
         self._mask: tuple[tuple[tuple[int, ...], tuple[Roi, ...]], npt.NDArray[np.bool_]] | None = (
             None
         )
@@ -142,13 +142,18 @@ class MotionGate:
         threshold: int | None = None,
     ) -> bool:
         """Whether the decoded ``frame`` (an ``av.VideoFrame``) at monotonic time ``now`` is
-        to be inferred: it moved outside ``mask`` (see :meth:`measure`), or the last inferred
-        frame is ``1 / idle_fps`` old."""
+        to be inferred: it moved outside ``mask`` (see :meth:`measure`), or a still frame is
+        due (``idle_fps`` a second, kept to however often frames come)."""
         moved = self.measure(shrink(luma(frame)), mask, min_area, threshold)
-        if moved or now - self._last_inferred >= 1.0 / self.options.idle_fps:
-            self._last_inferred = now
-            return True
-        return False
+        if not moved and now < self._idle_due:
+            return False
+        # A still frame is due an interval after the last one was due, not after it came:
+        # frames come at the stream's max_fps, and one taken late made the next late too
+        # (1.25 a second at max_fps 5 where 1.5 were set).
+        interval = 1.0 / self.options.idle_fps
+        late = now - self._idle_due
+        self._idle_due = now + interval if moved or late >= interval else self._idle_due + interval
+        return True
 
     def reset(self) -> None:
         """A new source (reconnected): its first frame is compared with nothing."""

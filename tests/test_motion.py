@@ -3,6 +3,7 @@ whose stream infers only what moves."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -36,6 +37,18 @@ def test_a_still_scene_is_inferred_only_at_the_idle_rate() -> None:
     inferred = [t / 10 for t in range(30) if gate.infer(still, t / 10)]  # 3 s at 10 fps
     assert inferred == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]  # the first, then every 0.5 s
     assert gate.area == 0.0 and not gate.moving
+
+
+def test_still_frames_come_at_the_idle_rate_whatever_the_streams_rate() -> None:
+    """Sampled 5 times a second, ``idle_fps`` 1.5 inferred 1.25 a second: each still frame
+    was due 1/1.5 s after the last one taken, which came up to a frame late. Each is due an
+    interval after the last one was due."""
+    gate = MotionGate(MotionOptions(idle_fps=1.5))
+    still = as_frame(first_frame())
+    inferred = [k / 5 for k in range(30) if gate.infer(still, k / 5)]  # 6 s at 5 fps
+    assert len(inferred) == 9, inferred  # 1.5 a second
+    gaps = [b - a for a, b in itertools.pairwise(inferred)]
+    assert max(gaps) <= 0.8 + 1e-9, gaps
 
 
 def test_light_changing_slowly_and_sensor_noise_are_not_motion() -> None:
