@@ -30,7 +30,8 @@ from typing import Any
 
 import yaml
 
-_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_VARIABLE = re.compile(r"(\$?)\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+"""``${NAME}``, or ``$${NAME}``: the text ``${NAME}`` itself (Docker Compose's escape)."""
 # What an export leaves out: the stream's state and counts, not its settings.
 _SETTINGS = ("id", "name", "url", "max_fps", "transport", "loop", "enabled")
 
@@ -151,7 +152,9 @@ def _substitute(value: Any, environ: Mapping[str, str], where: str) -> Any:
     if isinstance(value, str):
 
         def variable(match: re.Match[str]) -> str:
-            name = match.group(1)
+            escaped, name = match.group(1), match.group(2)
+            if escaped:
+                return f"${{{name}}}"
             if name not in environ:
                 raise StreamsFileError(f"{where}: the environment variable {name} is not set")
             if _in_userinfo(value, match.start(), match.end()):
@@ -184,6 +187,20 @@ def to_text(streams: Sequence[Mapping[str, Any]]) -> str:
     """Streams as ``GET /streams`` describes them, as a streams file: their settings only
     (``url`` as described, its password masked)."""
     entries = [
-        {**{key: stream[key] for key in _SETTINGS}, **stream["detect"]} for stream in streams
+        _escaped({**{key: stream[key] for key in _SETTINGS}, **stream["detect"]})
+        for stream in streams
     ]
     return str(yaml.safe_dump({"streams": entries}, sort_keys=False, allow_unicode=True))
+
+
+def _escaped(value: Any) -> Any:
+    """``value`` with each ``${NAME}`` in its texts written ``$${NAME}``, which a streams
+    file reads back as that text (a stream named "Gate ${A}" was read with A's value, or
+    not at all where A was not set)."""
+    if isinstance(value, str):
+        return _VARIABLE.sub(lambda m: "$" + m.group(0) if not m.group(1) else m.group(0), value)
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    return value

@@ -280,6 +280,33 @@ def test_an_export_masks_passwords() -> None:
     assert entry["url"] == "rtsp://admin:***@10.0.0.5/1"
 
 
+def test_text_that_looks_like_a_variable_is_exported_escaped_and_read_back_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """A stream named "Gate ${A} $HOME" with a zone "z${Y}" was exported as it is: the file
+    read it with A's and Y's values, or failed where A was not set. ``$${NAME}`` is the text
+    ``${NAME}`` itself (Docker Compose's escape), and the export writes it so."""
+    stream = {
+        "id": "gate",
+        "name": "Gate ${A} $HOME",
+        "url": "file:///videos/gate.mp4",
+        "max_fps": None,
+        "transport": "tcp",
+        "loop": True,
+        "enabled": True,
+        "detect": {"zones": [{"name": "z${Y}", "points": [[0, 0], [1, 0], [1, 1]]}]},
+    }
+    path = tmp_path / "exported.yaml"
+    path.write_text(to_text([stream]))
+    assert "Gate $${A} $HOME" in path.read_text()
+    [entry] = read_entries(path, {"Y": ""})  # A not set: not asked for
+    assert entry["name"] == "Gate ${A} $HOME" and entry["zones"][0]["name"] == "z${Y}"
+    written = tmp_path / "written.yaml"
+    written.write_text("- {id: door, url: 'rtsp://h/${CAM}', name: 'cost $${PRICE}'}\n")
+    [door] = read_entries(written, {"CAM": "1"})
+    assert (door["url"], door["name"]) == ("rtsp://h/1", "cost ${PRICE}")
+
+
 def test_streamdet_serve_refuses_a_broken_streams_file_before_loading_the_model(
     tmp_path: Path,
 ) -> None:
