@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engines.types import EngineError
-from server.data_dir import DataDirLock, data_dir_problems
+from server.data_dir import DataDirLock, data_dir_problems, table_columns
 from server.settings import Settings, public_url_mismatch, unknown_env_settings
 
 log = logging.getLogger("streamdet")
@@ -180,7 +180,7 @@ def _api_streams(data_dir: Path, declared: set[str]) -> int:
         return 0
     try:
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            columns = {row[1] for row in db.execute("SELECT * FROM pragma_table_info('streams')")}
+            columns = table_columns(db, "streams")
             query = (
                 "SELECT id, from_file FROM streams"
                 if "from_file" in columns

@@ -74,14 +74,15 @@ def _lacking_columns(db: sqlite3.Connection, name: str) -> str:
         tables = [t for t in tables if not t.startswith("sqlite_")]  # its indexes
         lacking = []
         for table in tables:
-            have = _columns(db, table)
-            need = _columns(wanted, table) - set(added.get(table, ()))
+            have = table_columns(db, table)
+            need = table_columns(wanted, table) - set(added.get(table, ()))
             if have and need - have:  # a table that is not there yet is made
                 lacking.append(f"table {table} has no {', '.join(sorted(need - have))}")
     return "; ".join(lacking)
 
 
-def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+def table_columns(db: sqlite3.Connection, table: str) -> set[str]:
+    """The names of ``table``'s columns in ``db`` (none where it has no such table)."""
     return {row[1] for row in db.execute("SELECT * FROM pragma_table_info(?)", (table,))}
 
 

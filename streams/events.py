@@ -295,8 +295,8 @@ class EventLog:
         return dropped
 
     def watch_unwanted(self, reader: LogReader) -> None:
-        """Tell ``reader`` (:meth:`LogReader.passed_over`) of each event that leaves the log
-        before it read it and that its filter passes over."""
+        """Tell ``reader`` (:meth:`LogReader.note_left`) of each event that leaves the log,
+        so that it counts as missed only those its filter takes."""
         self._filtered.add(reader)
 
     def _left(self, event: dict[str, Any]) -> None:
